@@ -1,0 +1,31 @@
+"""Installs tf_distbelief: DistBelief's methods as TensorFlow parts."""
+
+import setuptools
+
+setuptools.setup(
+    name="tf_distbelief",
+    version="0.1.0",
+    description=(
+        "DistBelief (Dean et al., NIPS 2012) on TensorFlow: parameter-server "
+        "sharding, Downpour SGD, Sandblaster L-BFGS, model parallelism."
+    ),
+    packages=setuptools.find_packages(include=["tf_distbelief*", "models*", "launch*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # The `tensorflow` wheel runs on CPU-only machines and uses a GPU where CUDA
+        # is present (`pip install .[gpu]` adds the CUDA libraries). tf-keras itself
+        # requires `tensorflow`, so `tensorflow-cpu` would install a second copy.
+        "tensorflow>=2.21,<2.22",
+        # Keras 2: the Keras that keeps parameter-server `fit` in TF 2.21.
+        "tf-keras>=2.21,<2.22",
+        "numpy>=1.26",
+        "absl-py>=2.0",
+        # Handwritten digits, shipped inside the package (no download).
+        "scikit-learn>=1.3",
+        "portpicker>=1.6",
+    ],
+    extras_require={
+        "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
+        "test": ["pytest>=8", "scipy>=1.11", "ruff>=0.5"],
+    },
+)
