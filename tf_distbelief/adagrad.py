@@ -1,0 +1,118 @@
+"""AdaGrad applied on the parameter-server shards (Dean et al. 2012, section 4.1).
+
+The update, per parameter i at its K-th update (Duchi et al. 2011):
+
+    a_{i,K} = a_{i,0} + sum_{j<=K} g_{i,j}^2
+    w_{i,K} = w_{i,K-1} - gamma * g_{i,K} / (sqrt(a_{i,K}) + epsilon)
+
+`a_{i,0}` is `initial_accumulator_value`. `epsilon` sits outside the square root,
+as in TensorFlow's `ResourceApplyAdagradV2` op, so a parameter whose gradients are
+all exactly 0 with `a_{i,0} = 0` stays unchanged and finite (0 / epsilon = 0).
+
+Each accumulator is created with `colocate_vars_with` its variable, so it lives on
+the same ps shard as its slice (a ShardedVariable gets a ShardedVariable of
+accumulators, shard by shard), and the update op runs on that shard: no
+communication beyond the gradient push.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+
+def adagrad_update(value, accumulator, grad, learning_rate, epsilon):
+    """The pure AdaGrad update of the module docstring (NumPy or TF tensors).
+
+    Args:
+      value: the parameters `w_{K-1}`, any shape.
+      accumulator: `a_{K-1}`, the same shape.
+      grad: `g_K`, the same shape.
+      learning_rate: `gamma`, a scalar.
+      epsilon: a scalar >= 0.
+
+    Returns:
+      `(w_K, a_K)`.
+    """
+    accumulator = accumulator + grad * grad
+    sqrt = np.sqrt if isinstance(accumulator, np.ndarray) else tf.sqrt
+    return value - learning_rate * grad / (sqrt(accumulator) + epsilon), accumulator
+
+
+class Adagrad(tf_keras.optimizers.Adagrad):
+    """tf_keras AdaGrad whose state and update stay on each variable's ps shard.
+
+    Dean et al. 2012, section 4.1: "each parameter server shard ... keeps the
+    accumulator for its own slice". Use it like `tf_keras.optimizers.Adagrad`; the
+    arguments that change results are explicit.
+
+    Args:
+      learning_rate: gamma, a float > 0 or a schedule. The paper sets it about ten
+        times the best fixed SGD learning rate.
+      initial_accumulator_value: `a_0`, a float >= 0 (0.1 in tf_keras).
+      epsilon: added to `sqrt(a)`, a float >= 0 (1e-7 in tf_keras).
+      name: optimizer name.
+      **kwargs: passed to `tf_keras.optimizers.Adagrad` (clipnorm, ...).
+
+    Raises:
+      ValueError: a negative `initial_accumulator_value` or `epsilon`, or a
+        non-positive float `learning_rate`.
+    """
+
+    def __init__(
+        self,
+        learning_rate=0.1,
+        initial_accumulator_value: float = 0.1,
+        epsilon: float = 1e-7,
+        name: str = "Adagrad",
+        **kwargs,
+    ):
+        if not float(initial_accumulator_value) >= 0:
+            raise ValueError(
+                "Argument `initial_accumulator_value` must be >= 0 (AdaGrad divides "
+                "by the square root of the accumulator). Received: "
+                f"{initial_accumulator_value!r}"
+            )
+        if not float(epsilon) >= 0:
+            raise ValueError(f"Argument `epsilon` must be >= 0. Received: {epsilon!r}")
+        if isinstance(learning_rate, (int, float)) and not learning_rate > 0:
+            raise ValueError(
+                f"Argument `learning_rate` must be > 0. Received: {learning_rate!r}"
+            )
+        super().__init__(
+            learning_rate=learning_rate,
+            initial_accumulator_value=initial_accumulator_value,
+            epsilon=epsilon,
+            name=name,
+            **kwargs,
+        )
+
+    def update_step(self, gradient, variable):
+        lr = tf.cast(self.learning_rate, variable.dtype)
+        accumulator = self._accumulators[self._index_dict[self._var_key(variable)]]
+        epsilon = tf.cast(self.epsilon, variable.dtype)
+        if isinstance(gradient, tf.IndexedSlices):
+            # Rows of an embedding: only the looked-up rows move.
+            accumulator.scatter_add(
+                tf.IndexedSlices(
+                    gradient.values * gradient.values, gradient.indices
+                )
+            )
+            rows = tf.gather(accumulator, gradient.indices)
+            variable.scatter_add(
+                tf.IndexedSlices(
+                    -lr * gradient.values / (tf.sqrt(rows) + epsilon),
+                    gradient.indices,
+                )
+            )
+            return
+        # One fused op on the variable's device: accumulate, then update.
+        tf.raw_ops.ResourceApplyAdagradV2(
+            var=variable.handle,
+            accum=accumulator.handle,
+            lr=lr,
+            epsilon=epsilon,
+            grad=gradient,
+            use_locking=False,
+        )

@@ -1,0 +1,34 @@
+"""Entry point of a ps or worker task: `python -m tf_distbelief.server_main`.
+
+The task reads its role from `TF_CONFIG` (see `tf_distbelief.cluster`) and serves
+until SIGTERM. The launch script dispatches here too when `TF_CONFIG` names a ps
+or worker task.
+"""
+
+from absl import app, flags
+
+from tf_distbelief import cluster
+
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices", 1, "CPU devices the server exposes.", lower_bound=1
+)
+_CHIEF_GONE_SECS = flags.DEFINE_float(
+    "chief_gone_secs",
+    None,
+    "Exit once the chief has stopped listening for this many seconds "
+    "(unset: serve until SIGTERM).",
+    lower_bound=0.0,
+)
+
+
+def main(argv):
+    del argv
+    cluster.run_server(
+        cluster.resolve_cluster(),
+        cpu_devices=_CPU_DEVICES.value,
+        chief_gone_secs=_CHIEF_GONE_SECS.value,
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)

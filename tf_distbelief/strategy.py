@@ -1,0 +1,158 @@
+"""`DistBeliefStrategy`: variables on parameter-server shards (Dean et al. 2012, §4).
+
+A subclass of `tf.distribute.experimental.ParameterServerStrategy`: it reuses
+TensorFlow's ClusterCoordinator, ShardedVariable and partitioners, and works with
+tf_keras (Keras 2) `Model.fit`. What it adds:
+
+* a default partitioner bounded by the number of ps tasks;
+* validation of the cluster (`tf_distbelief.cluster`) before it connects;
+* a clear error when a Keras 3 model is used with it;
+* a hook (`variable_wrapper`) through which Downpour wraps every ps variable.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import tensorflow as tf
+from tensorflow.python.distribute import parameter_server_strategy_v2
+
+from tf_distbelief import cluster as cluster_lib
+
+# A shard smaller than this is not worth its RPC: TensorFlow's own suggested
+# value for `MinSizePartitioner` (256 KiB).
+DEFAULT_MIN_SHARD_BYTES = 256 << 10
+
+KERAS3_MESSAGE = (
+    "DistBeliefStrategy (a ParameterServerStrategy) does not support Keras 3 "
+    "(`tf.keras` / `keras` in TensorFlow 2.21): Keras 3 has no parameter-server "
+    "training. Build the model with tf_keras (Keras 2): `import tf_keras` and use "
+    "`tf_keras.Sequential`, `tf_keras.layers`, ... (or set TF_USE_LEGACY_KERAS=1 "
+    "before importing TensorFlow)."
+)
+
+
+def default_partitioner(num_ps: int, min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES):
+    """Returns the default variable partitioner for `num_ps` ps tasks.
+
+    `tf.distribute.experimental.partitioners.MinSizePartitioner`: a variable is cut
+    along its first axis into at most `num_ps` shards of at least
+    `min_shard_bytes` each, so small variables (biases) stay whole.
+
+    Args:
+      num_ps: number of ps tasks, >= 1.
+      min_shard_bytes: the smallest shard, in bytes.
+
+    Returns:
+      A `tf.distribute.experimental.partitioners.Partitioner`.
+    """
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=min_shard_bytes, max_shards=num_ps
+    )
+
+
+def _called_from_keras3() -> bool:
+    """True when a Keras 3 (`keras.src`) frame is on the call stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("keras.src") or module == "keras":
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _DistBeliefExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Extended):
+    """Variable creation for `DistBeliefStrategy` (see `StrategyExtended`)."""
+
+    variable_wrapper: Callable | None = None
+
+    def _create_variable(self, next_creator, **kwargs):
+        if _called_from_keras3():
+            raise TypeError(KERAS3_MESSAGE)
+        variable = super()._create_variable(next_creator, **kwargs)
+        if self.variable_wrapper is not None:
+            variable = self.variable_wrapper(variable, **kwargs)
+        return variable
+
+
+class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
+    """Parameter-server training with variables sharded over the ps tasks.
+
+    The DistBelief layout (Dean et al. 2012, section 4): parameter-server shards
+    (`ps` tasks) each hold a slice of every large variable; model replicas
+    (`worker` tasks) compute gradients; the coordinator (`chief`, this process)
+    schedules work with `tf.distribute.experimental.coordinator.ClusterCoordinator`.
+
+    Example, on a local cluster:
+      ```
+      import tf_keras
+      import tf_distbelief as tfdb
+
+      with tfdb.LocalCluster(num_workers=2, num_ps=2) as local:
+        strategy = tfdb.DistBeliefStrategy(local.resolver)
+        with strategy.scope():
+          model = tf_keras.Sequential([tf_keras.layers.Dense(10)])
+          model.compile(tfdb.Adagrad(0.1), "sparse_categorical_crossentropy")
+        model.fit(dataset, epochs=2, steps_per_epoch=100)
+      ```
+
+    Args:
+      cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver` of the
+        chief; None reads `TF_CONFIG` (see `tf_distbelief.cluster`). The
+        `evaluator` job, if any, is left out of the cluster the strategy connects
+        to.
+      variable_partitioner: any `tf.distribute.experimental.partitioners`
+        Partitioner (or a callable `(shape, dtype) -> [num_shards, 1, ...]`);
+        None means `default_partitioner(num_ps)`.
+
+    Raises:
+      ClusterConfigError: the cluster is invalid, or there is no cluster at all
+        (start a `LocalCluster`).
+      TypeError: `variable_partitioner` is not callable, or a Keras 3 model
+        creates variables under this strategy's scope.
+    """
+
+    def __init__(self, cluster_resolver=None, variable_partitioner=None):
+        resolver = cluster_lib.resolve_cluster(cluster_resolver)
+        if resolver is None:
+            raise cluster_lib.ClusterConfigError(
+                "No cluster: pass a ClusterResolver (for example "
+                "`tf_distbelief.LocalCluster(...).start().resolver`) or set "
+                "`TF_CONFIG`."
+            )
+        resolver = cluster_lib.training_cluster_resolver(resolver)
+        num_ps = len(resolver.cluster_spec().as_dict()["ps"])
+        if variable_partitioner is None:
+            variable_partitioner = default_partitioner(num_ps)
+        elif not callable(variable_partitioner):
+            raise TypeError(
+                "Argument `variable_partitioner` must be a "
+                "tf.distribute.experimental.partitioners.Partitioner or a callable "
+                f"(shape, dtype) -> list of ints. Received: {variable_partitioner!r}"
+            )
+        super().__init__(resolver, variable_partitioner)
+        # `ParameterServerStrategyV2.__init__` hard-codes its extended class;
+        # swap in ours, keeping all state it set up.
+        extended = self._extended
+        extended.__class__ = _DistBeliefExtended
+        self.num_ps = num_ps
+        self.num_workers = len(resolver.cluster_spec().as_dict()["worker"])
+
+    @property
+    def ps_devices(self) -> list[str]:
+        """Devices of the ps tasks, `/job:ps/replica:0/task:i/device:CPU:0`."""
+        return [
+            f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(self.num_ps)
+        ]
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        if _called_from_keras3():
+            raise TypeError(KERAS3_MESSAGE)
+        return super().experimental_distribute_dataset(dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        if _called_from_keras3():
+            raise TypeError(KERAS3_MESSAGE)
+        return super().distribute_datasets_from_function(dataset_fn, options)
