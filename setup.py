@@ -23,6 +23,9 @@ setuptools.setup(
         # Handwritten digits, shipped inside the package (no download).
         "scikit-learn>=1.3",
         "portpicker>=1.6",
+        # `tf.summary` needs it to write TensorBoard scalars; TF 2.21 no longer
+        # depends on it.
+        "tensorboard>=2.21",
     ],
     extras_require={
         "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
