@@ -1,0 +1,80 @@
+"""Trains a model on a DistBelief cluster.
+
+Local cluster (no `TF_CONFIG`): the script starts `--num_workers` workers and
+`--num_ps` ps tasks on 127.0.0.1, trains, prints test accuracy, and ends them.
+With `TF_CONFIG` the same command runs on every machine; each task does its part
+(ps/worker serve, chief trains, evaluator evaluates checkpoints).
+
+  python launch/train.py --model=digits --optimizer=adagrad --num_workers=2 --num_ps=2
+"""
+
+import dataclasses
+
+from absl import app, flags
+
+from tf_distbelief import job
+from tf_distbelief import strategy as strategy_lib
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """Defines the flags; all optional, with the defaults of `job.JobConfig`."""
+    d = job.JobConfig()
+    flags.DEFINE_enum("model", d.model, job.MODELS, "Model and data to train.")
+    flags.DEFINE_enum(
+        "optimizer", d.optimizer, job.OPTIMIZERS,
+        "adagrad: AdaGrad on the ps shards (paper section 4.1); sgd: plain SGD.",
+    )
+    flags.DEFINE_float("learning_rate", d.learning_rate, "Step size (gamma).",
+                       lower_bound=1e-12)
+    flags.DEFINE_float("initial_accumulator_value", d.initial_accumulator_value,
+                       "AdaGrad's initial accumulator.", lower_bound=0.0)
+    flags.DEFINE_float("epsilon", d.epsilon, "AdaGrad's epsilon.", lower_bound=0.0)
+    flags.DEFINE_integer("batch_size", d.batch_size,
+                         "Examples per step per worker.", lower_bound=1)
+    flags.DEFINE_integer("epochs", d.epochs,
+                         "Epoch to train to (a resumed run continues).",
+                         lower_bound=1)
+    flags.DEFINE_integer("steps_per_epoch", d.steps_per_epoch,
+                         "Steps per epoch over all workers.", lower_bound=1)
+    flags.DEFINE_integer("steps_per_execution", d.steps_per_execution,
+                         "Steps per scheduled function.", lower_bound=1)
+    flags.DEFINE_integer("num_workers", d.num_workers,
+                         "Workers of the local cluster (no TF_CONFIG).", lower_bound=1)
+    flags.DEFINE_integer("num_ps", d.num_ps,
+                         "ps tasks of the local cluster (no TF_CONFIG).", lower_bound=1)
+    flags.DEFINE_enum(
+        "partitioner", d.partitioner, job.PARTITIONERS,
+        "min_size / max_size: shards of --shard_bytes, at most one per ps; "
+        "fixed: one shard per ps.",
+    )
+    flags.DEFINE_integer("shard_bytes", strategy_lib.DEFAULT_MIN_SHARD_BYTES,
+                         "Shard size in bytes for min_size/max_size.", lower_bound=1)
+    flags.DEFINE_string("model_dir", None,
+                        "Checkpoints (resume) and TensorBoard logs.")
+    flags.DEFINE_integer("log_every_steps", d.log_every_steps,
+                         "Progress line every so many steps (0: per epoch).",
+                         lower_bound=0)
+    flags.DEFINE_integer("speech_hidden_units", d.speech_hidden_units,
+                         "Speech model hidden width (paper: 2560).", lower_bound=1)
+    flags.DEFINE_integer("speech_classes", d.speech_classes,
+                         "Speech model softmax width (paper: 8192).", lower_bound=2)
+    flags.DEFINE_integer("seed", d.seed, "Initialisation and data seed.")
+    flags.DEFINE_float(
+        "chief_gone_secs", d.chief_gone_secs,
+        "ps/worker tasks (TF_CONFIG) exit once the chief has been gone this many "
+        "seconds; unset: serve until SIGTERM.", lower_bound=0.0,
+    )
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    fields = {f.name for f in dataclasses.fields(job.JobConfig)}
+    job.run(job.JobConfig(**{name: FLAGS[name].value for name in fields}))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -1,0 +1,273 @@
+"""One training job, dispatched on the task type: the library side of `launch/`.
+
+`run(config)` is what `launch/train.py` calls. With `TF_CONFIG` naming a `ps` or
+`worker` task it serves; `evaluator` evaluates each new checkpoint; `chief` (or no
+`TF_CONFIG`: a local cluster is started) trains and reports test accuracy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import tensorflow as tf
+import tf_keras
+from absl import logging
+
+import models
+from tf_distbelief import adagrad, cluster, training
+from tf_distbelief import strategy as strategy_lib
+
+MODELS = tuple(models.MODELS)
+OPTIMIZERS = ("adagrad", "sgd")
+PARTITIONERS = ("min_size", "max_size", "fixed")
+
+
+@dataclasses.dataclass
+class JobConfig:
+    """Everything a training job needs; the launch script's flags map onto it.
+
+    Attributes:
+      model: one of `MODELS`.
+      optimizer: `adagrad` (on the ps shards, section 4.1) or `sgd`.
+      learning_rate: gamma of AdaGrad or the SGD step size, > 0.
+      initial_accumulator_value: AdaGrad's `a_0`, >= 0.
+      epsilon: AdaGrad's epsilon, >= 0.
+      batch_size: examples per step per worker, >= 1.
+      epochs: epochs to train to, >= 1 (a resumed run continues to this epoch).
+      steps_per_epoch: steps per epoch over all workers, >= 1.
+      steps_per_execution: steps in one scheduled function, >= 1.
+      num_workers: local cluster workers (ignored with `TF_CONFIG`), >= 1.
+      num_ps: local cluster ps tasks (ignored with `TF_CONFIG`), >= 1.
+      partitioner: `min_size`/`max_size` (`shard_bytes` per shard, at most one
+        shard per ps) or `fixed` (one shard per ps).
+      shard_bytes: the shard size of `min_size` and `max_size`, > 0.
+      model_dir: checkpoints and TensorBoard logs, or None.
+      log_every_steps: progress lines every so many steps; 0 per epoch only.
+      speech_hidden_units: width of the speech model's hidden layers.
+      speech_classes: the speech model's softmax width.
+      seed: model initialisation and data seed.
+      chief_gone_secs: a ps/worker task exits once the chief has been gone this
+        long (None: serve until SIGTERM).
+    """
+
+    model: str = "digits"
+    optimizer: str = "adagrad"
+    learning_rate: float = 0.1
+    initial_accumulator_value: float = 0.1
+    epsilon: float = 1e-7
+    batch_size: int = 32
+    epochs: int = 5
+    steps_per_epoch: int = 100
+    steps_per_execution: int = 10
+    num_workers: int = 2
+    num_ps: int = 2
+    partitioner: str = "min_size"
+    shard_bytes: int = strategy_lib.DEFAULT_MIN_SHARD_BYTES
+    model_dir: str | None = None
+    log_every_steps: int = 100
+    speech_hidden_units: int = 256
+    speech_classes: int = 8192
+    seed: int = 0
+    chief_gone_secs: float | None = None
+
+    def validate(self) -> JobConfig:
+        """Checks every field; returns self.
+
+        Raises:
+          ValueError: naming the first bad field, its value and what is allowed.
+        """
+        for name, allowed in (
+            ("model", MODELS),
+            ("optimizer", OPTIMIZERS),
+            ("partitioner", PARTITIONERS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"`{name}` must be one of {', '.join(allowed)}. Received: "
+                    f"{getattr(self, name)!r}"
+                )
+        for name in ("batch_size", "epochs", "steps_per_epoch", "steps_per_execution",
+                     "num_workers", "num_ps", "shard_bytes", "speech_hidden_units",
+                     "speech_classes"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"`{name}` must be >= 1. Received: {getattr(self, name)!r}"
+                )
+        if not self.learning_rate > 0:
+            raise ValueError(
+                f"`learning_rate` must be > 0. Received: {self.learning_rate!r}"
+            )
+        for name in ("initial_accumulator_value", "epsilon", "log_every_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"`{name}` must be >= 0. Received: {getattr(self, name)!r}"
+                )
+        return self
+
+
+def make_partitioner(name: str, num_ps: int, shard_bytes: int):
+    """Returns the TF partitioner a `JobConfig.partitioner` names."""
+    partitioners = tf.distribute.experimental.partitioners
+    if name == "min_size":
+        return partitioners.MinSizePartitioner(shard_bytes, max_shards=num_ps)
+    if name == "max_size":
+        return partitioners.MaxSizePartitioner(shard_bytes, max_shards=num_ps)
+    if name == "fixed":
+        return partitioners.FixedShardsPartitioner(num_ps)
+    raise ValueError(
+        f"`partitioner` must be one of {', '.join(PARTITIONERS)}. Received: {name!r}"
+    )
+
+
+def load_data(config: JobConfig):
+    """Returns `(x_train, y_train), (x_test, y_test)` of `config.model`."""
+    if config.model == "speech":
+        return models.speech.load_data(
+            num_classes=config.speech_classes, seed=config.seed
+        )
+    return models.MODELS[config.model].load_data(seed=config.seed)
+
+
+def build_model(config: JobConfig) -> tf_keras.Model:
+    """Returns the uncompiled tf_keras model `config.model` names."""
+    if config.model == "speech":
+        return models.speech.build_model(
+            config.speech_hidden_units, config.speech_classes, seed=config.seed
+        )
+    return models.MODELS[config.model].build_model(seed=config.seed)
+
+
+def build_optimizer(config: JobConfig) -> tf_keras.optimizers.Optimizer:
+    """Returns the ps-side optimizer `config.optimizer` names."""
+    if config.optimizer == "adagrad":
+        return adagrad.Adagrad(
+            config.learning_rate,
+            initial_accumulator_value=config.initial_accumulator_value,
+            epsilon=config.epsilon,
+        )
+    return tf_keras.optimizers.SGD(config.learning_rate)
+
+
+def compile_model(config: JobConfig, strategy) -> tf_keras.Model:
+    """Builds and compiles the model under `strategy`'s scope."""
+    with strategy.scope():
+        model = build_model(config)
+        model.compile(
+            optimizer=build_optimizer(config),
+            loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=config.steps_per_execution,
+        )
+    return model
+
+
+def train(config: JobConfig, cluster_resolver, print_fn=print) -> dict:
+    """Trains on the cluster `cluster_resolver` describes, from the chief.
+
+    Args:
+      config: a validated `JobConfig`.
+      cluster_resolver: the chief's ClusterResolver.
+      print_fn: where progress lines go.
+
+    Returns:
+      `{"test_accuracy": float, "epochs": int, "initial_epoch": int,
+      "history": [...], "train_secs": float}`.
+    """
+    (x_train, y_train), (x_test, y_test) = load_data(config)
+    num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
+    strategy = strategy_lib.DistBeliefStrategy(
+        cluster_resolver,
+        make_partitioner(config.partitioner, num_ps, config.shard_bytes),
+    )
+    model = compile_model(config, strategy)
+    start = time.monotonic()
+    result = training.fit(
+        model,
+        training.dataset_creator(x_train, y_train, config.batch_size, config.seed),
+        epochs=config.epochs,
+        steps_per_epoch=config.steps_per_epoch,
+        batch_size=config.batch_size,
+        model_dir=config.model_dir,
+        log_every_steps=config.log_every_steps,
+        print_fn=print_fn,
+    )
+    train_secs = time.monotonic() - start
+    test_accuracy = training.accuracy(model, x_test, y_test)
+    print_fn(f"test accuracy: {test_accuracy:.4f}")
+    return {
+        "test_accuracy": test_accuracy,
+        "epochs": result.epochs,
+        "initial_epoch": result.initial_epoch,
+        "history": result.history,
+        "train_secs": train_secs,
+    }
+
+
+def evaluate_checkpoints(config: JobConfig, print_fn=print) -> None:
+    """The `evaluator` task: test accuracy of each new checkpoint in `model_dir`.
+
+    Uses `tf_keras.utils.SidecarEvaluator`; it stops after the checkpoint of
+    `config.epochs` epochs. Training never contacts this task.
+
+    Raises:
+      ValueError: `config.model_dir` is not set.
+    """
+    if not config.model_dir:
+        raise ValueError("The `evaluator` task needs `model_dir` (checkpoints).")
+    _, (x_test, y_test) = load_data(config)
+    model = build_model(config)
+    model.compile(
+        optimizer=build_optimizer(config),
+        loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    data = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(512)
+    tf_keras.utils.SidecarEvaluator(
+        model,
+        data,
+        checkpoint_dir=f"{config.model_dir}/{training.CHECKPOINT_SUBDIR}",
+        max_evaluations=config.epochs,
+    ).start()
+    print_fn("evaluator: done")
+
+
+def run(config: JobConfig, print_fn=print) -> dict | None:
+    """Runs this process's part of the job; see the module docstring.
+
+    Everything is validated before any server starts.
+
+    Args:
+      config: the job.
+      print_fn: where progress lines go.
+
+    Returns:
+      On the chief, `train`'s result; on other tasks, None.
+
+    Raises:
+      ValueError: a bad `config` field or cluster (`ClusterConfigError`).
+      ClusterStartError: a local task failed to start.
+    """
+    config.validate()
+    resolver = cluster.resolve_cluster()
+    if resolver is None:
+        with cluster.LocalCluster(config.num_workers, config.num_ps) as local:
+            print_fn(
+                f"local cluster: {config.num_workers} workers, {config.num_ps} ps "
+                f"({', '.join(a for j in ('worker', 'ps') for a in local.jobs[j])})"
+            )
+            return train(config, local.resolver, print_fn)
+    task_type = resolver.task_type
+    logging.info("Task %s:%s", task_type, resolver.task_id)
+    if task_type in cluster.SERVER_JOBS:
+        cluster.run_server(resolver, chief_gone_secs=config.chief_gone_secs)
+        return None
+    if task_type == "evaluator":
+        evaluate_checkpoints(config, print_fn)
+        return None
+    if task_type != "chief":
+        raise cluster.ClusterConfigError(
+            f"`TF_CONFIG` task type must be chief, worker, ps or evaluator. "
+            f"Received: {task_type!r}"
+        )
+    return train(config, resolver, print_fn)
