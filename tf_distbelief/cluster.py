@@ -283,7 +283,12 @@ def _listening(address: str) -> bool:
         return False
 
 
-def run_server(cluster_resolver, cpu_devices: int = 1, chief_gone_secs=None) -> None:
+def run_server(
+    cluster_resolver,
+    cpu_devices: int = 1,
+    chief_gone_secs: float | None = None,
+    ready_file: str | None = None,
+) -> None:
     """Runs this process's ps or worker task until SIGTERM/SIGINT, then exits 0.
 
     TensorFlow servers never exit by themselves. Besides SIGTERM, a task can end
@@ -296,9 +301,12 @@ def run_server(cluster_resolver, cpu_devices: int = 1, chief_gone_secs=None) -> 
       cpu_devices: CPU devices this server exposes (see `server_config`).
       chief_gone_secs: seconds without a listening chief before exiting, or None
         to serve until a signal.
+      ready_file: a path written once the server listens (how `LocalCluster`
+        knows the task is up), or None.
 
     Raises:
       ClusterConfigError: the task type is not `ps` or `worker`.
+      ClusterStartError: the server could not listen on its address.
     """
     import tensorflow as tf
 
@@ -317,14 +325,25 @@ def run_server(cluster_resolver, cpu_devices: int = 1, chief_gone_secs=None) -> 
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    tf.distribute.Server(
-        spec,
-        job_name=task_type,
-        task_index=cluster_resolver.task_id,
-        protocol=cluster_resolver.rpc_layer or "grpc",
-        config=server_config(cpu_devices),
-        start=True,
-    )
+    address = spec.task_address(task_type, cluster_resolver.task_id)
+    try:
+        tf.distribute.Server(
+            spec,
+            job_name=task_type,
+            task_index=cluster_resolver.task_id,
+            protocol=cluster_resolver.rpc_layer or "grpc",
+            config=server_config(cpu_devices),
+            start=True,
+        )
+    except tf.errors.UnknownError as e:
+        raise ClusterStartError(
+            f"The {task_type}:{cluster_resolver.task_id} server could not listen on "
+            f"{address}: port {_port_of(address)} is already in use or the host is "
+            f"not this machine ({e.message})."
+        ) from None
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(address)
     chief = spec.as_dict().get("chief")
     chief_address = chief[0] if isinstance(chief, list) and chief else None
     seen_chief = False
@@ -375,6 +394,8 @@ class LocalCluster:
       cpu_devices_per_worker: CPU devices each worker server exposes, >= 1.
       start_timeout_secs: how long to wait for all tasks to listen.
       log_dir: where task logs go; a temporary folder by default.
+      ports: optional fixed ports, `{"chief": [p], "worker": [p, ...], "ps":
+        [...]}`; jobs left out get free ports from portpicker.
 
     Raises:
       ValueError: a count is not a positive integer.
@@ -389,6 +410,7 @@ class LocalCluster:
         cpu_devices_per_worker: int = 1,
         start_timeout_secs: float = DEFAULT_START_TIMEOUT_SECS,
         log_dir: str | None = None,
+        ports: Mapping[str, list[int]] | None = None,
     ):
         for name, value in (
             ("num_workers", num_workers),
@@ -405,6 +427,15 @@ class LocalCluster:
                 "Argument `start_timeout_secs` must be positive. Received: "
                 f"{start_timeout_secs!r}"
             )
+        counts = {"chief": 1, "worker": num_workers, "ps": num_ps}
+        ports = dict(ports or {})
+        for job, job_ports in ports.items():
+            if job not in counts or len(job_ports) != counts[job]:
+                raise ValueError(
+                    f"Argument `ports` must map chief/worker/ps to as many ports as "
+                    f"tasks ({counts}). Received: {job!r}: {job_ports!r}"
+                )
+        self._ports = ports
         self.num_workers = num_workers
         self.num_ps = num_ps
         self.cpu_devices_per_worker = cpu_devices_per_worker
@@ -421,6 +452,9 @@ class LocalCluster:
         env = dict(os.environ, TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL="2")
         devices = self.cpu_devices_per_worker if job == "worker" else 1
         log = open(os.path.join(self._log_dir, f"{job}_{index}.log"), "ab")
+        ready = self._ready_file(job, index)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(ready)
         try:
             return subprocess.Popen(
                 [
@@ -428,6 +462,7 @@ class LocalCluster:
                     "-m",
                     "tf_distbelief.server_main",
                     f"--cpu_devices={devices}",
+                    f"--ready_file={ready}",
                 ],
                 env=env,
                 stdout=log,
@@ -437,6 +472,9 @@ class LocalCluster:
             )
         finally:
             log.close()
+
+    def _ready_file(self, job: str, index: int) -> str:
+        return os.path.join(self._log_dir, f"{job}_{index}.ready")
 
     def log_tail(self, job: str, index: int, num_bytes: int = 2000) -> str:
         """Returns the last `num_bytes` of a task's log."""
@@ -459,7 +497,8 @@ class LocalCluster:
           ClusterStartError: see the class docstring.
         """
         ports = {
-            job: [portpicker.pick_unused_port() for _ in range(count)]
+            job: self._ports.get(job)
+            or [portpicker.pick_unused_port() for _ in range(count)]
             for job, count in (
                 ("chief", 1),
                 ("worker", self.num_workers),
@@ -484,9 +523,22 @@ class LocalCluster:
         )
         return self
 
-    def _wait_listening(self) -> None:
+    def restart(self, job: str, index: int) -> None:
+        """Ends one task if it runs, starts it again on its address, waits for it.
+
+        A restarted worker rejoins the coordinator within seconds (TensorFlow
+        reconnects to the same address).
+        """
+        proc = self.processes[(job, index)]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self.processes[(job, index)] = self._spawn(job, index)
+        self._wait_listening({(job, index): self.processes[(job, index)]})
+
+    def _wait_listening(self, pending=None) -> None:
         deadline = time.monotonic() + self.start_timeout_secs
-        pending = dict(self.processes)
+        pending = dict(pending or self.processes)
         while pending:
             for (job, index), proc in list(pending.items()):
                 address = self.jobs[job][index]
@@ -494,7 +546,7 @@ class LocalCluster:
                     tail = self.log_tail(job, index)
                     hint = (
                         f" (port {_port_of(address)} is already in use)"
-                        if "address already in use" in tail.lower()
+                        if "already in use" in tail.lower()
                         or "failed to add port" in tail.lower()
                         else ""
                     )
@@ -502,7 +554,7 @@ class LocalCluster:
                         f"Local task {job}:{index} at {address} exited with code "
                         f"{proc.returncode} before listening{hint}. Log tail:\n{tail}"
                     )
-                if _listening(address):
+                if os.path.exists(self._ready_file(job, index)):
                     del pending[(job, index)]
             if pending and time.monotonic() > deadline:
                 names = ", ".join(f"{j}:{i}" for j, i in sorted(pending))

@@ -19,6 +19,9 @@ _CHIEF_GONE_SECS = flags.DEFINE_float(
     "(unset: serve until SIGTERM).",
     lower_bound=0.0,
 )
+_READY_FILE = flags.DEFINE_string(
+    "ready_file", None, "A file written once the server listens."
+)
 
 
 def main(argv):
@@ -27,6 +30,7 @@ def main(argv):
         cluster.resolve_cluster(),
         cpu_devices=_CPU_DEVICES.value,
         chief_gone_secs=_CHIEF_GONE_SECS.value,
+        ready_file=_READY_FILE.value,
     )
 
 
