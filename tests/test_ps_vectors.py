@@ -1,0 +1,295 @@
+"""Tests for tf_distbelief.ps_vectors on an in-process cluster (1 worker, 3 ps)."""
+
+import time
+
+import numpy as np
+import portpicker
+import pytest
+import scipy.optimize
+import sklearn.datasets
+import tensorflow as tf
+
+from tf_distbelief import lbfgs, ps_vectors
+
+_NUM_WORKERS = 1
+_NUM_PS = 3
+_WORKER_DEVICE = "/job:worker/replica:0/task:0/device:CPU:0"
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    """One in-process cluster and strategy for the module.
+
+    In-process servers cannot be stopped, and a process connects to one cluster, so
+    every test shares them (as TensorFlow's own parameter-server tests do).
+    """
+    jobs = {
+        "worker": [f"localhost:{portpicker.pick_unused_port()}"],
+        "ps": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(_NUM_PS)],
+    }
+    # The default inter-op pool deadlocks an in-process cluster on 2 cores.
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=_NUM_WORKERS + 1)
+    spec = tf.train.ClusterSpec(jobs)
+    for job, addresses in jobs.items():
+        for index in range(len(addresses)):
+            tf.distribute.Server(
+                spec, job_name=job, task_index=index, config=config, start=True
+            )
+    jobs["chief"] = [f"localhost:{portpicker.pick_unused_port()}"]
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(jobs), rpc_layer="grpc"
+    )
+    return tf.distribute.experimental.ParameterServerStrategy(
+        resolver, tf.distribute.experimental.partitioners.FixedShardsPartitioner(3)
+    )
+
+
+def ps_device(task):
+    return f"/job:ps/replica:0/task:{task}/device:CPU:0"
+
+
+# ------------------------------------------------------------------ vector ops
+
+
+@pytest.mark.parametrize("size,num_shards", [(7, 1), (7, 2), (7, 3), (7, 4), (2, 3)])
+def test_vector_ops_match_numpy(strategy, size, num_shards):
+    ops = ps_vectors.PsVectorOps(strategy, num_shards=num_shards)
+    reference = lbfgs.NumpyVectorOps()
+    rng = np.random.default_rng(size * 10 + num_shards)
+    a, b = rng.normal(size=size), rng.normal(size=size)
+    x, y = ops.from_numpy(a), ops.from_numpy(b)
+    xr, yr = reference.from_numpy(a), reference.from_numpy(b)
+
+    sizes = ps_vectors.shard_sizes(size, num_shards)
+    assert x.sizes == tuple(sizes) and x.size == size
+    assert x.devices == tuple(ps_device(i % _NUM_PS) for i in range(len(sizes)))
+
+    assert ops.dot(x, y) == pytest.approx(reference.dot(xr, yr), rel=1e-14)
+    for name, args in [
+        ("axpy", (0.5,)),
+        ("scale", (-3.0,)),
+        ("add", ()),
+        ("multiply", ()),
+        ("assign", ()),
+    ]:
+        if name == "scale":
+            ops.scale(*args, y), reference.scale(*args, yr)
+        else:
+            getattr(ops, name)(*args, x, y), getattr(reference, name)(*args, xr, yr)
+        np.testing.assert_allclose(ops.to_numpy(y), yr, rtol=1e-15, err_msg=name)
+
+    z = ops.copy(x)
+    assert z.devices == x.devices
+    ops.scale(0.0, z)
+    np.testing.assert_array_equal(ops.to_numpy(x), a)
+    np.testing.assert_array_equal(ops.to_numpy(z), np.zeros(size))
+    zeros = ops.zeros_like(x)
+    assert zeros.devices == x.devices
+    np.testing.assert_array_equal(ops.to_numpy(zeros), np.zeros(size))
+
+
+def test_shard_sizes_follow_strategy_div_layout(strategy):
+    """Same layout as the strategy's own FixedShardsPartitioner(3)."""
+    with strategy.scope():
+        variable = tf.Variable(np.arange(10.0))
+    ops = ps_vectors.PsVectorOps(strategy)
+    assert ops.from_numpy(np.arange(10.0)).sizes == ops.wrap(variable).sizes
+    assert ps_vectors.shard_sizes(10, 3) == [4, 3, 3]
+    assert ps_vectors.shard_sizes(2, 3) == [1, 1]
+
+
+def test_operations_run_on_ps_devices_and_return_only_scalars(strategy):
+    ops = ps_vectors.PsVectorOps(strategy, num_shards=3)
+    x = ops.from_numpy(np.arange(300.0))
+    y = ops.zeros_like(x)
+    assert [s.device for s in x.shards] == [ps_device(i) for i in range(3)]
+    assert [s.device for s in y.shards] == [ps_device(i) for i in range(3)]
+
+    for name, graph in ops.traced_graphs(x, y).items():
+        pinned_to = {}
+        for op in graph.get_operations():
+            if op.type in ("Placeholder", "NoOp", "Identity"):
+                continue  # Arguments and outputs; the outputs are checked below.
+            if op.type == "ReadVariableOp":
+                # A resource op always runs on its variable's device (a ps task).
+                assert op.device == "", (name, op.name)
+                continue
+            assert op.device, f"{name}: {op.type} has no device pin"
+            pinned_to.setdefault(op.device, []).append(op.type)
+            if op.device == ops.coordinator_device:
+                # Only the sum of the partial dot products runs on the coordinator.
+                assert op.type == "AddN", name
+                assert all(t.shape.rank == 0 for t in op.inputs), name
+        assert set(pinned_to) - {ops.coordinator_device} == set(ops.ps_devices), name
+        outputs = graph.outputs
+        if name == "dot":
+            assert [t.shape.rank for t in outputs] == [0]
+        else:
+            assert all(t.dtype == tf.resource or t.shape.rank == 0 for t in outputs), (
+                name
+            )
+
+
+# --------------------------------------------------------------- L-BFGS
+
+
+def digits_problem(num_examples=200, l2=1e-2):
+    """Multinomial logistic regression on digits: `[65 * 10]` float64 params."""
+    data = sklearn.datasets.load_digits()
+    features = np.hstack(
+        [data.data[:num_examples] / 16.0, np.ones((num_examples, 1))]
+    )  # `[num_examples, 65]`, last column the bias input.
+    labels = np.eye(10)[data.target[:num_examples]]  # `[num_examples, 10]`
+    return features, labels, l2
+
+
+def numpy_fun_and_grad(problem):
+    features, labels, l2 = problem
+
+    def fun_and_grad(x):
+        w = x.reshape(features.shape[1], 10)
+        logits = features @ w
+        logits -= logits.max(axis=1, keepdims=True)
+        log_probs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        loss = -np.mean(np.sum(labels * log_probs, axis=1)) + 0.5 * l2 * np.sum(w * w)
+        grad = features.T @ (np.exp(log_probs) - labels) / len(features) + l2 * w
+        return float(loss), grad.ravel()
+
+    return fun_and_grad
+
+
+def worker_fun_and_grad(problem, ops, x0):
+    """Loss and gradient computed on the worker; the gradient is written to ps."""
+    features, labels, l2 = problem
+    grad_vector = ops.zeros_like(x0)
+    sizes = list(x0.sizes)
+
+    @tf.function(autograph=False)
+    def step(x_shards, grad_shards):
+        with tf.device(_WORKER_DEVICE):
+            w = tf.reshape(tf.concat(x_shards, axis=0), [features.shape[1], 10])
+            logits = tf.constant(features) @ w
+            loss = tf.reduce_mean(
+                tf.nn.softmax_cross_entropy_with_logits(tf.constant(labels), logits)
+            ) + 0.5 * l2 * tf.reduce_sum(w * w)
+            grad = tf.reshape(
+                tf.transpose(tf.constant(features))
+                @ (tf.nn.softmax(logits) - labels)
+                / len(features)
+                + l2 * w,
+                [-1],
+            )
+            pieces = tf.split(grad, sizes)
+        for shard, piece in zip(grad_shards, pieces):
+            with tf.device(shard.device):
+                shard.assign(piece)
+        return loss
+
+    def fun_and_grad(x):
+        loss = step(x.shards, grad_vector.shards)
+        return float(loss.numpy()), grad_vector
+
+    return fun_and_grad
+
+
+# 40 steps bring the loss within 1e-8 (relative) of the optimum.
+_LBFGS_ARGS = {
+    "m": 5,
+    "max_iters": 40,
+    "gtol": 1e-8,
+    "ftol": 0,
+    "record_iterates": True,
+}
+
+
+@pytest.fixture(scope="module")
+def numpy_run():
+    problem = digits_problem()
+    ops = lbfgs.NumpyVectorOps()
+    x0 = np.zeros(65 * 10)
+    result = lbfgs.minimize(numpy_fun_and_grad(problem), x0, ops, **_LBFGS_ARGS)
+    optimum = scipy.optimize.minimize(
+        numpy_fun_and_grad(problem), x0, jac=True, method="L-BFGS-B"
+    )
+    assert result.num_iters == 40
+    assert result.loss == pytest.approx(optimum.fun, rel=1e-7)
+    return result
+
+
+def assert_same_run(result, reference):
+    assert result.num_iters == reference.num_iters
+    assert result.num_evals == reference.num_evals
+    np.testing.assert_allclose(result.loss_history, reference.loss_history, rtol=1e-9)
+    np.testing.assert_allclose(result.step_history, reference.step_history, rtol=1e-9)
+    assert len(result.iterate_history) == len(reference.iterate_history)
+    for k, (a, b) in enumerate(zip(result.iterate_history, reference.iterate_history)):
+        assert np.linalg.norm(a - b) <= 1e-9 * np.linalg.norm(b), f"iterate {k}"
+
+
+# About 5 s per run on 2 cores; num_shards=2 stays in the quick tier.
+@pytest.mark.parametrize(
+    "num_shards",
+    [
+        pytest.param(1, marks=pytest.mark.slow),
+        2,
+        pytest.param(3, marks=pytest.mark.slow),
+    ],
+)
+def test_distributed_lbfgs_matches_numpy(strategy, numpy_run, num_shards):
+    problem = digits_problem()
+    ops = ps_vectors.PsVectorOps(strategy, num_shards=num_shards)
+    x0 = ops.from_numpy(np.zeros(65 * 10))
+    start = time.monotonic()
+    result = lbfgs.minimize(
+        worker_fun_and_grad(problem, ops, x0), x0, ops, **_LBFGS_ARGS
+    )
+    elapsed_secs = time.monotonic() - start
+    assert_same_run(result, numpy_run)
+    assert result.x.devices == tuple(ps_device(i) for i in range(num_shards))
+    assert elapsed_secs < 60
+
+
+@pytest.mark.slow
+def test_lbfgs_from_strategy_sharded_variable(strategy, numpy_run):
+    """x0 created by the strategy (FixedShardsPartitioner(3)) joins via `wrap`."""
+    problem = digits_problem()
+    with strategy.scope():
+        params = tf.Variable(np.zeros(65 * 10))
+    ops = ps_vectors.PsVectorOps(strategy)
+    x0 = ops.wrap(params)
+    assert len(x0.shards) == 3
+    result = lbfgs.minimize(
+        worker_fun_and_grad(problem, ops, x0), x0, ops, **_LBFGS_ARGS
+    )
+    assert_same_run(result, numpy_run)
+    np.testing.assert_array_equal(params.numpy(), np.zeros(650))  # x0 untouched
+    assert result.x.devices == x0.devices
+
+
+# ------------------------------------------------------------------ bad inputs
+
+
+def test_bad_arguments(strategy):
+    with pytest.raises(TypeError, match=r"`strategy` must be a .*Received: str"):
+        ps_vectors.PsVectorOps("ps")
+    with pytest.raises(ValueError, match=r"`num_shards` must be positive. Received: 0"):
+        ps_vectors.PsVectorOps(strategy, num_shards=0)
+    with pytest.raises(TypeError, match=r"`num_shards` must be an int or None"):
+        ps_vectors.PsVectorOps(strategy, num_shards=2.0)
+    ops = ps_vectors.PsVectorOps(strategy)
+    with pytest.raises(
+        ValueError, match=r"`array` must be 1-D .* Received shape: \(2, 2\)"
+    ):
+        ops.from_numpy(np.zeros((2, 2)))
+    with pytest.raises(
+        ValueError, match=r"same shard sizes.*\(2, 2, 1\) and \(1, 1, 1\)"
+    ):
+        ops.dot(ops.from_numpy(np.zeros(5)), ops.from_numpy(np.zeros(3)))
+    with tf.device(ps_device(0)):
+        float32_variable = tf.Variable(np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=r"must be 1-D float64. Received .* float32"):
+        ops.wrap(float32_variable)
+    with tf.device(_WORKER_DEVICE):
+        worker_variable = tf.Variable(np.zeros(3))
+    with pytest.raises(ValueError, match=r"must live on ps tasks. Received .*worker"):
+        ops.wrap(worker_variable)

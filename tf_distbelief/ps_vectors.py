@@ -1,0 +1,328 @@
+"""L-BFGS vectors sharded over parameter-server tasks (Dean et al. 2012, §4.2).
+
+In Sandblaster L-BFGS the coordinator "never holds the parameters": it issues
+vector operations that every parameter-server shard performs on its own slice,
+and a dot product is the sum of the shards' partial dot products. `PsVectorOps`
+is that backend for `tf_distbelief.lbfgs`: a vector is a `PsVector`, a float64
+vector cut into contiguous shards, each a `tf.Variable` on a `ps` task; every
+operation is one `tf.function` call whose per-shard ops are pinned to the shard's
+own device, and only python floats (`dot`) come back to the coordinator.
+
+Example, in a process connected to a cluster by a parameter-server strategy:
+
+```python
+strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+ops = ps_vectors.PsVectorOps(strategy)
+x0 = ops.from_numpy(np.zeros(1000))     # one shard per ps task
+result = lbfgs.minimize(fun_and_grad, x0, ops, m=10)
+```
+
+`fun_and_grad(x)` reads `x.shards` (on workers, say) and returns the loss and a
+`PsVector` gradient laid out like `x` (`ops.zeros_like(x)` once, then written in
+place).
+"""
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+from tf_distbelief import lbfgs
+
+__all__ = ["PsVector", "PsVectorOps", "shard_sizes"]
+
+_DTYPE = tf.float64
+_PS_JOB = "/job:ps/"
+
+
+def shard_sizes(size: int, num_shards: int) -> list[int]:
+    """Sizes of the contiguous shards of a `size`-element vector.
+
+    The "div" layout of `ParameterServerStrategy` partitioning: the first
+    `size % num_shards` shards hold one element more. A vector shorter than
+    `num_shards` gets `size` shards of one element (no empty shards).
+
+    Args:
+      size: number of elements, >= 1.
+      num_shards: requested number of shards, >= 1.
+
+    Returns:
+      `min(size, num_shards)` positive ints summing to `size`.
+    """
+    num_shards = min(size, num_shards)
+    base, extra = divmod(size, num_shards)
+    return [base + (1 if i < extra else 0) for i in range(num_shards)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PsVector:
+    """A float64 vector held as contiguous shards on parameter-server tasks.
+
+    Attributes:
+      shards: 1-D float64 `tf.Variable`s, in vector order; shard `i` holds
+        elements `offsets[i]:offsets[i + 1]`.
+    """
+
+    shards: tuple[tf.Variable, ...]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Number of elements of each shard."""
+        return tuple(int(s.shape[0]) for s in self.shards)
+
+    @property
+    def size(self) -> int:
+        """Number of elements of the vector."""
+        return sum(self.sizes)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Start of each shard in the vector, then the vector size."""
+        return tuple(np.concatenate([[0], np.cumsum(self.sizes)]).tolist())
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Device of each shard, e.g. `/job:ps/replica:0/task:1/device:CPU:0`."""
+        return tuple(s.device for s in self.shards)
+
+
+# The operations are shared by every `PsVectorOps`. Each takes the output
+# shards' devices as a python argument, so they are part of the trace key:
+# variables are traced by shape and dtype only, while the device pins are baked
+# into the graph.
+
+
+def _elementwise(update):
+    @tf.function(autograph=False)
+    def run(devices, alpha, xs, ys):
+        for device, x, y in zip(devices, xs, ys):
+            with tf.device(device):
+                update(alpha, x, y)
+
+    return run
+
+
+_ELEMENTWISE = {
+    "assign": _elementwise(lambda a, x, y: y.assign(x)),
+    "scale": _elementwise(lambda a, x, y: y.assign(a * y)),
+    "axpy": _elementwise(lambda a, x, y: y.assign_add(a * x)),
+    "add": _elementwise(lambda a, x, y: y.assign_add(x)),
+    "multiply": _elementwise(lambda a, x, y: y.assign(x * y)),
+}
+
+
+@tf.function(autograph=False)
+def _dot(coordinator_device, devices, xs, ys):
+    partials = []
+    for device, x, y in zip(devices, xs, ys):
+        with tf.device(device):
+            partials.append(tf.reduce_sum(x * y))
+    with tf.device(coordinator_device):
+        return tf.add_n(partials)
+
+
+class PsVectorOps(lbfgs.VectorOps[PsVector]):
+    """`lbfgs.VectorOps` on vectors sharded over the ps tasks of a cluster.
+
+    Layout: `from_numpy` cuts a vector into `num_shards` contiguous shards
+    (`shard_sizes`) and puts shard `i` on ps task `i % num_ps`; `copy` and
+    `zeros_like` place every shard next to the matching shard of their argument.
+    So all the vectors `lbfgs.minimize` creates from `x0` share `x0`'s layout and
+    every element-wise operation stays on its shard's ps task.
+
+    The strategy's own partitioner is deliberately not used for new vectors: it
+    places shards round-robin with a counter shared by every variable of the
+    strategy, so shard `i` of two vectors can land on different ps tasks (and a
+    `MinSizePartitioner` keeps small vectors whole). A vector the strategy did
+    create, such as model parameters, can still join through `wrap`.
+
+    Cost per operation: one `tf.function` call on the coordinator, whose ops run
+    on the shards' devices. The coordinator sends each shard only the python
+    scalars (`alpha`) and receives only one float from `dot`, the sum of the
+    shards' partial dot products computed on the coordinator's device. Vectors
+    are moved whole only by `from_numpy` and `to_numpy`.
+
+    Args:
+      strategy: a `tf.distribute.experimental.ParameterServerStrategy` (or a
+        subclass such as `tf_distbelief.strategy.DistBeliefStrategy`); creating it
+        connected this process to the cluster, whose ps tasks hold the shards.
+      num_shards: shards of each vector made by `from_numpy`; None means one per
+        ps task.
+
+    Raises:
+      TypeError: if `strategy` is not a ParameterServerStrategy or `num_shards` is
+        not an int.
+      ValueError: if `num_shards` is not positive, or this process sees no ps
+        device.
+    """
+
+    def __init__(
+        self,
+        strategy: tf.distribute.experimental.ParameterServerStrategy,
+        num_shards: int | None = None,
+    ):
+        if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+            raise TypeError(
+                "Argument `strategy` must be a "
+                "tf.distribute.experimental.ParameterServerStrategy. Received: "
+                f"{type(strategy).__name__}"
+            )
+        # ParameterServerStrategy has no public list of ps tasks; after it has
+        # connected this process to the cluster they are logical devices here.
+        self._ps_devices = sorted(
+            (
+                d.name
+                for d in tf.config.list_logical_devices("CPU")
+                if _PS_JOB in d.name
+            ),
+            key=lambda name: int(name.split("/task:")[1].split("/")[0]),
+        )
+        if not self._ps_devices:
+            raise ValueError(
+                "This process sees no ps device; create the ParameterServerStrategy "
+                "(which connects to the cluster) before `PsVectorOps`."
+            )
+        if num_shards is None:
+            num_shards = len(self._ps_devices)
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int):
+            raise TypeError(
+                f"Argument `num_shards` must be an int or None. Received: {num_shards!r}"
+            )
+        if num_shards < 1:
+            raise ValueError(
+                f"Argument `num_shards` must be positive. Received: {num_shards}"
+            )
+        self.num_shards = num_shards
+        # Eager tensors are created on the coordinator's own device.
+        self.coordinator_device = tf.constant(0.0).device
+
+    @property
+    def ps_devices(self) -> tuple[str, ...]:
+        """The ps devices, by task index."""
+        return tuple(self._ps_devices)
+
+    # ------------------------------------------------------------- creation
+
+    def from_numpy(self, array: np.ndarray) -> PsVector:
+        """Returns a new vector holding the 1-D `array`, sharded over the ps tasks.
+
+        Raises:
+          ValueError: if `array` is not 1-D or is empty.
+        """
+        array = np.asarray(array, dtype=np.float64)
+        if array.ndim != 1 or array.size == 0:
+            raise ValueError(
+                "Argument `array` must be 1-D and non-empty; flatten parameters into "
+                f"one vector. Received shape: {array.shape}"
+            )
+        shards, start = [], 0
+        for i, size in enumerate(shard_sizes(array.size, self.num_shards)):
+            with tf.device(self._ps_devices[i % len(self._ps_devices)]):
+                shards.append(tf.Variable(array[start : start + size], trainable=False))
+            start += size
+        return PsVector(tuple(shards))
+
+    def wrap(self, variable) -> PsVector:
+        """Returns a `PsVector` view of an existing 1-D float64 variable; no copy.
+
+        Args:
+          variable: a `tf.Variable` or a `ShardedVariable` (as created under a
+            ParameterServerStrategy's scope with a partitioner) on ps tasks. Writes
+            through the view change `variable`.
+
+        Raises:
+          ValueError: if it is not 1-D float64 or a shard is not on a ps task.
+        """
+        shards = tuple(getattr(variable, "variables", (variable,)))
+        for shard in shards:
+            if shard.dtype != _DTYPE or shard.shape.rank != 1:
+                raise ValueError(
+                    "Argument `variable` must be 1-D float64. Received a shard of dtype "
+                    f"{shard.dtype.name} and shape {shard.shape}"
+                )
+            if _PS_JOB not in shard.device:
+                raise ValueError(
+                    "Argument `variable` must live on ps tasks. Received a shard on "
+                    f"{shard.device!r}"
+                )
+        return PsVector(shards)
+
+    def to_numpy(self, x: PsVector) -> np.ndarray:
+        return np.concatenate([s.numpy() for s in x.shards])
+
+    def zeros_like(self, x: PsVector) -> PsVector:
+        shards = []
+        for shard in x.shards:
+            with tf.device(shard.device):
+                # A callable initial value runs under the device scope, on the ps task.
+                shards.append(
+                    tf.Variable(
+                        lambda s=shard: tf.zeros(s.shape, _DTYPE),
+                        dtype=_DTYPE,
+                        trainable=False,
+                    )
+                )
+        return PsVector(tuple(shards))
+
+    def copy(self, x: PsVector) -> PsVector:
+        y = self.zeros_like(x)
+        self.assign(x, y)
+        return y
+
+    # ----------------------------------------------------------- operations
+
+    def _run(self, name: str, alpha: float, x: PsVector, y: PsVector) -> None:
+        _check_same_layout(x, y)
+        _ELEMENTWISE[name](y.devices, tf.constant(alpha, _DTYPE), x.shards, y.shards)
+
+    def assign(self, x: PsVector, y: PsVector) -> None:
+        self._run("assign", 0.0, x, y)
+
+    def dot(self, x: PsVector, y: PsVector) -> float:
+        _check_same_layout(x, y)
+        partial_sum = _dot(self.coordinator_device, y.devices, x.shards, y.shards)
+        return float(partial_sum.numpy())
+
+    def scale(self, alpha: float, x: PsVector) -> None:
+        self._run("scale", alpha, x, x)
+
+    def axpy(self, alpha: float, x: PsVector, y: PsVector) -> None:
+        self._run("axpy", alpha, x, y)
+
+    def add(self, x: PsVector, y: PsVector) -> None:
+        self._run("add", 0.0, x, y)
+
+    def multiply(self, x: PsVector, y: PsVector) -> None:
+        self._run("multiply", 0.0, x, y)
+
+    def traced_graphs(self, x: PsVector, y: PsVector) -> dict[str, tf.Graph]:
+        """The graph each operation runs on vectors laid out like `x` and `y`.
+
+        For inspecting placement: every op's requested device is in its graph, and
+        the graph's outputs are all that returns to the coordinator.
+
+        Returns:
+          `{"assign": graph, "scale": ..., "axpy": ..., "add": ..., "multiply": ...,
+          "dot": ...}`; the element-wise graphs write `y` (`scale` writes `x`).
+        """
+        alpha = tf.constant(1.0, _DTYPE)
+        graphs = {
+            name: fn.get_concrete_function(
+                out.devices, alpha, x.shards, out.shards
+            ).graph
+            for name, fn in _ELEMENTWISE.items()
+            for out in [x if name == "scale" else y]
+        }
+        graphs["dot"] = _dot.get_concrete_function(
+            self.coordinator_device, y.devices, x.shards, y.shards
+        ).graph
+        return graphs
+
+
+def _check_same_layout(x: PsVector, y: PsVector) -> None:
+    if x.sizes != y.sizes:
+        raise ValueError(
+            "Arguments `x` and `y` must have the same shard sizes; create vectors "
+            "with `copy` or `zeros_like` of one another. Received shard sizes "
+            f"{x.sizes} and {y.sizes}"
+        )
