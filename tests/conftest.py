@@ -1,0 +1,31 @@
+"""Shared fixtures: one local cluster per pytest process.
+
+Connecting the test process to a second cluster works but stalls for tens of
+seconds while TensorFlow closes the old remote contexts, so every test that needs
+a cluster shares one (TensorFlow's own tests share one per class). Tests that kill
+a task restart it (`LocalCluster.restart`) before they return.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+
+from tf_distbelief import cluster  # noqa: E402
+
+NUM_WORKERS = 2
+NUM_PS = 2
+
+
+@pytest.fixture(scope="session")
+def local_cluster():
+    """A running `LocalCluster` of 2 workers and 2 ps tasks."""
+    with cluster.LocalCluster(num_workers=NUM_WORKERS, num_ps=NUM_PS) as local:
+        yield local
+
+
+@pytest.fixture
+def clean_tf_config(monkeypatch):
+    """Removes `TF_CONFIG` for the test."""
+    monkeypatch.delenv("TF_CONFIG", raising=False)
