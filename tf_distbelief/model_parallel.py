@@ -1,0 +1,282 @@
+"""Devices and partition arithmetic for model parallelism.
+
+DistBelief splits one model replica over several machines: each partition owns a
+slice of every layer's units and only activations on edges that cross a partition
+boundary travel between partitions (Dean et al. 2012, section 3). This module holds
+the parts that need no layer: which devices a replica can be split over, how to make a
+`tf.distribute.Server` expose several CPU devices, and how to keep a partition's
+variables, forward and backward ops on its device. How sizes split and how many
+bytes cross partitions is pure arithmetic, in `tf_distbelief.partition_math`. The
+layers are in `partitioned_locally_connected` and `partitioned_dense`.
+
+Example, in a plain process before TensorFlow initialises:
+
+```python
+from tf_distbelief import model_parallel
+
+model_parallel.configure_logical_cpus(4)
+model_parallel.replica_devices()
+# ['/device:CPU:0', '/device:CPU:1', '/device:CPU:2', '/device:CPU:3']
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import tensorflow as tf
+
+__all__ = [
+    "assign_devices",
+    "call_on_device",
+    "configure_logical_cpus",
+    "cpu_server_config",
+    "replica_devices",
+    "sliced_initializer",
+]
+
+
+def replica_devices(device_type: str | None = None) -> list[str]:
+    """Lists the local devices one model replica can be split over.
+
+    GPUs are preferred when present; otherwise the logical CPU devices
+    `/device:CPU:0..k-1` (made by `configure_logical_cpus` in a plain process, or by
+    `cpu_server_config` in a server process). Names carry no job or task, so that a
+    `tf.device` scope made from them resolves to the devices of whichever task runs
+    the function (a worker, under `ClusterCoordinator.schedule`).
+
+    Args:
+      device_type: `"GPU"`, `"CPU"` or `None`. `None` means GPUs if any, else CPUs.
+
+    Returns:
+      Device names such as `"/device:CPU:1"`, sorted by index, without duplicates.
+
+    Raises:
+      ValueError: if `device_type` is not `"GPU"`, `"CPU"` or `None`.
+    """
+    if device_type not in (None, "GPU", "CPU"):
+        raise ValueError(
+            'Argument `device_type` must be "GPU", "CPU" or None. '
+            f"Received: {device_type!r}"
+        )
+    types = [device_type] if device_type else ["GPU", "CPU"]
+    for kind in types:
+        specs = [
+            tf.DeviceSpec.from_string(d.name)
+            for d in tf.config.list_logical_devices(kind)
+        ]
+        # A process connected to a cluster also lists other tasks' devices; keep the
+        # local ones (no job, or `localhost`) when there are any.
+        local = [s for s in specs if s.job in (None, "localhost")] or specs
+        indices = sorted({s.device_index for s in local})
+        if indices:
+            return [f"/device:{kind}:{i}" for i in indices]
+    return []
+
+
+def assign_devices(
+    num_partitions: int, devices: Sequence[str] | None = None
+) -> list[str]:
+    """Chooses the device of each partition, round-robin over `devices`.
+
+    Outside a `tf.distribute` strategy scope each device is checked against this
+    process's logical devices, because TensorFlow's soft placement would otherwise
+    run ops meant for a missing device silently on `CPU:0`. Under a strategy (e.g.
+    the layer is built by a coordinator for its workers) the names are taken as they
+    are: they resolve on the task that runs the function.
+
+    Args:
+      num_partitions: number of partitions, at least 1.
+      devices: device names; `None` means `replica_devices()`. Fewer devices than
+        partitions is allowed (partitions then share devices round-robin).
+
+    Returns:
+      `num_partitions` device names; partition `k` runs on `devices[k % len]`.
+
+    Raises:
+      ValueError: if `devices` is empty or names a device this process lacks.
+    """
+    if devices is None:
+        devices = replica_devices()
+    devices = list(devices)
+    if not devices:
+        raise ValueError(
+            "Argument `devices` must name at least one device. Received: []"
+        )
+    if not tf.distribute.has_strategy():
+        have = {
+            (s.device_type, s.device_index)
+            for s in (
+                tf.DeviceSpec.from_string(d.name)
+                for d in tf.config.list_logical_devices()
+            )
+        }
+        for name in devices:
+            spec = tf.DeviceSpec.from_string(name)
+            if (
+                spec.job in (None, "localhost")
+                and (
+                    spec.device_type,
+                    spec.device_index or 0,
+                )
+                not in have
+            ):
+                raise ValueError(
+                    f"Argument `devices` names {name!r}, which this process does "
+                    f"not have (it has {replica_devices()}); its ops would run "
+                    "silently on another device. Call `configure_logical_cpus` "
+                    "first, or use `cpu_server_config` for a server."
+                )
+    return [devices[k % len(devices)] for k in range(num_partitions)]
+
+
+def call_on_device(device: str, fn: Callable[..., tf.Tensor], *args) -> tf.Tensor:
+    """Calls `fn(*args)` on `device`, in the forward and in the backward pass.
+
+    A `tf.device` scope places the forward ops only: `tf.GradientTape` creates the
+    gradient ops outside it, so the backward pass of every partition would run on
+    one device (`CPU:0`). Here the gradient of `fn`, with respect to `args` and to
+    the variables it reads, is computed under `tf.device(device)` too.
+
+    Args:
+      device: device name, e.g. `"/device:CPU:1"`.
+      fn: function of tensors returning one tensor; it may read variables.
+      *args: tensors.
+
+    Returns:
+      `fn(*args)`.
+    """
+
+    @tf.custom_gradient
+    def on_device(*args):
+        with tf.device(device), tf.GradientTape(persistent=True) as tape:
+            tape.watch(args)
+            outputs = fn(*args)
+
+        def grad(upstream, variables=None):
+            variables = list(variables or [])
+            with tf.device(device):
+                grads = tape.gradient(
+                    outputs, [*args, *variables], output_gradients=upstream
+                )
+            return grads[: len(args)], grads[len(args) :]
+
+        return outputs, grad
+
+    # The decorator's own identity ops, too, belong on `device`: elsewhere, a tensor
+    # passed from one partition to another would take a detour through `CPU:0`.
+    with tf.device(device):
+        return on_device(*args)
+
+
+def configure_logical_cpus(num_cpu_devices: int) -> None:
+    """Splits this process's CPU into `num_cpu_devices` logical devices.
+
+    Works only in a plain process before TensorFlow initialises its runtime (before
+    the first op or device listing). It does not add devices to a
+    `tf.distribute.Server`: ops there asked for `/device:CPU:1` silently run on
+    `CPU:0`; use `cpu_server_config` for servers.
+
+    Args:
+      num_cpu_devices: number of logical CPU devices, at least 1.
+
+    Raises:
+      ValueError: if `num_cpu_devices` is below 1.
+      RuntimeError: if TensorFlow has already initialised with another number of
+        CPU devices.
+    """
+    if num_cpu_devices < 1:
+        raise ValueError(
+            f"Argument `num_cpu_devices` must be >= 1. Received: {num_cpu_devices}"
+        )
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpu_devices
+        )
+    except RuntimeError as e:
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have != num_cpu_devices:
+            raise RuntimeError(
+                f"Cannot make {num_cpu_devices} logical CPU devices: TensorFlow has "
+                f"already initialised with {have}. Call `configure_logical_cpus` "
+                "before any TensorFlow op runs, or run in a child process."
+            ) from e
+
+
+def cpu_server_config(
+    num_cpu_devices: int,
+    inter_op_parallelism_threads: int = 0,
+    intra_op_parallelism_threads: int = 0,
+) -> tf.compat.v1.ConfigProto:
+    """Builds a `ConfigProto` that makes a server task expose several CPU devices.
+
+    Pass it as `tf.distribute.Server(cluster, job_name, task_index, config=...)`.
+    Inside a function the task runs, `tf.device("/device:CPU:1")` then resolves to
+    that task's own second CPU device.
+
+    Args:
+      num_cpu_devices: CPU devices the task exposes, at least 1.
+      inter_op_parallelism_threads: threads that run independent ops at once; 0
+        lets TensorFlow choose (the number of cores). On a 2-core machine an
+        in-process cluster needs at least `num_workers + 1` (see TF_NOTES.md).
+      intra_op_parallelism_threads: threads one op may use; 0 lets TensorFlow
+        choose. All CPU devices of a process share this pool.
+
+    Returns:
+      A `tf.compat.v1.ConfigProto` with `device_count={"CPU": num_cpu_devices}`.
+
+    Raises:
+      ValueError: if `num_cpu_devices` is below 1 or a thread count is negative.
+    """
+    if num_cpu_devices < 1:
+        raise ValueError(
+            f"Argument `num_cpu_devices` must be >= 1. Received: {num_cpu_devices}"
+        )
+    for name, value in (
+        ("inter_op_parallelism_threads", inter_op_parallelism_threads),
+        ("intra_op_parallelism_threads", intra_op_parallelism_threads),
+    ):
+        if value < 0:
+            raise ValueError(
+                f"Argument `{name}` must be >= 0 (0 lets TensorFlow choose). "
+                f"Received: {value}"
+            )
+    return tf.compat.v1.ConfigProto(
+        device_count={"CPU": num_cpu_devices},
+        inter_op_parallelism_threads=inter_op_parallelism_threads,
+        intra_op_parallelism_threads=intra_op_parallelism_threads,
+    )
+
+
+def sliced_initializer(
+    initializer: Callable,
+    full_shape: Sequence[int],
+    cache: dict,
+    block: Callable[[tf.Tensor], tf.Tensor],
+) -> Callable:
+    """Makes an initializer for one partition's block of a larger variable.
+
+    The first call draws the whole `full_shape` value once into `cache`; every call
+    returns `block(value)`. Drawing the whole keeps the unpartitioned layer's
+    distribution (fan-in and fan-out of the whole kernel) and, with a seeded
+    initializer, its exact values, at the cost of one full-size tensor at build
+    time; clear `cache` once all blocks are built.
+
+    Args:
+      initializer: a `tf_keras` initializer, called as `initializer(shape, dtype)`.
+      full_shape: shape of the unpartitioned variable.
+      cache: a dict shared by the blocks of one variable; starts empty.
+      block: maps the full value to this partition's block.
+
+    Returns:
+      A callable `(shape, dtype=None, **kwargs) -> tf.Tensor`; `shape` is ignored.
+    """
+
+    def init(shape, dtype=None, **kwargs):
+        del shape, kwargs  # The block's shape follows from `block`.
+        if "value" not in cache:
+            cache["value"] = initializer(full_shape, dtype=dtype)
+        return block(cache["value"])
+
+    return init
