@@ -1,0 +1,274 @@
+"""Downpour SGD: the pure cadence and reference, and exact runs on one worker."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from tf_distbelief import adagrad, downpour, downpour_schedule
+from tf_distbelief import cluster as cluster_lib
+from tf_distbelief import strategy as strategy_lib
+
+NUM_FEATURES, NUM_CLASSES, BATCH_SIZE, STEPS = 6, 3, 4, 12
+LEARNING_RATE = 0.1
+
+
+def _softmax_data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(STEPS * BATCH_SIZE, NUM_FEATURES))
+    y = rng.integers(0, NUM_CLASSES, size=STEPS * BATCH_SIZE)
+    kernel = rng.normal(size=(NUM_FEATURES, NUM_CLASSES)) * 0.1
+    bias = rng.normal(size=NUM_CLASSES) * 0.1
+    return x, y, [kernel, bias]
+
+
+def _softmax_grad(params, batch):
+    """Gradient of the mean softmax cross-entropy of `x @ kernel + bias`."""
+    (kernel, bias), (x, y) = params, batch
+    logits = x @ kernel + bias
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(len(y)), y] -= 1
+    p /= len(y)
+    return [x.T @ p, p.sum(axis=0)]
+
+
+def _batches(x, y):
+    return [
+        (x[i : i + BATCH_SIZE], y[i : i + BATCH_SIZE])
+        for i in range(0, len(x), BATCH_SIZE)
+    ]
+
+
+def _sequential_adagrad(params, batches):
+    """Plain AdaGrad, one batch at a time, written out independently."""
+    params = [p.copy() for p in params]
+    accs = [np.full_like(p, 0.1) for p in params]
+    for batch in batches:
+        for i, g in enumerate(_softmax_grad(params, batch)):
+            accs[i] += g * g
+            params[i] -= LEARNING_RATE * g / (np.sqrt(accs[i]) + 1e-7)
+    return params
+
+
+# --- Pure: config, cadence, reference ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"n_fetch": 0}, ValueError, r"`n_fetch` must be >= 1.*Received: 0"),
+        ({"n_push": -2}, ValueError, r"`n_push` must be >= 1.*Received: -2"),
+        ({"n_push": 1.5}, TypeError, r"`n_push` must be an integer.*1.5"),
+        ({"warmstart_steps": -1}, ValueError, r"`warmstart_steps`.*Received: -1"),
+        ({"max_staleness": -1}, ValueError, r"`max_staleness` must be >= 0"),
+        ({"local_learning_rate": -0.1}, ValueError, r"`local_learning_rate`.*-0.1"),
+        ({"local_learning_rate": "0.1"}, TypeError, r"`local_learning_rate`"),
+    ],
+)
+def test_config_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        downpour_schedule.DownpourConfig(**kwargs)
+
+
+@pytest.mark.parametrize("n_fetch, n_push", [(1, 1), (3, 2), (2, 5), (4, 4)])
+@pytest.mark.parametrize("steps", [0, 1, 7, 12, 20])
+def test_cadence_counts(n_fetch, n_push, steps):
+    fetches = sum(downpour_schedule.is_fetch_step(t, n_fetch) for t in range(steps))
+    pushes = sum(downpour_schedule.is_push_step(t, n_push) for t in range(steps))
+    assert fetches == downpour_schedule.num_fetches(steps, n_fetch)
+    assert pushes == downpour_schedule.num_pushes(steps, n_push) == steps // n_push
+    config = downpour_schedule.DownpourConfig(n_fetch, n_push, 0.01)
+    x, y, params = _softmax_data()
+    _, (stats,) = downpour_schedule.simulate(
+        params,
+        _softmax_grad,
+        [(_batches(x, y) * 2)[:steps]],
+        config,
+        downpour_schedule.sgd_ps(0.1),
+    )
+    assert (stats.steps, stats.fetches, stats.pushes) == (steps, fetches, pushes)
+    model_bytes = sum(p.nbytes for p in params)
+    assert stats.bytes_fetched == fetches * model_bytes
+    assert stats.bytes_pushed == pushes * model_bytes
+
+
+def test_reference_with_n_fetch_n_push_1_is_sequential_adagrad():
+    x, y, params = _softmax_data()
+    config = downpour_schedule.DownpourConfig(1, 1, local_learning_rate=0.3)
+    got, (stats,) = downpour_schedule.simulate(
+        params,
+        _softmax_grad,
+        [_batches(x, y)],
+        config,
+        downpour_schedule.adagrad_ps(LEARNING_RATE),
+    )
+    want = _sequential_adagrad(params, _batches(x, y))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+    assert stats.staleness_sum == 0
+
+
+def test_reference_staleness_and_drops_with_two_replicas():
+    x, y, params = _softmax_data()
+    halves = [_batches(x, y)[:6], _batches(x, y)[6:]]
+    adagrad_ps = downpour_schedule.adagrad_ps(LEARNING_RATE)
+    config = downpour_schedule.DownpourConfig(n_fetch=2, n_push=1)
+    _, stats = downpour_schedule.simulate(
+        params, _softmax_grad, halves, config, adagrad_ps
+    )
+    # Alternating whole steps: a replica's cache is fresh at its even steps;
+    # at its odd steps it misses the other replica's one push.
+    assert [s.staleness_sum for s in stats] == [3, 3]
+    assert [s.max_staleness_seen for s in stats] == [1, 1]
+    assert [s.pushes for s in stats] == [6, 6]
+    strict = downpour_schedule.DownpourConfig(2, 1, max_staleness=0)
+    _, stats = downpour_schedule.simulate(
+        params, _softmax_grad, halves, strict, adagrad_ps
+    )
+    # Replica 0's odd steps are dropped; then replica 1 has missed nothing.
+    assert [s.dropped_pushes for s in stats] == [3, 0]
+    assert [s.pushes for s in stats] == [3, 6]
+    assert [s.fetches for s in stats] == [3, 3]
+
+
+def test_reference_warm_start_trains_replica_0_only():
+    x, y, params = _softmax_data()
+    halves = [_batches(x, y)[:6], _batches(x, y)[6:]]
+    config = downpour_schedule.DownpourConfig(1, 1, warmstart_steps=3)
+    _, stats = downpour_schedule.simulate(
+        params, _softmax_grad, halves, config, downpour_schedule.sgd_ps(0.1)
+    )
+    # Turns alternate 0, 1, 0, 1, ...: replica 1's first 2 turns come before
+    # replica 0 has taken 3 steps, its third right after.
+    assert [s.steps for s in stats] == [6, 4]
+
+
+# --- One worker: exact semantics on the cluster ------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with cluster_lib.LocalCluster(num_workers=1, num_ps=2) as local:
+        yield local
+
+
+def _strategy(cluster, partitioner=None):
+    strategy = strategy_lib.DistBeliefStrategy(cluster.resolver, partitioner)
+    downpour.enable(strategy)
+    return strategy
+
+
+def _softmax_model(strategy, params, steps_per_execution=1):
+    kernel, bias = params
+    with strategy.scope():
+        model = tf_keras.Sequential(
+            [
+                tf_keras.layers.InputLayer(
+                    input_shape=(NUM_FEATURES,), dtype="float64"
+                ),
+                tf_keras.layers.Dense(
+                    NUM_CLASSES,
+                    dtype="float64",
+                    kernel_initializer=tf_keras.initializers.Constant(kernel),
+                    bias_initializer=tf_keras.initializers.Constant(bias),
+                ),
+            ]
+        )
+        model.compile(
+            adagrad.Adagrad(LEARNING_RATE),
+            loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=steps_per_execution,
+        )
+    return model
+
+
+def _ps_params(model):
+    """The kernel and the bias, each shard concatenated along axis 0."""
+    kernel = [v.numpy() for v in model.trainable_variables if v.shape.rank == 2]
+    bias = [v.numpy() for v in model.trainable_variables if v.shape.rank == 1]
+    return [np.concatenate(kernel), np.concatenate(bias)]
+
+
+def _simulate(params, x, y, config):
+    got, _ = downpour_schedule.simulate(
+        params,
+        _softmax_grad,
+        [_batches(x, y)],
+        config,
+        downpour_schedule.adagrad_ps(LEARNING_RATE),
+    )
+    return got
+
+
+def test_trainer_matches_numpy_reference(cluster):
+    x, y, params = _softmax_data()
+    config = downpour_schedule.DownpourConfig(3, 2, local_learning_rate=0.05)
+    model = _softmax_model(_strategy(cluster), params)
+    trainer = downpour.DownpourTrainer(model, config)
+    iterator = iter(
+        trainer.per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE)
+        )
+    )
+    logs = [trainer.step(iterator) for _ in range(STEPS)]
+    trainer.join()
+    for got, want in zip(_ps_params(model), _simulate(params, x, y, config)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    (stats,) = trainer.stats()
+    assert (stats.steps, stats.fetches, stats.pushes) == (12, 4, 6)
+    assert stats.staleness_sum == 0
+    model_bytes = (NUM_FEATURES + 1) * NUM_CLASSES * 8
+    assert (stats.bytes_fetched, stats.bytes_pushed) == (
+        4 * model_bytes,
+        6 * model_bytes,
+    )
+    per_step = [log.fetch() for log in logs]
+    assert [int(log["bytes_fetched"] > 0) for log in per_step] == [
+        int(downpour_schedule.is_fetch_step(t, 3)) for t in range(STEPS)
+    ]
+    assert [int(log["staleness"]) for log in per_step] == [
+        0 if downpour_schedule.is_push_step(t, 2) else -1 for t in range(STEPS)
+    ]
+
+
+@pytest.mark.parametrize(
+    "partitioner, steps_per_execution",
+    [(None, 1), (None, 4), ("fixed2", 1)],
+    ids=["whole", "steps_per_execution_4", "sharded"],
+)
+def test_fit_with_n_fetch_n_push_1_is_sequential_adagrad(
+    cluster, partitioner, steps_per_execution
+):
+    if partitioner == "fixed2":
+        partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
+    x, y, params = _softmax_data(seed=1)
+    model = _softmax_model(_strategy(cluster, partitioner), params, steps_per_execution)
+    replicas = downpour.install(model, downpour_schedule.DownpourConfig(1, 1, 0.5))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE).repeat()
+    model.fit(dataset, epochs=1, steps_per_epoch=STEPS, verbose=0)
+    want = _sequential_adagrad(params, _batches(x, y))
+    for got, w in zip(_ps_params(model), want):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
+    (stats,) = replicas.stats()
+    assert (stats.steps, stats.fetches, stats.pushes) == (STEPS, STEPS, STEPS)
+    assert stats.staleness_sum == stats.max_staleness_seen == 0
+    assert int(replicas.update_count.numpy()) == STEPS
+
+
+def test_install_errors(cluster):
+    strategy = strategy_lib.DistBeliefStrategy(cluster.resolver)
+    with strategy.scope():
+        model = tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(3,))])
+    with pytest.raises(ValueError, match=r"`model` must be compiled"):
+        downpour.install(model, downpour_schedule.DownpourConfig())
+    with strategy.scope():
+        model.compile(adagrad.Adagrad(0.1), loss="mse")
+    with pytest.raises(TypeError, match=r"downpour.enable\(strategy\)"):
+        downpour.install(model, downpour_schedule.DownpourConfig())
+    with pytest.raises(TypeError, match=r"`config` must be a DownpourConfig"):
+        downpour.Downpour(strategy, [], model.optimizer, {"n_fetch": 1})
+    with pytest.raises(TypeError, match=r"`strategy` must be a tf_distbelief"):
+        downpour.enable(tf.distribute.get_strategy())

@@ -1,0 +1,254 @@
+"""Downpour SGD without TensorFlow: the config, the cadence, a NumPy reference.
+
+Dean et al. 2012, section 4.1. Every model replica keeps a local copy (the
+*cache*) of the parameters and counts its own local steps `t = 0, 1, 2, ...`.
+At local step `t` a replica does, in this order:
+
+1. **fetch** if `t % n_fetch == 0`, or if its previous push was dropped for
+   staleness: `cache <- ps parameters`, `seen <- ps update count`.
+2. **gradient** `g = grad loss(cache; batch_t)`, at the *cached* values.
+3. **local update** `cache <- cache - local_learning_rate * g`.
+4. **accumulate** `acc <- acc + g`.
+5. **push** if `(t + 1) % n_push == 0`: `staleness = ps update count - seen`
+   (updates by *other* replicas since this replica's cache was fetched). If
+   `max_staleness` is None or `staleness <= max_staleness`, the ps applies
+   its optimizer (AdaGrad, SGD, ...) to `acc`, the ps update count grows by 1
+   and `seen` by the same (the replica's own push is not staleness). Otherwise
+   the push is dropped and the replica fetches at its next step. Either way
+   `acc <- 0`.
+
+After `S` local steps a replica has fetched `ceil(S / n_fetch)` times (without
+drops) and pushed `floor(S / n_push)` times: `n_fetch` and `n_push` are
+independent. With `n_fetch = n_push = 1` and one replica this is plain
+sequential training with the ps optimizer.
+
+The ps applies pushes shard by shard as they arrive, with no locks; the
+reference below applies a whole push atomically (the two agree with one
+replica, and with several replicas as long as pushes do not overlap in time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "DownpourConfig",
+    "ReplicaStats",
+    "adagrad_ps",
+    "is_fetch_step",
+    "is_push_step",
+    "num_fetches",
+    "num_pushes",
+    "sgd_ps",
+    "simulate",
+]
+
+
+def _check_int(name: str, value, lower: int, rule: str) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"Argument `{name}` must be an integer. Received: {value!r}")
+    if value < lower:
+        raise ValueError(f"Argument `{name}` must be {rule}. Received: {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DownpourConfig:
+    """The Downpour cadence and local update (Dean et al. 2012, section 4.1).
+
+    Attributes:
+      n_fetch: local steps between fetches of the parameters, >= 1. The paper's
+        runs used 1.
+      n_push: local steps between pushes of the accumulated gradient, >= 1;
+        independent of `n_fetch`. The paper's runs used 1.
+      local_learning_rate: step size of the replica's SGD on its own cache, >= 0.
+        0 keeps the cache at the fetched values between fetches.
+      warmstart_steps: the paper's warm start: until replica 0 has taken this
+        many local steps, the other replicas' steps change nothing; 0 for none.
+      max_staleness: the most ps updates by other replicas that may land
+        between a replica's fetch and its push for the push to be applied; a
+        staler push is dropped and the replica refetches. None (default)
+        applies every push, as the paper does.
+    """
+
+    n_fetch: int = 1
+    n_push: int = 1
+    local_learning_rate: float = 0.0
+    warmstart_steps: int = 0
+    max_staleness: int | None = None
+
+    def __post_init__(self):
+        _check_int("n_fetch", self.n_fetch, 1, ">= 1 (fetch every n_fetch steps)")
+        _check_int("n_push", self.n_push, 1, ">= 1 (push every n_push steps)")
+        _check_int("warmstart_steps", self.warmstart_steps, 0, ">= 0")
+        if self.max_staleness is not None:
+            _check_int(
+                "max_staleness",
+                self.max_staleness,
+                0,
+                ">= 0, or None to apply every push",
+            )
+        lr = self.local_learning_rate
+        if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)):
+            raise TypeError(
+                f"Argument `local_learning_rate` must be a float. Received: {lr!r}"
+            )
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(
+                "Argument `local_learning_rate` must be finite and >= 0 (0 "
+                f"disables the local update). Received: {lr!r}"
+            )
+
+
+def is_fetch_step(t: int, n_fetch: int) -> bool:
+    """True when local step `t` (from 0) starts with a fetch."""
+    return t % n_fetch == 0
+
+
+def is_push_step(t: int, n_push: int) -> bool:
+    """True when local step `t` (from 0) ends with a push."""
+    return (t + 1) % n_push == 0
+
+
+def num_fetches(steps: int, n_fetch: int) -> int:
+    """Fetches in the first `steps` local steps (no dropped pushes)."""
+    return -(-steps // n_fetch)
+
+
+def num_pushes(steps: int, n_push: int) -> int:
+    """Pushes in the first `steps` local steps."""
+    return steps // n_push
+
+
+# A ps optimizer: `(params, state, grads) -> (params, state)`, lists of arrays.
+PsUpdate = Callable[[list, list, list], tuple[list, list]]
+
+
+def adagrad_ps(
+    learning_rate: float, initial_accumulator_value: float = 0.1, epsilon=1e-7
+) -> tuple[Callable[[list], list], PsUpdate]:
+    """AdaGrad on the ps as `(init_state, update)`, as in `tf_distbelief.adagrad`."""
+    from tf_distbelief import adagrad
+
+    def init(params):
+        return [np.full_like(p, initial_accumulator_value) for p in params]
+
+    def update(params, state, grads):
+        out = [
+            adagrad.adagrad_update(p, a, g, learning_rate, epsilon)
+            for p, a, g in zip(params, state, grads)
+        ]
+        return [w for w, _ in out], [a for _, a in out]
+
+    return init, update
+
+
+def sgd_ps(learning_rate: float) -> tuple[Callable[[list], list], PsUpdate]:
+    """Plain SGD on the ps as `(init_state, update)`."""
+
+    def update(params, state, grads):
+        return [p - learning_rate * g for p, g in zip(params, grads)], state
+
+    return (lambda params: []), update
+
+
+@dataclasses.dataclass
+class ReplicaStats:
+    """Counters of one replica, as kept by the TF implementation.
+
+    Attributes:
+      steps: local steps taken.
+      fetches: fetches done.
+      pushes: pushes applied on the ps.
+      dropped_pushes: pushes dropped for exceeding `max_staleness`.
+      staleness_sum: sum of the staleness of all pushes (applied or dropped).
+      max_staleness_seen: the largest staleness of a push.
+      bytes_fetched: parameter bytes fetched (`fetches` times the model size).
+      bytes_pushed: gradient bytes pushed (a dropped push sends nothing: the
+        staleness check comes first).
+    """
+
+    steps: int = 0
+    fetches: int = 0
+    pushes: int = 0
+    dropped_pushes: int = 0
+    staleness_sum: int = 0
+    max_staleness_seen: int = 0
+    bytes_fetched: int = 0
+    bytes_pushed: int = 0
+
+
+def simulate(
+    params: Sequence[np.ndarray],
+    grad_fn: Callable[[list, object], list],
+    batches: Sequence[Iterable],
+    config: DownpourConfig,
+    ps_optimizer: tuple[Callable[[list], list], PsUpdate],
+    order: Sequence[int] | None = None,
+) -> tuple[list[np.ndarray], list[ReplicaStats]]:
+    """Runs Downpour in NumPy, one whole local step at a time.
+
+    Args:
+      params: the initial ps parameters, a list of arrays.
+      grad_fn: `(params, batch) -> grads`, lists of arrays of the same shapes.
+      batches: one iterable of batches per replica, in that replica's order.
+      config: the cadence. Until replica 0 has taken `warmstart_steps` steps, a
+        step of another replica reads its batch and changes nothing.
+      ps_optimizer: `(init_state, update)`, e.g. `adagrad_ps(0.1)`.
+      order: the replica taking each step, e.g. `[0, 1, 0, 1]`; default all of
+        replica 0's batches when there is one replica, else round robin until
+        the shortest replica's batches run out.
+
+    Returns:
+      `(ps_params, stats)`: the final ps parameters and a `ReplicaStats` per
+      replica.
+    """
+    init, update = ps_optimizer
+    ps = [np.array(p, copy=True) for p in params]
+    ps_state = init(ps)
+    ps_count = 0
+    iters = [iter(b) for b in batches]
+    n = len(iters)
+    if order is None:
+        lengths = [len(b) for b in batches]
+        order = [r for _ in range(min(lengths)) for r in range(n)]
+    caches: list[list | None] = [None] * n
+    accs = [[np.zeros_like(p) for p in ps] for _ in range(n)]
+    seen = [0] * n
+    refetch = [False] * n
+    stats = [ReplicaStats() for _ in range(n)]
+    model_bytes = sum(p.nbytes for p in ps)
+    for r in order:
+        if r != 0 and stats[0].steps < config.warmstart_steps:
+            next(iters[r])  # The TF replica reads its batch, then does nothing.
+            continue
+        s = stats[r]
+        t = s.steps
+        if is_fetch_step(t, config.n_fetch) or refetch[r]:
+            caches[r] = [p.copy() for p in ps]
+            seen[r] = ps_count
+            refetch[r] = False
+            s.fetches += 1
+            s.bytes_fetched += model_bytes
+        g = grad_fn(caches[r], next(iters[r]))
+        caches[r] = [c - config.local_learning_rate * gi for c, gi in zip(caches[r], g)]
+        accs[r] = [a + gi for a, gi in zip(accs[r], g)]
+        if is_push_step(t, config.n_push):
+            staleness = ps_count - seen[r]
+            s.staleness_sum += staleness
+            s.max_staleness_seen = max(s.max_staleness_seen, staleness)
+            if config.max_staleness is None or staleness <= config.max_staleness:
+                ps, ps_state = update(ps, ps_state, accs[r])
+                ps_count += 1
+                seen[r] += 1
+                s.pushes += 1
+                s.bytes_pushed += model_bytes
+            else:
+                refetch[r] = True
+                s.dropped_pushes += 1
+            accs[r] = [np.zeros_like(a) for a in accs[r]]
+        s.steps += 1
+    return ps, stats
