@@ -1,8 +1,9 @@
 """Shared fixtures: one local cluster per pytest process.
 
 Connecting the test process to a second cluster works but stalls for tens of
-seconds while TensorFlow closes the old remote contexts, so every test that needs
-a cluster shares one (TensorFlow's own tests share one per class). Tests that kill
+seconds while TensorFlow closes the old remote contexts, and reconnecting with
+another cluster spec needs a new chief port, so every test that needs a cluster
+shares one and makes its strategy from `local_cluster.resolver_for(...)` (TensorFlow's own tests share one per class). Tests that kill
 a task restart it (`LocalCluster.restart`) before they return.
 """
 
@@ -15,12 +16,15 @@ import pytest  # noqa: E402
 from tf_distbelief import cluster  # noqa: E402
 
 NUM_WORKERS = 2
-NUM_PS = 2
+NUM_PS = 3
 
 
 @pytest.fixture(scope="session")
 def local_cluster():
-    """A running `LocalCluster` of 2 workers and 2 ps tasks."""
+    """A running `LocalCluster` of 2 workers and 3 ps tasks.
+
+    Make each strategy with `local_cluster.resolver_for(num_workers, num_ps)`.
+    """
     with cluster.LocalCluster(num_workers=NUM_WORKERS, num_ps=NUM_PS) as local:
         yield local
 

@@ -523,6 +523,41 @@ class LocalCluster:
         )
         return self
 
+    def resolver_for(self, num_workers: int | None = None, num_ps: int | None = None):
+        """Returns a chief resolver for the first `num_workers` workers and `num_ps` ps.
+
+        Each call names a new, free chief port: in TF 2.21 a process that
+        reconnects with a different cluster spec starts a new chief server, which
+        cannot bind the port of the one before (servers never shut down). Tests
+        use this to share one cluster among strategies of different sizes.
+
+        Args:
+          num_workers: workers to include (all by default), 1..`self.num_workers`.
+          num_ps: ps tasks to include (all by default), 1..`self.num_ps`.
+
+        Returns:
+          A `tf.distribute.cluster_resolver.SimpleClusterResolver` of task `chief`.
+
+        Raises:
+          ValueError: a count out of range.
+        """
+        num_workers = self.num_workers if num_workers is None else num_workers
+        num_ps = self.num_ps if num_ps is None else num_ps
+        for name, value, most in (
+            ("num_workers", num_workers, self.num_workers),
+            ("num_ps", num_ps, self.num_ps),
+        ):
+            if not 1 <= value <= most:
+                raise ValueError(
+                    f"Argument `{name}` must be in [1, {most}]. Received: {value}"
+                )
+        jobs = {
+            "chief": {0: f"127.0.0.1:{portpicker.pick_unused_port()}"},
+            "worker": dict(enumerate(self.jobs["worker"][:num_workers])),
+            "ps": dict(enumerate(self.jobs["ps"][:num_ps])),
+        }
+        return _make_resolver(jobs, "chief", 0)
+
     def restart(self, job: str, index: int) -> None:
         """Ends one task if it runs, starts it again on its address, waits for it.
 
