@@ -8,7 +8,6 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import adagrad, downpour, downpour_schedule
-from tf_distbelief import cluster as cluster_lib
 from tf_distbelief import strategy as strategy_lib
 
 NUM_FEATURES, NUM_CLASSES, BATCH_SIZE, STEPS = 6, 3, 4, 12
@@ -149,14 +148,9 @@ def test_reference_warm_start_trains_replica_0_only():
 # --- One worker: exact semantics on the cluster ------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with cluster_lib.LocalCluster(num_workers=1, num_ps=2) as local:
-        yield local
-
-
-def _strategy(cluster, partitioner=None):
-    strategy = strategy_lib.DistBeliefStrategy(cluster.resolver, partitioner)
+def _strategy(local_cluster, partitioner=None, num_workers=1):
+    resolver = local_cluster.resolver_for(num_workers=num_workers, num_ps=2)
+    strategy = strategy_lib.DistBeliefStrategy(resolver, partitioner)
     downpour.enable(strategy)
     return strategy
 
@@ -203,10 +197,10 @@ def _simulate(params, x, y, config):
     return got
 
 
-def test_trainer_matches_numpy_reference(cluster):
+def test_trainer_matches_numpy_reference(local_cluster):
     x, y, params = _softmax_data()
     config = downpour_schedule.DownpourConfig(3, 2, local_learning_rate=0.05)
-    model = _softmax_model(_strategy(cluster), params)
+    model = _softmax_model(_strategy(local_cluster), params)
     trainer = downpour.DownpourTrainer(model, config)
     iterator = iter(
         trainer.per_worker_dataset(
@@ -240,12 +234,14 @@ def test_trainer_matches_numpy_reference(cluster):
     ids=["whole", "steps_per_execution_4", "sharded"],
 )
 def test_fit_with_n_fetch_n_push_1_is_sequential_adagrad(
-    cluster, partitioner, steps_per_execution
+    local_cluster, partitioner, steps_per_execution
 ):
     if partitioner == "fixed2":
         partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
     x, y, params = _softmax_data(seed=1)
-    model = _softmax_model(_strategy(cluster, partitioner), params, steps_per_execution)
+    model = _softmax_model(
+        _strategy(local_cluster, partitioner), params, steps_per_execution
+    )
     replicas = downpour.install(model, downpour_schedule.DownpourConfig(1, 1, 0.5))
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE).repeat()
     model.fit(dataset, epochs=1, steps_per_epoch=STEPS, verbose=0)
@@ -258,8 +254,8 @@ def test_fit_with_n_fetch_n_push_1_is_sequential_adagrad(
     assert int(replicas.update_count.numpy()) == STEPS
 
 
-def test_install_errors(cluster):
-    strategy = strategy_lib.DistBeliefStrategy(cluster.resolver)
+def test_install_errors(local_cluster):
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(1, 2))
     with strategy.scope():
         model = tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(3,))])
     with pytest.raises(ValueError, match=r"`model` must be compiled"):
@@ -272,3 +268,83 @@ def test_install_errors(cluster):
         downpour.Downpour(strategy, [], model.optimizer, {"n_fetch": 1})
     with pytest.raises(TypeError, match=r"`strategy` must be a tf_distbelief"):
         downpour.enable(tf.distribute.get_strategy())
+
+
+# --- Two workers: cadence per replica, warm start, convergence ----------------
+
+
+def _two_worker_trainer(local_cluster, config, steps):
+    x, y, params = _softmax_data(seed=2)
+    model = _softmax_model(_strategy(local_cluster, num_workers=2), params)
+    trainer = downpour.DownpourTrainer(model, config)
+    iterator = iter(
+        trainer.per_worker_dataset(
+            lambda: (
+                tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE).repeat()
+            )
+        )
+    )
+    for _ in range(steps):
+        trainer.step(iterator)
+    trainer.join()
+    return trainer
+
+
+def test_cadence_is_counted_per_replica(local_cluster):
+    config = downpour_schedule.DownpourConfig(3, 2, local_learning_rate=0.01)
+    trainer = _two_worker_trainer(local_cluster, config, steps=40)
+    stats = trainer.stats()
+    assert sum(s.steps for s in stats) == 40
+    for s in stats:
+        # Whichever steps the coordinator gave it, each replica keeps its own
+        # cadence.
+        assert s.fetches == downpour_schedule.num_fetches(s.steps, 3)
+        assert s.pushes == downpour_schedule.num_pushes(s.steps, 2)
+        assert s.dropped_pushes == 0
+        assert 0 <= s.max_staleness_seen <= s.staleness_sum
+    updates = int(trainer.downpour.update_count.numpy())
+    assert updates == sum(s.pushes for s in stats)
+
+
+def test_warm_start_trains_replica_0_only(local_cluster):
+    config = downpour_schedule.DownpourConfig(1, 1, warmstart_steps=10**6)
+    trainer = _two_worker_trainer(local_cluster, config, steps=20)
+    first, second = trainer.stats()
+    assert (second.steps, second.fetches, second.pushes) == (0, 0, 0)
+    assert first.steps == first.pushes > 0
+    assert first.staleness_sum == 0
+    assert int(trainer.downpour.update_count.numpy()) == first.pushes
+
+
+@pytest.mark.slow
+def test_digits_two_workers_reach_95_percent(local_cluster):
+    from models import digits
+
+    (x_train, y_train), (x_test, y_test) = digits.load_data()
+    strategy = _strategy(local_cluster, num_workers=2)
+    with strategy.scope():
+        model = digits.build_model()
+        model.compile(
+            adagrad.Adagrad(0.1),
+            loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        replicas = downpour.install(
+            model,
+            downpour_schedule.DownpourConfig(
+                n_fetch=4, n_push=4, local_learning_rate=0.05, warmstart_steps=20
+            ),
+        )
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((x_train, y_train))
+        .shuffle(len(x_train), seed=0)
+        .repeat()
+        .batch(32)
+    )
+    model.fit(dataset, epochs=6, steps_per_epoch=100, verbose=0)
+    w1, b1, w2, b2 = model.get_weights()
+    logits = np.maximum(x_test @ w1 + b1, 0) @ w2 + b2
+    accuracy = np.mean(np.argmax(logits, axis=1) == y_test)
+    assert accuracy >= 0.95
+    stats = replicas.stats()
+    assert all(s.pushes > 0 for s in stats)
+    assert sum(s.steps for s in stats) <= 600
