@@ -88,6 +88,20 @@ class Adagrad(tf_keras.optimizers.Adagrad):
             **kwargs,
         )
 
+    def _build_learning_rate(self, learning_rate):
+        if isinstance(learning_rate, (int, float)):
+            # tf_keras stores a number in floatx (float32): 0.1 would become
+            # 0.10000000149 and a float64 model would drift by 1.5e-8 relative
+            # per step. float64 holds every float the user can pass exactly.
+            with tf.init_scope():
+                return tf.Variable(
+                    float(learning_rate),
+                    name="learning_rate",
+                    dtype=tf.float64,
+                    trainable=False,
+                )
+        return super()._build_learning_rate(learning_rate)
+
     def update_step(self, gradient, variable):
         lr = tf.cast(self.learning_rate, variable.dtype)
         accumulator = self._accumulators[self._index_dict[self._var_key(variable)]]

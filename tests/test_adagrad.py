@@ -1,0 +1,116 @@
+"""AdaGrad on the ps shards (paper section 4.1) against NumPy, and its placement."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_distbelief import adagrad
+from tf_distbelief.strategy import DistBeliefStrategy
+
+
+def _numpy_adagrad(value, grads, lr, a0, eps):
+    """Independent reference: a = a0 + sum g^2; w -= lr g / (sqrt(a) + eps)."""
+    value = np.array(value, dtype=np.float64)
+    accumulator = np.full_like(value, a0)
+    for g in grads:
+        accumulator += g * g
+        value -= lr * g / (np.sqrt(accumulator) + eps)
+    return value
+
+
+def _apply(values, grads, **kwargs):
+    var = tf.Variable(np.asarray(values, np.float64), name="w")
+    opt = adagrad.Adagrad(**kwargs)
+    for g in grads:
+        opt.apply_gradients([(tf.constant(g, tf.float64), var)])
+    return var.numpy()
+
+
+def test_one_step_from_one():
+    result = _apply([1.0], [[1.0]], learning_rate=0.1,
+                    initial_accumulator_value=0.1, epsilon=1e-7)
+    np.testing.assert_allclose(result, [0.9046537502], rtol=0, atol=1e-10)
+
+
+def test_zero_gradient_with_zero_accumulator_stays_put():
+    result = _apply([0.5, -2.0], [[0.0, 0.0]] * 3, learning_rate=0.1,
+                    initial_accumulator_value=0.0, epsilon=1e-7)
+    assert np.all(np.isfinite(result))
+    np.testing.assert_array_equal(result, [0.5, -2.0])
+
+
+@pytest.mark.parametrize("a0,eps", [(0.1, 1e-7), (0.0, 1e-8), (1.0, 0.0)])
+def test_many_steps_match_numpy(a0, eps):
+    rng = np.random.default_rng(0)
+    value = rng.normal(size=5)
+    grads = rng.normal(size=(7, 5))
+    result = _apply(value, grads, learning_rate=0.3,
+                    initial_accumulator_value=a0, epsilon=eps)
+    np.testing.assert_allclose(
+        result, _numpy_adagrad(value, grads, 0.3, a0, eps), rtol=1e-12
+    )
+
+
+def test_pure_update_matches_numpy_reference():
+    value, accumulator = adagrad.adagrad_update(
+        np.array([1.0]), np.array([0.1]), np.array([1.0]), 0.1, 1e-7
+    )
+    np.testing.assert_allclose(value, [0.9046537502], atol=1e-10)
+    np.testing.assert_allclose(accumulator, [1.1])
+
+
+def test_sparse_rows_match_numpy():
+    var = tf.Variable(np.ones((4, 2)), name="table")
+    opt = adagrad.Adagrad(0.1, initial_accumulator_value=0.1, epsilon=1e-7)
+    grad = tf.IndexedSlices(tf.constant([[1.0, 2.0]], tf.float64), tf.constant([2]))
+    opt.apply_gradients([(grad, var)])
+    expected = np.ones((4, 2))
+    expected[2] = _numpy_adagrad([1.0, 1.0], [np.array([1.0, 2.0])], 0.1, 0.1, 1e-7)
+    np.testing.assert_allclose(var.numpy(), expected, rtol=1e-12)
+
+
+def test_negative_initial_accumulator_is_rejected():
+    with pytest.raises(
+        ValueError,
+        match=r"Argument `initial_accumulator_value` must be >= 0.*Received: -0.1",
+    ):
+        adagrad.Adagrad(0.1, initial_accumulator_value=-0.1)
+
+
+def test_negative_epsilon_is_rejected():
+    with pytest.raises(ValueError, match=r"Argument `epsilon` must be >= 0. Received: -1"):
+        adagrad.Adagrad(0.1, epsilon=-1)
+
+
+def test_accumulators_and_updates_live_on_each_shard(local_cluster):
+    strategy = DistBeliefStrategy(
+        local_cluster.resolver_for(num_workers=1, num_ps=2),
+        tf.distribute.experimental.partitioners.FixedShardsPartitioner(2),
+    )
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        var = tf.Variable(np.ones((4, 3)), name="w")
+        opt = adagrad.Adagrad(0.1, initial_accumulator_value=0.1, epsilon=1e-7)
+        opt.build(var.variables)
+    shard_devices = [v.device for v in var.variables]
+    assert shard_devices == [
+        "/job:ps/replica:0/task:0/device:CPU:0",
+        "/job:ps/replica:0/task:1/device:CPU:0",
+    ]
+    (accumulators,) = [a for a in opt.variables if hasattr(a, "variables")]
+    assert [a.device for a in accumulators.variables] == shard_devices
+
+    @tf.function
+    def step():
+        grads = tf.split(tf.ones((4, 3), tf.float64), [2, 2])
+        strategy.run(lambda: opt.apply_gradients(zip(grads, var.variables)))
+
+    coordinator.schedule(step)
+    coordinator.join()
+    np.testing.assert_allclose(var.numpy(), np.full((4, 3), 0.9046537502), atol=1e-10)
+    graph = step.get_concrete_function().graph
+    update_devices = sorted(
+        op.device for op in graph.get_operations()
+        if op.type == "ResourceApplyAdagradV2"
+    )
+    assert update_devices == shard_devices
