@@ -1,45 +1,30 @@
-"""Tests for tf_distbelief.ps_vectors on an in-process cluster (1 worker, 3 ps)."""
+"""Tests for tf_distbelief.ps_vectors on the shared local cluster (1 worker, 3 ps)."""
 
 import time
 
 import numpy as np
-import portpicker
 import pytest
 import scipy.optimize
 import sklearn.datasets
 import tensorflow as tf
 
 from tf_distbelief import lbfgs, ps_vectors
+from tf_distbelief import strategy as strategy_lib
 
 _NUM_WORKERS = 1
 _NUM_PS = 3
 _WORKER_DEVICE = "/job:worker/replica:0/task:0/device:CPU:0"
 
 
-@pytest.fixture(scope="module")
-def strategy():
-    """One in-process cluster and strategy for the module.
+@pytest.fixture
+def strategy(local_cluster):
+    """A strategy on the shared cluster's first worker and 3 ps tasks.
 
-    In-process servers cannot be stopped, and a process connects to one cluster, so
-    every test shares them (as TensorFlow's own parameter-server tests do).
+    A new view of the session's `local_cluster` per test (about 0.3 s): a process
+    can be connected to one cluster only, so no test makes servers of its own.
     """
-    jobs = {
-        "worker": [f"localhost:{portpicker.pick_unused_port()}"],
-        "ps": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(_NUM_PS)],
-    }
-    # The default inter-op pool deadlocks an in-process cluster on 2 cores.
-    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=_NUM_WORKERS + 1)
-    spec = tf.train.ClusterSpec(jobs)
-    for job, addresses in jobs.items():
-        for index in range(len(addresses)):
-            tf.distribute.Server(
-                spec, job_name=job, task_index=index, config=config, start=True
-            )
-    jobs["chief"] = [f"localhost:{portpicker.pick_unused_port()}"]
-    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(jobs), rpc_layer="grpc"
-    )
-    return tf.distribute.experimental.ParameterServerStrategy(
+    resolver = local_cluster.resolver_for(num_workers=_NUM_WORKERS, num_ps=_NUM_PS)
+    return strategy_lib.DistBeliefStrategy(
         resolver, tf.distribute.experimental.partitioners.FixedShardsPartitioner(3)
     )
 
