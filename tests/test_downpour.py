@@ -306,6 +306,19 @@ def test_cadence_is_counted_per_replica(local_cluster):
     assert updates == sum(s.pushes for s in stats)
 
 
+def test_max_staleness_drops_stale_pushes(local_cluster):
+    config = downpour_schedule.DownpourConfig(4, 1, max_staleness=0)
+    trainer = _two_worker_trainer(local_cluster, config, steps=40)
+    stats = trainer.stats()
+    for s in stats:
+        # Every step ends with a push, applied or dropped; a drop forces a
+        # fetch at the next step, on top of the every-4-steps cadence.
+        assert s.pushes + s.dropped_pushes == s.steps
+        assert s.fetches >= downpour_schedule.num_fetches(s.steps, 4)
+    updates = int(trainer.downpour.update_count.numpy())
+    assert updates == sum(s.pushes for s in stats)
+
+
 def test_warm_start_trains_replica_0_only(local_cluster):
     config = downpour_schedule.DownpourConfig(1, 1, warmstart_steps=10**6)
     trainer = _two_worker_trainer(local_cluster, config, steps=20)

@@ -3,9 +3,8 @@
 The step order is defined in `tf_distbelief.downpour_schedule` (with a NumPy
 reference); this module runs it on a parameter-server cluster:
 
-* every ps variable is wrapped (through the strategy's `variable_wrapper` hook)
-  in a `_DownpourVariable`, which reads as a substituted tensor while the
-  replica runs its forward pass, so the model computes at the replica's cache;
+* every ps variable is a `downpour_variables.DownpourVariable` (see `enable`),
+  which reads as the replica's cache during the forward pass;
 * each worker keeps its cache, its accumulator and its counters in
   `per_worker_variable=True` variables, so the cadence is counted by the worker
   that runs the step, whichever worker the coordinator hands it to;
@@ -28,108 +27,22 @@ Example with `fit`:
 
 from __future__ import annotations
 
-import contextlib
 import re
-import threading
 
 import tensorflow as tf
-from tensorflow.python.distribute import ps_values
 
+from tf_distbelief import downpour_variables
 from tf_distbelief.downpour_schedule import DownpourConfig, ReplicaStats
+from tf_distbelief.downpour_variables import enable
 
-__all__ = ["Downpour", "DownpourTrainer", "enable", "install"]
-
-_local = threading.local()
-
-
-def _substitutions() -> dict:
-    return getattr(_local, "values", None) or {}
-
-
-@contextlib.contextmanager
-def _substitute(pairs):
-    """Within the block, each `_DownpourVariable` in `pairs` reads as its tensor."""
-    previous = _substitutions()
-    _local.values = {**previous, **{id(v): t for v, t in pairs}}
-    try:
-        yield
-    finally:
-        _local.values = previous
-
-
-class _DownpourVariable(ps_values.CachingVariable):
-    """A ps variable whose reads can be redirected to a replica's cache."""
-
-    def _substituted(self):
-        return _substitutions().get(id(self))
-
-    def value(self):
-        value = self._substituted()
-        return super().value() if value is None else value
-
-    def read_value(self):
-        value = self._substituted()
-        return super().read_value() if value is None else value
-
-    def sparse_read(self, indices, name=None):
-        value = self._substituted()
-        if value is None:
-            return super().sparse_read(indices, name=name)
-        return tf.gather(value, indices, name=name)
-
-    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
-        value = self._substituted()
-        if value is None:
-            return super()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
-        if dtype is not None and not dtype.is_compatible_with(value.dtype):
-            raise ValueError(
-                f"Variable {self.name} of dtype {value.dtype.name} was requested "
-                f"as {dtype.name}."
-            )
-        return value
-
-
-def _wrap_variable(variable, **kwargs):
-    """The `variable_wrapper` hook: wraps ps variables, leaves per-worker ones."""
-    if kwargs.get("per_worker_variable") or isinstance(
-        variable, ps_values.PerWorkerVariable
-    ):
-        return variable
-    if isinstance(variable, tf.__internal__.distribute.ShardedVariable):
-        # Each shard becomes its own cached slice; the optimizer sees shards too.
-        for i, shard in enumerate(variable._variables):
-            variable._variables[i] = _wrap_variable(shard)
-        return variable
-    if type(variable) is ps_values.CachingVariable:
-        return _DownpourVariable(variable.get())
-    return variable
-
-
-def enable(strategy) -> None:
-    """Makes variables later created under `strategy.scope()` Downpour-capable.
-
-    Args:
-      strategy: a `tf_distbelief.DistBeliefStrategy`.
-
-    Raises:
-      TypeError: `strategy` has no `variable_wrapper` hook.
-    """
-    if not hasattr(strategy.extended, "variable_wrapper"):
-        raise TypeError(
-            "Argument `strategy` must be a tf_distbelief.DistBeliefStrategy (it "
-            f"needs the `variable_wrapper` hook). Received: {strategy!r}"
-        )
-    strategy.extended.variable_wrapper = _wrap_variable
-
-
-def _leaf_variables(variables) -> list:
-    leaves = []
-    for v in variables:
-        if isinstance(v, tf.__internal__.distribute.ShardedVariable):
-            leaves.extend(v.variables)
-        else:
-            leaves.append(v)
-    return leaves
+__all__ = [
+    "Downpour",
+    "DownpourConfig",
+    "DownpourTrainer",
+    "ReplicaStats",
+    "enable",
+    "install",
+]
 
 
 def _slug(name: str) -> str:
@@ -191,9 +104,9 @@ class Downpour:
         self.strategy = strategy
         self.config = config
         self.optimizer = optimizer
-        self.variables = _leaf_variables(variables)
+        self.variables = downpour_variables.leaf_variables(variables)
         for v in self.variables:
-            if not isinstance(v, _DownpourVariable):
+            if not isinstance(v, downpour_variables.DownpourVariable):
                 raise TypeError(
                     f"Variable {v.name} is not Downpour-capable ({type(v).__name__})."
                     " Call `tf_distbelief.downpour.enable(strategy)` before creating "
@@ -298,7 +211,7 @@ class Downpour:
             values = [_read(c, d) for c, d in zip(caches, dtypes)]
         with tf.GradientTape() as tape:
             tape.watch(values)
-            with _substitute(zip(self.variables, values)):
+            with downpour_variables.substitute(zip(self.variables, values)):
                 loss, outputs = forward_fn()
         grads = tape.gradient(
             loss, values, unconnected_gradients=tf.UnconnectedGradients.ZERO

@@ -1,0 +1,122 @@
+"""Downpour's variables: ps variables that can read as a replica's cache.
+
+`enable(strategy)` installs `DistBeliefStrategy`'s `variable_wrapper` hook so
+that every ps variable created afterwards under the strategy's scope is a
+`DownpourVariable`: a `tf.distribute` `CachingVariable` (what
+`ParameterServerStrategy` already wraps its variables in) whose reads return a
+given tensor while `substitute` is active in the tracing thread. Downpour runs
+the model's forward pass under `substitute`, with the replica's cached values
+watched by a `tf.GradientTape`, so the gradient is taken at the cache (Dean et
+al. 2012, section 4.1) and the model code is unchanged.
+
+Sharded variables (`ShardedVariable`) are wrapped shard by shard: each shard
+has its own cache, and the optimizer (which sees shards too) updates each on its
+ps task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import tensorflow as tf
+from tensorflow.python.distribute import ps_values
+
+__all__ = ["DownpourVariable", "enable", "leaf_variables", "substitute"]
+
+_local = threading.local()
+
+
+def _substitutions() -> dict:
+    return getattr(_local, "values", None) or {}
+
+
+@contextlib.contextmanager
+def substitute(pairs):
+    """Within the block, each `DownpourVariable` in `pairs` reads as its tensor.
+
+    Args:
+      pairs: `(DownpourVariable, tensor)` pairs, the tensor of the variable's
+        shape and dtype. Only reads traced in this thread are redirected.
+    """
+    previous = _substitutions()
+    _local.values = {**previous, **{id(v): t for v, t in pairs}}
+    try:
+        yield
+    finally:
+        _local.values = previous
+
+
+class DownpourVariable(ps_values.CachingVariable):
+    """A ps variable whose reads can be redirected to a replica's cache."""
+
+    def _substituted(self):
+        return _substitutions().get(id(self))
+
+    def value(self):
+        value = self._substituted()
+        return super().value() if value is None else value
+
+    def read_value(self):
+        value = self._substituted()
+        return super().read_value() if value is None else value
+
+    def sparse_read(self, indices, name=None):
+        value = self._substituted()
+        if value is None:
+            return super().sparse_read(indices, name=name)
+        return tf.gather(value, indices, name=name)
+
+    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+        value = self._substituted()
+        if value is None:
+            return super()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
+        if dtype is not None and not dtype.is_compatible_with(value.dtype):
+            raise ValueError(
+                f"Variable {self.name} of dtype {value.dtype.name} was requested "
+                f"as {dtype.name}."
+            )
+        return value
+
+
+def _wrap_variable(variable, **kwargs):
+    """The `variable_wrapper` hook: wraps ps variables, leaves per-worker ones."""
+    if kwargs.get("per_worker_variable") or isinstance(
+        variable, ps_values.PerWorkerVariable
+    ):
+        return variable
+    if isinstance(variable, tf.__internal__.distribute.ShardedVariable):
+        # Each shard becomes its own cached slice; the optimizer sees shards too.
+        for i, shard in enumerate(variable._variables):
+            variable._variables[i] = _wrap_variable(shard)
+        return variable
+    if type(variable) is ps_values.CachingVariable:
+        return DownpourVariable(variable.get())
+    return variable
+
+
+def enable(strategy) -> None:
+    """Makes variables later created under `strategy.scope()` Downpour-capable.
+
+    Args:
+      strategy: a `tf_distbelief.DistBeliefStrategy`.
+
+    Raises:
+      TypeError: `strategy` has no `variable_wrapper` hook.
+    """
+    if not hasattr(strategy.extended, "variable_wrapper"):
+        raise TypeError(
+            "Argument `strategy` must be a tf_distbelief.DistBeliefStrategy (it "
+            f"needs the `variable_wrapper` hook). Received: {strategy!r}"
+        )
+    strategy.extended.variable_wrapper = _wrap_variable
+
+
+def leaf_variables(variables) -> list:
+    leaves = []
+    for v in variables:
+        if isinstance(v, tf.__internal__.distribute.ShardedVariable):
+            leaves.extend(v.variables)
+        else:
+            leaves.append(v)
+    return leaves
