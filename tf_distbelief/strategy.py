@@ -33,6 +33,14 @@ KERAS3_MESSAGE = (
 )
 
 
+class Keras3Error(RuntimeError):
+    """A Keras 3 model or optimizer was used with `DistBeliefStrategy`.
+
+    A RuntimeError rather than a TypeError so that Keras 3's deserialization,
+    which rewrites TypeErrors, passes the message through unchanged.
+    """
+
+
 def default_partitioner(num_ps: int, min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES):
     """Returns the default variable partitioner for `num_ps` ps tasks.
 
@@ -70,7 +78,7 @@ class _DistBeliefExtended(parameter_server_strategy_v2.ParameterServerStrategyV2
 
     def _create_variable(self, next_creator, **kwargs):
         if _called_from_keras3():
-            raise TypeError(KERAS3_MESSAGE)
+            raise Keras3Error(KERAS3_MESSAGE)
         variable = super()._create_variable(next_creator, **kwargs)
         if self.variable_wrapper is not None:
             variable = self.variable_wrapper(variable, **kwargs)
@@ -110,8 +118,9 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
     Raises:
       ClusterConfigError: the cluster is invalid, or there is no cluster at all
         (start a `LocalCluster`).
-      TypeError: `variable_partitioner` is not callable, or a Keras 3 model
-        creates variables under this strategy's scope.
+      TypeError: `variable_partitioner` is not callable.
+      Keras3Error: a Keras 3 model, optimizer or metric creates variables under
+        this strategy's scope, or Keras 3 `fit` distributes a dataset with it.
     """
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None):
@@ -149,10 +158,10 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
 
     def experimental_distribute_dataset(self, dataset, options=None):
         if _called_from_keras3():
-            raise TypeError(KERAS3_MESSAGE)
+            raise Keras3Error(KERAS3_MESSAGE)
         return super().experimental_distribute_dataset(dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         if _called_from_keras3():
-            raise TypeError(KERAS3_MESSAGE)
+            raise Keras3Error(KERAS3_MESSAGE)
         return super().distribute_datasets_from_function(dataset_fn, options)

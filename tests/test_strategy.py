@@ -1,0 +1,131 @@
+"""DistBeliefStrategy: sharding over ps tasks, embedding lookups, bad input."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from models import embedding
+from tf_distbelief import strategy as strategy_lib
+
+PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
+PS1 = "/job:ps/replica:0/task:1/device:CPU:0"
+VOCAB, DIM = 100_000, 64  # A 25.6 MB float32 table.
+
+
+def _loopback_bytes():
+    """Bytes through the loopback interface (received side), from the kernel."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return int(rest.split()[0])
+    raise AssertionError("no loopback interface in /proc/net/dev")
+
+
+@pytest.fixture(scope="module")
+def two_ps(local_cluster):
+    strategy = strategy_lib.DistBeliefStrategy(
+        local_cluster.resolver_for(num_workers=1, num_ps=2),
+        tf.distribute.experimental.partitioners.FixedShardsPartitioner(2),
+    )
+    with strategy.scope():
+        model = embedding.build_model(vocab_size=VOCAB, embedding_dim=DIM)
+        model.build((None, 8))
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    return strategy, coordinator, model
+
+
+def test_embedding_and_dense_are_sharded_over_two_ps(two_ps):
+    _, _, model = two_ps
+    table = model.get_layer("embedding").embeddings
+    kernel = model.get_layer("logits").kernel
+    # Shards go round-robin over the ps tasks (TF's placement), so shard 0 of a
+    # variable may sit on either ps; each ps holds exactly one shard.
+    assert [v.shape.as_list() for v in table.variables] == [[VOCAB // 2, DIM]] * 2
+    assert sorted(v.device for v in table.variables) == [PS0, PS1]
+    assert [v.shape.as_list() for v in kernel.variables] == [[DIM // 2, 10]] * 2
+    assert sorted(v.device for v in kernel.variables) == [PS0, PS1]
+
+
+def test_embedding_lookup_moves_only_the_looked_up_rows(two_ps):
+    _, coordinator, model = two_ps
+    table = model.get_layer("embedding").embeddings
+    ids = tf.constant([3, 70_000, 12, 99_999], tf.int64)
+
+    @tf.function
+    def lookup():
+        return tf.nn.embedding_lookup(table, ids)
+
+    @tf.function
+    def read_all():
+        return tf.reduce_sum(tf.convert_to_tensor(table))
+
+    coordinator.schedule(lookup).fetch()  # Trace and warm up outside the count.
+    coordinator.schedule(read_all).fetch()
+    before = _loopback_bytes()
+    rows = coordinator.schedule(lookup).fetch()
+    lookup_bytes = _loopback_bytes() - before
+    before = _loopback_bytes()
+    coordinator.schedule(read_all).fetch()
+    read_bytes = _loopback_bytes() - before
+
+    table_bytes = VOCAB * DIM * 4
+    expected = np.concatenate([v.numpy() for v in table.variables])[ids.numpy()]
+    np.testing.assert_array_equal(rows, expected)
+    assert read_bytes >= table_bytes  # The worker pulled both shards whole.
+    assert lookup_bytes < table_bytes / 100, (lookup_bytes, table_bytes)
+    # Each shard is read by a gather of its own handle (resource ops run where
+    # the resource lives: on that ps), and no op reads a shard whole.
+    graph = lookup.get_concrete_function().graph
+    captured = {id(internal): external for external, internal in graph.captures}
+    gathers = [op for op in graph.get_operations() if op.type == "ResourceGather"]
+    gathered = sorted(captured[id(op.inputs[0])].device for op in gathers)
+    assert gathered == [PS0, PS1]
+    assert not [op for op in graph.get_operations() if op.type == "ReadVariableOp"]
+
+
+def test_default_partitioner_keeps_small_variables_whole(local_cluster):
+    strategy = strategy_lib.DistBeliefStrategy(
+        local_cluster.resolver_for(num_workers=1, num_ps=3)
+    )
+    with strategy.scope():
+        big = tf.Variable(tf.zeros([3000, 100]))  # 1.2 MB: 3 shards.
+        small = tf.Variable(tf.zeros([10]))
+    assert len(big.variables) == 3
+    assert [v.shape[0] for v in big.variables] == [1000, 1000, 1000]
+    assert not hasattr(small, "variables")
+    assert strategy.num_ps == 3 and strategy.num_workers == 1
+
+
+def test_partitioner_must_be_callable(local_cluster):
+    with pytest.raises(
+        TypeError, match=r"Argument `variable_partitioner` must be .*Received: 2"
+    ):
+        strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(), 2)
+
+
+def test_no_cluster_is_a_clear_error(clean_tf_config):
+    with pytest.raises(ValueError, match=r"No cluster: pass a ClusterResolver"):
+        strategy_lib.DistBeliefStrategy()
+
+
+def test_keras3_model_fails_with_a_named_error(local_cluster):
+    import keras  # Keras 3, what `tf.keras` is in TF 2.21.
+
+    strategy = strategy_lib.DistBeliefStrategy(
+        local_cluster.resolver_for(num_workers=1, num_ps=1)
+    )
+    with pytest.raises(strategy_lib.Keras3Error, match=r"does not support Keras 3.*tf_keras"):
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
+            model.compile(optimizer="sgd", loss="mse")
+    model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
+    with pytest.raises(strategy_lib.Keras3Error, match=r"does not support Keras 3"):
+        with strategy.scope():
+            model.compile(optimizer="sgd", loss="mse")
+    # tf_keras, the supported Keras, builds under the same scope.
+    with strategy.scope():
+        tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(4,))]).compile(
+            optimizer="sgd", loss="mse"
+        )
