@@ -1,4 +1,4 @@
-"""Devices and partition arithmetic for model parallelism.
+"""Devices for model parallelism: listing, server set-up, placement.
 
 DistBelief splits one model replica over several machines: each partition owns a
 slice of every layer's units and only activations on edges that cross a partition
