@@ -9,11 +9,15 @@ With `TF_CONFIG` the same command runs on every machine; each task does its part
 """
 
 import dataclasses
+import os
 
-from absl import app, flags
+# Before TensorFlow loads: keep its C++ INFO/WARNING lines out of the progress.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from tf_distbelief import job
-from tf_distbelief import strategy as strategy_lib
+from absl import app, flags  # noqa: E402
+
+from tf_distbelief import job  # noqa: E402
+from tf_distbelief import strategy as strategy_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -72,7 +76,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     fields = {f.name for f in dataclasses.fields(job.JobConfig)}
-    job.run(job.JobConfig(**{name: FLAGS[name].value for name in fields}))
+    job.main(job.JobConfig(**{name: FLAGS[name].value for name in fields}))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
 
 import tensorflow as tf
@@ -271,3 +273,21 @@ def run(config: JobConfig, print_fn=print) -> dict | None:
             f"Received: {task_type!r}"
         )
     return train(config, resolver, print_fn)
+
+
+def main(config: JobConfig) -> None:
+    """Runs `run(config)` for a launch script, then ends the process at once.
+
+    TensorFlow's interpreter teardown tries to remove functions from the cluster
+    tasks that `run` has already ended, and logs an error per task; ending the
+    process after flushing skips that teardown. Errors propagate as usual.
+
+    Args:
+      config: the job.
+    """
+    tf.get_logger().setLevel("WARNING")
+    logging.set_verbosity(logging.WARNING)
+    run(config)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

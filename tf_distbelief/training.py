@@ -67,8 +67,9 @@ class Progress(tf_keras.callbacks.Callback):
 
     tf_keras refuses `verbose=1` under parameter-server training, and its batch
     logs are remote values; this callback prints every `log_every_steps` steps
-    (steps and examples/s, no synchronisation) and at each epoch end (plus the
-    epoch's loss and metrics), and writes the epoch scalars to TensorBoard.
+    (steps scheduled and seconds, no synchronisation) and at each epoch end
+    (steps done, loss, metrics and examples/s), and writes the epoch scalars to
+    TensorBoard.
 
     Args:
       batch_size: examples per step, for examples/s.
@@ -104,11 +105,11 @@ class Progress(tf_keras.callbacks.Callback):
         self._epoch_steps = batch + 1
         self.steps_done += steps
         if self.log_every_steps and self.steps_done % self.log_every_steps < steps:
-            secs = time.monotonic() - self._epoch_start
+            # Steps are scheduled asynchronously: this counts steps handed to
+            # workers; the epoch line below reports finished work.
             self.print_fn(
-                f"step {self.steps_done}: "
-                f"{self._epoch_steps * self.batch_size / max(secs, 1e-9):.0f} "
-                "examples/s"
+                f"step {self.steps_done} scheduled, "
+                f"{time.monotonic() - self._start:.1f} s"
             )
 
     def on_epoch_end(self, epoch, logs=None):
@@ -223,7 +224,8 @@ def fit(
             except (AssertionError, ValueError, tf.errors.OpError) as e:
                 raise ValueError(
                     f"The checkpoint {manager.latest_checkpoint} in `model_dir` "
-                    f"{model_dir!r} does not match this model ({e}). Use another "
+                    f"{model_dir!r} does not match this model "
+                    f"({' '.join(str(e).split())[:300]}). Use another "
                     "`model_dir`; nothing was deleted."
                 ) from None
             initial_epoch = int(epoch_var.numpy())
