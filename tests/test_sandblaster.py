@@ -1,0 +1,408 @@
+"""Sandblaster L-BFGS: pure bookkeeping, then runs on the shared local cluster.
+
+Cluster tests use the session's `local_cluster` (2 workers, 3 ps) through
+`resolver_for`, so "1 to 3 workers" is tested with 1 and 2 workers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+import scipy.optimize
+import tensorflow as tf
+import tf_keras
+
+import models.digits
+from tf_distbelief import flat_params, lbfgs, ps_vectors, sandblaster
+from tf_distbelief import sandblaster_schedule as schedule_lib
+from tf_distbelief import strategy as strategy_lib
+
+# Exactly representable in float32, so tf_keras's float32 regularisation
+# constant equals the NumPy reference's: kernel penalty `L2 * sum(W ** 2)`.
+L2 = 2.0**-6
+NUM_CLASSES = 10
+CE = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+# --- Pure: portions, ledger, slots, flat layout -------------------------------
+
+
+def test_portion_bounds():
+    assert schedule_lib.portion_bounds(10, 3) == [0, 4, 7, 10]
+    assert schedule_lib.portion_bounds(4, 4) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"`portions` must be in \[1, 5\].*: 6"):
+        schedule_lib.portion_bounds(5, 6)
+    with pytest.raises(TypeError, match=r"`portions` must be an int.*2.0"):
+        schedule_lib.portion_bounds(5, 2.0)
+
+
+def test_ledger_accepts_first_copy_only():
+    ledger = schedule_lib.PortionLedger(3, max_copies=2)
+    for p in range(3):
+        assert ledger.scheduled(p) == 0
+    assert ledger.backups_wanted(idle_workers=0) == []
+    assert ledger.finish(1, "p1-primary")
+    assert ledger.backups_wanted(idle_workers=5) == [0, 2]
+    assert ledger.scheduled(2) == 1
+    assert ledger.backups_wanted(idle_workers=5) == [0]  # 2 has its 2 copies
+    assert ledger.finish(2, "p2-backup")
+    assert not ledger.finish(2, "p2-primary")  # the second copy is dropped
+    assert not ledger.complete and ledger.outstanding == [0]
+    assert ledger.finish(0, "p0")
+    assert ledger.complete
+    assert ledger.accepted == ["p0", "p1-primary", "p2-backup"]
+    assert schedule_lib.PortionLedger(2, max_copies=1).backups_wanted(4) == []
+
+
+def test_slot_pool_lends_each_slot_once():
+    pool = schedule_lib.SlotPool(2)
+    a, b = pool.acquire(), pool.acquire()
+    assert {a, b} == {0, 1} and pool.num_free == 0
+    with pytest.raises(RuntimeError, match="No free gradient slot"):
+        pool.acquire()
+    pool.release(a)
+    with pytest.raises(ValueError, match="not lent out"):
+        pool.release(a)
+    assert pool.acquire() == a
+
+
+def _logistic_model(dtype="float64"):
+    return tf_keras.Sequential(
+        [
+            tf_keras.layers.InputLayer(input_shape=(64,), dtype=dtype),
+            tf_keras.layers.Dense(
+                NUM_CLASSES,
+                dtype=dtype,
+                kernel_initializer="zeros",
+                kernel_regularizer=tf_keras.regularizers.L2(L2),
+            ),
+        ]
+    )
+
+
+def test_flat_layout_and_evaluate_at():
+    model = _logistic_model()
+    layout = flat_params.FlatLayout(model)
+    assert layout.shapes == ((64, 10), (10,)) and layout.size == 650
+    vector = np.arange(650.0)
+    kernel, bias = layout.unflatten(vector)
+    np.testing.assert_array_equal(kernel, vector[:640].reshape(64, 10))
+    np.testing.assert_array_equal(layout.flatten([kernel, bias]), vector)
+
+    features = np.random.default_rng(0).normal(size=(3, 64))
+
+    @tf.function
+    def outputs_at(params):
+        with flat_params.evaluate_at(layout, params):
+            return model(features)
+
+    got = outputs_at(tf.constant(vector / 1000))
+    np.testing.assert_allclose(got, features @ kernel / 1000 + bias / 1000)
+    # The weights themselves were neither read nor written.
+    concrete = outputs_at.get_concrete_function(tf.TensorSpec([650], tf.float64))
+    assert not concrete.graph.external_captures
+    np.testing.assert_array_equal(layout.read(), np.zeros(650))
+    assert type(model.weights[0]).__name__ == "ResourceVariable"
+    with pytest.raises(ValueError, match="must be built"):
+        flat_params.FlatLayout(tf_keras.Sequential([tf_keras.layers.Dense(2)]))
+
+
+# --- NumPy reference ----------------------------------------------------------
+
+
+def _digits_train():
+    (x, y), _ = models.digits.load_data(dtype=np.float64)
+    return x, y
+
+
+def _numpy_portion_shares(w, x, y, bounds):
+    """Loss share and gradient of each portion, as Sandblaster defines them."""
+    kernel, bias = w[:640].reshape(64, NUM_CLASSES), w[640:]
+    shares = []
+    for begin, end in zip(bounds[:-1], bounds[1:]):
+        xs, ys = x[begin:end], y[begin:end]
+        z = xs @ kernel + bias
+        z = z - z.max(axis=1, keepdims=True)
+        log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        weight = (end - begin) / len(x)
+        loss = -log_p[np.arange(len(ys)), ys].sum() / len(x)
+        loss += weight * L2 * np.sum(kernel * kernel)
+        p = np.exp(log_p)
+        p[np.arange(len(ys)), ys] -= 1.0
+        grad_kernel = xs.T @ p / len(x) + weight * 2 * L2 * kernel
+        shares.append((loss, np.concatenate([grad_kernel.ravel(), p.sum(0) / len(x)])))
+    return shares
+
+
+def numpy_fun_and_grad(x, y, portions):
+    """The objective summed in Sandblaster's portion order.
+
+    The distributed run sums per-portion loss shares (exactly rounded) and
+    per-portion gradients, in portion order, whichever worker computed them.
+    Summing the reference the same way keeps the two within a few ulps per
+    evaluation, so the iterates agree to 1e-9 after tens of L-BFGS steps (with
+    one full-batch sum they still would: the problem is strongly convex).
+    """
+    bounds = schedule_lib.portion_bounds(len(x), portions)
+
+    def fun_and_grad(w):
+        shares = _numpy_portion_shares(w, x, y, bounds)
+        return math.fsum(s for s, _ in shares), np.sum([g for _, g in shares], axis=0)
+
+    return fun_and_grad
+
+
+def _full_batch_grad(w, x, y):
+    return numpy_fun_and_grad(x, y, 1)(w)
+
+
+EQUAL_PORTIONS = 8
+LBFGS_ARGS = {"m": 10, "max_iters": 200, "record_iterates": True}
+
+
+@pytest.fixture(scope="module")
+def numpy_reference():
+    x, y = _digits_train()
+    fun = numpy_fun_and_grad(x, y, EQUAL_PORTIONS)
+    result = lbfgs.minimize(fun, np.zeros(650), lbfgs.NumpyVectorOps(), **LBFGS_ARGS)
+    optimum = scipy.optimize.minimize(fun, np.zeros(650), jac=True, method="L-BFGS-B")
+    assert result.converged and optimum.success
+    return result, optimum
+
+
+# --- On the cluster -----------------------------------------------------------
+
+
+def _strategy(local_cluster, num_workers, num_ps):
+    resolver = local_cluster.resolver_for(num_workers=num_workers, num_ps=num_ps)
+    return strategy_lib.DistBeliefStrategy(resolver)
+
+
+def _ps_device(task):
+    return f"/job:ps/replica:0/task:{task}/device:CPU:0"
+
+
+# About 15-25 s per run on 2 busy cores; one configuration in the quick tier.
+@pytest.mark.parametrize(
+    "num_ps, num_workers",
+    [
+        pytest.param(1, 1, marks=pytest.mark.slow),
+        pytest.param(1, 2, marks=pytest.mark.slow),
+        pytest.param(2, 1, marks=pytest.mark.slow),
+        (2, 2),
+        pytest.param(3, 1, marks=pytest.mark.slow),
+        pytest.param(3, 2, marks=pytest.mark.slow),
+    ],
+)
+def test_distributed_matches_single_process(
+    local_cluster, numpy_reference, num_ps, num_workers
+):
+    reference, optimum = numpy_reference
+    x, y = _digits_train()
+    trainer = sandblaster.SandblasterTrainer(
+        _strategy(local_cluster, num_workers, num_ps),
+        _logistic_model(),
+        CE,
+        x,
+        y,
+        portions=EQUAL_PORTIONS,
+        history=LBFGS_ARGS["m"],
+    )
+    result = trainer.fit(max_iters=LBFGS_ARGS["max_iters"], record_iterates=True)
+
+    assert result.x.devices == tuple(_ps_device(i) for i in range(num_ps))
+    assert result.num_iters == reference.num_iters
+    assert result.num_evals == reference.num_evals
+    np.testing.assert_allclose(result.loss_history, reference.loss_history, rtol=1e-9)
+    # A zoomed step is a cubic minimiser, a ratio of loss differences: it
+    # amplifies the last-digit differences of the two sums (seen: 1e-9).
+    np.testing.assert_allclose(result.step_history, reference.step_history, rtol=1e-7)
+    errors = [
+        np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300)
+        for a, b in zip(result.iterate_history[1:], reference.iterate_history[1:])
+    ]
+    assert len(errors) == reference.num_iters
+    assert max(errors) <= 1e-9, max(errors)
+    # The trained weights are in the model.
+    weights = np.concatenate([w.ravel() for w in trainer.model.get_weights()])
+    np.testing.assert_allclose(weights, reference.x, rtol=1e-9, atol=1e-12)
+    # Against SciPy's L-BFGS-B on the same objective.
+    assert result.loss == pytest.approx(optimum.fun, rel=1e-6)
+    assert abs(result.num_iters - optimum.nit) <= 0.2 * optimum.nit
+    stats = trainer.stats
+    assert stats.evaluations == result.num_evals
+    assert stats.copies_accepted == EQUAL_PORTIONS * result.num_evals
+    assert set(stats.accepted_by_worker) <= set(range(num_workers))
+    trainer.objective.close()
+
+
+def test_exactly_once_with_straggler_and_backup_tasks(local_cluster):
+    """Worker 1 is 5x slower: its portions get backup copies on worker 0.
+
+    Whichever copies win, every evaluation's gradient is the full-batch one,
+    and each portion is accepted exactly once; losing copies are discarded.
+    """
+    x, y = _digits_train()
+    portions, evaluations = 16, 4
+    objective = sandblaster.SandblasterObjective(
+        _strategy(local_cluster, num_workers=2, num_ps=3),
+        _logistic_model(),
+        CE,
+        x,
+        y,
+        portions=portions,
+        backup_tasks=True,
+        straggler_worker=1,
+        straggler_slowdown=5.0,
+        straggler_delay_secs=0.02,
+    )
+    rng = np.random.default_rng(1)
+    for _ in range(evaluations):
+        w = rng.normal(size=650) * 0.1
+        loss, grad = objective(objective.ops.from_numpy(w))
+        ref_loss, ref_grad = _full_batch_grad(w, x, y)
+        assert loss == pytest.approx(ref_loss, rel=1e-12)
+        got = objective.ops.to_numpy(grad)
+        assert np.linalg.norm(got - ref_grad) <= 1e-12 * np.linalg.norm(ref_grad)
+
+    stats = objective.stats
+    assert stats.evaluations == evaluations
+    assert stats.portions_scheduled == portions * evaluations
+    assert stats.copies_accepted == portions * evaluations
+    assert stats.backup_copies_scheduled >= 1
+    # The fast worker did most portions (load balancing).
+    assert stats.accepted_by_worker.get(0, 0) > stats.accepted_by_worker.get(1, 0)
+    objective.join()  # Let the straggler's losing copies finish.
+    assert stats.copies_accepted + stats.copies_discarded == (
+        stats.portions_scheduled + stats.backup_copies_scheduled
+    )
+    assert stats.copies_discarded >= 1  # Both copies of a portion finished.
+    objective.close()
+
+
+def test_without_backup_tasks_no_copies(local_cluster):
+    x, y = _digits_train()
+    objective = sandblaster.SandblasterObjective(
+        _strategy(local_cluster, num_workers=2, num_ps=2),
+        _logistic_model(),
+        CE,
+        x,
+        y,
+        portions=8,
+        backup_tasks=False,
+    )
+    w = np.random.default_rng(2).normal(size=650) * 0.1
+    loss, grad = objective(objective.ops.from_numpy(w))
+    ref_loss, ref_grad = _full_batch_grad(w, x, y)
+    assert loss == pytest.approx(ref_loss, rel=1e-12)
+    np.testing.assert_allclose(objective.ops.to_numpy(grad), ref_grad, rtol=1e-10)
+    objective.close()
+    assert objective.stats.backup_copies_scheduled == 0
+    assert objective.stats.copies_discarded == 0
+
+
+def test_vectors_on_ps_and_coordinator_moves_only_scalars(local_cluster, monkeypatch):
+    x, y = _digits_train()
+    num_ps = 3
+    trainer = sandblaster.SandblasterTrainer(
+        _strategy(local_cluster, num_workers=2, num_ps=num_ps),
+        _logistic_model(),
+        CE,
+        x,
+        y,
+        portions=8,
+    )
+    objective = trainer.objective
+    ps = tuple(_ps_device(i) for i in range(num_ps))
+    assert objective.grad.devices == ps
+    assert tuple(s.device for s in objective._slots) == ps
+
+    # What a portion returns to the coordinator: two scalars.
+    portion_fn = objective.portion_function
+    assert [t.shape.rank for t in portion_fn.outputs] == [0, 0]
+    # Its only writes go to the gradient slots, on the ps.
+    writes = [
+        op for op in portion_fn.graph.get_operations() if op.type.startswith("Resource")
+    ]
+    assert [op.type for op in writes] == ["ResourceScatterUpdate"] * num_ps
+    # The reduction runs on the ps and returns nothing.
+    reduce_graph = sandblaster._reduce_slots.get_concrete_function(
+        objective.grad.devices,
+        objective._slots,
+        objective.grad.shards,
+        tf.constant([0] * 8, tf.int32),
+    ).graph
+    pinned = {
+        op.device
+        for op in reduce_graph.get_operations()
+        if op.type not in ("Placeholder", "NoOp", "Identity", "ReadVariableOp")
+    }
+    assert pinned == set(ps) and not reduce_graph.outputs
+
+    # Per iteration, no whole vector passes through the coordinator: only the
+    # start point (pushed) and the result (pulled) do, once per `fit`.
+    moved = []
+    for name in ("from_numpy", "to_numpy"):
+        original = getattr(ps_vectors.PsVectorOps, name)
+
+        def counted(self, *args, _name=name, _original=original):
+            moved.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(ps_vectors.PsVectorOps, name, counted)
+    result = trainer.fit(max_iters=5)
+    assert result.num_iters == 5
+    assert moved == ["from_numpy", "to_numpy"]
+    trainer.objective.close()
+
+
+@pytest.mark.slow
+def test_digits_mlp_accuracy(local_cluster):
+    """The launch script's digits MLP (float32, compiled) trained by Sandblaster."""
+    (x, y), (x_test, y_test) = models.digits.load_data()
+    model = models.digits.build_model(hidden_units=32)
+    model.compile(loss=CE)
+    start = time.monotonic()
+    trainer = sandblaster.SandblasterTrainer(
+        _strategy(local_cluster, num_workers=2, num_ps=2),
+        model,
+        None,  # The compiled loss.
+        x,
+        y,
+        portions=16,
+        history=10,
+    )
+    result = trainer.fit(max_iters=60)
+    elapsed_secs = time.monotonic() - start
+    accuracy = np.mean(np.argmax(model.predict(x_test, verbose=0), axis=1) == y_test)
+    assert accuracy >= 0.93, (accuracy, result.message)
+    assert elapsed_secs < 90
+    trainer.objective.close()
+
+
+def test_bad_arguments(local_cluster):
+    x, y = _digits_train()
+    strategy = _strategy(local_cluster, num_workers=1, num_ps=1)
+    with pytest.raises(ValueError, match=r"`loss_fn` is required.*Received: None"):
+        sandblaster.SandblasterObjective(strategy, _logistic_model(), None, x, y)
+    with pytest.raises(ValueError, match=r"`portions` must be in \[1, 1347\]"):
+        sandblaster.SandblasterObjective(
+            strategy, _logistic_model(), CE, x, y, portions=0
+        )
+    with pytest.raises(ValueError, match=r"same, non-zero number.*1347 and 3"):
+        sandblaster.SandblasterObjective(strategy, _logistic_model(), CE, x, y[:3])
+    with pytest.raises(ValueError, match=r"`straggler_slowdown` >= 1.*0.5"):
+        sandblaster.SandblasterObjective(
+            strategy, _logistic_model(), CE, x, y, straggler_slowdown=0.5
+        )
+    with pytest.raises(TypeError, match=r"`loss_fn` must be a tf_keras Loss"):
+        sandblaster.SandblasterObjective(strategy, _logistic_model(), 3, x, y)
+    with strategy.scope():
+        scoped = _logistic_model()
+    with pytest.raises(ValueError, match=r"built outside any distribution strategy"):
+        sandblaster.SandblasterObjective(strategy, scoped, CE, x, y)
+    with pytest.raises(ValueError, match=r"`x` and `y` \(the training set\)"):
+        sandblaster.SandblasterTrainer(strategy, _logistic_model(), CE)
