@@ -1,0 +1,179 @@
+"""The launch script and the cluster as separate OS processes (the slow tier).
+
+Processes are found by a marker in their environment, which every child
+inherits, so "no process left behind" is checked across the whole machine.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import portpicker
+import pytest
+
+from tf_distbelief import cluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+# The main job of README.md (without its install step).
+README_ARGS = ["--model=digits", "--optimizer=adagrad", "--num_workers=2", "--num_ps=2"]
+
+
+def _env(marker, **extra):
+    env = dict(os.environ, TFDB_TEST_MARKER=marker, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    env.update(extra)
+    return env
+
+
+def _marked_pids(marker):
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"TFDB_TEST_MARKER={marker}".encode() in f.read().split(b"\0"):
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def _wait_no_marked(marker, timeout_secs=30.0):
+    deadline = time.monotonic() + timeout_secs
+    while _marked_pids(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _marked_pids(marker)
+
+
+def _accuracy(output):
+    found = re.findall(r"^test accuracy: ([0-9.]+)$", output, re.MULTILINE)
+    assert found, output[-3000:]
+    return float(found[-1])
+
+
+@pytest.mark.slow
+def test_readme_main_job_trains_digits_and_leaves_no_process():
+    marker = uuid.uuid4().hex
+    proc = subprocess.run(
+        [sys.executable, TRAIN, *README_ARGS], env=_env(marker), cwd=ROOT,
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "local cluster: 2 workers, 2 ps" in proc.stdout
+    assert re.search(r"^epoch 5: steps 500 .*examples_per_sec=", proc.stdout, re.M)
+    assert _accuracy(proc.stdout) >= 0.95
+    assert _wait_no_marked(marker) == []
+
+
+@pytest.mark.parametrize(
+    "flag,message",
+    [
+        ("--num_workers=0", r"flag --num_workers=0: 0 is not a positive integer"),
+        ("--optimizer=adam", r"flag --optimizer=adam: value should be one of"),
+        ("--model=resnet", r"flag --model=resnet: value should be one of"),
+        ("--learning_rate=-1", r"flag --learning_rate=-1: -1.0 is not number >= 1e-12"),
+    ],
+)
+def test_bad_flags_fail_at_parse_time(flag, message):
+    marker = uuid.uuid4().hex
+    proc = subprocess.run(
+        [sys.executable, TRAIN, flag], env=_env(marker), cwd=ROOT,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert "local cluster" not in proc.stdout  # Nothing started.
+
+
+def test_bad_tf_config_fails_before_any_server():
+    marker = uuid.uuid4().hex
+    tf_config = json.dumps({"cluster": {"ps_hosts": ["127.0.0.1:1"]},
+                            "task": {"type": "ps", "index": 0}})
+    proc = subprocess.run(
+        [sys.executable, TRAIN], env=_env(marker, TF_CONFIG=tf_config), cwd=ROOT,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1
+    assert "Unknown job name(s) ['ps_hosts']" in proc.stderr
+
+
+def test_taken_port_is_a_clear_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        local = cluster.LocalCluster(num_workers=1, num_ps=1,
+                                     ports={"worker": [port]})
+        with pytest.raises(
+            cluster.ClusterStartError,
+            match=rf"Local task worker:0 at 127.0.0.1:{port} exited with code 1 "
+            rf"before listening \(port {port} is already in use\)",
+        ):
+            local.start()
+    assert all(p.poll() is not None for p in local.processes.values())
+
+
+@pytest.mark.slow
+def test_killed_chief_leaves_no_process():
+    marker = uuid.uuid4().hex
+    script = textwrap.dedent("""
+        import time
+        from tf_distbelief import cluster
+        cluster.LocalCluster(num_workers=2, num_ps=1).start()
+        print("up", flush=True)
+        time.sleep(600)
+    """)
+    chief = subprocess.Popen([sys.executable, "-c", script], env=_env(marker),
+                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert chief.stdout.readline().strip() == "up"
+        assert len(_marked_pids(marker)) == 4  # The chief and its 3 tasks.
+        chief.send_signal(signal.SIGKILL)
+        chief.wait(30)
+        assert _wait_no_marked(marker) == []
+    finally:
+        chief.kill()
+
+
+@pytest.mark.slow
+def test_tf_config_cluster_of_separate_processes(tmp_path):
+    """chief, 2 workers and 2 ps, each `launch/train.py` with its own TF_CONFIG."""
+    marker = uuid.uuid4().hex
+    jobs = {
+        "chief": [f"127.0.0.1:{portpicker.pick_unused_port()}"],
+        "worker": [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(2)],
+        "ps": [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(2)],
+    }
+    procs = {}
+    try:
+        for job in ("ps", "worker", "chief"):
+            for index in range(len(jobs[job])):
+                tf_config = json.dumps(
+                    {"cluster": jobs, "task": {"type": job, "index": index}}
+                )
+                procs[(job, index)] = subprocess.Popen(
+                    [sys.executable, TRAIN, "--model=digits", "--chief_gone_secs=3",
+                     f"--model_dir={tmp_path}"],
+                    env=_env(marker, TF_CONFIG=tf_config), cwd=ROOT,
+                    stdout=open(tmp_path / f"{job}{index}.out", "w"),
+                    stderr=subprocess.STDOUT,
+                )
+        chief = procs[("chief", 0)]
+        assert chief.wait(900) == 0, (tmp_path / "chief0.out").read_text()[-3000:]
+        output = (tmp_path / "chief0.out").read_text()
+        assert "local cluster" not in output
+        assert _accuracy(output) >= 0.95
+        # Servers end by themselves once the chief is gone (--chief_gone_secs).
+        for key, proc in procs.items():
+            assert proc.wait(60) == 0, key
+        assert _wait_no_marked(marker) == []
+    finally:
+        for proc in procs.values():
+            proc.kill()
