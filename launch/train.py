@@ -70,6 +70,38 @@ def define_flags() -> None:
         "ps/worker tasks (TF_CONFIG) exit once the chief has been gone this many "
         "seconds; unset: serve until SIGTERM.", lower_bound=0.0,
     )
+    flags.DEFINE_bool(
+        "downpour", d.downpour,
+        "Downpour SGD (paper section 4.1): each worker keeps a parameter cache, "
+        "fetches every --n_fetch steps and pushes every --n_push steps.",
+    )
+    flags.DEFINE_integer("n_fetch", d.n_fetch, "Downpour: steps between fetches.",
+                         lower_bound=1)
+    flags.DEFINE_integer("n_push", d.n_push, "Downpour: steps between pushes.",
+                         lower_bound=1)
+    flags.DEFINE_float("local_learning_rate", d.local_learning_rate,
+                       "Downpour: SGD step on each worker's cache (0: none).",
+                       lower_bound=0.0)
+    flags.DEFINE_integer("warmstart_steps", d.warmstart_steps,
+                         "Downpour: steps worker 0 trains alone first.",
+                         lower_bound=0)
+    flags.DEFINE_integer("max_staleness", d.max_staleness,
+                         "Downpour: drop pushes staler than this many ps updates "
+                         "(unset: apply all).", lower_bound=0)
+
+    @flags.multi_flags_validator(
+        ["downpour", "n_fetch", "n_push", "local_learning_rate", "warmstart_steps",
+         "max_staleness"],
+        message="--n_fetch, --n_push, --local_learning_rate, --warmstart_steps and "
+        "--max_staleness are Downpour settings: add --downpour.",
+    )
+    def _downpour_flags_need_downpour(values):
+        if values["downpour"]:
+            return True
+        return (values["n_fetch"], values["n_push"], values["local_learning_rate"],
+                values["warmstart_steps"], values["max_staleness"]) == (
+                    d.n_fetch, d.n_push, d.local_learning_rate, d.warmstart_steps,
+                    d.max_staleness)
 
 
 def main(argv):

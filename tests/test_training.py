@@ -89,9 +89,14 @@ class _KillWorkerAfterFirstEpoch(tf_keras.callbacks.Callback):
 
 
 @pytest.mark.slow
-def test_sigkill_of_a_worker_during_fit_does_not_stop_training(local_cluster, data):
+@pytest.mark.parametrize("downpour", [False, True], ids=["stock", "downpour"])
+def test_sigkill_of_a_worker_during_fit_does_not_stop_training(
+    local_cluster, data, downpour
+):
     (x_train, y_train), (x_test, y_test) = data
-    config = job.JobConfig(num_workers=2, num_ps=2, epochs=4, steps_per_epoch=100)
+    config = job.JobConfig(num_workers=2, num_ps=2, epochs=4, steps_per_epoch=100,
+                           downpour=downpour, n_fetch=4 if downpour else 1,
+                           n_push=4 if downpour else 1)
     model = _compiled(local_cluster, config)
     killer = _KillWorkerAfterFirstEpoch(local_cluster)
     try:

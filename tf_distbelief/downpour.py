@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 
 import tensorflow as tf
+import tf_keras
 
 from tf_distbelief import downpour_variables
 from tf_distbelief.downpour_schedule import DownpourConfig, ReplicaStats
@@ -38,6 +39,7 @@ from tf_distbelief.downpour_variables import enable
 __all__ = [
     "Downpour",
     "DownpourConfig",
+    "DownpourMetrics",
     "DownpourTrainer",
     "ReplicaStats",
     "enable",
@@ -430,3 +432,50 @@ class DownpourTrainer:
     def stats(self) -> list[ReplicaStats]:
         """Each replica's counters, after `join()`; see `Downpour.stats`."""
         return self.downpour.stats()
+
+
+class DownpourMetrics(tf_keras.callbacks.Callback):
+    """Adds each epoch's Downpour figures to the `fit` logs (and so TensorBoard).
+
+    At every epoch end it reads the replicas' counters (`Downpour.stats`) and
+    writes the epoch's figures, replacing the last-step values that
+    `train_step` logs:
+
+    * `replica{i}/staleness`: mean staleness of replica i's pushes in the epoch
+      (ps updates by other replicas between its fetch and its push);
+    * `replica{i}/steps`: steps replica i ran in the epoch;
+    * `bytes_fetched_per_step`, `bytes_pushed_per_step`: parameter bytes moved
+      per step over all replicas (tensor sizes; `benchmarks/downpour_bench.py`
+      checks them against socket counters).
+
+    Put it before the callback that prints or writes the logs.
+
+    Args:
+      replicas: the `Downpour` object `install` returned.
+    """
+
+    def __init__(self, replicas: Downpour):
+        super().__init__()
+        self.replicas = replicas
+        self._last: list[ReplicaStats] = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        now = self.replicas.stats()
+        last = self._last or [ReplicaStats() for _ in now]
+        self._last = now
+        steps = fetched = pushed = 0
+        for i, (a, b) in enumerate(zip(now, last)):
+            d_steps, d_pushes = a.steps - b.steps, a.pushes - b.pushes
+            d_dropped = a.dropped_pushes - b.dropped_pushes
+            stale = a.staleness_sum - b.staleness_sum
+            logs[f"replica{i}/steps"] = d_steps
+            logs[f"replica{i}/staleness"] = stale / max(d_pushes + d_dropped, 1)
+            steps += d_steps
+            fetched += a.bytes_fetched - b.bytes_fetched
+            pushed += a.bytes_pushed - b.bytes_pushed
+        for key in ("staleness", "bytes_fetched", "bytes_pushed"):
+            logs.pop(key, None)
+        logs["bytes_fetched_per_step"] = fetched / max(steps, 1)
+        logs["bytes_pushed_per_step"] = pushed / max(steps, 1)

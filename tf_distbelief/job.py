@@ -17,7 +17,7 @@ import tf_keras
 from absl import logging
 
 import models
-from tf_distbelief import adagrad, cluster, training
+from tf_distbelief import adagrad, cluster, downpour, training
 from tf_distbelief import strategy as strategy_lib
 
 MODELS = tuple(models.MODELS)
@@ -51,6 +51,13 @@ class JobConfig:
       seed: model initialisation and data seed.
       chief_gone_secs: a ps/worker task exits once the chief has been gone this
         long (None: serve until SIGTERM).
+      downpour: train with Downpour SGD (section 4.1: a parameter cache per
+        worker) instead of TensorFlow's stock parameter-server training.
+      n_fetch: Downpour: steps between fetches, >= 1.
+      n_push: Downpour: steps between pushes, >= 1.
+      local_learning_rate: Downpour: SGD step on each worker's cache, >= 0.
+      warmstart_steps: Downpour: steps worker 0 trains alone first, >= 0.
+      max_staleness: Downpour: drop pushes staler than this (None: never).
     """
 
     model: str = "digits"
@@ -72,6 +79,12 @@ class JobConfig:
     speech_classes: int = 8192
     seed: int = 0
     chief_gone_secs: float | None = None
+    downpour: bool = False
+    n_fetch: int = 1
+    n_push: int = 1
+    local_learning_rate: float = 0.05
+    warmstart_steps: int = 0
+    max_staleness: int | None = None
 
     def validate(self) -> JobConfig:
         """Checks every field; returns self.
@@ -100,12 +113,33 @@ class JobConfig:
             raise ValueError(
                 f"`learning_rate` must be > 0. Received: {self.learning_rate!r}"
             )
+        if not self.downpour:
+            for name, default in (("n_fetch", 1), ("n_push", 1),
+                                  ("local_learning_rate", 0.05),
+                                  ("warmstart_steps", 0), ("max_staleness", None)):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"`{name}` is a Downpour setting: it needs `downpour=True` "
+                        f"(--downpour). Received: {name}={getattr(self, name)!r}"
+                    )
+        if self.downpour:
+            self.downpour_config()  # Raises on a bad Downpour setting.
         for name in ("initial_accumulator_value", "epsilon", "log_every_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(
                     f"`{name}` must be >= 0. Received: {getattr(self, name)!r}"
                 )
         return self
+
+    def downpour_config(self) -> downpour.DownpourConfig:
+        """Returns the `DownpourConfig` of a job with `downpour=True`."""
+        return downpour.DownpourConfig(
+            n_fetch=self.n_fetch,
+            n_push=self.n_push,
+            local_learning_rate=self.local_learning_rate,
+            warmstart_steps=self.warmstart_steps,
+            max_staleness=self.max_staleness,
+        )
 
 
 def make_partitioner(name: str, num_ps: int, shard_bytes: int):
@@ -152,7 +186,13 @@ def build_optimizer(config: JobConfig) -> tf_keras.optimizers.Optimizer:
 
 
 def compile_model(config: JobConfig, strategy) -> tf_keras.Model:
-    """Builds and compiles the model under `strategy`'s scope."""
+    """Builds and compiles the model under `strategy`'s scope.
+
+    With `config.downpour`, Downpour is enabled on `strategy` first and installed
+    on the compiled model; its `Downpour` object is `model.downpour`.
+    """
+    if config.downpour:
+        downpour.enable(strategy)
     with strategy.scope():
         model = build_model(config)
         model.compile(
@@ -161,6 +201,8 @@ def compile_model(config: JobConfig, strategy) -> tf_keras.Model:
             metrics=["accuracy"],
             steps_per_execution=config.steps_per_execution,
         )
+        if config.downpour:
+            model.downpour = downpour.install(model, config.downpour_config())
     return model
 
 
@@ -183,6 +225,7 @@ def train(config: JobConfig, cluster_resolver, print_fn=print) -> dict:
         make_partitioner(config.partitioner, num_ps, config.shard_bytes),
     )
     model = compile_model(config, strategy)
+    callbacks = [downpour.DownpourMetrics(model.downpour)] if config.downpour else []
     start = time.monotonic()
     result = training.fit(
         model,
@@ -192,10 +235,14 @@ def train(config: JobConfig, cluster_resolver, print_fn=print) -> dict:
         batch_size=config.batch_size,
         model_dir=config.model_dir,
         log_every_steps=config.log_every_steps,
+        callbacks=callbacks,
         print_fn=print_fn,
     )
     train_secs = time.monotonic() - start
     test_accuracy = training.accuracy(model, x_test, y_test)
+    if config.downpour:
+        for worker, stats in enumerate(model.downpour.stats()):
+            print_fn(f"downpour replica {worker}: {stats}")
     print_fn(f"test accuracy: {test_accuracy:.4f}")
     return {
         "test_accuracy": test_accuracy,

@@ -205,7 +205,8 @@ def fit(
         os.path.join(model_dir, TENSORBOARD_SUBDIR) if model_dir else None,
         print_fn,
     )
-    all_callbacks = [progress, *callbacks]
+    # The caller's callbacks first, so that logs they add are printed.
+    all_callbacks = [*callbacks, progress]
     initial_epoch = 0
     manager = None
     if model_dir:
