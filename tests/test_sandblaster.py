@@ -6,8 +6,10 @@ Cluster tests use the session's `local_cluster` (2 workers, 3 ps) through
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+import types
 
 import numpy as np
 import pytest
@@ -122,7 +124,7 @@ def _numpy_portion_shares(w, x, y, bounds):
     """Loss share and gradient of each portion, as Sandblaster defines them."""
     kernel, bias = w[:640].reshape(64, NUM_CLASSES), w[640:]
     shares = []
-    for begin, end in zip(bounds[:-1], bounds[1:]):
+    for begin, end in itertools.pairwise(bounds):
         xs, ys = x[begin:end], y[begin:end]
         z = xs @ kernel + bias
         z = z - z.max(axis=1, keepdims=True)
@@ -179,6 +181,9 @@ def numpy_reference():
 def _strategy(local_cluster, num_workers, num_ps):
     resolver = local_cluster.resolver_for(num_workers=num_workers, num_ps=num_ps)
     return strategy_lib.DistBeliefStrategy(resolver)
+
+
+_LOCALHOST_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
 def _ps_device(task):
@@ -363,11 +368,14 @@ def test_vectors_on_ps_and_coordinator_moves_only_scalars(local_cluster, monkeyp
 def test_digits_mlp_accuracy(local_cluster):
     """The launch script's digits MLP (float32, compiled) trained by Sandblaster."""
     (x, y), (x_test, y_test) = models.digits.load_data()
+    start = time.monotonic()
+    # The strategy first: connecting resets the eager context, so variables
+    # made before it are lost.
+    strategy = _strategy(local_cluster, num_workers=2, num_ps=2)
     model = models.digits.build_model(hidden_units=32)
     model.compile(loss=CE)
-    start = time.monotonic()
     trainer = sandblaster.SandblasterTrainer(
-        _strategy(local_cluster, num_workers=2, num_ps=2),
+        strategy,
         model,
         None,  # The compiled loss.
         x,
@@ -386,6 +394,14 @@ def test_digits_mlp_accuracy(local_cluster):
 def test_bad_arguments(local_cluster):
     x, y = _digits_train()
     strategy = _strategy(local_cluster, num_workers=1, num_ps=1)
+    # A model built before this process first connected lives on `localhost`.
+    early = types.SimpleNamespace(
+        variables=[types.SimpleNamespace(name="w", device=_LOCALHOST_CPU)]
+    )
+    with pytest.raises(ValueError, match=r"built after the strategy is created"):
+        sandblaster._check_made_after_connecting(
+            early, "/job:chief/replica:0/task:0/device:CPU:0"
+        )
     with pytest.raises(ValueError, match=r"`loss_fn` is required.*Received: None"):
         sandblaster.SandblasterObjective(strategy, _logistic_model(), None, x, y)
     with pytest.raises(ValueError, match=r"`portions` must be in \[1, 1347\]"):
@@ -402,7 +418,7 @@ def test_bad_arguments(local_cluster):
         sandblaster.SandblasterObjective(strategy, _logistic_model(), 3, x, y)
     with strategy.scope():
         scoped = _logistic_model()
-    with pytest.raises(ValueError, match=r"built outside any distribution strategy"):
+    with pytest.raises(TypeError, match=r"built outside any distribution strategy"):
         sandblaster.SandblasterObjective(strategy, scoped, CE, x, y)
     with pytest.raises(ValueError, match=r"`x` and `y` \(the training set\)"):
         sandblaster.SandblasterTrainer(strategy, _logistic_model(), CE)

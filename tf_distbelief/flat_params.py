@@ -100,8 +100,9 @@ class FlatLayout:
       offsets: start of each variable in the vector, then the vector size.
 
     Raises:
-      ValueError: the model is not built, has no trainable weights, or a weight
-        is not a plain `tf.Variable` (e.g. created under `strategy.scope()`).
+      ValueError: the model is not built or has no trainable weights.
+      TypeError: a weight is not a plain `tf.Variable` (e.g. one created under
+        `strategy.scope()`).
     """
 
     variables: tuple
@@ -122,7 +123,7 @@ class FlatLayout:
             )
         for v in variables:
             if not isinstance(v, resource_variable_ops.ResourceVariable):
-                raise ValueError(
+                raise TypeError(
                     "Argument `model` must be built outside any distribution "
                     "strategy's scope: Sandblaster keeps the parameters on the ps "
                     "itself. Received weight "

@@ -148,6 +148,7 @@ def per_example_loss(loss_fn, model):
 
     Raises:
       ValueError: no loss given and the model is not compiled.
+      TypeError: `loss_fn` is none of these.
     """
     import tf_keras
 
@@ -171,6 +172,23 @@ def per_example_loss(loss_fn, model):
     return loss_fn
 
 
+def _job(device: str) -> str:
+    return device.split("/job:")[1].split("/")[0] if "/job:" in device else ""
+
+
+def _check_made_after_connecting(layout, coordinator_device):
+    # Connecting to a cluster resets the eager context: a variable made before
+    # belongs to the old one (`/job:localhost`) and can no longer be read.
+    for v in layout.variables:
+        if _job(v.device) != _job(coordinator_device):
+            raise ValueError(
+                "Argument `model` must be built after the strategy is created "
+                "(creating it connects this process to the cluster and drops "
+                f"earlier variables). Received weight {v.name!r} on {v.device!r}, "
+                f"while this process is {coordinator_device!r}"
+            )
+
+
 class SandblasterObjective:
     """`fun_and_grad` for `lbfgs.minimize`, evaluated in portions on the workers.
 
@@ -182,7 +200,8 @@ class SandblasterObjective:
     Args:
       strategy: a `DistBeliefStrategy` (or ParameterServerStrategy); this
         process is its coordinator.
-      model: a built tf_keras model, built outside `strategy.scope()`.
+      model: a tf_keras model, built after `strategy` was created (connecting
+        to the cluster drops earlier variables) and outside `strategy.scope()`.
       loss_fn: see `per_example_loss`.
       x: training features, `[num_examples, ...]`.
       y: training targets, `[num_examples, ...]`.
@@ -202,6 +221,13 @@ class SandblasterObjective:
       layout: the model's `flat_params.FlatLayout`.
       grad: the gradient vector each call returns (overwritten by the next).
       stats: a `SandblasterStats`.
+
+    Raises:
+      ValueError: `x` and `y` differ in length or are empty, `portions` is out
+        of range, bad straggler settings, no loss for an uncompiled model, or
+        the model was built before the strategy connected.
+      TypeError: a bad `loss_fn`, or the model's weights are not plain
+        variables (built under `strategy.scope()`).
     """
 
     def __init__(
@@ -235,6 +261,7 @@ class SandblasterObjective:
         self.backup_tasks = bool(backup_tasks)
         self.layout = flat_params.FlatLayout(model)
         self.ops = ps_vectors.PsVectorOps(strategy, num_shards=num_shards)
+        _check_made_after_connecting(self.layout, self.ops.coordinator_device)
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(
             strategy
         )
@@ -467,7 +494,8 @@ class SandblasterTrainer:
     evaluations run in portions on the workers (`SandblasterObjective`).
 
     The model may be compiled or not (only its loss is used: `loss_fn=None`
-    takes the compiled one); build it outside `strategy.scope()`. `fit` starts
+    takes the compiled one); build it after creating the strategy (connecting
+    drops earlier variables) and outside `strategy.scope()`. `fit` starts
     from the model's current weights and writes the result back into them: the
     only two parameter-sized transfers through the coordinator.
 
