@@ -27,81 +27,153 @@ def define_flags() -> None:
     d = job.JobConfig()
     flags.DEFINE_enum("model", d.model, job.MODELS, "Model and data to train.")
     flags.DEFINE_enum(
-        "optimizer", d.optimizer, job.OPTIMIZERS,
+        "optimizer",
+        d.optimizer,
+        job.OPTIMIZERS,
         "adagrad: AdaGrad on the ps shards (paper section 4.1); sgd: plain SGD.",
     )
-    flags.DEFINE_float("learning_rate", d.learning_rate, "Step size (gamma).",
-                       lower_bound=1e-12)
-    flags.DEFINE_float("initial_accumulator_value", d.initial_accumulator_value,
-                       "AdaGrad's initial accumulator.", lower_bound=0.0)
+    flags.DEFINE_float(
+        "learning_rate", d.learning_rate, "Step size (gamma).", lower_bound=1e-12
+    )
+    flags.DEFINE_float(
+        "initial_accumulator_value",
+        d.initial_accumulator_value,
+        "AdaGrad's initial accumulator.",
+        lower_bound=0.0,
+    )
     flags.DEFINE_float("epsilon", d.epsilon, "AdaGrad's epsilon.", lower_bound=0.0)
-    flags.DEFINE_integer("batch_size", d.batch_size,
-                         "Examples per step per worker.", lower_bound=1)
-    flags.DEFINE_integer("epochs", d.epochs,
-                         "Epoch to train to (a resumed run continues).",
-                         lower_bound=1)
-    flags.DEFINE_integer("steps_per_epoch", d.steps_per_epoch,
-                         "Steps per epoch over all workers.", lower_bound=1)
-    flags.DEFINE_integer("steps_per_execution", d.steps_per_execution,
-                         "Steps per scheduled function.", lower_bound=1)
-    flags.DEFINE_integer("num_workers", d.num_workers,
-                         "Workers of the local cluster (no TF_CONFIG).", lower_bound=1)
-    flags.DEFINE_integer("num_ps", d.num_ps,
-                         "ps tasks of the local cluster (no TF_CONFIG).", lower_bound=1)
+    flags.DEFINE_integer(
+        "batch_size", d.batch_size, "Examples per step per worker.", lower_bound=1
+    )
+    flags.DEFINE_integer(
+        "epochs",
+        d.epochs,
+        "Epoch to train to (a resumed run continues).",
+        lower_bound=1,
+    )
+    flags.DEFINE_integer(
+        "steps_per_epoch",
+        d.steps_per_epoch,
+        "Steps per epoch over all workers.",
+        lower_bound=1,
+    )
+    flags.DEFINE_integer(
+        "steps_per_execution",
+        d.steps_per_execution,
+        "Steps per scheduled function.",
+        lower_bound=1,
+    )
+    flags.DEFINE_integer(
+        "num_workers",
+        d.num_workers,
+        "Workers of the local cluster (no TF_CONFIG).",
+        lower_bound=1,
+    )
+    flags.DEFINE_integer(
+        "num_ps",
+        d.num_ps,
+        "ps tasks of the local cluster (no TF_CONFIG).",
+        lower_bound=1,
+    )
     flags.DEFINE_enum(
-        "partitioner", d.partitioner, job.PARTITIONERS,
+        "partitioner",
+        d.partitioner,
+        job.PARTITIONERS,
         "min_size / max_size: shards of --shard_bytes, at most one per ps; "
         "fixed: one shard per ps.",
     )
-    flags.DEFINE_integer("shard_bytes", strategy_lib.DEFAULT_MIN_SHARD_BYTES,
-                         "Shard size in bytes for min_size/max_size.", lower_bound=1)
-    flags.DEFINE_string("model_dir", None,
-                        "Checkpoints (resume) and TensorBoard logs.")
-    flags.DEFINE_integer("log_every_steps", d.log_every_steps,
-                         "Progress line every so many steps (0: per epoch).",
-                         lower_bound=0)
-    flags.DEFINE_integer("speech_hidden_units", d.speech_hidden_units,
-                         "Speech model hidden width (paper: 2560).", lower_bound=1)
-    flags.DEFINE_integer("speech_classes", d.speech_classes,
-                         "Speech model softmax width (paper: 8192).", lower_bound=2)
+    flags.DEFINE_integer(
+        "shard_bytes",
+        strategy_lib.DEFAULT_MIN_SHARD_BYTES,
+        "Shard size in bytes for min_size/max_size.",
+        lower_bound=1,
+    )
+    flags.DEFINE_string("model_dir", None, "Checkpoints (resume) and TensorBoard logs.")
+    flags.DEFINE_integer(
+        "log_every_steps",
+        d.log_every_steps,
+        "Progress line every so many steps (0: per epoch).",
+        lower_bound=0,
+    )
+    flags.DEFINE_integer(
+        "speech_hidden_units",
+        d.speech_hidden_units,
+        "Speech model hidden width (paper: 2560).",
+        lower_bound=1,
+    )
+    flags.DEFINE_integer(
+        "speech_classes",
+        d.speech_classes,
+        "Speech model softmax width (paper: 8192).",
+        lower_bound=2,
+    )
     flags.DEFINE_integer("seed", d.seed, "Initialisation and data seed.")
     flags.DEFINE_float(
-        "chief_gone_secs", d.chief_gone_secs,
+        "chief_gone_secs",
+        d.chief_gone_secs,
         "ps/worker tasks (TF_CONFIG) exit once the chief has been gone this many "
-        "seconds; unset: serve until SIGTERM.", lower_bound=0.0,
+        "seconds; unset: serve until SIGTERM.",
+        lower_bound=0.0,
     )
     flags.DEFINE_bool(
-        "downpour", d.downpour,
+        "downpour",
+        d.downpour,
         "Downpour SGD (paper section 4.1): each worker keeps a parameter cache, "
         "fetches every --n_fetch steps and pushes every --n_push steps.",
     )
-    flags.DEFINE_integer("n_fetch", d.n_fetch, "Downpour: steps between fetches.",
-                         lower_bound=1)
-    flags.DEFINE_integer("n_push", d.n_push, "Downpour: steps between pushes.",
-                         lower_bound=1)
-    flags.DEFINE_float("local_learning_rate", d.local_learning_rate,
-                       "Downpour: SGD step on each worker's cache (0: none).",
-                       lower_bound=0.0)
-    flags.DEFINE_integer("warmstart_steps", d.warmstart_steps,
-                         "Downpour: steps worker 0 trains alone first.",
-                         lower_bound=0)
-    flags.DEFINE_integer("max_staleness", d.max_staleness,
-                         "Downpour: drop pushes staler than this many ps updates "
-                         "(unset: apply all).", lower_bound=0)
+    flags.DEFINE_integer(
+        "n_fetch", d.n_fetch, "Downpour: steps between fetches.", lower_bound=1
+    )
+    flags.DEFINE_integer(
+        "n_push", d.n_push, "Downpour: steps between pushes.", lower_bound=1
+    )
+    flags.DEFINE_float(
+        "local_learning_rate",
+        d.local_learning_rate,
+        "Downpour: SGD step on each worker's cache (0: none).",
+        lower_bound=0.0,
+    )
+    flags.DEFINE_integer(
+        "warmstart_steps",
+        d.warmstart_steps,
+        "Downpour: steps worker 0 trains alone first.",
+        lower_bound=0,
+    )
+    flags.DEFINE_integer(
+        "max_staleness",
+        d.max_staleness,
+        "Downpour: drop pushes staler than this many ps updates (unset: apply all).",
+        lower_bound=0,
+    )
 
     @flags.multi_flags_validator(
-        ["downpour", "n_fetch", "n_push", "local_learning_rate", "warmstart_steps",
-         "max_staleness"],
+        [
+            "downpour",
+            "n_fetch",
+            "n_push",
+            "local_learning_rate",
+            "warmstart_steps",
+            "max_staleness",
+        ],
         message="--n_fetch, --n_push, --local_learning_rate, --warmstart_steps and "
         "--max_staleness are Downpour settings: add --downpour.",
     )
     def _downpour_flags_need_downpour(values):
         if values["downpour"]:
             return True
-        return (values["n_fetch"], values["n_push"], values["local_learning_rate"],
-                values["warmstart_steps"], values["max_staleness"]) == (
-                    d.n_fetch, d.n_push, d.local_learning_rate, d.warmstart_steps,
-                    d.max_staleness)
+        return (
+            values["n_fetch"],
+            values["n_push"],
+            values["local_learning_rate"],
+            values["warmstart_steps"],
+            values["max_staleness"],
+        ) == (
+            d.n_fetch,
+            d.n_push,
+            d.local_learning_rate,
+            d.warmstart_steps,
+            d.max_staleness,
+        )
 
 
 def main(argv):

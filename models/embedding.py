@@ -12,8 +12,14 @@ import numpy as np
 import tf_keras
 
 
-def load_data(vocab_size=100_000, ids_per_example=8, num_classes=10,
-              num_train=20000, num_test=2000, seed=0):
+def load_data(
+    vocab_size=100_000,
+    ids_per_example=8,
+    num_classes=10,
+    num_train=20000,
+    num_test=2000,
+    seed=0,
+):
     """Returns synthetic `(x_train, y_train), (x_test, y_test)`.
 
     Args:
@@ -38,8 +44,10 @@ def load_data(vocab_size=100_000, ids_per_example=8, num_classes=10,
     # often enough to be learned.
     active = rng.choice(vocab_size, min(vocab_size, 2000), replace=False)
     x = rng.choice(active, (num_train + num_test, ids_per_example)).astype(np.int64)
-    y = np.array([np.bincount(id_class[row], minlength=num_classes).argmax()
-                  for row in x], dtype=np.int64)
+    y = np.array(
+        [np.bincount(id_class[row], minlength=num_classes).argmax() for row in x],
+        dtype=np.int64,
+    )
     return (x[:num_train], y[:num_train]), (x[num_train:], y[num_train:])
 
 

@@ -27,8 +27,7 @@ def _check_positive(**values):
             )
 
 
-def load_data(num_train=20000, num_test=2000, num_classes=PAPER_NUM_CLASSES,
-              seed=0):
+def load_data(num_train=20000, num_test=2000, num_classes=PAPER_NUM_CLASSES, seed=0):
     """Returns synthetic `(x_train, y_train), (x_test, y_test)`.
 
     Args:

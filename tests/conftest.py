@@ -3,8 +3,9 @@
 Connecting the test process to a second cluster works but stalls for tens of
 seconds while TensorFlow closes the old remote contexts, and reconnecting with
 another cluster spec needs a new chief port, so every test that needs a cluster
-shares one and makes its strategy from `local_cluster.resolver_for(...)` (TensorFlow's own tests share one per class). Tests that kill
-a task restart it (`LocalCluster.restart`) before they return.
+shares one and makes its strategy from `local_cluster.resolver_for(...)`
+(TensorFlow's own tests share one cluster per class). Tests that kill a task
+restart it (`LocalCluster.restart`) before they return.
 """
 
 import os

@@ -27,14 +27,20 @@ def _apply(values, grads, **kwargs):
 
 
 def test_one_step_from_one():
-    result = _apply([1.0], [[1.0]], learning_rate=0.1,
-                    initial_accumulator_value=0.1, epsilon=1e-7)
+    result = _apply(
+        [1.0], [[1.0]], learning_rate=0.1, initial_accumulator_value=0.1, epsilon=1e-7
+    )
     np.testing.assert_allclose(result, [0.9046537502], rtol=0, atol=1e-10)
 
 
 def test_zero_gradient_with_zero_accumulator_stays_put():
-    result = _apply([0.5, -2.0], [[0.0, 0.0]] * 3, learning_rate=0.1,
-                    initial_accumulator_value=0.0, epsilon=1e-7)
+    result = _apply(
+        [0.5, -2.0],
+        [[0.0, 0.0]] * 3,
+        learning_rate=0.1,
+        initial_accumulator_value=0.0,
+        epsilon=1e-7,
+    )
     assert np.all(np.isfinite(result))
     np.testing.assert_array_equal(result, [0.5, -2.0])
 
@@ -44,8 +50,9 @@ def test_many_steps_match_numpy(a0, eps):
     rng = np.random.default_rng(0)
     value = rng.normal(size=5)
     grads = rng.normal(size=(7, 5))
-    result = _apply(value, grads, learning_rate=0.3,
-                    initial_accumulator_value=a0, epsilon=eps)
+    result = _apply(
+        value, grads, learning_rate=0.3, initial_accumulator_value=a0, epsilon=eps
+    )
     np.testing.assert_allclose(
         result, _numpy_adagrad(value, grads, 0.3, a0, eps), rtol=1e-12
     )
@@ -78,7 +85,9 @@ def test_negative_initial_accumulator_is_rejected():
 
 
 def test_negative_epsilon_is_rejected():
-    with pytest.raises(ValueError, match=r"Argument `epsilon` must be >= 0. Received: -1"):
+    with pytest.raises(
+        ValueError, match=r"Argument `epsilon` must be >= 0. Received: -1"
+    ):
         adagrad.Adagrad(0.1, epsilon=-1)
 
 
@@ -110,7 +119,8 @@ def test_accumulators_and_updates_live_on_each_shard(local_cluster):
     np.testing.assert_allclose(var.numpy(), np.full((4, 3), 0.9046537502), atol=1e-10)
     graph = step.get_concrete_function().graph
     update_devices = sorted(
-        op.device for op in graph.get_operations()
+        op.device
+        for op in graph.get_operations()
         if op.type == "ResourceApplyAdagradV2"
     )
     assert update_devices == shard_devices

@@ -33,15 +33,20 @@ def test_valid_tf_config_resolves(monkeypatch):
 
 def test_malformed_json(monkeypatch):
     _set(monkeypatch, '{"cluster": {"worker": ["127.0.0.1:1"],}')
-    with pytest.raises(cluster.ClusterConfigError, match=r"`TF_CONFIG` is not valid JSON"):
+    with pytest.raises(
+        cluster.ClusterConfigError, match=r"`TF_CONFIG` is not valid JSON"
+    ):
         cluster.resolve_cluster()
 
 
 def test_unknown_job_names(monkeypatch):
-    _set(monkeypatch, {
-        "cluster": {"ps_hosts": ["127.0.0.1:1"], "worker_hosts": ["127.0.0.1:2"]},
-        "task": {"type": "worker", "index": 0},
-    })
+    _set(
+        monkeypatch,
+        {
+            "cluster": {"ps_hosts": ["127.0.0.1:1"], "worker_hosts": ["127.0.0.1:2"]},
+            "task": {"type": "worker", "index": 0},
+        },
+    )
     with pytest.raises(
         cluster.ClusterConfigError,
         match=r"Unknown job name\(s\) \['ps_hosts', 'worker_hosts'\].*allowed job "
@@ -51,12 +56,15 @@ def test_unknown_job_names(monkeypatch):
 
 
 def test_task_type_not_in_cluster(monkeypatch):
-    config = {"cluster": {k: v for k, v in CLUSTER.items() if k != "chief"},
-              "task": {"type": "chief", "index": 0}}
+    config = {
+        "cluster": {k: v for k, v in CLUSTER.items() if k != "chief"},
+        "task": {"type": "chief", "index": 0},
+    }
     _set(monkeypatch, config)
     with pytest.raises(
         cluster.ClusterConfigError,
-        match=r"Task type `chief` is not in the cluster, whose jobs are \['ps', 'worker'\]",
+        match=r"Task type `chief` is not in the cluster, whose jobs are "
+        r"\['ps', 'worker'\]",
     ):
         cluster.resolve_cluster()
 
@@ -168,6 +176,7 @@ def test_missing_task_field_is_an_error(monkeypatch):
 def test_local_cluster_rejects_bad_counts(name, value):
     kwargs = {"num_workers": 1, "num_ps": 1, name: value}
     with pytest.raises(
-        ValueError, match=rf"Argument `{name}` must be a positive integer. Received: {value}"
+        ValueError,
+        match=rf"Argument `{name}` must be a positive integer. Received: {value}",
     ):
         cluster.LocalCluster(**kwargs)

@@ -62,8 +62,12 @@ def _accuracy(output):
 def test_readme_main_job_trains_digits_and_leaves_no_process():
     marker = uuid.uuid4().hex
     proc = subprocess.run(
-        [sys.executable, TRAIN, *README_ARGS], env=_env(marker), cwd=ROOT,
-        capture_output=True, text=True, timeout=900,
+        [sys.executable, TRAIN, *README_ARGS],
+        env=_env(marker),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "local cluster: 2 workers, 2 ps" in proc.stdout
@@ -84,8 +88,12 @@ def test_readme_main_job_trains_digits_and_leaves_no_process():
 def test_bad_flags_fail_at_parse_time(flag, message):
     marker = uuid.uuid4().hex
     proc = subprocess.run(
-        [sys.executable, TRAIN, flag], env=_env(marker), cwd=ROOT,
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, TRAIN, flag],
+        env=_env(marker),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 1
     assert re.search(message, proc.stderr), proc.stderr[-2000:]
@@ -94,11 +102,16 @@ def test_bad_flags_fail_at_parse_time(flag, message):
 
 def test_bad_tf_config_fails_before_any_server():
     marker = uuid.uuid4().hex
-    tf_config = json.dumps({"cluster": {"ps_hosts": ["127.0.0.1:1"]},
-                            "task": {"type": "ps", "index": 0}})
+    tf_config = json.dumps(
+        {"cluster": {"ps_hosts": ["127.0.0.1:1"]}, "task": {"type": "ps", "index": 0}}
+    )
     proc = subprocess.run(
-        [sys.executable, TRAIN], env=_env(marker, TF_CONFIG=tf_config), cwd=ROOT,
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, TRAIN],
+        env=_env(marker, TF_CONFIG=tf_config),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 1
     assert "Unknown job name(s) ['ps_hosts']" in proc.stderr
@@ -109,8 +122,7 @@ def test_taken_port_is_a_clear_error():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        local = cluster.LocalCluster(num_workers=1, num_ps=1,
-                                     ports={"worker": [port]})
+        local = cluster.LocalCluster(num_workers=1, num_ps=1, ports={"worker": [port]})
         with pytest.raises(
             cluster.ClusterStartError,
             match=rf"Local task worker:0 at 127.0.0.1:{port} exited with code 1 "
@@ -130,8 +142,13 @@ def test_killed_chief_leaves_no_process():
         print("up", flush=True)
         time.sleep(600)
     """)
-    chief = subprocess.Popen([sys.executable, "-c", script], env=_env(marker),
-                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    chief = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=_env(marker),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert chief.stdout.readline().strip() == "up"
         assert len(_marked_pids(marker)) == 4  # The chief and its 3 tasks.
@@ -159,9 +176,15 @@ def test_tf_config_cluster_of_separate_processes(tmp_path):
                     {"cluster": jobs, "task": {"type": job, "index": index}}
                 )
                 procs[(job, index)] = subprocess.Popen(
-                    [sys.executable, TRAIN, "--model=digits", "--chief_gone_secs=3",
-                     f"--model_dir={tmp_path}"],
-                    env=_env(marker, TF_CONFIG=tf_config), cwd=ROOT,
+                    [
+                        sys.executable,
+                        TRAIN,
+                        "--model=digits",
+                        "--chief_gone_secs=3",
+                        f"--model_dir={tmp_path}",
+                    ],
+                    env=_env(marker, TF_CONFIG=tf_config),
+                    cwd=ROOT,
                     stdout=open(tmp_path / f"{job}{index}.out", "w"),
                     stderr=subprocess.STDOUT,
                 )

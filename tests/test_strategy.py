@@ -116,7 +116,9 @@ def test_keras3_model_fails_with_a_named_error(local_cluster):
     strategy = strategy_lib.DistBeliefStrategy(
         local_cluster.resolver_for(num_workers=1, num_ps=1)
     )
-    with pytest.raises(strategy_lib.Keras3Error, match=r"does not support Keras 3.*tf_keras"):
+    with pytest.raises(
+        strategy_lib.Keras3Error, match=r"does not support Keras 3.*tf_keras"
+    ):
         with strategy.scope():
             model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
             model.compile(optimizer="sgd", loss="mse")

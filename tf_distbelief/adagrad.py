@@ -109,9 +109,7 @@ class Adagrad(tf_keras.optimizers.Adagrad):
         if isinstance(gradient, tf.IndexedSlices):
             # Rows of an embedding: only the looked-up rows move.
             accumulator.scatter_add(
-                tf.IndexedSlices(
-                    gradient.values * gradient.values, gradient.indices
-                )
+                tf.IndexedSlices(gradient.values * gradient.values, gradient.indices)
             )
             rows = tf.gather(accumulator, gradient.indices)
             variable.scatter_add(

@@ -135,8 +135,7 @@ def validate_cluster(
     for job in ("chief", "evaluator"):
         if len(jobs.get(job, {})) > 1:
             raise ClusterConfigError(
-                f"The cluster has {len(jobs[job])} `{job}` tasks; at most 1 is "
-                "allowed."
+                f"The cluster has {len(jobs[job])} `{job}` tasks; at most 1 is allowed."
             )
     seen: dict[str, str] = {}
     for job, tasks in jobs.items():
@@ -160,8 +159,7 @@ def validate_cluster(
             )
         if not isinstance(task_id, int) or isinstance(task_id, bool):
             raise ClusterConfigError(
-                f"Task index of `{task_type}` must be an integer. Received: "
-                f"{task_id!r}"
+                f"Task index of `{task_type}` must be an integer. Received: {task_id!r}"
             )
         if task_id not in jobs[task_type]:
             raise ClusterConfigError(
@@ -419,8 +417,7 @@ class LocalCluster:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(
-                    f"Argument `{name}` must be a positive integer. Received: "
-                    f"{value!r}"
+                    f"Argument `{name}` must be a positive integer. Received: {value!r}"
                 )
         if not start_timeout_secs > 0:
             raise ValueError(

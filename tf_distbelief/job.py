@@ -102,9 +102,17 @@ class JobConfig:
                     f"`{name}` must be one of {', '.join(allowed)}. Received: "
                     f"{getattr(self, name)!r}"
                 )
-        for name in ("batch_size", "epochs", "steps_per_epoch", "steps_per_execution",
-                     "num_workers", "num_ps", "shard_bytes", "speech_hidden_units",
-                     "speech_classes"):
+        for name in (
+            "batch_size",
+            "epochs",
+            "steps_per_epoch",
+            "steps_per_execution",
+            "num_workers",
+            "num_ps",
+            "shard_bytes",
+            "speech_hidden_units",
+            "speech_classes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"`{name}` must be >= 1. Received: {getattr(self, name)!r}"
@@ -114,9 +122,13 @@ class JobConfig:
                 f"`learning_rate` must be > 0. Received: {self.learning_rate!r}"
             )
         if not self.downpour:
-            for name, default in (("n_fetch", 1), ("n_push", 1),
-                                  ("local_learning_rate", 0.05),
-                                  ("warmstart_steps", 0), ("max_staleness", None)):
+            for name, default in (
+                ("n_fetch", 1),
+                ("n_push", 1),
+                ("local_learning_rate", 0.05),
+                ("warmstart_steps", 0),
+                ("max_staleness", None),
+            ):
                 if getattr(self, name) != default:
                     raise ValueError(
                         f"`{name}` is a Downpour setting: it needs `downpour=True` "

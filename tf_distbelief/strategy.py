@@ -71,7 +71,9 @@ def _called_from_keras3() -> bool:
     return False
 
 
-class _DistBeliefExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Extended):
+class _DistBeliefExtended(
+    parameter_server_strategy_v2.ParameterServerStrategyV2Extended
+):
     """Variable creation for `DistBeliefStrategy` (see `StrategyExtended`)."""
 
     variable_wrapper: Callable | None = None
@@ -152,9 +154,7 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
     @property
     def ps_devices(self) -> list[str]:
         """Devices of the ps tasks, `/job:ps/replica:0/task:i/device:CPU:0`."""
-        return [
-            f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(self.num_ps)
-        ]
+        return [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(self.num_ps)]
 
     def experimental_distribute_dataset(self, dataset, options=None):
         if _called_from_keras3():

@@ -55,8 +55,9 @@ def dataset_creator(
     def dataset_fn(input_context):
         del input_context  # One input pipeline per worker under PSS.
         ds = tf.data.Dataset.from_tensor_slices((x, y))
-        ds = ds.shuffle(len(x), seed=None if seed is None else seed, 
-                        reshuffle_each_iteration=True)
+        ds = ds.shuffle(
+            len(x), seed=None if seed is None else seed, reshuffle_each_iteration=True
+        )
         return ds.repeat().batch(batch_size, drop_remainder=True).prefetch(2)
 
     return tf_keras.utils.experimental.DatasetCreator(dataset_fn)
@@ -78,8 +79,9 @@ class Progress(tf_keras.callbacks.Callback):
       print_fn: where lines go (`print` by default).
     """
 
-    def __init__(self, batch_size, log_every_steps=0, tensorboard_dir=None,
-                 print_fn=print):
+    def __init__(
+        self, batch_size, log_every_steps=0, tensorboard_dir=None, print_fn=print
+    ):
         super().__init__()
         # Batch hooks are allowed under parameter-server training only for
         # callbacks that accept remote logs; this one never reads batch logs.
@@ -221,7 +223,9 @@ def fit(
         )
         if manager.latest_checkpoint:
             try:
-                checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+                checkpoint.restore(
+                    manager.latest_checkpoint
+                ).assert_existing_objects_matched()
             except (AssertionError, ValueError, tf.errors.OpError) as e:
                 raise ValueError(
                     f"The checkpoint {manager.latest_checkpoint} in `model_dir` "
@@ -253,8 +257,9 @@ def fit(
     )
 
 
-def accuracy(model: tf_keras.Model, x: np.ndarray, y: np.ndarray,
-             batch_size: int = 512) -> float:
+def accuracy(
+    model: tf_keras.Model, x: np.ndarray, y: np.ndarray, batch_size: int = 512
+) -> float:
     """Returns the share of `x` whose argmax logit equals `y`, on the coordinator.
 
     The forward pass runs on the coordinator with the current ps values, so the
