@@ -18,15 +18,21 @@ from tf_distbelief import cluster  # noqa: E402
 
 NUM_WORKERS = 2
 NUM_PS = 3
+# Each worker exposes 2 CPU devices, for model-parallel replicas (section 3).
+CPU_DEVICES_PER_WORKER = 2
 
 
 @pytest.fixture(scope="session")
 def local_cluster():
-    """A running `LocalCluster` of 2 workers and 3 ps tasks.
+    """A running `LocalCluster` of 2 workers (2 CPU devices each) and 3 ps tasks.
 
     Make each strategy with `local_cluster.resolver_for(num_workers, num_ps)`.
     """
-    with cluster.LocalCluster(num_workers=NUM_WORKERS, num_ps=NUM_PS) as local:
+    with cluster.LocalCluster(
+        num_workers=NUM_WORKERS,
+        num_ps=NUM_PS,
+        cpu_devices_per_worker=CPU_DEVICES_PER_WORKER,
+    ) as local:
         yield local
 
 
