@@ -22,7 +22,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import model_parallel, partition_math, partitioned_dense
+from tf_distbelief import cluster, model_parallel, partition_math, partitioned_dense
 from tf_distbelief import partitioned_locally_connected as plc
 
 _TOLERANCE = 1e-5
@@ -165,9 +165,12 @@ class TestArithmetic:
         assert partition_math.dense_cross_partition_bytes(8, 440, 1) == 0
 
     def test_server_config(self):
-        config = model_parallel.cpu_server_config(3, inter_op_parallelism_threads=4)
+        config = cluster.server_config(3, inter_op_threads=4)
         assert config.device_count["CPU"] == 3
         assert config.inter_op_parallelism_threads == 4
+
+    def test_cpu_device_names(self):
+        assert model_parallel.cpu_device_names(2) == ["/device:CPU:0", "/device:CPU:1"]
 
 
 class TestErrors:
@@ -216,9 +219,9 @@ class TestErrors:
         with pytest.raises(ValueError, match=r"`weights` must have shapes"):
             layer.set_unpartitioned_weights([np.zeros([3, 5]), np.zeros([5])])
 
-    def test_server_config_bad_count(self):
-        with pytest.raises(ValueError, match=r"`num_cpu_devices` must be >= 1\. "):
-            model_parallel.cpu_server_config(0)
+    def test_cpu_device_names_bad_count(self):
+        with pytest.raises(ValueError, match=r"`num_devices` must be >= 1\. Rec"):
+            model_parallel.cpu_device_names(0)
 
     def test_split_bounds_too_many_parts(self):
         with pytest.raises(ValueError, match=r"<= 3 .*Received: 4"):
@@ -369,10 +372,8 @@ def _halo_traffic_report():
 
 
 def _server_report():
-    """Devices of a server built with `cpu_server_config(3)`, and where an op ran."""
-    server = tf.distribute.Server.create_local_server(
-        config=model_parallel.cpu_server_config(3)
-    )
+    """Devices of a server built with `server_config(3)`, and where an op ran."""
+    server = tf.distribute.Server.create_local_server(config=cluster.server_config(3))
     with tf.Graph().as_default(), tf.compat.v1.Session(server.target) as session:
         devices = [_short(d.name) for d in session.list_devices()]
         with tf.device("/device:CPU:2"):

@@ -3,9 +3,10 @@
 DistBelief splits one model replica over several machines: each partition owns a
 slice of every layer's units and only activations on edges that cross a partition
 boundary travel between partitions (Dean et al. 2012, section 3). This module holds
-the parts that need no layer: which devices a replica can be split over, how to make a
-`tf.distribute.Server` expose several CPU devices, and how to keep a partition's
-variables, forward and backward ops on its device. How sizes split and how many
+the parts that need no layer: which devices a replica can be split over and how to
+keep a partition's forward and backward ops on its device. A `tf.distribute.Server`
+exposes several CPU devices when started with `tf_distbelief.cluster.server_config`
+(`LocalCluster(..., cpu_devices_per_worker=k)`). How sizes split and how many
 bytes cross partitions is pure arithmetic, in `tf_distbelief.partition_math`. The
 layers are in `partitioned_locally_connected` and `partitioned_dense`.
 
@@ -30,7 +31,7 @@ __all__ = [
     "assign_devices",
     "call_on_device",
     "configure_logical_cpus",
-    "cpu_server_config",
+    "cpu_device_names",
     "replica_devices",
     "sliced_initializer",
 ]
@@ -41,9 +42,10 @@ def replica_devices(device_type: str | None = None) -> list[str]:
 
     GPUs are preferred when present; otherwise the logical CPU devices
     `/device:CPU:0..k-1` (made by `configure_logical_cpus` in a plain process, or by
-    `cpu_server_config` in a server process). Names carry no job or task, so that a
-    `tf.device` scope made from them resolves to the devices of whichever task runs
-    the function (a worker, under `ClusterCoordinator.schedule`).
+    `tf_distbelief.cluster.server_config(cpu_devices=k)` in a server process). Names
+    carry no job or task, so that a `tf.device` scope made from them resolves to the
+    devices of whichever task runs the function (a worker, under
+    `ClusterCoordinator.schedule`).
 
     Args:
       device_type: `"GPU"`, `"CPU"` or `None`. `None` means GPUs if any, else CPUs.
@@ -72,6 +74,31 @@ def replica_devices(device_type: str | None = None) -> list[str]:
         if indices:
             return [f"/device:{kind}:{i}" for i in indices]
     return []
+
+
+def cpu_device_names(num_devices: int) -> list[str]:
+    """Names the CPU devices `/device:CPU:0..num_devices-1` of one replica.
+
+    Unlike `replica_devices`, it does not list this process's devices: on the
+    coordinator, which has one CPU, it names the devices of the worker that will run
+    the function (`ClusterCoordinator.schedule` resolves names without job or task
+    to that worker's devices; start workers with
+    `cluster.server_config(cpu_devices=num_devices)`).
+
+    Args:
+      num_devices: devices per replica, at least 1.
+
+    Returns:
+      `["/device:CPU:0", ..., f"/device:CPU:{num_devices - 1}"]`.
+
+    Raises:
+      ValueError: if `num_devices` is below 1.
+    """
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(
+            f"Argument `num_devices` must be >= 1. Received: {num_devices!r}"
+        )
+    return [f"/device:CPU:{i}" for i in range(num_devices)]
 
 
 def assign_devices(
@@ -125,7 +152,8 @@ def assign_devices(
                     f"Argument `devices` names {name!r}, which this process does "
                     f"not have (it has {replica_devices()}); its ops would run "
                     "silently on another device. Call `configure_logical_cpus` "
-                    "first, or use `cpu_server_config` for a server."
+                    "first, or start servers with "
+                    "`cluster.server_config(cpu_devices=k)`."
                 )
     return [devices[k % len(devices)] for k in range(num_partitions)]
 
@@ -175,7 +203,7 @@ def configure_logical_cpus(num_cpu_devices: int) -> None:
     Works only in a plain process before TensorFlow initialises its runtime (before
     the first op or device listing). It does not add devices to a
     `tf.distribute.Server`: ops there asked for `/device:CPU:1` silently run on
-    `CPU:0`; use `cpu_server_config` for servers.
+    `CPU:0`; start servers with `tf_distbelief.cluster.server_config`.
 
     Args:
       num_cpu_devices: number of logical CPU devices, at least 1.
@@ -202,51 +230,6 @@ def configure_logical_cpus(num_cpu_devices: int) -> None:
                 f"already initialised with {have}. Call `configure_logical_cpus` "
                 "before any TensorFlow op runs, or run in a child process."
             ) from e
-
-
-def cpu_server_config(
-    num_cpu_devices: int,
-    inter_op_parallelism_threads: int = 0,
-    intra_op_parallelism_threads: int = 0,
-) -> tf.compat.v1.ConfigProto:
-    """Builds a `ConfigProto` that makes a server task expose several CPU devices.
-
-    Pass it as `tf.distribute.Server(cluster, job_name, task_index, config=...)`.
-    Inside a function the task runs, `tf.device("/device:CPU:1")` then resolves to
-    that task's own second CPU device.
-
-    Args:
-      num_cpu_devices: CPU devices the task exposes, at least 1.
-      inter_op_parallelism_threads: threads that run independent ops at once; 0
-        lets TensorFlow choose (the number of cores). On a 2-core machine an
-        in-process cluster needs at least `num_workers + 1` (see TF_NOTES.md).
-      intra_op_parallelism_threads: threads one op may use; 0 lets TensorFlow
-        choose. All CPU devices of a process share this pool.
-
-    Returns:
-      A `tf.compat.v1.ConfigProto` with `device_count={"CPU": num_cpu_devices}`.
-
-    Raises:
-      ValueError: if `num_cpu_devices` is below 1 or a thread count is negative.
-    """
-    if num_cpu_devices < 1:
-        raise ValueError(
-            f"Argument `num_cpu_devices` must be >= 1. Received: {num_cpu_devices}"
-        )
-    for name, value in (
-        ("inter_op_parallelism_threads", inter_op_parallelism_threads),
-        ("intra_op_parallelism_threads", intra_op_parallelism_threads),
-    ):
-        if value < 0:
-            raise ValueError(
-                f"Argument `{name}` must be >= 0 (0 lets TensorFlow choose). "
-                f"Received: {value}"
-            )
-    return tf.compat.v1.ConfigProto(
-        device_count={"CPU": num_cpu_devices},
-        inter_op_parallelism_threads=inter_op_parallelism_threads,
-        intra_op_parallelism_threads=intra_op_parallelism_threads,
-    )
 
 
 def sliced_initializer(
