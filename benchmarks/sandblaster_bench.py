@@ -1,0 +1,274 @@
+r"""Sandblaster L-BFGS: backup tasks against a straggler, and L-BFGS-B for scale.
+
+Dean et al. 2012, section 4.2: cutting a batch into many portions lets fast
+replicas do more of it, and backup tasks stop one slow replica from holding up
+the end of the batch. This benchmark starts its own `LocalCluster` (2 workers,
+2 ps) and prints one table:
+
+* batch time (one objective evaluation: the whole training set, `--portions`
+  portions) with no straggler, then with worker 1 made `--slowdown` times
+  slower (each of its portions sleeps `(slowdown - 1) x` its compute time),
+  without and with backup tasks, as ratios to the no-straggler time (median of
+  `--batches` batches after one warm-up);
+* iterations and wall time to a fixed loss for Sandblaster (no straggler) and
+  for SciPy's L-BFGS-B in this one process on the same objective (the same
+  model, evaluated by one `tf.function` over the whole batch). The target is
+  the loss SciPy reaches after `--target_iters` iterations.
+
+Every task, the coordinator included, runs with one intra-op thread
+(`TF_NUM_INTRAOP_THREADS=1`), so a worker is one core, like one of the paper's
+machines, and SciPy gets one core too.
+
+The problem: a tanh MLP (`--features` -> `--hidden` -> 10, float32) on
+`--examples` synthetic examples labelled by a random teacher network.
+
+Usage:
+  python benchmarks/sandblaster_bench.py --portions=32 --slowdown=5
+"""
+
+import os
+
+# Before TensorFlow starts, and inherited by the cluster's child processes.
+os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import time
+
+import numpy as np
+import scipy.optimize
+from absl import app, flags
+
+
+def define_flags():
+    flags.DEFINE_integer("examples", 32768, "Training examples.", lower_bound=64)
+    flags.DEFINE_integer("features", 256, "Input features.", lower_bound=1)
+    flags.DEFINE_integer("hidden", 1024, "Hidden units.", lower_bound=1)
+    flags.DEFINE_integer("portions", 16, "Work portions per batch.", lower_bound=1)
+    flags.DEFINE_float("slowdown", 5.0, "Straggler slowdown factor.", lower_bound=1)
+    flags.DEFINE_integer("batches", 4, "Timed batches per setting.", lower_bound=1)
+    flags.DEFINE_integer(
+        "target_iters",
+        25,
+        "SciPy iterations that define the target loss.",
+        lower_bound=1,
+    )
+    flags.DEFINE_integer("max_iters", 60, "Most Sandblaster iterations.", lower_bound=1)
+    flags.DEFINE_integer("num_workers", 2, "Workers.", lower_bound=2)
+    flags.DEFINE_integer("num_ps", 2, "Parameter-server tasks.", lower_bound=1)
+    flags.DEFINE_integer("seed", 0, "Data and initialisation seed.")
+
+
+FLAGS = flags.FLAGS
+
+
+def make_data(examples, features, seed):
+    """`x`: `[examples, features]` float32; `y`: labels of a random teacher MLP."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(examples, features)).astype(np.float32)
+    teacher = rng.normal(size=(features, 64)) / np.sqrt(features)
+    logits = np.tanh(x @ teacher) @ rng.normal(size=(64, 10))
+    return x, np.argmax(logits + rng.gumbel(size=logits.shape), axis=1)
+
+
+def build_model(features, hidden, seed):
+    import tf_keras
+
+    init = tf_keras.initializers.GlorotUniform
+    return tf_keras.Sequential(
+        [
+            tf_keras.layers.InputLayer(input_shape=(features,)),
+            tf_keras.layers.Dense(hidden, "tanh", kernel_initializer=init(seed)),
+            tf_keras.layers.Dense(10, kernel_initializer=init(seed + 1)),
+        ]
+    )
+
+
+def batch_secs(objective, x_vector, batches):
+    objective(x_vector)  # Warm-up: registers the function on the workers.
+    start = len(objective.stats.evaluation_secs)
+    for _ in range(batches):
+        objective(x_vector)
+    return float(np.median(objective.stats.evaluation_secs[start:]))
+
+
+def scipy_run(model, loss_fn, x, y, target_iters):
+    """L-BFGS-B in this process; returns `(loss per iteration, secs per iteration)`."""
+    import tensorflow as tf
+
+    from tf_distbelief import flat_params
+
+    layout = flat_params.FlatLayout(model)
+
+    @tf.function
+    def fun_and_grad(params):
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            with flat_params.evaluate_at(layout, params):
+                per_example = loss_fn(y, model(x, training=False))
+                loss = tf.reduce_mean(tf.cast(per_example, tf.float64))
+        return loss, tape.gradient(loss, params)
+
+    def numpy_fun(w):
+        loss, grad = fun_and_grad(tf.constant(w))
+        return float(loss), grad.numpy()
+
+    x0 = layout.read()
+    numpy_fun(x0)  # Trace outside the timing.
+    losses, times = [numpy_fun(x0)[0]], [0.0]
+    start = time.monotonic()
+
+    def callback(intermediate_result):
+        losses.append(float(intermediate_result.fun))
+        times.append(time.monotonic() - start)
+
+    scipy.optimize.minimize(
+        numpy_fun,
+        x0,
+        jac=True,
+        method="L-BFGS-B",
+        callback=callback,
+        options={"maxiter": target_iters, "gtol": 0.0, "ftol": 0.0},
+    )
+    return losses, times
+
+
+def first_at_or_below(values, target):
+    return next((i for i, v in enumerate(values) if v <= target), None)
+
+
+def main(argv):
+    del argv
+    import tf_keras
+
+    from tf_distbelief import cluster, lbfgs, sandblaster
+    from tf_distbelief import strategy as strategy_lib
+
+    x, y = make_data(FLAGS.examples, FLAGS.features, FLAGS.seed)
+    loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rows = []
+    with cluster.LocalCluster(FLAGS.num_workers, FLAGS.num_ps) as local:
+        strategy = strategy_lib.DistBeliefStrategy(local.resolver)
+
+        def objective(**kwargs):
+            model = build_model(FLAGS.features, FLAGS.hidden, FLAGS.seed)
+            return model, sandblaster.SandblasterObjective(
+                strategy, model, loss_fn, x, y, portions=FLAGS.portions, **kwargs
+            )
+
+        settings = [
+            ("no straggler, backup tasks", {"backup_tasks": True}),
+            (
+                f"worker 1 {FLAGS.slowdown:g}x slower, no backup tasks",
+                {"backup_tasks": False, "straggler_worker": 1},
+            ),
+            (
+                f"worker 1 {FLAGS.slowdown:g}x slower, backup tasks",
+                {"backup_tasks": True, "straggler_worker": 1},
+            ),
+        ]
+        baseline = None
+        for name, kwargs in settings:
+            if "straggler_worker" in kwargs:
+                kwargs["straggler_slowdown"] = FLAGS.slowdown
+            model, obj = objective(**kwargs)
+            secs = batch_secs(obj, obj.ops.from_numpy(obj.layout.read()), FLAGS.batches)
+            obj.join()
+            baseline = baseline or secs
+            s = obj.stats
+            rows.append(
+                [
+                    name,
+                    f"{secs:.3f}",
+                    f"{secs / baseline:.2f}x",
+                    f"{s.backup_copies_scheduled / s.evaluations:.1f}",
+                    f"{s.copies_discarded}",
+                    " / ".join(
+                        str(s.accepted_by_worker.get(w, 0))
+                        for w in range(FLAGS.num_workers)
+                    ),
+                    "",
+                    "",
+                ]
+            )
+            obj.close()
+
+        # Convergence: SciPy first (it defines the target), then Sandblaster.
+        model = build_model(FLAGS.features, FLAGS.hidden, FLAGS.seed)
+        scipy_losses, scipy_secs = scipy_run(
+            model, loss_fn.call, x, y, FLAGS.target_iters
+        )
+        target = scipy_losses[-1]
+        model, obj = objective(backup_tasks=True)
+        eval_log = []
+        start = time.monotonic()
+
+        def logged(vector):
+            loss, grad = obj(vector)
+            eval_log.append((time.monotonic() - start, loss))
+            return loss, grad
+
+        result = lbfgs.minimize(
+            logged,
+            obj.ops.from_numpy(obj.layout.read()),
+            obj.ops,
+            m=10,
+            max_iters=FLAGS.max_iters,
+            gtol=0.0,
+            ftol=0.0,
+        )
+        iters = first_at_or_below(result.loss_history, target)
+        evals = first_at_or_below([loss for _, loss in eval_log], target)
+        sb_secs = eval_log[evals][0] if evals is not None else float("nan")
+        rows.append(
+            [
+                f"Sandblaster L-BFGS ({FLAGS.num_workers} workers), to target",
+                f"{np.median(obj.stats.evaluation_secs):.3f}",
+                "",
+                "",
+                "",
+                "",
+                str(iters),
+                f"{sb_secs:.1f}",
+            ]
+        )
+        obj.close()
+        scipy_iters = first_at_or_below(scipy_losses, target)
+        per_iter = scipy_secs[-1] / max(1, len(scipy_secs) - 1)
+        rows.append(
+            [
+                "SciPy L-BFGS-B (1 process, 1 core), to target",
+                f"{per_iter:.3f} (per iter)",
+                "",
+                "",
+                "",
+                "",
+                str(scipy_iters),
+                f"{scipy_secs[scipy_iters]:.1f}",
+            ]
+        )
+
+    params = (FLAGS.features + 1) * FLAGS.hidden + (FLAGS.hidden + 1) * 10
+    print(
+        f"\nSandblaster L-BFGS: {FLAGS.examples} examples, {params} parameters, "
+        f"{FLAGS.portions} portions, {FLAGS.num_workers} workers, {FLAGS.num_ps} "
+        f"ps, 1 intra-op thread per task; target loss {target:.4g} (SciPy after "
+        f"{FLAGS.target_iters} iterations)\n"
+    )
+    header = [
+        "run",
+        "batch secs",
+        "vs no straggler",
+        "backups/batch",
+        "discarded",
+        "portions by worker",
+        "iters to target",
+        "secs to target",
+    ]
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, ["-" * w for w in widths], *rows]:
+        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |")
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
