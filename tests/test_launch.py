@@ -161,16 +161,18 @@ def test_killed_chief_leaves_no_process():
 
 @pytest.mark.slow
 def test_tf_config_cluster_of_separate_processes(tmp_path):
-    """chief, 2 workers and 2 ps, each `launch/train.py` with its own TF_CONFIG."""
+    """chief, 2 workers, 2 ps and an evaluator, each `launch/train.py` with its
+    own TF_CONFIG."""
     marker = uuid.uuid4().hex
     jobs = {
         "chief": [f"127.0.0.1:{portpicker.pick_unused_port()}"],
         "worker": [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(2)],
         "ps": [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(2)],
+        "evaluator": [f"127.0.0.1:{portpicker.pick_unused_port()}"],
     }
     procs = {}
     try:
-        for job in ("ps", "worker", "chief"):
+        for job in ("ps", "worker", "chief", "evaluator"):
             for index in range(len(jobs[job])):
                 tf_config = json.dumps(
                     {"cluster": jobs, "task": {"type": job, "index": index}}
@@ -193,9 +195,13 @@ def test_tf_config_cluster_of_separate_processes(tmp_path):
         output = (tmp_path / "chief0.out").read_text()
         assert "local cluster" not in output
         assert _accuracy(output) >= 0.95
-        # Servers end by themselves once the chief is gone (--chief_gone_secs).
+        # Servers end by themselves once the chief is gone (--chief_gone_secs);
+        # the evaluator after the last epoch's checkpoint.
         for key, proc in procs.items():
-            assert proc.wait(60) == 0, key
+            assert proc.wait(120) == 0, key
+        evaluator = (tmp_path / "evaluator0.out").read_text()
+        assert "evaluator: done" in evaluator
+        assert re.search(r"accuracy: 0\.9[5-9]", evaluator), evaluator[-2000:]
         assert _wait_no_marked(marker) == []
     finally:
         for proc in procs.values():
