@@ -18,7 +18,13 @@ import tensorflow as tf
 import tf_keras
 
 import models.digits
-from tf_distbelief import flat_params, lbfgs, ps_vectors, sandblaster
+from tf_distbelief import (
+    flat_params,
+    lbfgs,
+    ps_vectors,
+    sandblaster,
+    sandblaster_portion,
+)
 from tf_distbelief import sandblaster_schedule as schedule_lib
 from tf_distbelief import strategy as strategy_lib
 
@@ -334,7 +340,7 @@ def test_vectors_on_ps_and_coordinator_moves_only_scalars(local_cluster, monkeyp
     ]
     assert [op.type for op in writes] == ["ResourceScatterUpdate"] * num_ps
     # The reduction runs on the ps and returns nothing.
-    reduce_graph = sandblaster._reduce_slots.get_concrete_function(
+    reduce_graph = sandblaster_portion.reduce_slots.get_concrete_function(
         objective.grad.devices,
         objective._slots,
         objective.grad.shards,

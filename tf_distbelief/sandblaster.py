@@ -65,9 +65,9 @@ import time
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.data.experimental.ops import testing as data_testing
 
 from tf_distbelief import flat_params, lbfgs, ps_vectors
+from tf_distbelief import sandblaster_portion as portion_lib
 from tf_distbelief import sandblaster_schedule as schedule_lib
 
 __all__ = ["SandblasterObjective", "SandblasterStats", "SandblasterTrainer"]
@@ -108,70 +108,6 @@ class _Copy:
     slot: int
 
 
-def _read(handle, dtype=_F64):
-    return tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
-
-
-def _assign(handle, value):
-    return tf.raw_ops.AssignVariableOp(resource=handle, value=value)
-
-
-def _after(ops, value):
-    with tf.control_dependencies(ops):
-        return tf.identity(value)
-
-
-def _sleep(secs):
-    """Sleeps `secs` (a float64 scalar) on the device it runs on; returns 0."""
-    micros = tf.cast(tf.maximum(secs, 0.0) * 1e6, _I64)
-    data = tf.data.Dataset.from_tensors(tf.constant(0, _I64))
-    return data.apply(data_testing.sleep(micros)).reduce(
-        tf.constant(0, _I64), lambda a, b: a + b
-    )
-
-
-@tf.function(autograph=False)
-def _reduce_slots(devices, slots, outs, indices):
-    # On each ps: out_i = sum over portions (in order) of the accepted slot rows.
-    for device, slot, out in zip(devices, slots, outs):
-        with tf.device(device):
-            out.assign(tf.reduce_sum(tf.gather(slot, indices), axis=0))
-
-
-def per_example_loss(loss_fn, model):
-    """Returns `(y_true, y_pred) -> per-example losses` for `loss_fn`.
-
-    Args:
-      loss_fn: a tf_keras `Loss` (its unreduced `call` is used), a loss name
-        (`tf_keras.losses.get`), a callable returning per-example losses, or None
-        for the loss `model` was compiled with.
-
-    Raises:
-      ValueError: no loss given and the model is not compiled.
-      TypeError: `loss_fn` is none of these.
-    """
-    import tf_keras
-
-    if loss_fn is None:
-        loss_fn = getattr(model, "loss", None)
-        if loss_fn is None:
-            raise ValueError(
-                "Argument `loss_fn` is required for an uncompiled model, e.g. "
-                "`tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)`. "
-                f"Received: None for model {model.name!r}"
-            )
-    if isinstance(loss_fn, str):
-        loss_fn = tf_keras.losses.get(loss_fn)
-    if isinstance(loss_fn, tf_keras.losses.Loss):
-        return loss_fn.call
-    if not callable(loss_fn):
-        raise TypeError(
-            "Argument `loss_fn` must be a tf_keras Loss, a loss name or a callable. "
-            f"Received: {loss_fn!r}"
-        )
-    return loss_fn
-
-
 def _job(device: str) -> str:
     return device.split("/job:")[1].split("/")[0] if "/job:" in device else ""
 
@@ -202,7 +138,7 @@ class SandblasterObjective:
         process is its coordinator.
       model: a tf_keras model, built after `strategy` was created (connecting
         to the cluster drops earlier variables) and outside `strategy.scope()`.
-      loss_fn: see `per_example_loss`.
+      loss_fn: see `sandblaster_portion.per_example_loss`.
       x: training features, `[num_examples, ...]`.
       y: training targets, `[num_examples, ...]`.
       portions: work portions per evaluation, in `[1, num_examples]`; the paper
@@ -309,95 +245,21 @@ class SandblasterObjective:
         # One thread per copy in flight waits on its RemoteValue (`fetch`), so the
         # coordinator can wait for the first of any copies with public APIs.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=num_slots)
-        self.portion_function = self._trace(
+        self.portion_function = portion_lib.build_portion_function(
             model,
-            per_example_loss(loss_fn, model),
+            self.layout,
+            portion_lib.per_example_loss(loss_fn, model),
             x,
             y,
+            self.bounds,
+            self._x_eval,
+            self._slots,
+            self._cache,
+            self._cached_eval,
             straggler_worker,
             float(straggler_slowdown),
             float(straggler_delay_secs),
         )
-
-    # ------------------------------------------------------------ worker side
-
-    def _trace(self, model, loss_fn, x, y, straggler, slowdown, delay_secs):
-        layout, num_examples = self.layout, len(x)
-        shard_sizes = list(self._x_eval.sizes)
-        x_shards, slots = self._x_eval.shards, self._slots
-        straggler = -1 if straggler is None else int(straggler)
-
-        @tf.function(autograph=False)
-        def portion_fn(portion, slot, eval_id):
-            # Per-worker handles at the top: inside `tf.cond` they would not
-            # resolve to the worker running the function.
-            cache, cached_eval = self._cache.handle, self._cached_eval.handle
-            start_secs = tf.timestamp()
-
-            def fetch():
-                params = tf.concat([_read(s.handle) for s in x_shards], axis=0)
-                return _after(
-                    [_assign(cache, params), _assign(cached_eval, eval_id)], 1
-                )
-
-            with tf.control_dependencies([start_secs]):
-                fetched = tf.cond(
-                    tf.not_equal(_read(cached_eval, _I64), eval_id),
-                    fetch,
-                    lambda: tf.constant(0),
-                )
-            with tf.control_dependencies([fetched]):
-                params = _read(cache)
-            bounds = tf.constant(self.bounds, _I64)
-            begin, end = bounds[portion], bounds[portion + 1]
-            features = tf.constant(x)[begin:end]
-            targets = tf.constant(y)[begin:end]
-            with tf.GradientTape() as tape:
-                tape.watch(params)
-                with flat_params.evaluate_at(layout, params):
-                    predictions = model(features, training=False)
-                    total = tf.reduce_sum(tf.cast(loss_fn(targets, predictions), _F64))
-                    share = total / num_examples
-                    if model.losses:
-                        weight = tf.cast(end - begin, _F64) / num_examples
-                        regularization = tf.add_n(
-                            [tf.cast(r, _F64) for r in model.losses]
-                        )
-                        share += weight * regularization
-            grad = tape.gradient(
-                share, params, unconnected_gradients=tf.UnconnectedGradients.ZERO
-            )
-            writes = [
-                tf.raw_ops.ResourceScatterUpdate(
-                    resource=s.handle, indices=tf.reshape(slot, [1]), updates=g[None]
-                )
-                for s, g in zip(slots, tf.split(grad, shard_sizes))
-            ]
-            worker = tf.cast(
-                tf.distribute.coordinator.experimental_get_current_worker_index(), _I64
-            )
-            with tf.control_dependencies(writes):
-                compute_secs = tf.timestamp() - start_secs
-            slowed = tf.cond(
-                tf.equal(worker, straggler),
-                lambda: _sleep((slowdown - 1.0) * compute_secs + delay_secs),
-                lambda: tf.constant(0, _I64),
-            )
-            with tf.control_dependencies([slowed]):
-                return tf.identity(share), tf.identity(worker)
-
-        scalar = tf.TensorSpec([], _I64)
-        # Traced here, where the model's weights can be substituted; the
-        # coordinator schedules this concrete function.
-        concrete = portion_fn.get_concrete_function(scalar, scalar, scalar)
-        captured = {id(t) for t in concrete.graph.external_captures}
-        leaked = [v.name for v in layout.variables if id(v.handle) in captured]
-        if leaked:
-            raise ValueError(
-                "Argument `model` reads weights in a way Sandblaster cannot "
-                f"substitute ({', '.join(leaked)} captured by the portion function)."
-            )
-        return concrete
 
     # ------------------------------------------------------- coordinator side
 
@@ -462,7 +324,7 @@ class SandblasterObjective:
                     self._launch(ledger, portion, eval_id, backup=True)
             self._wait_any()
         slots, shares = zip(*ledger.accepted)
-        _reduce_slots(
+        portion_lib.reduce_slots(
             self.grad.devices,
             self._slots,
             self.grad.shards,
@@ -585,4 +447,7 @@ class SandblasterTrainer:
             record_iterates=record_iterates,
         )
         layout.write(ops.to_numpy(result.x))
+        # Late backup losers still hold gradient slots; let them finish so the
+        # counters are final and nothing runs after `fit` returns.
+        self.objective.join()
         return result

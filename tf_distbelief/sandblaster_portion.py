@@ -1,0 +1,214 @@
+"""The function a Sandblaster work portion runs on a worker (Dean et al. 2012, §4.2).
+
+`build_portion_function` traces it; `tf_distbelief.sandblaster` schedules it
+with `ClusterCoordinator.schedule` and reduces its results with `reduce_slots`.
+One call, `portion_fn(portion, slot, eval_id)` (int64 scalars):
+
+1. Fetch the evaluation point `x_eval` from the ps into this worker's cache,
+   unless the cache already holds evaluation `eval_id` (once per worker and
+   evaluation, as the paper's replicas fetch once per batch).
+2. Slice the portion's examples out of the training set, a constant of the
+   function (it reaches each worker once, with the function).
+3. Compute the portion's share of the objective,
+   `sum_i loss_i / N + (n_p / N) * sum(model.losses)`, and its gradient with
+   respect to the flat parameters, the model's weights read as slices of the
+   cache (`flat_params.evaluate_at`).
+4. Write the gradient into row `slot` of the slot variables on the ps (one
+   2-D variable `[num_slots, shard_size]` per ps shard), then, on the straggler
+   worker only, sleep.
+5. Return `(share, worker_index)`: two scalars, all the coordinator receives.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.data.experimental.ops import testing as data_testing
+
+from tf_distbelief import flat_params
+
+__all__ = ["build_portion_function", "per_example_loss", "reduce_slots"]
+
+_F64 = tf.float64
+_I64 = tf.int64
+
+
+def _read(handle, dtype=_F64):
+    return tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
+
+
+def _assign(handle, value):
+    return tf.raw_ops.AssignVariableOp(resource=handle, value=value)
+
+
+def _after(ops, value):
+    with tf.control_dependencies(ops):
+        return tf.identity(value)
+
+
+def _sleep(secs):
+    """Sleeps `secs` (a float64 scalar) on the device it runs on; returns 0."""
+    micros = tf.cast(tf.maximum(secs, 0.0) * 1e6, _I64)
+    data = tf.data.Dataset.from_tensors(tf.constant(0, _I64))
+    return data.apply(data_testing.sleep(micros)).reduce(
+        tf.constant(0, _I64), lambda a, b: a + b
+    )
+
+
+@tf.function(autograph=False)
+def reduce_slots(devices, slots, outs, indices):
+    """On each ps shard: `out_i = sum_p slots_i[indices[p]]`, portions in order.
+
+    Args:
+      devices: the ps device of each shard (part of the trace key).
+      slots: `[num_slots, shard_size]` float64 slot variables, one per shard.
+      outs: `[shard_size]` float64 output variables, one per shard.
+      indices: `[portions]` int32, the accepted slot of each portion.
+    """
+    for device, slot, out in zip(devices, slots, outs):
+        with tf.device(device):
+            out.assign(tf.reduce_sum(tf.gather(slot, indices), axis=0))
+
+
+def per_example_loss(loss_fn, model):
+    """Returns `(y_true, y_pred) -> per-example losses` for `loss_fn`.
+
+    Args:
+      loss_fn: a tf_keras `Loss` (its unreduced `call` is used), a loss name
+        (`tf_keras.losses.get`), a callable returning per-example losses, or None
+        for the loss `model` was compiled with.
+
+    Raises:
+      ValueError: no loss given and the model is not compiled.
+      TypeError: `loss_fn` is none of these.
+    """
+    import tf_keras
+
+    if loss_fn is None:
+        loss_fn = getattr(model, "loss", None)
+        if loss_fn is None:
+            raise ValueError(
+                "Argument `loss_fn` is required for an uncompiled model, e.g. "
+                "`tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)`. "
+                f"Received: None for model {model.name!r}"
+            )
+    if isinstance(loss_fn, str):
+        loss_fn = tf_keras.losses.get(loss_fn)
+    if isinstance(loss_fn, tf_keras.losses.Loss):
+        return loss_fn.call
+    if not callable(loss_fn):
+        raise TypeError(
+            "Argument `loss_fn` must be a tf_keras Loss, a loss name or a callable. "
+            f"Received: {loss_fn!r}"
+        )
+    return loss_fn
+
+
+def build_portion_function(
+    model,
+    layout: flat_params.FlatLayout,
+    loss_fn,
+    x,
+    y,
+    portion_bounds: list[int],
+    x_eval,
+    slots: list,
+    cache_variable,
+    cached_eval_variable,
+    straggler: int | None,
+    slowdown: float,
+    delay_secs: float,
+):
+    """Traces the portion function; returns it as a `ConcreteFunction`.
+
+    Args:
+      model: the tf_keras model; its weights are substituted, never read.
+      layout: the model's `flat_params.FlatLayout`.
+      loss_fn: `(y_true, y_pred) -> per-example losses` (`per_example_loss`).
+      x: training features, `[num_examples, ...]`, NumPy.
+      y: training targets, `[num_examples, ...]`, NumPy.
+      portion_bounds: `portions + 1` example offsets.
+      x_eval: the `ps_vectors.PsVector` of the evaluation point.
+      slots: per ps shard of `x_eval`, its `[num_slots, shard_size]` variable.
+      cache_variable: `per_worker_variable` `[layout.size]` float64.
+      cached_eval_variable: `per_worker_variable` int64 scalar, the evaluation
+        id the cache holds.
+      straggler: the slowed worker's index, or None.
+      slowdown: a slowed portion lasts `slowdown` times its compute time.
+      delay_secs: extra sleep of a slowed portion.
+
+    Raises:
+      ValueError: the model reads a weight in a way that cannot be substituted
+        (the weight's variable was captured by the function).
+    """
+    num_examples = len(x)
+    shard_sizes = list(x_eval.sizes)
+    x_shards = x_eval.shards
+    straggler = -1 if straggler is None else int(straggler)
+
+    @tf.function(autograph=False)
+    def portion_fn(portion, slot, eval_id):
+        # Per-worker handles at the top: inside `tf.cond` they would not
+        # resolve to the worker running the function.
+        cache, cached_eval = cache_variable.handle, cached_eval_variable.handle
+        start_secs = tf.timestamp()
+
+        def fetch():
+            params = tf.concat([_read(s.handle) for s in x_shards], axis=0)
+            return _after([_assign(cache, params), _assign(cached_eval, eval_id)], 1)
+
+        with tf.control_dependencies([start_secs]):
+            fetched = tf.cond(
+                tf.not_equal(_read(cached_eval, _I64), eval_id),
+                fetch,
+                lambda: tf.constant(0),
+            )
+        with tf.control_dependencies([fetched]):
+            params = _read(cache)
+        bounds = tf.constant(portion_bounds, _I64)
+        begin, end = bounds[portion], bounds[portion + 1]
+        features = tf.constant(x)[begin:end]
+        targets = tf.constant(y)[begin:end]
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            with flat_params.evaluate_at(layout, params):
+                predictions = model(features, training=False)
+                total = tf.reduce_sum(tf.cast(loss_fn(targets, predictions), _F64))
+                share = total / num_examples
+                if model.losses:
+                    weight = tf.cast(end - begin, _F64) / num_examples
+                    regularization = tf.add_n([tf.cast(r, _F64) for r in model.losses])
+                    share += weight * regularization
+        grad = tape.gradient(
+            share, params, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+        writes = [
+            tf.raw_ops.ResourceScatterUpdate(
+                resource=s.handle, indices=tf.reshape(slot, [1]), updates=g[None]
+            )
+            for s, g in zip(slots, tf.split(grad, shard_sizes))
+        ]
+        worker = tf.cast(
+            tf.distribute.coordinator.experimental_get_current_worker_index(), _I64
+        )
+        with tf.control_dependencies(writes):
+            compute_secs = tf.timestamp() - start_secs
+        slowed = tf.cond(
+            tf.equal(worker, straggler),
+            lambda: _sleep((slowdown - 1.0) * compute_secs + delay_secs),
+            lambda: tf.constant(0, _I64),
+        )
+        with tf.control_dependencies([slowed]):
+            return tf.identity(share), tf.identity(worker)
+
+    scalar = tf.TensorSpec([], _I64)
+    # Traced here, where the model's weights can be substituted; the
+    # coordinator schedules this concrete function.
+    concrete = portion_fn.get_concrete_function(scalar, scalar, scalar)
+    captured = {id(t) for t in concrete.graph.external_captures}
+    leaked = [v.name for v in layout.variables if id(v.handle) in captured]
+    if leaked:
+        raise ValueError(
+            "Argument `model` reads weights in a way Sandblaster cannot "
+            f"substitute ({', '.join(leaked)} captured by the portion function)."
+        )
+    return concrete
