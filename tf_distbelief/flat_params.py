@@ -119,7 +119,8 @@ class FlatLayout:
         variables = tuple(model.trainable_weights)
         if not variables:
             raise ValueError(
-                f"Argument `model` must have trainable weights. Received: {model.name!r}"
+                "Argument `model` must have trainable weights. Received: "
+                f"{model.name!r}"
             )
         for v in variables:
             if not isinstance(v, resource_variable_ops.ResourceVariable):
