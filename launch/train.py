@@ -30,7 +30,8 @@ def define_flags() -> None:
         "optimizer",
         d.optimizer,
         job.OPTIMIZERS,
-        "adagrad: AdaGrad on the ps shards (paper section 4.1); sgd: plain SGD.",
+        "adagrad: AdaGrad on the ps shards (paper section 4.1); sgd: plain SGD; "
+        "lbfgs: Sandblaster L-BFGS (section 4.2, full batch).",
     )
     flags.DEFINE_float(
         "learning_rate", d.learning_rate, "Step size (gamma).", lower_bound=1e-12
@@ -174,6 +175,40 @@ def define_flags() -> None:
             d.warmstart_steps,
             d.max_staleness,
         )
+
+    flags.DEFINE_integer(
+        "lbfgs_history",
+        d.lbfgs_history,
+        "Sandblaster: (s, y) pairs L-BFGS keeps on the ps.",
+        lower_bound=1,
+    )
+    flags.DEFINE_integer(
+        "lbfgs_max_iters",
+        d.lbfgs_max_iters,
+        "Sandblaster: L-BFGS iterations at most.",
+        lower_bound=1,
+    )
+    flags.DEFINE_integer(
+        "portions", d.portions, "Sandblaster: work portions per batch.", lower_bound=1
+    )
+    flags.DEFINE_bool(
+        "backup_tasks",
+        d.backup_tasks,
+        "Sandblaster: copies of the last portions go to idle workers.",
+    )
+    flags.DEFINE_integer(
+        "straggler_worker",
+        d.straggler_worker,
+        "Sandblaster test hook: this worker runs portions "
+        "--straggler_slowdown times slower.",
+        lower_bound=0,
+    )
+    flags.DEFINE_float(
+        "straggler_slowdown",
+        d.straggler_slowdown,
+        "Sandblaster: the straggler's slowdown factor.",
+        lower_bound=1.0,
+    )
 
 
 def main(argv):

@@ -206,3 +206,57 @@ def test_tf_config_cluster_of_separate_processes(tmp_path):
     finally:
         for proc in procs.values():
             proc.kill()
+
+
+@pytest.mark.slow
+def test_sandblaster_through_the_launch_script():
+    marker = uuid.uuid4().hex
+    proc = subprocess.run(
+        [
+            sys.executable,
+            TRAIN,
+            "--model=digits",
+            "--optimizer=lbfgs",
+            "--portions=16",
+            "--lbfgs_max_iters=100",
+            "--num_workers=2",
+            "--num_ps=2",
+        ],
+        env=_env(marker),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^lbfgs: \d+ iterations, .*backup copies \d+", proc.stdout, re.M)
+    assert _accuracy(proc.stdout) >= 0.93
+    assert _wait_no_marked(marker) == []
+
+
+@pytest.mark.slow
+def test_downpour_through_the_launch_script():
+    marker = uuid.uuid4().hex
+    proc = subprocess.run(
+        [
+            sys.executable,
+            TRAIN,
+            "--model=digits",
+            "--downpour",
+            "--n_fetch=4",
+            "--n_push=4",
+            "--num_workers=2",
+            "--num_ps=2",
+        ],
+        env=_env(marker),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(
+        r"^epoch 5: .*bytes_pushed_per_step=.*replica1/staleness=", proc.stdout, re.M
+    )
+    assert _accuracy(proc.stdout) >= 0.95
+    assert _wait_no_marked(marker) == []

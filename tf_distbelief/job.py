@@ -17,11 +17,11 @@ import tf_keras
 from absl import logging
 
 import models
-from tf_distbelief import adagrad, cluster, downpour, training
+from tf_distbelief import adagrad, cluster, downpour, sandblaster, training
 from tf_distbelief import strategy as strategy_lib
 
 MODELS = tuple(models.MODELS)
-OPTIMIZERS = ("adagrad", "sgd")
+OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
 PARTITIONERS = ("min_size", "max_size", "fixed")
 
 
@@ -31,7 +31,9 @@ class JobConfig:
 
     Attributes:
       model: one of `MODELS`.
-      optimizer: `adagrad` (on the ps shards, section 4.1) or `sgd`.
+      optimizer: `adagrad` (on the ps shards, section 4.1), `sgd`, or `lbfgs`
+        (Sandblaster L-BFGS, section 4.2: full-batch, the coordinator driving
+        vector operations on the ps shards).
       learning_rate: gamma of AdaGrad or the SGD step size, > 0.
       initial_accumulator_value: AdaGrad's `a_0`, >= 0.
       epsilon: AdaGrad's epsilon, >= 0.
@@ -58,6 +60,15 @@ class JobConfig:
       local_learning_rate: Downpour: SGD step on each worker's cache, >= 0.
       warmstart_steps: Downpour: steps worker 0 trains alone first, >= 0.
       max_staleness: Downpour: drop pushes staler than this (None: never).
+      lbfgs_history: Sandblaster: `m`, the (s, y) pairs kept on the ps, >= 1.
+      lbfgs_max_iters: Sandblaster: L-BFGS iterations at most, >= 1.
+      portions: Sandblaster: work portions per batch, >= 1 (far more than
+        workers).
+      backup_tasks: Sandblaster: copies of the last outstanding portions go to
+        idle workers; the first to finish counts.
+      straggler_worker: test/benchmark hook: this worker runs its portions
+        `straggler_slowdown` times slower (None: no straggler).
+      straggler_slowdown: the straggler's slowdown factor, >= 1.
     """
 
     model: str = "digits"
@@ -85,6 +96,12 @@ class JobConfig:
     local_learning_rate: float = 0.05
     warmstart_steps: int = 0
     max_staleness: int | None = None
+    lbfgs_history: int = 10
+    lbfgs_max_iters: int = 100
+    portions: int = 32
+    backup_tasks: bool = True
+    straggler_worker: int | None = None
+    straggler_slowdown: float = 1.0
 
     def validate(self) -> JobConfig:
         """Checks every field; returns self.
@@ -136,6 +153,21 @@ class JobConfig:
                     )
         if self.downpour:
             self.downpour_config()  # Raises on a bad Downpour setting.
+            if self.optimizer == "lbfgs":
+                raise ValueError(
+                    "`downpour` trains with SGD-type optimizers (adagrad, sgd); "
+                    "`optimizer=lbfgs` is Sandblaster. Received both."
+                )
+        for name in ("lbfgs_history", "lbfgs_max_iters", "portions"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"`{name}` must be >= 1. Received: {getattr(self, name)!r}"
+                )
+        if not self.straggler_slowdown >= 1:
+            raise ValueError(
+                "`straggler_slowdown` must be >= 1. Received: "
+                f"{self.straggler_slowdown!r}"
+            )
         for name in ("initial_accumulator_value", "epsilon", "log_every_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(
@@ -236,6 +268,10 @@ def train(config: JobConfig, cluster_resolver, print_fn=print) -> dict:
         cluster_resolver,
         make_partitioner(config.partitioner, num_ps, config.shard_bytes),
     )
+    if config.optimizer == "lbfgs":
+        return _train_sandblaster(
+            config, strategy, (x_train, y_train), (x_test, y_test), print_fn
+        )
     model = compile_model(config, strategy)
     callbacks = [downpour.DownpourMetrics(model.downpour)] if config.downpour else []
     start = time.monotonic()
@@ -262,6 +298,51 @@ def train(config: JobConfig, cluster_resolver, print_fn=print) -> dict:
         "initial_epoch": result.initial_epoch,
         "history": result.history,
         "train_secs": train_secs,
+    }
+
+
+def _train_sandblaster(config, strategy, train_data, test_data, print_fn) -> dict:
+    """`train` with Sandblaster L-BFGS (section 4.2): full-batch, no epochs."""
+    if config.straggler_worker is not None and not (
+        0 <= config.straggler_worker < strategy.num_workers
+    ):
+        raise ValueError(
+            f"`straggler_worker` must be in [0, {strategy.num_workers}). Received: "
+            f"{config.straggler_worker!r}"
+        )
+    # Built after the strategy connected, outside its scope: the parameters
+    # live in Sandblaster's flat vectors on the ps, not in Keras variables.
+    model = build_model(config)
+    trainer = sandblaster.SandblasterTrainer(
+        strategy,
+        model,
+        tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        *train_data,
+        portions=config.portions,
+        history=config.lbfgs_history,
+        backup_tasks=config.backup_tasks,
+        straggler_worker=config.straggler_worker,
+        straggler_slowdown=config.straggler_slowdown,
+    )
+    start = time.monotonic()
+    result = trainer.fit(max_iters=config.lbfgs_max_iters)
+    train_secs = time.monotonic() - start
+    stats = trainer.stats
+    print_fn(
+        f"lbfgs: {result.num_iters} iterations, {result.num_evals} evaluations, "
+        f"loss {result.loss:.6f} ({result.message}), {train_secs:.1f} s; "
+        f"portions {stats.portions_scheduled}, backup copies "
+        f"{stats.backup_copies_scheduled}, discarded {stats.copies_discarded}, "
+        f"accepted by worker {dict(sorted(stats.accepted_by_worker.items()))}"
+    )
+    test_accuracy = training.accuracy(model, *test_data)
+    print_fn(f"test accuracy: {test_accuracy:.4f}")
+    return {
+        "test_accuracy": test_accuracy,
+        "iterations": result.num_iters,
+        "loss": result.loss,
+        "train_secs": train_secs,
+        "stats": stats,
     }
 
 
