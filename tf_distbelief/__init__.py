@@ -23,6 +23,11 @@ from tf_distbelief.cluster import (
 )
 from tf_distbelief.downpour import Downpour, DownpourMetrics, DownpourTrainer
 from tf_distbelief.downpour_schedule import DownpourConfig
+from tf_distbelief.sandblaster import (
+    SandblasterObjective,
+    SandblasterStats,
+    SandblasterTrainer,
+)
 from tf_distbelief.strategy import DistBeliefStrategy, Keras3Error
 
 __all__ = [
@@ -36,5 +41,8 @@ __all__ = [
     "DownpourTrainer",
     "Keras3Error",
     "LocalCluster",
+    "SandblasterObjective",
+    "SandblasterStats",
+    "SandblasterTrainer",
     "resolve_cluster",
 ]
