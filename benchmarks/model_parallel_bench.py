@@ -10,8 +10,8 @@ benchmark times one training step (forward, backward and a plain SGD update, in 
 * `mlp`: the speech model's shape: 440 inputs (11 frames of 40 filter banks), 4
   sigmoid hidden layers, softmax (`PartitionedDense`, units split).
 
-Two set-ups, each in its own child processes, since TensorFlow fixes its threads and
-devices when it initialises:
+Each (set-up, partition count) runs in its own child process, since TensorFlow fixes
+its threads and devices when it initialises:
 
 * `scaling`: every partition gets one core's worth of threads. All CPU devices of a
   process share one intra-op pool, so the child sets `intra_op_parallelism_threads=1`
@@ -22,11 +22,23 @@ devices when it initialises:
 * `overhead`: TensorFlow's default threads (all cores) for every partition count.
   Partitioning then brings no extra compute; the ratio shows its cost.
 
-Cross-partition bytes per step are forward plus backward (halo or input copies and
-their gradients), from `partition_math`.
+On a shared, noisy machine a single timing says little, so all children are started
+first, build and warm up their models, and then wait; the parent asks them in turn
+(1, 2, 4 partitions of both set-ups, for each model; then again) for `--repeats`
+timings of `--steps` steps each, so that load changes hit every configuration
+alike. A timing is the median step time of its steps; the table shows the median
+over repeats and, in brackets, the spread (max - min) of the repeats as a share of
+the median.
+
+Bytes per step are forward plus backward, from `partition_math`, in two columns:
+`needed` is what a DistBelief network whose layers stay partitioned would move (the
+halo of locally connected layers; for dense layers each partition's copy of the
+input it does not hold); `moved` adds what these layers move because each takes its
+input whole on the replica's default device and concatenates its output there
+(scatter of owned input regions, gather of outputs).
 
 Usage:
-  python benchmarks/model_parallel_bench.py --steps=10
+  python benchmarks/model_parallel_bench.py  # About 4 minutes on 2 idle cores.
 """
 
 import json
@@ -39,20 +51,35 @@ import numpy as np
 from absl import app, flags
 
 _PARTITIONS = (1, 2, 4)
+_MODELS = ("lc", "mlp")
+# Flags a child needs from the parent's command line.
+_SHARED_FLAGS = (
+    "steps",
+    "warmup_steps",
+    "batch_size",
+    "lc_size",
+    "lc_channels",
+    "lc_filters",
+    "mlp_width",
+    "mlp_classes",
+)
 _SPEECH_INPUTS = 440  # 11 frames x 40 log filter-bank energies (section 5).
 
 
 def define_flags():
-    flags.DEFINE_integer("steps", 10, "Timed steps per measurement.", lower_bound=1)
+    flags.DEFINE_integer("steps", 4, "Timed steps per timing.", lower_bound=1)
+    flags.DEFINE_integer(
+        "repeats", 5, "Interleaved timings per configuration.", lower_bound=1
+    )
     flags.DEFINE_integer("warmup_steps", 2, "Untimed steps first.", lower_bound=1)
     flags.DEFINE_integer("batch_size", 32, "Examples per step.", lower_bound=1)
     flags.DEFINE_integer(
-        "lc_size", 48, "Rows and columns of the lc input.", lower_bound=9
+        "lc_size", 40, "Rows and columns of the lc input.", lower_bound=9
     )
     flags.DEFINE_integer("lc_channels", 8, "Channels of the lc input.", lower_bound=1)
     flags.DEFINE_integer("lc_filters", 32, "Filters of each lc layer.", lower_bound=1)
     flags.DEFINE_integer(
-        "mlp_width", 2560, "Hidden units (paper: 2560).", lower_bound=4
+        "mlp_width", 1024, "Hidden units (paper: 2560).", lower_bound=4
     )
     flags.DEFINE_integer(
         "mlp_classes", 8192, "Softmax classes (paper: 8192).", lower_bound=4
@@ -63,10 +90,14 @@ def define_flags():
 
 
 def _build(model, num_partitions, batch_size):
-    """Returns `(step_fn, inputs, cross_partition_bytes_per_step)`."""
+    """Returns `(step_fn, inputs, {"needed": bytes, "moved": bytes} per step)`."""
     import tensorflow as tf
 
-    from tf_distbelief import partitioned_dense, partitioned_locally_connected
+    from tf_distbelief import (
+        partition_math,
+        partitioned_dense,
+        partitioned_locally_connected,
+    )
 
     f = flags.FLAGS
     if model == "lc":
@@ -119,60 +150,83 @@ def _build(model, num_partitions, batch_size):
         return loss
 
     # Forward and backward move the same bytes.
-    bytes_per_step = 2 * sum(
-        layer.cross_partition_bytes(batch_size) for layer in layers
-    )
-    return step, x, bytes_per_step
+    needed = 2 * sum(layer.cross_partition_bytes(batch_size) for layer in layers)
+    whole_io = 0
+    for layer in layers:
+        if model == "lc":
+            whole_io += partition_math.locally_connected_scatter_gather_bytes(
+                [batch_size, *layer._input_shape[1:]],
+                layer.kernel_size,
+                layer.strides,
+                layer.partition_grid,
+                layer.filters,
+            )
+        else:
+            whole_io += partition_math.dense_gather_bytes(
+                batch_size, layer.units, num_partitions
+            )
+    return step, x, {"needed": needed, "moved": needed + 2 * whole_io}
 
 
-def _time_step(step, x):
-    f = flags.FLAGS
-    for _ in range(f.warmup_steps):
-        step(x).numpy()
+def _time_step(step, x, num_steps):
     times = []
-    for _ in range(f.steps):
+    for _ in range(num_steps):
         start = time.perf_counter()
         step(x).numpy()
         times.append(time.perf_counter() - start)
     return float(np.median(times))
 
 
-def _child(setup, child_partitions):
-    """Runs in a fresh process: configures TF, times, prints one JSON line."""
+def _child(setup, partitions):
+    """Runs in a fresh process: builds, warms up, then times on request.
+
+    Prints one JSON line when ready (bytes per model), then reads model names from
+    stdin, one per line, and answers each with one JSON line (median step secs).
+    """
     import tensorflow as tf
 
     from tf_distbelief import model_parallel
 
+    f = flags.FLAGS
     model_parallel.configure_logical_cpus(max(_PARTITIONS))
     if setup == "scaling":
         tf.config.threading.set_intra_op_parallelism_threads(1)
-        tf.config.threading.set_inter_op_parallelism_threads(child_partitions)
-        counts = [child_partitions]
-    else:
-        counts = list(_PARTITIONS)
-    results = []
-    for model in ("lc", "mlp"):
-        for p in counts:
-            step, x, nbytes = _build(model, p, flags.FLAGS.batch_size)
-            results.append(
-                {
-                    "model": model,
-                    "partitions": p,
-                    "secs": _time_step(step, x),
-                    "bytes": nbytes,
-                }
-            )
-    print(json.dumps(results))
+        tf.config.threading.set_inter_op_parallelism_threads(partitions)
+    built = {m: _build(m, partitions, f.batch_size) for m in _MODELS}
+    for step, x, _ in built.values():
+        _time_step(step, x, f.warmup_steps)
+    print(json.dumps({m: b[2] for m, b in built.items()}), flush=True)
+    for line in sys.stdin:
+        step, x, _ = built[line.strip()]
+        print(json.dumps(_time_step(step, x, f.steps)), flush=True)
 
 
-def _run_child(argv, setup, partitions=0):
+def _start_child(argv, setup, partitions):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    command = [sys.executable, os.path.abspath(__file__), *argv[1:]]
+    # `app.run` strips flags from `argv`; pass the parsed values on explicitly.
+    passed = [f"--{name}={flags.FLAGS[name].value}" for name in _SHARED_FLAGS]
+    command = [sys.executable, os.path.abspath(__file__), *argv[1:], *passed]
     command += [f"--setup={setup}", f"--child_partitions={partitions}"]
-    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+
+
+def _ask(child, request=None):
+    if request is not None:
+        child.stdin.write(request + "\n")
+        child.stdin.flush()
+    line = child.stdout.readline()
+    if not line:
+        raise RuntimeError(f"Benchmark child {child.args[-2:]} exited early.")
+    return json.loads(line)
 
 
 def main(argv):
@@ -180,29 +234,59 @@ def main(argv):
     if f.setup:
         _child(f.setup, f.child_partitions)
         return
-    rows = {}  # (model, partitions) -> {"bytes", "scaling", "overhead"} seconds.
-    for setup, children in (("scaling", _PARTITIONS), ("overhead", (0,))):
-        for p in children:
-            for r in _run_child(argv, setup, p):
-                row = rows.setdefault((r["model"], r["partitions"]), {})
-                row["bytes"], row[setup] = r["bytes"], r["secs"]
+    start = time.monotonic()
+    configs = [(s, p) for s in ("scaling", "overhead") for p in _PARTITIONS]
+    children, nbytes = {}, {}  # nbytes: (model, partitions) -> bytes per step.
+    try:
+        # One at a time: building and warming up is not timed, but it is quicker
+        # without the others competing.
+        for setup, p in configs:
+            children[(setup, p)] = _start_child(argv, setup, p)
+            for model, b in _ask(children[(setup, p)]).items():
+                nbytes[(model, p)] = b
+        secs = {(m, *c): [] for m in _MODELS for c in configs}
+        for _ in range(f.repeats):
+            for model in _MODELS:
+                for config, child in children.items():
+                    secs[(model, *config)].append(_ask(child, model))
+    finally:
+        for child in children.values():
+            child.stdin.close()
+            child.wait()
+    _print_table(secs, nbytes, start)
+
+
+def _print_table(secs, nbytes, start):
+    f = flags.FLAGS
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     print(
-        f"cores={os.cpu_count()} load={load} batch={f.batch_size} lc=2x LocallyConnected2D(5x5, "
-        f"{f.lc_filters}) on {f.lc_size}x{f.lc_size}x{f.lc_channels}; "
-        f"mlp=440-{f.mlp_width}x4-{f.mlp_classes}; median of {f.steps} steps"
+        f"cores={os.cpu_count()} load={load} batch={f.batch_size}; "
+        f"lc=2x LocallyConnected2D(5x5, {f.lc_filters}) on "
+        f"{f.lc_size}x{f.lc_size}x{f.lc_channels}; "
+        f"mlp=440-{f.mlp_width}x4-{f.mlp_classes}; median of {f.repeats} "
+        f"interleaved timings of {f.steps} steps; {time.monotonic() - start:.0f} s"
     )
     print(
-        f"{'model':5} {'parts':>5} {'MB/step':>9} {'scaling ms':>11} {'speed-up':>8}"
-        f" {'overhead ms':>12} {'speed-up':>8}"
+        f"{'model':5} {'parts':>5} {'needed MB':>9} {'moved MB':>8}"
+        f" {'scaling ms (spread)':>20} {'speed-up':>8}"
+        f" {'overhead ms (spread)':>21} {'speed-up':>8}"
     )
-    for (model, p), row in sorted(rows.items()):
-        base = rows[(model, 1)]
-        print(
-            f"{model:5} {p:5d} {row['bytes'] / 1e6:9.2f}"
-            f" {row['scaling'] * 1e3:11.1f} {base['scaling'] / row['scaling']:8.2f}"
-            f" {row['overhead'] * 1e3:12.1f} {base['overhead'] / row['overhead']:8.2f}"
-        )
+    for model in _MODELS:
+        base = {s: np.median(secs[(model, s, 1)]) for s in ("scaling", "overhead")}
+        for p in _PARTITIONS:
+            b = nbytes[(model, p)]
+            cells = []
+            for setup in ("scaling", "overhead"):
+                times = secs[(model, setup, p)]
+                median = float(np.median(times))
+                spread = (max(times) - min(times)) / median
+                cells.append(
+                    f"{median * 1e3:10.1f} ({spread:5.0%}) {base[setup] / median:8.2f}"
+                )
+            print(
+                f"{model:5} {p:5d} {b['needed'] / 1e6:9.2f}"
+                f" {b['moved'] / 1e6:8.2f} {cells[0]:>29} {cells[1]:>30}"
+            )
 
 
 if __name__ == "__main__":

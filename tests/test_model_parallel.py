@@ -164,6 +164,20 @@ class TestArithmetic:
         assert layer.cross_partition_bytes(8) == 3 * 8 * 440 * 4
         assert partition_math.dense_cross_partition_bytes(8, 440, 1) == 0
 
+    def test_scatter_gather_bytes_match_measured(self):
+        # The case of `TestFourDevices.test_measured_halo_traffic`: 9 x 8 x 3 input,
+        # 3 x 3 kernel, 2 x 2 blocks, 4 filters, batch 2; block 0 owns 4 x 3 inputs
+        # and makes 4 x 3 of the 7 x 6 outputs.
+        got = partition_math.locally_connected_scatter_gather_bytes(
+            [2, 9, 8, 3], (3, 3), (1, 1), (2, 2), filters=4
+        )
+        assert got == (9 * 8 - 4 * 3) * 2 * 3 * 4 + (7 * 6 - 4 * 3) * 2 * 4 * 4
+
+    def test_dense_gather_bytes(self):
+        # 10 units over 4 partitions: 3, 3, 2, 2; partition 0 keeps its 3.
+        assert partition_math.dense_gather_bytes(8, 10, 4) == 7 * 8 * 4
+        assert partition_math.dense_gather_bytes(8, 10, 1) == 0
+
     def test_server_config(self):
         config = cluster.server_config(3, inter_op_threads=4)
         assert config.device_count["CPU"] == 3
@@ -465,6 +479,12 @@ class TestFourDevices:
             "scatter": (9 * 8 - 4 * 3) * 2 * 3 * 4,
             "partition": (7 * 6 - 4 * 3) * 2 * 4 * 4,
         }
+        # ... which `partition_math` predicts.
+        assert traffic["sent_bytes"]["scatter"] + traffic["sent_bytes"][
+            "partition"
+        ] == partition_math.locally_connected_scatter_gather_bytes(
+            [2, 9, 8, 3], (3, 3), (1, 1), (2, 2), filters=4
+        )
 
     def test_server_exposes_cpu_devices(self, report):
         server = report["server"]

@@ -16,7 +16,9 @@ import tensorflow as tf
 
 __all__ = [
     "dense_cross_partition_bytes",
+    "dense_gather_bytes",
     "locally_connected_halo_bytes",
+    "locally_connected_scatter_gather_bytes",
     "split_bounds",
 ]
 
@@ -161,3 +163,77 @@ def dense_cross_partition_bytes(
         )
     elements = (num_partitions - 1) * batch_size * input_units
     return elements * tf.as_dtype(dtype).size
+
+
+def locally_connected_scatter_gather_bytes(
+    input_shape: Sequence[int],
+    kernel_size: Sequence[int],
+    strides: Sequence[int],
+    partition_grid: Sequence[int],
+    filters: int,
+    dtype: tf.dtypes.DType | str = tf.float32,
+) -> int:
+    """Bytes a locally connected layer moves because it takes and gives tensors whole.
+
+    `PartitionedLocallyConnected2D` receives its input whole, on one device, and
+    concatenates its output there. With the input on block 0's device (the
+    replica's default device), every other block receives the input region it owns
+    (scatter) and sends its outputs back (gather). A DistBelief network whose
+    layers all stay partitioned would move only the halo
+    (`locally_connected_halo_bytes`); this is the extra. The backward pass moves as
+    many bytes again.
+
+    Args:
+      input_shape: `[batch_size, rows, cols, channels]`.
+      kernel_size: `[kernel_rows, kernel_cols]`.
+      strides: `[stride_rows, stride_cols]`.
+      partition_grid: `[row_blocks, col_blocks]`, one device per block.
+      filters: output channels per position.
+      dtype: element type of the activations.
+
+    Returns:
+      Scatter plus gather bytes of one forward pass.
+
+    Raises:
+      ValueError: if the grid does not fit the output map.
+    """
+    batch, rows, cols, channels = (int(d) for d in input_shape)
+    out_rows = (rows - kernel_size[0]) // strides[0] + 1
+    out_cols = (cols - kernel_size[1]) // strides[1] + 1
+    row_bounds = split_bounds(out_rows, partition_grid[0], "partition_grid[0]")
+    col_bounds = split_bounds(out_cols, partition_grid[1], "partition_grid[1]")
+    own_rows = _owned_input_bounds(row_bounds, strides[0], rows)[1]
+    own_cols = _owned_input_bounds(col_bounds, strides[1], cols)[1]
+    scatter = (rows * cols - own_rows * own_cols) * channels
+    gather = (out_rows * out_cols - row_bounds[1] * col_bounds[1]) * filters
+    return (scatter + gather) * batch * tf.as_dtype(dtype).size
+
+
+def dense_gather_bytes(
+    batch_size: int,
+    units: int,
+    num_partitions: int,
+    dtype: tf.dtypes.DType | str = tf.float32,
+) -> int:
+    """Bytes a column-partitioned dense layer moves to concatenate its output.
+
+    `PartitionedDense` gives its output whole, on partition 0's device: the other
+    partitions send their units there. Partitioned layers that fed each other
+    directly would not need it (each partition would read the others' slices,
+    counted by `dense_cross_partition_bytes`). The backward pass moves as many
+    bytes again.
+
+    Args:
+      batch_size: examples per step.
+      units: output width.
+      num_partitions: partitions of the units (`split_bounds`), at least 1.
+      dtype: element type of the activations.
+
+    Returns:
+      Bytes of the gather in one forward pass.
+
+    Raises:
+      ValueError: if `num_partitions` is out of range.
+    """
+    bounds = split_bounds(units, num_partitions, "num_partitions")
+    return batch_size * (units - bounds[1]) * tf.as_dtype(dtype).size
