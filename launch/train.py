@@ -209,6 +209,14 @@ def define_flags() -> None:
         "Sandblaster: the straggler's slowdown factor.",
         lower_bound=1.0,
     )
+    flags.DEFINE_integer(
+        "devices_per_replica",
+        d.devices_per_replica,
+        "Model parallelism (section 3): split each replica over this many devices "
+        "of its worker (digits: partitioned locally connected model; speech: "
+        "partitioned dense layers).",
+        lower_bound=1,
+    )
 
 
 def main(argv):

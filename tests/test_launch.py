@@ -260,3 +260,48 @@ def test_downpour_through_the_launch_script():
     )
     assert _accuracy(proc.stdout) >= 0.95
     assert _wait_no_marked(marker) == []
+
+
+@pytest.mark.slow
+def test_model_parallel_replicas_through_the_launch_script():
+    """Downpour on 2 workers whose replicas each span 2 CPU devices."""
+    marker = uuid.uuid4().hex
+    proc = subprocess.run(
+        [
+            sys.executable,
+            TRAIN,
+            "--model=digits",
+            "--devices_per_replica=2",
+            "--downpour",
+            "--n_fetch=4",
+            "--n_push=4",
+            "--epochs=8",
+            "--learning_rate=0.3",
+            "--num_workers=2",
+            "--num_ps=2",
+        ],
+        env=_env(marker),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _accuracy(proc.stdout) >= 0.9
+    assert _wait_no_marked(marker) == []
+
+
+def test_devices_per_replica_needs_a_model_parallel_model():
+    proc = subprocess.run(
+        [sys.executable, TRAIN, "--model=embedding", "--devices_per_replica=2"],
+        env=_env(uuid.uuid4().hex),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1
+    assert "`devices_per_replica` > 1 needs a model with a model-parallel " in (
+        proc.stderr
+    )
+    assert "local cluster" not in proc.stdout

@@ -17,12 +17,21 @@ import tf_keras
 from absl import logging
 
 import models
-from tf_distbelief import adagrad, cluster, downpour, sandblaster, training
+import models.model_parallel
+from tf_distbelief import (
+    adagrad,
+    cluster,
+    downpour,
+    model_parallel,
+    sandblaster,
+    training,
+)
 from tf_distbelief import strategy as strategy_lib
 
 MODELS = tuple(models.MODELS)
 OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
 PARTITIONERS = ("min_size", "max_size", "fixed")
+MODEL_PARALLEL_MODELS = ("digits", "speech")
 
 
 @dataclasses.dataclass
@@ -69,6 +78,11 @@ class JobConfig:
       straggler_worker: test/benchmark hook: this worker runs its portions
         `straggler_slowdown` times slower (None: no straggler).
       straggler_slowdown: the straggler's slowdown factor, >= 1.
+      devices_per_replica: devices one model replica is split over (section 3:
+        model parallelism), >= 1; > 1 needs `model` digits (a partitioned
+        locally connected model) or speech (partitioned dense layers). Local
+        cluster workers then expose that many CPU devices; with `TF_CONFIG`,
+        worker tasks start with that many CPU devices.
     """
 
     model: str = "digits"
@@ -102,6 +116,7 @@ class JobConfig:
     backup_tasks: bool = True
     straggler_worker: int | None = None
     straggler_slowdown: float = 1.0
+    devices_per_replica: int = 1
 
     def validate(self) -> JobConfig:
         """Checks every field; returns self.
@@ -158,6 +173,17 @@ class JobConfig:
                     "`downpour` trains with SGD-type optimizers (adagrad, sgd); "
                     "`optimizer=lbfgs` is Sandblaster. Received both."
                 )
+        if self.devices_per_replica < 1:
+            raise ValueError(
+                "`devices_per_replica` must be >= 1. Received: "
+                f"{self.devices_per_replica!r}"
+            )
+        if self.devices_per_replica > 1 and self.model not in MODEL_PARALLEL_MODELS:
+            raise ValueError(
+                f"`devices_per_replica` > 1 needs a model with a model-parallel "
+                f"version ({', '.join(MODEL_PARALLEL_MODELS)}). Received: "
+                f"model={self.model!r}"
+            )
         for name in ("lbfgs_history", "lbfgs_max_iters", "portions"):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -209,8 +235,24 @@ def load_data(config: JobConfig):
     return models.MODELS[config.model].load_data(seed=config.seed)
 
 
-def build_model(config: JobConfig) -> tf_keras.Model:
-    """Returns the uncompiled tf_keras model `config.model` names."""
+def build_model(config: JobConfig, devices=None) -> tf_keras.Model:
+    """Returns the uncompiled tf_keras model `config.model` names.
+
+    Args:
+      config: the job.
+      devices: with `config.devices_per_replica > 1`, the devices of one replica
+        (default: the running worker's `/device:CPU:0..k-1`).
+    """
+    k = config.devices_per_replica
+    if k > 1:
+        return models.model_parallel.build_model(
+            config.model,
+            devices or model_parallel.cpu_device_names(k),
+            seed=config.seed,
+            num_partitions=k,
+            speech_hidden_units=config.speech_hidden_units,
+            speech_classes=config.speech_classes,
+        )
     if config.model == "speech":
         return models.speech.build_model(
             config.speech_hidden_units, config.speech_classes, seed=config.seed
@@ -358,7 +400,9 @@ def evaluate_checkpoints(config: JobConfig, print_fn=print) -> None:
     if not config.model_dir:
         raise ValueError("The `evaluator` task needs `model_dir` (checkpoints).")
     _, (x_test, y_test) = load_data(config)
-    model = build_model(config)
+    # The evaluator has one device: the same partitions (hence the same
+    # checkpointed weights) on CPU:0.
+    model = build_model(config, devices=["/device:CPU:0"])
     model.compile(
         optimizer=build_optimizer(config),
         loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -393,7 +437,11 @@ def run(config: JobConfig, print_fn=print) -> dict | None:
     config.validate()
     resolver = cluster.resolve_cluster()
     if resolver is None:
-        with cluster.LocalCluster(config.num_workers, config.num_ps) as local:
+        with cluster.LocalCluster(
+            config.num_workers,
+            config.num_ps,
+            cpu_devices_per_worker=config.devices_per_replica,
+        ) as local:
             print_fn(
                 f"local cluster: {config.num_workers} workers, {config.num_ps} ps "
                 f"({', '.join(a for j in ('worker', 'ps') for a in local.jobs[j])})"
@@ -402,7 +450,11 @@ def run(config: JobConfig, print_fn=print) -> dict | None:
     task_type = resolver.task_type
     logging.info("Task %s:%s", task_type, resolver.task_id)
     if task_type in cluster.SERVER_JOBS:
-        cluster.run_server(resolver, chief_gone_secs=config.chief_gone_secs)
+        cluster.run_server(
+            resolver,
+            cpu_devices=config.devices_per_replica if task_type == "worker" else 1,
+            chief_gone_secs=config.chief_gone_secs,
+        )
         return None
     if task_type == "evaluator":
         evaluate_checkpoints(config, print_fn)
