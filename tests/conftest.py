@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 
 from tf_distbelief import cluster  # noqa: E402
 
-NUM_WORKERS = 2
+NUM_WORKERS = 3
 NUM_PS = 3
 # Each worker exposes 2 CPU devices, for model-parallel replicas (section 3).
 CPU_DEVICES_PER_WORKER = 2
@@ -24,7 +24,7 @@ CPU_DEVICES_PER_WORKER = 2
 
 @pytest.fixture(scope="session")
 def local_cluster():
-    """A running `LocalCluster` of 2 workers (2 CPU devices each) and 3 ps tasks.
+    """A running `LocalCluster` of 3 workers (2 CPU devices each) and 3 ps tasks.
 
     Make each strategy with `local_cluster.resolver_for(num_workers, num_ps)`.
     """

@@ -1,7 +1,7 @@
 """Sandblaster L-BFGS: pure bookkeeping, then runs on the shared local cluster.
 
-Cluster tests use the session's `local_cluster` (2 workers, 3 ps) through
-`resolver_for`, so "1 to 3 workers" is tested with 1 and 2 workers.
+Cluster tests use the session's `local_cluster` (3 workers, 3 ps) through
+`resolver_for`: "1 to 3 workers" and 1 to 3 ps shards.
 """
 
 from __future__ import annotations
@@ -206,6 +206,8 @@ def _ps_device(task):
         (2, 2),
         pytest.param(3, 1, marks=pytest.mark.slow),
         pytest.param(3, 2, marks=pytest.mark.slow),
+        pytest.param(3, 3, marks=pytest.mark.slow),
+        pytest.param(1, 3, marks=pytest.mark.slow),
     ],
 )
 def test_distributed_matches_single_process(
