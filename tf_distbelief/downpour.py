@@ -10,7 +10,10 @@ reference); this module runs it on a parameter-server cluster:
   that runs the step, whichever worker the coordinator hands it to;
 * the ps keeps an update counter (one per push), for staleness;
 * a push runs the user's tf_keras optimizer (`update_step`, on each variable's
-  ps shard) inside `tf.cond`, so a non-push step sends no gradient.
+  ps shard) inside `tf.cond`, so a non-push step sends no gradient;
+* under `fit` with `n_fetch, n_push > 1`, the local steps between two ps
+  exchanges run in a loop with no ps op at all (`Downpour.run_steps`): a ps op
+  in a step, even in a branch not taken, costs messages at every step.
 
 Example with `fit`:
   ```
@@ -27,7 +30,9 @@ Example with `fit`:
 
 from __future__ import annotations
 
+import contextlib
 import re
+from typing import NamedTuple
 
 import tensorflow as tf
 import tf_keras
@@ -73,10 +78,38 @@ def _add(handle, value):
     return tf.raw_ops.AssignAddVariableOp(resource=handle, value=value)
 
 
+def _pack(tensors):
+    """One flat tensor of `tensors` (a single tensor is only flattened)."""
+    flat = [tf.reshape(x, [-1]) for x in tensors]
+    return flat[0] if len(flat) == 1 else tf.concat(flat, 0)
+
+
+def _unpack(packed, indices, variables):
+    """Splits `_pack`'s output back into tensors of `variables[i]`'s shapes."""
+    shapes = [variables[i].shape for i in indices]
+    if len(shapes) == 1:
+        return [tf.reshape(packed, shapes[0])]
+    sizes = [s.num_elements() for s in shapes]
+    return [tf.reshape(x, s) for x, s in zip(tf.split(packed, sizes), shapes)]
+
+
 def _after(ops, value):
     """`value` as a tensor that runs after `ops` (a `tf.cond` branch output)."""
     with tf.control_dependencies(ops):
         return tf.identity(value)
+
+
+class _Handles(NamedTuple):
+    """Resource handles of one scheduled function (see `Downpour._handles`)."""
+
+    caches: list  # Per-worker caches, one per variable.
+    accs: list  # Per-worker accumulators, one per variable.
+    seen: tf.Tensor  # Per-worker: the ps update count the cache accounts for.
+    refetch: tf.Tensor  # Per-worker: 1 after a dropped push.
+    stats: dict  # Per-worker counters, by name.
+    dtypes: list  # The variables' dtypes.
+    ps: list  # The ps variables (shards), one per variable.
+    count: tf.Tensor  # On the ps: pushes applied.
 
 
 class Downpour:
@@ -157,8 +190,138 @@ class Downpour:
                 0, dtype=tf.int64, trainable=False, name="downpour/warm_steps"
             )
 
+    @property
+    def runs_segments(self) -> bool:
+        """True when `run_steps` applies: `n_fetch, n_push > 1`, no warm start."""
+        cfg = self.config
+        return cfg.n_fetch > 1 and cfg.n_push > 1 and not cfg.warmstart_steps
+
+    def _handles(self) -> _Handles:
+        # Per-worker handles are taken at the top of the scheduled function:
+        # taken inside a `tf.cond` branch or a loop body they would not resolve
+        # to the running worker.
+        return _Handles(
+            caches=[c.handle for c in self._caches],
+            accs=[a.handle for a in self._accumulators],
+            seen=self._seen.handle,
+            refetch=self._refetch.handle,
+            stats={name: v.handle for name, v in self._stats.items()},
+            dtypes=[v.dtype for v in self.variables],
+            ps=[v.get().handle for v in self.variables],
+            count=self.update_count.get().handle,
+        )
+
+    def _fetch(self, h: _Handles, pack: bool):
+        """`(values, ops)` of a fetch: worker-side parameters and bookkeeping."""
+        values = self._pull(h.ps, h.dtypes, pack)
+        ops = [
+            _assign(h.seen, _read(h.count, tf.int64)),
+            _assign(h.refetch, tf.constant(0, tf.int64)),
+            _add(h.stats["fetches"], tf.constant(1, tf.int64)),
+        ]
+        return values, ops
+
+    def _fetch_into_cache(self, h: _Handles):
+        """A fetch into the cache, as a `tf.cond` branch (returns True)."""
+        values, ops = self._fetch(h, pack=True)
+        ops += [_assign(c, v) for c, v in zip(h.caches, values)]
+        return _after(ops, True)
+
+    def _gradient(self, forward_fn, values):
+        """`(loss, outputs, grads)` of `forward_fn` at the parameter `values`."""
+        with tf.GradientTape() as tape:
+            tape.watch(values)
+            with downpour_variables.substitute(zip(self.variables, values)):
+                loss, outputs = forward_fn()
+        grads = tape.gradient(
+            loss, values, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+        return loss, outputs, grads
+
+    def _local_ops(self, h: _Handles, grads, accumulate: bool, update_cache: bool):
+        """Accumulates `grads` and takes the local SGD step on the cache."""
+        ops = [_add(a, g) for a, g in zip(h.accs, grads)] if accumulate else []
+        lr = self.config.local_learning_rate
+        if lr and update_cache:
+            ops += [
+                tf.raw_ops.ResourceApplyGradientDescent(
+                    var=c, alpha=tf.cast(lr, g.dtype), delta=g
+                )
+                for c, g in zip(h.caches, grads)
+            ]
+        return ops
+
+    def _push(self, h: _Handles, values, zero_accumulators: bool, pack: bool):
+        """Pushes `values` unless too stale; returns `(staleness, applied)`.
+
+        Staleness is the number of pushes by other replicas between this
+        replica's fetch and its push. Without `max_staleness` it is read back
+        with the update, in the same round trip: the ps update count after
+        this push's increment, less 1, less the count at the fetch (a push
+        landing between the increment and the read is counted too). With
+        `max_staleness` it is read before the push, which then waits for it.
+        """
+        int64, one = tf.int64, tf.constant(1, tf.int64)
+        if self.config.max_staleness is None:
+            pushed = self._apply(values, pack)
+            # Counted once the push has reached the ps, not before: a control
+            # edge on a tensor already there costs no message (one per ps
+            # task otherwise).
+            with tf.control_dependencies(pushed[:1]):
+                increment = _add(h.count, one)
+            with tf.control_dependencies([increment]):
+                count = _read(h.count, int64)
+            staleness = count - one - _read(h.seen, int64)
+            ops = [_add(h.seen, one), _add(h.stats["pushes"], one)]
+            applied = _after(ops, True)
+        else:
+            staleness = _read(h.count, int64) - _read(h.seen, int64)
+
+            def apply_push():
+                self._apply(values, pack)
+                ops = [
+                    _add(h.count, one),
+                    _add(h.seen, one),
+                    _add(h.stats["pushes"], one),
+                ]
+                return _after(ops, True)
+
+            def drop_push():
+                ops = [_assign(h.refetch, one), _add(h.stats["dropped_pushes"], one)]
+                return _after(ops, False)
+
+            applied = tf.cond(
+                staleness <= self.config.max_staleness, apply_push, drop_push
+            )
+        with tf.control_dependencies([applied]):
+            ops = [
+                _add(h.stats["staleness_sum"], staleness),
+                _assign(
+                    h.stats["max_staleness_seen"],
+                    tf.maximum(staleness, _read(h.stats["max_staleness_seen"], int64)),
+                ),
+            ]
+            if zero_accumulators:
+                ops += [_assign(a, tf.zeros_like(v)) for a, v in zip(h.accs, values)]
+        with tf.control_dependencies(ops):
+            return tf.identity(staleness), tf.identity(applied)
+
+    def _no_push(self):
+        return tf.constant(-1, tf.int64), tf.constant(False)
+
     def step(self, forward_fn):
         """One local Downpour step of the worker it runs on.
+
+        Every op that touches the ps sits in a `tf.cond` branch that runs only
+        on a fetch or push step, and such a fetch or push moves one packed
+        tensor per ps task (`_pull`, `_push_values`): the branch not taken
+        still exchanges a dead-tensor message per cross-device edge at every
+        step, so fewer edges make the steps between fetches and pushes cheaper.
+        With `n_fetch == 1` (and no warm start) the cache would be overwritten
+        at every step, so the forward pass reads the fetched values directly
+        and the local update is skipped; with `n_push == 1` the gradient is
+        pushed without going through the accumulator. Both give the same
+        parameters.
 
         Args:
           forward_fn: `() -> (loss, outputs)`, run with the ps variables reading
@@ -170,18 +333,9 @@ class Downpour:
           to int64 scalars.
         """
         cfg = self.config
-        # Per-worker handles are taken here, at the top: taken inside a
-        # `tf.cond` branch they would not resolve to the running worker.
-        caches = [c.handle for c in self._caches]
-        accs = [a.handle for a in self._accumulators]
-        seen, refetch = self._seen.handle, self._refetch.handle
-        stats = {name: v.handle for name, v in self._stats.items()}
-        dtypes = [v.dtype for v in self.variables]
-        ps_handles = [v.get().handle for v in self.variables]
-        count = self.update_count.get().handle
-        int64 = tf.int64
-
-        t = _read(stats["steps"], int64)
+        h = self._handles()
+        int64, one = tf.int64, tf.constant(1, tf.int64)
+        t = _read(h.stats["steps"], int64)
         if cfg.warmstart_steps:
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
             is_first = tf.equal(worker, 0)
@@ -189,100 +343,68 @@ class Downpour:
             active = is_first | (_read(warm, int64) >= cfg.warmstart_steps)
             warm_op = tf.cond(
                 is_first & (t < cfg.warmstart_steps),
-                lambda: _after([_add(warm, tf.constant(1, int64))], True),
+                lambda: _after([_add(warm, one)], True),
                 lambda: tf.constant(False),
             )
         else:
-            active = tf.constant(True)
-            warm_op = active
-        do_fetch = active & (tf.equal(t % cfg.n_fetch, 0) | (_read(refetch, int64) > 0))
+            active = None  # Every step is active: no `tf.cond` on it.
+            warm_op = tf.constant(True)
 
-        def fetch():
-            ops = [
-                _assign(c, _read(p, d)) for c, p, d in zip(caches, ps_handles, dtypes)
-            ]
-            ops += [
-                _assign(seen, _read(count, int64)),
-                _assign(refetch, tf.constant(0, int64)),
-                _add(stats["fetches"], tf.constant(1, int64)),
-            ]
-            return _after(ops, True)
+        def gated(pred):
+            return pred if active is None else active & pred
 
-        fetched = tf.cond(do_fetch, fetch, lambda: tf.constant(False))
-        with tf.control_dependencies([fetched, warm_op]):
-            values = [_read(c, d) for c, d in zip(caches, dtypes)]
-        with tf.GradientTape() as tape:
-            tape.watch(values)
-            with downpour_variables.substitute(zip(self.variables, values)):
-                loss, outputs = forward_fn()
-        grads = tape.gradient(
-            loss, values, unconnected_gradients=tf.UnconnectedGradients.ZERO
-        )
-        lr = cfg.local_learning_rate
-
-        def local_update():
-            ops = [_add(a, g) for a, g in zip(accs, grads)]
-            if lr:
-                ops += [
-                    tf.raw_ops.AssignSubVariableOp(
-                        resource=c, value=tf.cast(lr, g.dtype) * g
-                    )
-                    for c, g in zip(caches, grads)
-                ]
-            return _after(ops, True)
-
-        updated = tf.cond(active, local_update, lambda: tf.constant(False))
-        with tf.control_dependencies([updated]):
-            do_push = active & tf.equal((t + 1) % cfg.n_push, 0)
-
-        def push():
-            acc_values = [_read(a, d) for a, d in zip(accs, dtypes)]
-            staleness = _read(count, int64) - _read(seen, int64)
-            if cfg.max_staleness is None:
-                apply = tf.constant(True)
-            else:
-                apply = staleness <= cfg.max_staleness
-
-            def apply_push():
-                self._apply(acc_values)
-                ops = [
-                    _add(count, tf.constant(1, int64)),
-                    _add(seen, tf.constant(1, int64)),
-                    _add(stats["pushes"], tf.constant(1, int64)),
-                ]
-                return _after(ops, True)
-
-            def drop_push():
-                ops = [
-                    _assign(refetch, tf.constant(1, int64)),
-                    _add(stats["dropped_pushes"], tf.constant(1, int64)),
-                ]
-                return _after(ops, False)
-
-            applied = tf.cond(apply, apply_push, drop_push)
-            with tf.control_dependencies([applied]):
-                ops = [_assign(a, tf.zeros_like(v)) for a, v in zip(accs, acc_values)]
-                ops += [
-                    _add(stats["staleness_sum"], staleness),
-                    _assign(
-                        stats["max_staleness_seen"],
-                        tf.maximum(
-                            staleness, _read(stats["max_staleness_seen"], int64)
-                        ),
-                    ),
-                ]
-            with tf.control_dependencies(ops):
-                return tf.identity(staleness), tf.identity(applied)
-
-        staleness, pushed = tf.cond(
-            do_push, push, lambda: (tf.constant(-1, int64), tf.constant(False))
-        )
-        with tf.control_dependencies([staleness]):
-            counted = tf.cond(
+        # The cache is needed across steps unless every step fetches.
+        use_cache = cfg.n_fetch > 1 or active is not None
+        if use_cache:
+            do_fetch = gated(
+                tf.equal(t % cfg.n_fetch, 0) | (_read(h.refetch, int64) > 0)
+            )
+            fetched = tf.cond(
+                do_fetch,
+                lambda: self._fetch_into_cache(h),
+                lambda: tf.constant(False),
+            )
+            with tf.control_dependencies([fetched, warm_op]):
+                values = [_read(c, d) for c, d in zip(h.caches, h.dtypes)]
+        else:
+            values, ops = self._fetch(h, pack=False)
+            fetched = _after(ops, True)
+        loss, outputs, grads = self._gradient(forward_fn, values)
+        # The gradient is pushed as it is unless pushes gather several steps.
+        use_accumulator = cfg.n_push > 1 or active is not None
+        if active is None:
+            updated = _after(self._local_ops(h, grads, use_accumulator, use_cache), 1)
+        else:
+            updated = tf.cond(
                 active,
-                lambda: _after([_add(stats["steps"], tf.constant(1, int64))], 1),
+                lambda: _after(self._local_ops(h, grads, use_accumulator, True), 1),
                 lambda: tf.constant(0),
             )
+        with tf.control_dependencies([updated]):
+            if cfg.n_push == 1 and active is None:
+                staleness, pushed = self._push(
+                    h, grads, zero_accumulators=False, pack=False
+                )
+            else:
+                staleness, pushed = tf.cond(
+                    gated(tf.equal((t + 1) % cfg.n_push, 0)),
+                    lambda: self._push(
+                        h,
+                        [_read(a, d) for a, d in zip(h.accs, h.dtypes)],
+                        zero_accumulators=True,
+                        pack=True,
+                    ),
+                    self._no_push,
+                )
+        with tf.control_dependencies([staleness]):
+            if active is None:
+                counted = _after([_add(h.stats["steps"], one)], 1)
+            else:
+                counted = tf.cond(
+                    active,
+                    lambda: _after([_add(h.stats["steps"], one)], 1),
+                    lambda: tf.constant(0),
+                )
         with tf.control_dependencies([counted]):
             zero = tf.constant(0, int64)
             model_bytes = tf.constant(self.model_bytes, int64)
@@ -293,13 +415,173 @@ class Downpour:
             }
         return loss, outputs, metrics
 
-    def _apply(self, grads):
-        """Applies one push with the optimizer, variable by variable on its shard."""
+    def run_steps(self, iterator, num_steps, forward_fn, last_step_fn=None):
+        """Runs `num_steps` local steps on the running worker, in segments.
+
+        What `fit` schedules when `runs_segments` (see `install`). The steps are
+        cut into segments at fetch and push points: a segment starts with the
+        fetch if one is due, runs its local steps, and ends with the push if
+        one is due. Its steps but the last run in an inner loop that holds no
+        ps op, so the ps takes part once per segment (of up to
+        `min(n_fetch, n_push)` steps) instead of once per step: even a
+        `tf.cond` branch not taken costs a message per step when it holds a ps
+        op, and every write to a ps variable a round trip. The parameters and
+        counters are those of `step`, step for step.
+
+        During those inner steps, writes to non-trainable ps variables (Keras
+        metrics and loss trackers, BatchNorm statistics) are dropped
+        (`downpour_variables.local_steps`); the last step of each segment makes
+        them, so Keras metrics are computed on the last batch of each segment.
+
+        Args:
+          iterator: the per-worker dataset iterator.
+          num_steps: steps to run, an int64 scalar >= 1.
+          forward_fn: `data -> (loss, outputs)`, as for `step` with the batch.
+          last_step_fn: optional `(data, outputs) -> None`, called (traced) for
+            the last step of each segment, e.g. to update metrics.
+
+        Returns:
+          The steps run, an int64 scalar (`num_steps`).
+
+        Raises:
+          ValueError: `runs_segments` is False (`n_fetch` or `n_push` is 1, or a
+            warm start is set); use `step`.
+        """
+        if not self.runs_segments:
+            raise ValueError(
+                "`run_steps` needs n_fetch > 1, n_push > 1 and no warm start; "
+                f"use `step`. Received: {self.config}"
+            )
+        cfg = self.config
+        h = self._handles()
+        int64, one = tf.int64, tf.constant(1, tf.int64)
+        num_steps = tf.cast(num_steps, int64)
+
+        def local_step(data, last):
+            def replica_fn(data):
+                context = (
+                    contextlib.nullcontext()
+                    if last
+                    else downpour_variables.local_steps()
+                )
+                with context:
+                    values = [_read(c, d) for c, d in zip(h.caches, h.dtypes)]
+                    loss, outputs, grads = self._gradient(
+                        lambda: forward_fn(data), values
+                    )
+                    ops = self._local_ops(h, grads, True, True)
+                    with tf.control_dependencies(ops):
+                        ops.append(_add(h.stats["steps"], one))
+                    if last and last_step_fn is not None:
+                        with tf.control_dependencies(ops):
+                            last_step_fn(data, outputs)
+                return _after(ops, loss)
+
+            return self.strategy.run(replica_fn, args=(data,))
+
+        def segment(done):
+            t = _read(h.stats["steps"], int64)
+            do_fetch = tf.equal(t % cfg.n_fetch, 0) | (_read(h.refetch, int64) > 0)
+            fetched = tf.cond(
+                do_fetch,
+                lambda: self._fetch_into_cache(h),
+                lambda: tf.constant(False),
+            )
+            # Steps up to the next fetch or push point, or to the end.
+            size = tf.minimum(
+                tf.minimum(cfg.n_fetch - t % cfg.n_fetch, cfg.n_push - t % cfg.n_push),
+                num_steps - done,
+            )
+            with tf.control_dependencies([fetched]):
+                inner = tf.while_loop(
+                    lambda i: i < size - 1,
+                    lambda i: _after([local_step(next(iterator), False)], i + 1),
+                    [tf.constant(0, int64)],
+                )
+            with tf.control_dependencies([inner]):
+                last = local_step(next(iterator), True)
+            with tf.control_dependencies([last]):
+                staleness, _ = tf.cond(
+                    tf.equal((t + size) % cfg.n_push, 0),
+                    lambda: self._push(
+                        h,
+                        [_read(a, d) for a, d in zip(h.accs, h.dtypes)],
+                        zero_accumulators=True,
+                        pack=True,
+                    ),
+                    self._no_push,
+                )
+            return _after([staleness], done + size)
+
+        (done,) = tf.while_loop(
+            lambda done: done < num_steps, segment, [tf.constant(0, int64)]
+        )
+        return done
+
+    def _groups(self):
+        """`[(device, dtype, indices)]`: the variables moved as one tensor each."""
+        groups = {}
+        for i, v in enumerate(self.variables):
+            groups.setdefault((v.device, v.dtype), []).append(i)
+        return [(device, dtype, idx) for (device, dtype), idx in groups.items()]
+
+    def _pull(self, ps_handles, dtypes, pack: bool):
+        """Reads every variable; returns worker-side values.
+
+        With `pack` (a fetch in a `tf.cond` branch) each group's values are
+        flattened and concatenated on its ps task and split again on the
+        worker: one copy of the parameters on each side, traded for one
+        transfer, and one dead-tensor message at every step without a fetch,
+        per group instead of per variable. An unconditional fetch moves each
+        variable as it is.
+        """
+        if not pack:
+            return [_read(p, d) for p, d in zip(ps_handles, dtypes)]
+        values = [None] * len(self.variables)
+        for device, _, idx in self._groups():
+            with tf.device(device):
+                reads = [_read(ps_handles[i], dtypes[i]) for i in idx]
+                packed = _pack(reads)
+            for i, part in zip(idx, _unpack(packed, idx, self.variables)):
+                values[i] = part
+        return values
+
+    def _push_values(self, grads, pack: bool):
+        """`grads` (worker tensors) as tensors on each variable's ps task.
+
+        With `pack`, one message per group, as in `_pull`.
+        """
+        if not pack:
+            out = []
+            for g, v in zip(grads, self.variables):
+                with tf.device(v.device):
+                    out.append(tf.identity(g))
+            return out
+        out = [None] * len(self.variables)
+        for device, _, idx in self._groups():
+            packed = _pack([grads[i] for i in idx])
+            with tf.device(device):
+                for i, part in zip(idx, _unpack(packed, idx, self.variables)):
+                    out[i] = part
+        return out
+
+    def _apply(self, grads, pack: bool) -> list:
+        """Applies one push with the optimizer, variable by variable on its shard.
+
+        The update ops (and the optimizer's casts of its hyperparameters) run
+        on the variable's ps task, as `tf.distribute`'s `extended.update` would
+        place them.
+
+        Returns:
+          The pushed values, as tensors on the variables' ps tasks.
+        """
         opt = self.optimizer
-        grads = opt._clip_gradients(list(grads))
+        grads = self._push_values(opt._clip_gradients(list(grads)), pack)
         for g, v in zip(grads, self.variables):
-            opt._update_step(g, v)
+            with tf.device(v.device):
+                opt._update_step(g, v)
         opt.iterations.assign_add(1)
+        return grads
 
     def stats(self) -> list[ReplicaStats]:
         """Reads every replica's counters (blocking). Index = worker index."""
@@ -332,7 +614,15 @@ def _check_compiled(model):
         )
 
 
-def _make_train_step(model, replicas: Downpour):
+def _make_train_step(model, replicas: Downpour, downpour_logs: bool):
+    """A `train_step` running `Downpour.step`.
+
+    Its logs are the model's metrics, plus, with `downpour_logs`, the step's
+    `staleness`, `bytes_fetched` and `bytes_pushed` (for `DownpourTrainer`).
+    Under `fit` they are left out: `fit` then replaces the last step's logs
+    with the model's metrics at each epoch end, and the three are not sent
+    back at every step (`DownpourMetrics` gives them per epoch).
+    """
     import tf_keras
 
     def train_step(data):
@@ -344,20 +634,72 @@ def _make_train_step(model, replicas: Downpour):
 
         _, y_pred, metrics = replicas.step(forward)
         logs = dict(model.compute_metrics(x, y, y_pred, sample_weight))
-        logs.update(metrics)
+        if downpour_logs:
+            logs.update(metrics)
         return logs
 
     return train_step
+
+
+def _make_segment_train_function(model, replicas: Downpour):
+    """`model.make_train_function` running `Downpour.run_steps` under `fit`.
+
+    It mirrors tf_keras's coordinator path (`Model.make_train_function`): one
+    scheduled `tf.function` runs `steps_per_execution` steps. The model's
+    train counter (a ps variable) grows once per scheduled function, by the
+    steps it ran, rather than at every step; the function returns the model's
+    metric results, which `fit` reads again at each epoch end.
+    """
+    import tf_keras
+
+    unpack = tf_keras.utils.unpack_x_y_sample_weight
+
+    def forward(data):
+        x, y, sample_weight = unpack(data)
+        y_pred = model(x, training=True)
+        return model.compute_loss(x, y, y_pred, sample_weight), y_pred
+
+    def update_metrics(data, y_pred):
+        x, y, sample_weight = unpack(data)
+        model.compute_metrics(x, y, y_pred, sample_weight)
+
+    def make_train_function(force=False):
+        if model.train_function is not None and not force:
+            return model.train_function
+
+        @tf.function(reduce_retracing=True)
+        def train_function(iterator, steps_per_execution):
+            done = replicas.run_steps(
+                iterator, steps_per_execution, forward, update_metrics
+            )
+            counter = model._train_counter
+            with tf.control_dependencies(
+                [counter.assign_add(tf.cast(done, counter.dtype))]
+            ):
+                return tf.nest.map_structure(tf.identity, model.get_metrics_result())
+
+        coordinator = model._cluster_coordinator
+        model.train_tf_function = train_function
+        model.train_function = lambda iterator: coordinator.schedule(
+            train_function, args=(iterator, model._steps_per_execution.value())
+        )
+        return model.train_function
+
+    return make_train_function
 
 
 def install(model, config: DownpourConfig) -> Downpour:
     """Makes `model.fit` train with Downpour SGD.
 
     The model must be built and compiled under the scope of a strategy on which
-    `enable` was called before the model was created. `fit` then runs one local
-    Downpour step per training step, on whichever worker the coordinator
-    picks; its logs gain `staleness`, `bytes_fetched` and `bytes_pushed` (of
-    the last step).
+    `enable` was called before the model was created. With `n_fetch` or
+    `n_push` 1, or a warm start, `fit` runs one local Downpour step
+    (`Downpour.step`) per training step, on whichever worker the coordinator
+    picks. Otherwise each scheduled function runs its steps in segments
+    between fetches and pushes (`Downpour.run_steps`): the ps takes part once
+    per segment, and Keras metrics are updated on the last batch of each
+    segment. Either way the logs are the model's metrics; `DownpourMetrics`
+    adds staleness and bytes moved per epoch.
 
     Args:
       model: a compiled, built tf_keras model.
@@ -376,7 +718,15 @@ def install(model, config: DownpourConfig) -> Downpour:
     )
     # An instance attribute wins over `Model.train_step`; the cached train
     # function is dropped so that `fit` traces the new step.
-    object.__setattr__(model, "train_step", _make_train_step(model, replicas))
+    object.__setattr__(
+        model, "train_step", _make_train_step(model, replicas, downpour_logs=False)
+    )
+    if replicas.runs_segments:
+        object.__setattr__(
+            model,
+            "make_train_function",
+            _make_segment_train_function(model, replicas),
+        )
     model.train_function = None
     return replicas
 
@@ -409,7 +759,7 @@ class DownpourTrainer:
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(
             self.strategy
         )
-        train_step = _make_train_step(model, self.downpour)
+        train_step = _make_train_step(model, self.downpour, downpour_logs=True)
 
         @tf.function
         def worker_fn(iterator):
@@ -438,8 +788,8 @@ class DownpourMetrics(tf_keras.callbacks.Callback):
     """Adds each epoch's Downpour figures to the `fit` logs (and so TensorBoard).
 
     At every epoch end it reads the replicas' counters (`Downpour.stats`) and
-    writes the epoch's figures, replacing the last-step values that
-    `train_step` logs:
+    writes the epoch's figures (replacing per-step `staleness`,
+    `bytes_fetched` and `bytes_pushed` values, should the logs hold any):
 
     * `replica{i}/staleness`: mean staleness of replica i's pushes in the epoch
       (ps updates by other replicas between its fetch and its push);

@@ -12,6 +12,10 @@ al. 2012, section 4.1) and the model code is unchanged.
 Sharded variables (`ShardedVariable`) are wrapped shard by shard: each shard
 has its own cache, and the optimizer (which sees shards too) updates each on its
 ps task.
+
+While `local_steps` is active, writes to non-trainable `DownpourVariable`s
+(Keras metrics, loss trackers, BatchNorm statistics) are dropped: Downpour's
+local steps between two ps exchanges then touch no ps variable at all.
 """
 
 from __future__ import annotations
@@ -22,7 +26,13 @@ import threading
 import tensorflow as tf
 from tensorflow.python.distribute import ps_values
 
-__all__ = ["DownpourVariable", "enable", "leaf_variables", "substitute"]
+__all__ = [
+    "DownpourVariable",
+    "enable",
+    "leaf_variables",
+    "local_steps",
+    "substitute",
+]
 
 _local = threading.local()
 
@@ -47,8 +57,47 @@ def substitute(pairs):
         _local.values = previous
 
 
+@contextlib.contextmanager
+def local_steps():
+    """Within the block, writes to non-trainable `DownpourVariable`s are dropped.
+
+    For the steps between a replica's fetches and pushes
+    (`Downpour.run_steps`): Keras metrics and loss trackers, BatchNorm moving
+    statistics and counters created under the strategy's scope are ps
+    variables, and a write to one would contact the ps at every step. A
+    dropped `assign`, `assign_add` or `assign_sub` returns a no-op `Operation`
+    (fine as a control dependency; using it as a value fails). Trainable
+    variables are written as usual. Only writes traced in this thread are
+    dropped.
+    """
+    previous = getattr(_local, "drop_writes", False)
+    _local.drop_writes = True
+    try:
+        yield
+    finally:
+        _local.drop_writes = previous
+
+
 class DownpourVariable(ps_values.CachingVariable):
     """A ps variable whose reads can be redirected to a replica's cache."""
+
+    def _write_dropped(self) -> bool:
+        return getattr(_local, "drop_writes", False) and not self.trainable
+
+    def assign(self, *args, **kwargs):
+        if self._write_dropped():
+            return tf.no_op()
+        return super().assign(*args, **kwargs)
+
+    def assign_add(self, *args, **kwargs):
+        if self._write_dropped():
+            return tf.no_op()
+        return super().assign_add(*args, **kwargs)
+
+    def assign_sub(self, *args, **kwargs):
+        if self._write_dropped():
+            return tf.no_op()
+        return super().assign_sub(*args, **kwargs)
 
     def _substituted(self):
         return _substitutions().get(id(self))
