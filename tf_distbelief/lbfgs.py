@@ -595,7 +595,8 @@ def minimize(
             message = "line search found no step with sufficient decrease"
             break
         if search.step != last_trial_step:
-            # The search fell back to an earlier trial; recompute its point and gradient.
+            # The search fell back to an earlier trial: recompute its point and
+            # gradient.
             phi(search.step)
             num_evals += 1
 

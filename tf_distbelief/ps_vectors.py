@@ -186,7 +186,8 @@ class PsVectorOps(lbfgs.VectorOps[PsVector]):
             num_shards = len(self._ps_devices)
         if isinstance(num_shards, bool) or not isinstance(num_shards, int):
             raise TypeError(
-                f"Argument `num_shards` must be an int or None. Received: {num_shards!r}"
+                "Argument `num_shards` must be an int or None. Received: "
+                f"{num_shards!r}"
             )
         if num_shards < 1:
             raise ValueError(
@@ -237,7 +238,8 @@ class PsVectorOps(lbfgs.VectorOps[PsVector]):
         for shard in shards:
             if shard.dtype != _DTYPE or shard.shape.rank != 1:
                 raise ValueError(
-                    "Argument `variable` must be 1-D float64. Received a shard of dtype "
+                    "Argument `variable` must be 1-D float64. Received a shard of "
+                    "dtype "
                     f"{shard.dtype.name} and shape {shard.shape}"
                 )
             if _PS_JOB not in shard.device:
