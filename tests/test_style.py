@@ -1,8 +1,8 @@
 """Formatting and lint, checked by the same tool everyone runs (STYLE.md, habit 8)."""
 
 import os
-import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -13,9 +13,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     "args", [["format", "--check"], ["check"]], ids=["format", "lint"]
 )
 def test_ruff(args):
-    ruff = shutil.which("ruff")
-    assert ruff, "ruff is installed with `pip install -e '.[test]'`"
+    # `python -m ruff`: the ruff of this interpreter's environment, installed by
+    # `pip install -e '.[test]'`, whether or not that environment is on PATH.
     proc = subprocess.run(
-        [ruff, *args, "."], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "ruff", *args, "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
