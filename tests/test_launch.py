@@ -52,6 +52,27 @@ def _wait_no_marked(marker, timeout_secs=30.0):
     return _marked_pids(marker)
 
 
+def _train(args, marker, timeout=900, **env):
+    """Runs `launch/train.py args` to completion; returns the CompletedProcess."""
+    return subprocess.run(
+        [sys.executable, TRAIN, *args],
+        env=_env(marker, **env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _train_ok(args):
+    """Runs a local-cluster job that must exit 0 and leave no process; its stdout."""
+    marker = uuid.uuid4().hex
+    proc = _train(args, marker)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _wait_no_marked(marker) == []
+    return proc.stdout
+
+
 def _accuracy(output):
     found = re.findall(r"^test accuracy: ([0-9.]+)$", output, re.MULTILINE)
     assert found, output[-3000:]
@@ -60,20 +81,10 @@ def _accuracy(output):
 
 @pytest.mark.slow
 def test_readme_main_job_trains_digits_and_leaves_no_process():
-    marker = uuid.uuid4().hex
-    proc = subprocess.run(
-        [sys.executable, TRAIN, *README_ARGS],
-        env=_env(marker),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "local cluster: 2 workers, 2 ps" in proc.stdout
-    assert re.search(r"^epoch 5: steps 500 .*examples_per_sec=", proc.stdout, re.M)
-    assert _accuracy(proc.stdout) >= 0.95
-    assert _wait_no_marked(marker) == []
+    output = _train_ok(README_ARGS)
+    assert "local cluster: 2 workers, 2 ps" in output
+    assert re.search(r"^epoch 5: steps 500 .*examples_per_sec=", output, re.M)
+    assert _accuracy(output) >= 0.95
 
 
 @pytest.mark.parametrize(
@@ -86,15 +97,7 @@ def test_readme_main_job_trains_digits_and_leaves_no_process():
     ],
 )
 def test_bad_flags_fail_at_parse_time(flag, message):
-    marker = uuid.uuid4().hex
-    proc = subprocess.run(
-        [sys.executable, TRAIN, flag],
-        env=_env(marker),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _train([flag], uuid.uuid4().hex, timeout=300)
     assert proc.returncode == 1
     assert re.search(message, proc.stderr), proc.stderr[-2000:]
     assert "local cluster" not in proc.stdout  # Nothing started.
@@ -105,14 +108,7 @@ def test_bad_tf_config_fails_before_any_server():
     tf_config = json.dumps(
         {"cluster": {"ps_hosts": ["127.0.0.1:1"]}, "task": {"type": "ps", "index": 0}}
     )
-    proc = subprocess.run(
-        [sys.executable, TRAIN],
-        env=_env(marker, TF_CONFIG=tf_config),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _train([], marker, timeout=300, TF_CONFIG=tf_config)
     assert proc.returncode == 1
     assert "Unknown job name(s) ['ps_hosts']" in proc.stderr
 
@@ -210,66 +206,43 @@ def test_tf_config_cluster_of_separate_processes(tmp_path):
 
 @pytest.mark.slow
 def test_sandblaster_through_the_launch_script():
-    marker = uuid.uuid4().hex
-    proc = subprocess.run(
+    output = _train_ok(
         [
-            sys.executable,
-            TRAIN,
             "--model=digits",
             "--optimizer=lbfgs",
             "--portions=16",
             "--lbfgs_max_iters=100",
             "--num_workers=2",
             "--num_ps=2",
-        ],
-        env=_env(marker),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
+        ]
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"^lbfgs: \d+ iterations, .*backup copies \d+", proc.stdout, re.M)
-    assert _accuracy(proc.stdout) >= 0.93
-    assert _wait_no_marked(marker) == []
+    assert re.search(r"^lbfgs: \d+ iterations, .*backup copies \d+", output, re.M)
+    assert _accuracy(output) >= 0.93
 
 
 @pytest.mark.slow
 def test_downpour_through_the_launch_script():
-    marker = uuid.uuid4().hex
-    proc = subprocess.run(
+    output = _train_ok(
         [
-            sys.executable,
-            TRAIN,
             "--model=digits",
             "--downpour",
             "--n_fetch=4",
             "--n_push=4",
             "--num_workers=2",
             "--num_ps=2",
-        ],
-        env=_env(marker),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
+        ]
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(
-        r"^epoch 5: .*bytes_pushed_per_step=.*replica1/staleness=", proc.stdout, re.M
+        r"^epoch 5: .*bytes_pushed_per_step=.*replica1/staleness=", output, re.M
     )
-    assert _accuracy(proc.stdout) >= 0.95
-    assert _wait_no_marked(marker) == []
+    assert _accuracy(output) >= 0.95
 
 
 @pytest.mark.slow
 def test_model_parallel_replicas_through_the_launch_script():
     """Downpour on 2 workers whose replicas each span 2 CPU devices."""
-    marker = uuid.uuid4().hex
-    proc = subprocess.run(
+    output = _train_ok(
         [
-            sys.executable,
-            TRAIN,
             "--model=digits",
             "--devices_per_replica=2",
             "--downpour",
@@ -279,26 +252,14 @@ def test_model_parallel_replicas_through_the_launch_script():
             "--learning_rate=0.3",
             "--num_workers=2",
             "--num_ps=2",
-        ],
-        env=_env(marker),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
+        ]
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _accuracy(proc.stdout) >= 0.9
-    assert _wait_no_marked(marker) == []
+    assert _accuracy(output) >= 0.9
 
 
 def test_devices_per_replica_needs_a_model_parallel_model():
-    proc = subprocess.run(
-        [sys.executable, TRAIN, "--model=embedding", "--devices_per_replica=2"],
-        env=_env(uuid.uuid4().hex),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = _train(
+        ["--model=embedding", "--devices_per_replica=2"], uuid.uuid4().hex, timeout=300
     )
     assert proc.returncode == 1
     assert "`devices_per_replica` > 1 needs a model with a model-parallel " in (
