@@ -87,7 +87,7 @@ class JobConfig:
 
     model: str = "digits"
     optimizer: str = "adagrad"
-    learning_rate: float = 0.1
+    learning_rate: float = 0.2
     initial_accumulator_value: float = 0.1
     epsilon: float = 1e-7
     batch_size: int = 32
