@@ -47,6 +47,7 @@ __all__ = [
     "DownpourMetrics",
     "DownpourTrainer",
     "ReplicaStats",
+    "embedding_tables",
     "enable",
     "install",
 ]
@@ -63,6 +64,8 @@ _STAT_NAMES = (
     "dropped_pushes",
     "staleness_sum",
     "max_staleness_seen",
+    "row_bytes_fetched",
+    "row_bytes_pushed",
 )
 
 
@@ -93,6 +96,16 @@ def _unpack(packed, indices, variables):
     return [tf.reshape(x, s) for x, s in zip(tf.split(packed, sizes), shapes)]
 
 
+def _scatter(kind, handle, indices, updates):
+    """`ResourceScatter{kind}` of `updates` rows at `indices` of a variable."""
+    op = getattr(tf.raw_ops, f"ResourceScatter{kind}")
+    return op(resource=handle, indices=indices, updates=updates)
+
+
+def _gather(handle, indices, dtype):
+    return tf.raw_ops.ResourceGather(resource=handle, indices=indices, dtype=dtype)
+
+
 def _after(ops, value):
     """`value` as a tensor that runs after `ops` (a `tf.cond` branch output)."""
     with tf.control_dependencies(ops):
@@ -104,12 +117,83 @@ class _Handles(NamedTuple):
 
     caches: list  # Per-worker caches, one per variable.
     accs: list  # Per-worker accumulators, one per variable.
+    valid: list  # Row-sparse variables: per-worker rows fetched (1) since a
+    # fetch; None for the others.
+    touched: list  # Row-sparse: per-worker rows touched (1) since a push.
     seen: tf.Tensor  # Per-worker: the ps update count the cache accounts for.
     refetch: tf.Tensor  # Per-worker: 1 after a dropped push.
     stats: dict  # Per-worker counters, by name.
     dtypes: list  # The variables' dtypes.
     ps: list  # The ps variables (shards), one per variable.
     count: tf.Tensor  # On the ps: pushes applied.
+
+
+class _RowReader(downpour_variables.RowSource):
+    """A row-sparse variable's reads during one step's forward pass.
+
+    Each lookup fetches, from the variable's ps task, the rows of its ids not
+    fetched since the replica's last fetch, writes them into the replica's
+    cache, and returns the rows from the cache, watched by the step's tape.
+    Args are the `Downpour`, the variable's index, the step's handles, ops the
+    reads must follow, and `active` (None, or a bool scalar: False fetches
+    nothing, for a replica waiting for the warm start).
+    """
+
+    def __init__(self, replicas, index, h, after, active=None):
+        self.replicas, self.index, self.h = replicas, index, h
+        self.after, self.active = list(after), active
+        self.tape = None  # Set by `Downpour._gradient`.
+        self.reads = []  # (flat int64 ids, rows [n, *row_shape]) per lookup.
+        self.bytes_fetched = []  # int64 scalars, one per lookup.
+
+    def read_rows(self, indices):
+        d, i, h = self.replicas, self.index, self.h
+        v = d.variables[i]
+        row_shape = v.shape[1:]
+        # `tf.nn.embedding_lookup` colocates its gathers with the variable: the
+        # cache's ops stay on the worker, only the missing rows' gather on the ps.
+        with tf.compat.v1.colocate_with(None, ignore_existing=True):
+            ids = tf.cast(tf.reshape(indices, [-1]), tf.int64)
+            with tf.control_dependencies(self.after):
+                unique, _ = tf.unique(ids)
+                missing = tf.equal(_gather(h.valid[i], unique, tf.int32), 0)
+                if self.active is not None:
+                    missing &= self.active
+                missing = tf.boolean_mask(unique, missing)
+                with tf.device(v.device):
+                    rows = _gather(h.ps[i], missing, v.dtype)
+                nbytes = tf.size(missing, out_type=tf.int64) * d.row_bytes[i]
+                ops = [
+                    _scatter("Update", h.caches[i], missing, rows),
+                    _scatter(
+                        "Update", h.valid[i], missing, tf.ones_like(missing, tf.int32)
+                    ),
+                    _add(h.stats["row_bytes_fetched"], nbytes),
+                ]
+            with tf.control_dependencies(ops):
+                out = _gather(h.caches[i], ids, v.dtype)
+            self.after = [out]
+            self.tape.watch(out)
+            self.reads.append((ids, out))
+            self.bytes_fetched.append(nbytes)
+            shape = tf.concat([tf.shape(indices), row_shape.as_list()], 0)
+            return tf.reshape(out, shape)
+
+    def gradient(self, row_grads):
+        """The step's gradient as `IndexedSlices` with unique int64 indices."""
+        v = self.replicas.variables[self.index]
+        row_shape = v.shape[1:].as_list()
+        if not self.reads:
+            ids = tf.zeros([0], tf.int64)
+            grads = tf.zeros([0, *row_shape], v.dtype)
+        else:
+            ids = tf.concat([ids for ids, _ in self.reads], 0)
+            grads = tf.concat([tf.reshape(g, [-1, *row_shape]) for g in row_grads], 0)
+        unique, position = tf.unique(ids)
+        summed = tf.math.unsorted_segment_sum(grads, position, tf.size(unique))
+        return tf.IndexedSlices(
+            summed, unique, tf.constant(v.shape.as_list(), tf.int64)
+        )
 
 
 class Downpour:
@@ -125,13 +209,26 @@ class Downpour:
       optimizer: a tf_keras optimizer (e.g. `tf_distbelief.Adagrad`) applied on
         the ps to each push; it is built here if it is not yet.
       config: a `DownpourConfig`.
+      row_sparse: variables among `variables` (e.g. embedding tables, whole or
+        sharded) that the model only reads by row lookups
+        (`tf.nn.embedding_lookup`, `tf.gather`): they are not fetched whole.
+        Each step fetches the rows its batch looks up that the replica has not
+        fetched since its last fetch, and a push sends only the rows touched
+        since the last push, as `tf.IndexedSlices` to the optimizer's sparse
+        update (see `downpour_schedule` for the exact order). The replica
+        still holds a cache and an accumulator of the table's shape (worker
+        memory), but the traffic is rows only.
 
     Raises:
       TypeError: a variable was not created with `enable(strategy)` in effect,
         or `config` is not a `DownpourConfig`.
+      ValueError: a `row_sparse` variable is not among `variables`, or is a
+        scalar.
     """
 
-    def __init__(self, strategy, variables, optimizer, config: DownpourConfig):
+    def __init__(
+        self, strategy, variables, optimizer, config: DownpourConfig, row_sparse=()
+    ):
         if not isinstance(config, DownpourConfig):
             raise TypeError(
                 f"Argument `config` must be a DownpourConfig. Received: {config!r}"
@@ -147,9 +244,29 @@ class Downpour:
                     " Call `tf_distbelief.downpour.enable(strategy)` before creating "
                     "the model under `strategy.scope()`."
                 )
-        # Bytes moved by one fetch or one push: every parameter once.
+        known = {id(v) for v in self.variables}
+        sparse = {id(v) for v in downpour_variables.leaf_variables(row_sparse)}
+        for v in downpour_variables.leaf_variables(row_sparse):
+            if id(v) not in known or not v.shape.rank:
+                raise ValueError(
+                    "Argument `row_sparse` must hold trained variables of rank >= 1 "
+                    f"(tables of rows). Received: {v.name} of shape {v.shape}"
+                )
+        # Per variable: row-sparse or not, and the bytes of one row.
+        self.row_sparse = [id(v) in sparse for v in self.variables]
+        self.row_bytes = [
+            v.shape[1:].num_elements() * v.dtype.size if v.shape.rank else 0
+            for v in self.variables
+        ]
+        # Bytes of all parameters, and those moved by one fetch or one push:
+        # every variable but the row-sparse ones, once.
         self.model_bytes = sum(
             v.shape.num_elements() * v.dtype.size for v in self.variables
+        )
+        self.dense_bytes = sum(
+            v.shape.num_elements() * v.dtype.size
+            for v, rows in zip(self.variables, self.row_sparse)
+            if not rows
         )
         with strategy.scope():
             if not getattr(optimizer, "_built", False):
@@ -172,6 +289,17 @@ class Downpour:
             self._accumulators = [
                 per_worker(f"downpour/accumulator/{_slug(v.name)}", v.shape, v.dtype)
                 for v in self.variables
+            ]
+            self._valid, self._touched = [
+                [
+                    per_worker(
+                        f"downpour/{what}/{_slug(v.name)}", v.shape[:1], tf.int32
+                    )
+                    if rows
+                    else None
+                    for v, rows in zip(self.variables, self.row_sparse)
+                ]
+                for what in ("valid", "touched")
             ]
             # Per worker, int64 scalars: `seen` is the ps update count the cache
             # accounts for; `refetch` is 1 after a dropped push.
@@ -203,6 +331,8 @@ class Downpour:
         return _Handles(
             caches=[c.handle for c in self._caches],
             accs=[a.handle for a in self._accumulators],
+            valid=[None if x is None else x.handle for x in self._valid],
+            touched=[None if x is None else x.handle for x in self._touched],
             seen=self._seen.handle,
             refetch=self._refetch.handle,
             stats={name: v.handle for name, v in self._stats.items()},
@@ -219,40 +349,119 @@ class Downpour:
             _assign(h.refetch, tf.constant(0, tf.int64)),
             _add(h.stats["fetches"], tf.constant(1, tf.int64)),
         ]
+        # Row-sparse variables: every row is stale now, fetched when read.
+        ops += [
+            _assign(valid, tf.zeros(v.shape[:1], tf.int32))
+            for valid, v in zip(h.valid, self.variables)
+            if valid is not None
+        ]
         return values, ops
 
     def _fetch_into_cache(self, h: _Handles):
         """A fetch into the cache, as a `tf.cond` branch (returns True)."""
         values, ops = self._fetch(h, pack=True)
-        ops += [_assign(c, v) for c, v in zip(h.caches, values)]
+        ops += [_assign(c, v) for c, v in zip(h.caches, values) if v is not None]
         return _after(ops, True)
 
+    def _cached_values(self, h: _Handles, after, active=None):
+        """What the forward pass reads: the cache, after `after` ops.
+
+        A tensor per variable, a `_RowReader` per row-sparse one.
+        """
+        with tf.control_dependencies(after):
+            return [
+                _RowReader(self, i, h, after, active)
+                if rows
+                else _read(h.caches[i], h.dtypes[i])
+                for i, rows in enumerate(self.row_sparse)
+            ]
+
+    def _accumulated(self, h: _Handles):
+        """The accumulators to push: tensors, `IndexedSlices` if row-sparse."""
+        out = []
+        for i, v in enumerate(self.variables):
+            if not self.row_sparse[i]:
+                out.append(_read(h.accs[i], h.dtypes[i]))
+                continue
+            rows = tf.where(_read(h.touched[i], tf.int32) > 0)[:, 0]
+            out.append(
+                tf.IndexedSlices(
+                    _gather(h.accs[i], rows, v.dtype),
+                    rows,
+                    tf.constant(v.shape.as_list(), tf.int64),
+                )
+            )
+        return out
+
     def _gradient(self, forward_fn, values):
-        """`(loss, outputs, grads)` of `forward_fn` at the parameter `values`."""
+        """`(loss, outputs, grads)` of `forward_fn` at the parameter `values`.
+
+        A `_RowReader` in `values` gives its gradient as `IndexedSlices`.
+        """
+        readers = [v for v in values if isinstance(v, _RowReader)]
+        dense = [v for v in values if not isinstance(v, _RowReader)]
         with tf.GradientTape() as tape:
-            tape.watch(values)
+            tape.watch(dense)
+            for reader in readers:
+                reader.tape = tape
             with downpour_variables.substitute(zip(self.variables, values)):
                 loss, outputs = forward_fn()
+        rows = [out for reader in readers for _, out in reader.reads]
         grads = tape.gradient(
-            loss, values, unconnected_gradients=tf.UnconnectedGradients.ZERO
+            loss, dense + rows, unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
-        return loss, outputs, grads
+        dense_grads, row_grads = iter(grads[: len(dense)]), grads[len(dense) :]
+        out = []
+        for v in values:
+            if isinstance(v, _RowReader):
+                out.append(v.gradient(row_grads[: len(v.reads)]))
+                row_grads = row_grads[len(v.reads) :]
+            else:
+                # A lookup in a cached table gives `IndexedSlices`: made dense,
+                # since the cache and accumulator are.
+                out.append(tf.convert_to_tensor(next(dense_grads)))
+        return loss, outputs, out
+
+    @staticmethod
+    def _row_bytes_fetched(values):
+        """Row bytes the readers in `values` fetched, an int64 scalar."""
+        counts = [
+            n for v in values if isinstance(v, _RowReader) for n in v.bytes_fetched
+        ]
+        return tf.add_n(counts) if counts else tf.constant(0, tf.int64)
 
     def _local_ops(self, h: _Handles, grads, accumulate: bool, update_cache: bool):
         """Accumulates `grads` and takes the local SGD step on the cache."""
-        ops = [_add(a, g) for a, g in zip(h.accs, grads)] if accumulate else []
         lr = self.config.local_learning_rate
-        if lr and update_cache:
-            ops += [
-                tf.raw_ops.ResourceApplyGradientDescent(
-                    var=c, alpha=tf.cast(lr, g.dtype), delta=g
+        ops = []
+        for i, g in enumerate(grads):
+            if isinstance(g, tf.IndexedSlices):
+                if accumulate:
+                    ones = tf.ones_like(g.indices, tf.int32)
+                    ops += [
+                        _scatter("Add", h.accs[i], g.indices, g.values),
+                        _scatter("Update", h.touched[i], g.indices, ones),
+                    ]
+                if lr and update_cache:
+                    step = tf.cast(lr, g.values.dtype) * g.values
+                    ops.append(_scatter("Sub", h.caches[i], g.indices, step))
+                continue
+            if accumulate:
+                ops.append(_add(h.accs[i], g))
+            if lr and update_cache:
+                ops.append(
+                    tf.raw_ops.ResourceApplyGradientDescent(
+                        var=h.caches[i], alpha=tf.cast(lr, g.dtype), delta=g
+                    )
                 )
-                for c, g in zip(h.caches, grads)
-            ]
         return ops
 
     def _push(self, h: _Handles, values, zero_accumulators: bool, pack: bool):
-        """Pushes `values` unless too stale; returns `(staleness, applied)`.
+        """Pushes `values` unless too stale.
+
+        Returns `(staleness, applied, row_bytes)`: `row_bytes` is what the
+        push sent of row-sparse variables (rows and int64 indices), 0 if
+        dropped.
 
         Staleness is the number of pushes by other replicas between this
         replica's fetch and its push. Without `max_staleness` it is read back
@@ -262,6 +471,12 @@ class Downpour:
         `max_staleness` it is read before the push, which then waits for it.
         """
         int64, one = tf.int64, tf.constant(1, tf.int64)
+        row_bytes = [
+            tf.size(g.indices, out_type=int64) * (self.row_bytes[i] + 8)
+            for i, g in enumerate(values)
+            if isinstance(g, tf.IndexedSlices)
+        ]
+        row_bytes = tf.add_n(row_bytes) if row_bytes else tf.constant(0, int64)
         if self.config.max_staleness is None:
             pushed = self._apply(values, pack)
             # Counted once the push has reached the ps, not before: a control
@@ -272,7 +487,11 @@ class Downpour:
             with tf.control_dependencies([increment]):
                 count = _read(h.count, int64)
             staleness = count - one - _read(h.seen, int64)
-            ops = [_add(h.seen, one), _add(h.stats["pushes"], one)]
+            ops = [
+                _add(h.seen, one),
+                _add(h.stats["pushes"], one),
+                _add(h.stats["row_bytes_pushed"], row_bytes),
+            ]
             applied = _after(ops, True)
         else:
             staleness = _read(h.count, int64) - _read(h.seen, int64)
@@ -283,6 +502,7 @@ class Downpour:
                     _add(h.count, one),
                     _add(h.seen, one),
                     _add(h.stats["pushes"], one),
+                    _add(h.stats["row_bytes_pushed"], row_bytes),
                 ]
                 return _after(ops, True)
 
@@ -302,12 +522,25 @@ class Downpour:
                 ),
             ]
             if zero_accumulators:
-                ops += [_assign(a, tf.zeros_like(v)) for a, v in zip(h.accs, values)]
+                for i, v in enumerate(values):
+                    if isinstance(v, tf.IndexedSlices):
+                        zeros = tf.zeros_like(v.values)
+                        ops += [
+                            _scatter("Update", h.accs[i], v.indices, zeros),
+                            _assign(
+                                h.touched[i],
+                                tf.zeros(self.variables[i].shape[:1], tf.int32),
+                            ),
+                        ]
+                    else:
+                        ops.append(_assign(h.accs[i], tf.zeros_like(v)))
         with tf.control_dependencies(ops):
-            return tf.identity(staleness), tf.identity(applied)
+            sent = tf.where(applied, row_bytes, tf.constant(0, int64))
+            return tf.identity(staleness), tf.identity(applied), sent
 
     def _no_push(self):
-        return tf.constant(-1, tf.int64), tf.constant(False)
+        int64 = tf.int64
+        return tf.constant(-1, int64), tf.constant(False), tf.constant(0, int64)
 
     def step(self, forward_fn):
         """One local Downpour step of the worker it runs on.
@@ -364,11 +597,14 @@ class Downpour:
                 lambda: self._fetch_into_cache(h),
                 lambda: tf.constant(False),
             )
-            with tf.control_dependencies([fetched, warm_op]):
-                values = [_read(c, d) for c, d in zip(h.caches, h.dtypes)]
+            values = self._cached_values(h, [fetched, warm_op], active)
         else:
             values, ops = self._fetch(h, pack=False)
             fetched = _after(ops, True)
+            values = [
+                _RowReader(self, i, h, [fetched]) if rows else values[i]
+                for i, rows in enumerate(self.row_sparse)
+            ]
         loss, outputs, grads = self._gradient(forward_fn, values)
         # The gradient is pushed as it is unless pushes gather several steps.
         use_accumulator = cfg.n_push > 1 or active is not None
@@ -382,17 +618,14 @@ class Downpour:
             )
         with tf.control_dependencies([updated]):
             if cfg.n_push == 1 and active is None:
-                staleness, pushed = self._push(
+                staleness, pushed, rows_pushed = self._push(
                     h, grads, zero_accumulators=False, pack=False
                 )
             else:
-                staleness, pushed = tf.cond(
+                staleness, pushed, rows_pushed = tf.cond(
                     gated(tf.equal((t + 1) % cfg.n_push, 0)),
                     lambda: self._push(
-                        h,
-                        [_read(a, d) for a, d in zip(h.accs, h.dtypes)],
-                        zero_accumulators=True,
-                        pack=True,
+                        h, self._accumulated(h), zero_accumulators=True, pack=True
                     ),
                     self._no_push,
                 )
@@ -407,11 +640,12 @@ class Downpour:
                 )
         with tf.control_dependencies([counted]):
             zero = tf.constant(0, int64)
-            model_bytes = tf.constant(self.model_bytes, int64)
+            dense_bytes = tf.constant(self.dense_bytes, int64)
+            rows_fetched = self._row_bytes_fetched(values)
             metrics = {
                 "staleness": tf.identity(staleness),
-                "bytes_fetched": tf.where(fetched, model_bytes, zero),
-                "bytes_pushed": tf.where(pushed, model_bytes, zero),
+                "bytes_fetched": tf.where(fetched, dense_bytes, zero) + rows_fetched,
+                "bytes_pushed": tf.where(pushed, dense_bytes, zero) + rows_pushed,
             }
         return loss, outputs, metrics
 
@@ -465,7 +699,7 @@ class Downpour:
                     else downpour_variables.local_steps()
                 )
                 with context:
-                    values = [_read(c, d) for c, d in zip(h.caches, h.dtypes)]
+                    values = self._cached_values(h, [])
                     loss, outputs, grads = self._gradient(
                         lambda: forward_fn(data), values
                     )
@@ -501,13 +735,10 @@ class Downpour:
             with tf.control_dependencies([inner]):
                 last = local_step(next(iterator), True)
             with tf.control_dependencies([last]):
-                staleness, _ = tf.cond(
+                staleness, _, _ = tf.cond(
                     tf.equal((t + size) % cfg.n_push, 0),
                     lambda: self._push(
-                        h,
-                        [_read(a, d) for a, d in zip(h.accs, h.dtypes)],
-                        zero_accumulators=True,
-                        pack=True,
+                        h, self._accumulated(h), zero_accumulators=True, pack=True
                     ),
                     self._no_push,
                 )
@@ -522,7 +753,8 @@ class Downpour:
         """`[(device, dtype, indices)]`: the variables moved as one tensor each."""
         groups = {}
         for i, v in enumerate(self.variables):
-            groups.setdefault((v.device, v.dtype), []).append(i)
+            if not self.row_sparse[i]:
+                groups.setdefault((v.device, v.dtype), []).append(i)
         return [(device, dtype, idx) for (device, dtype), idx in groups.items()]
 
     def _pull(self, ps_handles, dtypes, pack: bool):
@@ -536,7 +768,10 @@ class Downpour:
         variable as it is.
         """
         if not pack:
-            return [_read(p, d) for p, d in zip(ps_handles, dtypes)]
+            return [
+                None if rows else _read(p, d)
+                for p, d, rows in zip(ps_handles, dtypes, self.row_sparse)
+            ]
         values = [None] * len(self.variables)
         for device, _, idx in self._groups():
             with tf.device(device):
@@ -551,13 +786,15 @@ class Downpour:
 
         With `pack`, one message per group, as in `_pull`.
         """
-        if not pack:
-            out = []
-            for g, v in zip(grads, self.variables):
-                with tf.device(v.device):
-                    out.append(tf.identity(g))
-            return out
         out = [None] * len(self.variables)
+        for i, (g, v) in enumerate(zip(grads, self.variables)):
+            if not pack or self.row_sparse[i]:
+                with tf.device(v.device):
+                    out[i] = tf.nest.map_structure(
+                        tf.identity, g, expand_composites=True
+                    )
+        if not pack:
+            return out
         for device, _, idx in self._groups():
             packed = _pack([grads[i] for i in idx])
             with tf.device(device):
@@ -594,8 +831,8 @@ class Downpour:
         result = []
         for i in range(len(columns["steps"])):
             s = ReplicaStats(**{name: columns[name][i] for name in _STAT_NAMES})
-            s.bytes_fetched = s.fetches * self.model_bytes
-            s.bytes_pushed = s.pushes * self.model_bytes
+            s.bytes_fetched = s.fetches * self.dense_bytes + s.row_bytes_fetched
+            s.bytes_pushed = s.pushes * self.dense_bytes + s.row_bytes_pushed
             result.append(s)
         return result
 
@@ -612,6 +849,35 @@ def _check_compiled(model):
             f"Argument `model` must be built before Downpour can cache its "
             f"variables (give it an input shape). Received: {model.name!r}"
         )
+
+
+def embedding_tables(model) -> list:
+    """The tables of `model`'s tf_keras `Embedding` layers (their `embeddings`).
+
+    What `install` and `DownpourTrainer` treat as row-sparse by default.
+
+    Args:
+      model: a built tf_keras model.
+
+    Returns:
+      A list of variables (`ShardedVariable`s where the partitioner split them).
+    """
+    return [
+        layer.embeddings
+        for layer in model.submodules
+        if isinstance(layer, tf_keras.layers.Embedding)
+    ]
+
+
+def _make_downpour(model, config, row_sparse) -> Downpour:
+    _check_compiled(model)
+    return Downpour(
+        model.distribute_strategy,
+        model.trainable_variables,
+        model.optimizer,
+        config,
+        row_sparse=embedding_tables(model) if row_sparse is None else row_sparse,
+    )
 
 
 def _make_train_step(model, replicas: Downpour, downpour_logs: bool):
@@ -688,7 +954,7 @@ def _make_segment_train_function(model, replicas: Downpour):
     return make_train_function
 
 
-def install(model, config: DownpourConfig) -> Downpour:
+def install(model, config: DownpourConfig, row_sparse=None) -> Downpour:
     """Makes `model.fit` train with Downpour SGD.
 
     The model must be built and compiled under the scope of a strategy on which
@@ -704,18 +970,18 @@ def install(model, config: DownpourConfig) -> Downpour:
     Args:
       model: a compiled, built tf_keras model.
       config: a `DownpourConfig`.
+      row_sparse: variables only read by row lookups, fetched and pushed by
+        rows (see `Downpour`); None (default) means the tables of the model's
+        `Embedding` layers (`embedding_tables`), `[]` none.
 
     Returns:
       The `Downpour` state; `.stats()` gives each replica's counters.
 
     Raises:
-      ValueError: the model is not compiled or not built.
+      ValueError: the model is not compiled or not built, or see `Downpour`.
       TypeError: see `Downpour`.
     """
-    _check_compiled(model)
-    replicas = Downpour(
-        model.distribute_strategy, model.trainable_variables, model.optimizer, config
-    )
+    replicas = _make_downpour(model, config, row_sparse)
     # An instance attribute wins over `Model.train_step`; the cached train
     # function is dropped so that `fit` traces the new step.
     object.__setattr__(
@@ -747,15 +1013,13 @@ class DownpourTrainer:
     Args:
       model: a compiled, built tf_keras model, as for `install`.
       config: a `DownpourConfig`.
+      row_sparse: as for `install`.
     """
 
-    def __init__(self, model, config: DownpourConfig):
-        _check_compiled(model)
+    def __init__(self, model, config: DownpourConfig, row_sparse=None):
         self.model = model
         self.strategy = model.distribute_strategy
-        self.downpour = Downpour(
-            self.strategy, model.trainable_variables, model.optimizer, config
-        )
+        self.downpour = _make_downpour(model, config, row_sparse)
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(
             self.strategy
         )

@@ -17,6 +17,15 @@ At local step `t` a replica does, in this order:
    the push is dropped and the replica fetches at its next step. Either way
    `acc <- 0`.
 
+**Row-sparse variables** (large embedding tables) are not copied whole: a
+fetch only marks the replica's cached rows stale, and at step 2 each row the
+batch looks up is fetched if it has not been since the last fetch (so a row
+holds the ps value of the step that first reads it after a fetch). Steps 3 and
+4 touch only the looked-up rows; a push sends the rows touched since the last
+push (values and int64 indices) and the ps applies its optimizer to those rows.
+For the ps optimizers here (AdaGrad, SGD) a row with no gradient is left
+unchanged, so the update equals the dense one.
+
 After `S` local steps a replica has fetched `ceil(S / n_fetch)` times (without
 drops) and pushed `floor(S / n_push)` times: `n_fetch` and `n_push` are
 independent. With `n_fetch = n_push = 1` and one replica this is plain
@@ -166,9 +175,13 @@ class ReplicaStats:
       dropped_pushes: pushes dropped for exceeding `max_staleness`.
       staleness_sum: sum of the staleness of all pushes (applied or dropped).
       max_staleness_seen: the largest staleness of a push.
-      bytes_fetched: parameter bytes fetched (`fetches` times the model size).
+      bytes_fetched: parameter bytes fetched (`fetches` times the size of the
+        cached variables, plus `row_bytes_fetched`).
       bytes_pushed: gradient bytes pushed (a dropped push sends nothing: the
-        staleness check comes first).
+        staleness check comes first), `row_bytes_pushed` included.
+      row_bytes_fetched: bytes of the rows of row-sparse variables fetched.
+      row_bytes_pushed: bytes of the rows of row-sparse variables pushed, an
+        8-byte int64 row index included per row.
     """
 
     steps: int = 0
@@ -179,6 +192,8 @@ class ReplicaStats:
     max_staleness_seen: int = 0
     bytes_fetched: int = 0
     bytes_pushed: int = 0
+    row_bytes_fetched: int = 0
+    row_bytes_pushed: int = 0
 
 
 def simulate(
@@ -188,6 +203,8 @@ def simulate(
     config: DownpourConfig,
     ps_optimizer: tuple[Callable[[list], list], PsUpdate],
     order: Sequence[int] | None = None,
+    row_sparse: Sequence[int] = (),
+    rows_fn: Callable[[object], dict] | None = None,
 ) -> tuple[list[np.ndarray], list[ReplicaStats]]:
     """Runs Downpour in NumPy, one whole local step at a time.
 
@@ -201,6 +218,10 @@ def simulate(
       order: the replica taking each step, e.g. `[0, 1, 0, 1]`; default all of
         replica 0's batches when there is one replica, else round robin until
         the shortest replica's batches run out.
+      row_sparse: indices into `params` of the row-sparse variables (see the
+        module docstring); their gradients must be 0 outside the rows read.
+      rows_fn: `batch -> {index: row ids}`, the rows of each row-sparse
+        variable that `grad_fn` reads for `batch` (any shape, repeats allowed).
 
     Returns:
       `(ps_params, stats)`: the final ps parameters and a `ReplicaStats` per
@@ -215,12 +236,18 @@ def simulate(
     if order is None:
         lengths = [len(b) for b in batches]
         order = [r for _ in range(min(lengths)) for r in range(n)]
+    if row_sparse and rows_fn is None:
+        raise ValueError("Argument `rows_fn` is needed with `row_sparse`.")
+    sparse = set(row_sparse)
     caches: list[list | None] = [None] * n
     accs = [[np.zeros_like(p) for p in ps] for _ in range(n)]
     seen = [0] * n
     refetch = [False] * n
     stats = [ReplicaStats() for _ in range(n)]
-    model_bytes = sum(p.nbytes for p in ps)
+    model_bytes = sum(p.nbytes for i, p in enumerate(ps) if i not in sparse)
+    row_bytes = {i: ps[i][0].nbytes for i in sparse}
+    valid = [{i: set() for i in sparse} for _ in range(n)]  # Rows since a fetch.
+    touched = [{i: set() for i in sparse} for _ in range(n)]  # Since a push.
     for r in order:
         if r != 0 and stats[0].steps < config.warmstart_steps:
             next(iters[r])  # The TF replica reads its batch, then does nothing.
@@ -228,12 +255,26 @@ def simulate(
         s = stats[r]
         t = s.steps
         if is_fetch_step(t, config.n_fetch) or refetch[r]:
-            caches[r] = [p.copy() for p in ps]
+            old = caches[r]
+            caches[r] = [
+                old[i] if i in sparse and old is not None else p.copy()
+                for i, p in enumerate(ps)
+            ]
+            valid[r] = {i: set() for i in sparse}
             seen[r] = ps_count
             refetch[r] = False
             s.fetches += 1
             s.bytes_fetched += model_bytes
-        g = grad_fn(caches[r], next(iters[r]))
+        batch = next(iters[r])
+        for i, ids in (rows_fn(batch) if sparse else {}).items():
+            ids = set(np.asarray(ids).reshape(-1).tolist())
+            for row in ids - valid[r][i]:
+                caches[r][i][row] = ps[i][row]
+            s.row_bytes_fetched += len(ids - valid[r][i]) * row_bytes[i]
+            s.bytes_fetched += len(ids - valid[r][i]) * row_bytes[i]
+            valid[r][i] |= ids
+            touched[r][i] |= ids
+        g = grad_fn(caches[r], batch)
         caches[r] = [c - config.local_learning_rate * gi for c, gi in zip(caches[r], g)]
         accs[r] = [a + gi for a, gi in zip(accs[r], g)]
         if is_push_step(t, config.n_push):
@@ -246,9 +287,14 @@ def simulate(
                 seen[r] += 1
                 s.pushes += 1
                 s.bytes_pushed += model_bytes
+                for i in sparse:
+                    pushed_bytes = len(touched[r][i]) * (row_bytes[i] + 8)
+                    s.row_bytes_pushed += pushed_bytes
+                    s.bytes_pushed += pushed_bytes
             else:
                 refetch[r] = True
                 s.dropped_pushes += 1
             accs[r] = [np.zeros_like(a) for a in accs[r]]
+            touched[r] = {i: set() for i in sparse}
         s.steps += 1
     return ps, stats

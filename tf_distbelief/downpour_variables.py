@@ -13,6 +13,11 @@ Sharded variables (`ShardedVariable`) are wrapped shard by shard: each shard
 has its own cache, and the optimizer (which sees shards too) updates each on its
 ps task.
 
+A variable can also be substituted by a `RowSource` (Downpour's row-sparse
+tables, e.g. embeddings): its row lookups (`sparse_read`, which
+`tf.nn.embedding_lookup` and `tf.gather` use) then read rows from the source,
+and reading it whole is an error.
+
 While `local_steps` is active, writes to non-trainable `DownpourVariable`s
 (Keras metrics, loss trackers, BatchNorm statistics) are dropped: Downpour's
 local steps between two ps exchanges then touch no ps variable at all.
@@ -28,6 +33,7 @@ from tensorflow.python.distribute import ps_values
 
 __all__ = [
     "DownpourVariable",
+    "RowSource",
     "enable",
     "leaf_variables",
     "local_steps",
@@ -41,13 +47,27 @@ def _substitutions() -> dict:
     return getattr(_local, "values", None) or {}
 
 
+class RowSource:
+    """What a row-sparse variable reads as under `substitute`: rows on demand."""
+
+    def read_rows(self, indices: tf.Tensor) -> tf.Tensor:
+        """Returns `[*indices.shape, *row_shape]`: the rows at `indices`.
+
+        Args:
+          indices: int32 or int64 row indices of the variable (a shard's own
+            rows for a shard), any shape.
+        """
+        raise NotImplementedError
+
+
 @contextlib.contextmanager
 def substitute(pairs):
     """Within the block, each `DownpourVariable` in `pairs` reads as its tensor.
 
     Args:
-      pairs: `(DownpourVariable, tensor)` pairs, the tensor of the variable's
-        shape and dtype. Only reads traced in this thread are redirected.
+      pairs: `(DownpourVariable, tensor or RowSource)` pairs, the tensor of the
+        variable's shape and dtype. Only reads traced in this thread are
+        redirected.
     """
     previous = _substitutions()
     _local.values = {**previous, **{id(v): t for v, t in pairs}}
@@ -100,7 +120,14 @@ class DownpourVariable(ps_values.CachingVariable):
         return super().assign_sub(*args, **kwargs)
 
     def _substituted(self):
-        return _substitutions().get(id(self))
+        value = _substitutions().get(id(self))
+        if isinstance(value, RowSource):
+            raise ValueError(
+                f"Variable {self.name} is row-sparse under Downpour (only the rows "
+                "a step looks up are fetched and pushed), but the model read it "
+                "whole. Leave it out of `row_sparse` (e.g. `row_sparse=[]`)."
+            )
+        return value
 
     def value(self):
         value = self._substituted()
@@ -111,6 +138,9 @@ class DownpourVariable(ps_values.CachingVariable):
         return super().read_value() if value is None else value
 
     def sparse_read(self, indices, name=None):
+        source = _substitutions().get(id(self))
+        if isinstance(source, RowSource):
+            return source.read_rows(indices)
         value = self._substituted()
         if value is None:
             return super().sparse_read(indices, name=name)
