@@ -193,3 +193,15 @@ def test_partition_1_ran_on_worker_cpu_1(trained):
         specs = [tf.DeviceSpec.from_string(h.device) for h in handles]
         assert {s.job for s in specs} == {"worker"}
         assert [f"/device:CPU:{s.device_index}" for s in specs] == DEVICES
+
+
+def test_worker_device_names_are_the_workers_cpus_without_gpus(trained):
+    """On the connected coordinator: the workers have 2 CPU devices, no GPU."""
+    assert not [
+        d for d in tf.config.list_logical_devices("GPU") if "/job:worker" in d.name
+    ]
+    assert mp.worker_device_names(2) == DEVICES
+    # More devices than the workers have GPUs of: still CPU names.
+    assert mp.worker_device_names(3) == mp.cpu_device_names(3)
+    with pytest.raises(ValueError, match=r"`num_devices` must be >= 1"):
+        mp.worker_device_names(0)

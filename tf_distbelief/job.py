@@ -241,13 +241,14 @@ def build_model(config: JobConfig, devices=None) -> tf_keras.Model:
     Args:
       config: the job.
       devices: with `config.devices_per_replica > 1`, the devices of one replica
-        (default: the running worker's `/device:CPU:0..k-1`).
+        (default: `model_parallel.worker_device_names(k)`: the workers' GPUs
+        when each has k, else their `/device:CPU:0..k-1`).
     """
     k = config.devices_per_replica
     if k > 1:
         return models.model_parallel.build_model(
             config.model,
-            devices or model_parallel.cpu_device_names(k),
+            devices or model_parallel.worker_device_names(k),
             seed=config.seed,
             num_partitions=k,
             speech_hidden_units=config.speech_hidden_units,

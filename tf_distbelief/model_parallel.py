@@ -101,6 +101,42 @@ def cpu_device_names(num_devices: int) -> list[str]:
     return [f"/device:CPU:{i}" for i in range(num_devices)]
 
 
+def worker_device_names(num_devices: int) -> list[str]:
+    """The devices of one replica on the workers of the connected cluster.
+
+    Called on the coordinator once its strategy has connected (so that
+    `tf.config.list_logical_devices` lists the workers' devices): GPUs
+    `/device:GPU:0..num_devices-1` when every worker task has that many,
+    otherwise `cpu_device_names(num_devices)` (workers started with
+    `cluster.server_config(cpu_devices=num_devices)`). Like `cpu_device_names`,
+    the names carry no job or task.
+
+    Args:
+      num_devices: devices per replica, at least 1.
+
+    Returns:
+      `num_devices` device names, all GPUs or all CPUs.
+
+    Raises:
+      ValueError: if `num_devices` is below 1.
+    """
+    cpus = cpu_device_names(num_devices)  # Checks `num_devices`.
+    gpus = {}
+    for d in tf.config.list_logical_devices("GPU"):
+        spec = tf.DeviceSpec.from_string(d.name)
+        if spec.job == "worker":
+            gpus.setdefault(spec.task, set()).add(spec.device_index)
+    workers = {
+        tf.DeviceSpec.from_string(d.name).task
+        for d in tf.config.list_logical_devices("CPU")
+        if tf.DeviceSpec.from_string(d.name).job == "worker"
+    }
+    wanted = set(range(num_devices))
+    if workers and all(wanted <= gpus.get(task, set()) for task in workers):
+        return [f"/device:GPU:{i}" for i in range(num_devices)]
+    return cpus
+
+
 def assign_devices(
     num_partitions: int, devices: Sequence[str] | None = None
 ) -> list[str]:
