@@ -22,7 +22,8 @@ machine is shared, and its load moves rates by tens of percent.
 Columns:
 
 * `ex/s`: training examples per second (both workers), the median over the
-  timed epochs; `x stock`: the ratio to the stock row of the same model.
+  timed epochs (and over rounds); `x stock`: the ratio to the stock row of the
+  same model in the same round, the median over rounds.
 * `sock B/ex`: worker<->ps bytes per example on the sockets: the kernel's
   per-connection TCP counters (`ss -tinpH state established`: `bytes_acked`
   sent, `bytes_received` received), for every connection between a worker
@@ -300,6 +301,9 @@ class Row:
     test_accuracy: float
     test_loss: float
     wall_secs: float
+    # Examples/s over the same round's stock row, median over rounds (set by
+    # `median_rows`); None: the ratio of the rates.
+    speedup: float | None = None
 
 
 class _Probe:
@@ -448,7 +452,12 @@ def _run(local, data, model_name, n, f) -> Row:
 
 
 def median_rows(rows: list[Row]) -> list[Row]:
-    """One row per `(model, name)`, in first-seen order: medians over rounds."""
+    """One row per `(model, name)`, in first-seen order: medians over rounds.
+
+    `speedup` is the median over rounds of each round's examples/s over that
+    round's stock examples/s (the i-th row of a configuration is round i): the
+    two ran side by side, so a load change between rounds cancels out.
+    """
     import statistics
 
     groups: dict[tuple[str, str], list[Row]] = {}
@@ -456,6 +465,10 @@ def median_rows(rows: list[Row]) -> list[Row]:
         groups.setdefault((r.model, r.name), []).append(r)
     result = []
     for (model, name), group in groups.items():
+        stock = groups.get((model, "stock"), group)
+        speedup = statistics.median(
+            r.examples_per_sec / s.examples_per_sec for r, s in zip(group, stock)
+        )
 
         def med(key, group=group):
             return statistics.median(getattr(r, key) for r in group)
@@ -475,13 +488,17 @@ def median_rows(rows: list[Row]) -> list[Row]:
                 test_accuracy=med("test_accuracy"),
                 test_loss=med("test_loss"),
                 wall_secs=sum(r.wall_secs for r in group),
+                speedup=speedup,
             )
         )
     return result
 
 
 def format_table(rows: list[Row], header: str) -> str:
-    """The results table; ratios are to the `stock` row of the same model."""
+    """The results table; ratios are to the `stock` row of the same model.
+
+    `x stock` is `Row.speedup` where set, else the ratio of examples/s.
+    """
     lines = [
         header,
         f"{'model':6} {'config':6} {'ex/s':>7} {'x stock':>7} {'sock B/ex':>10} "
@@ -491,9 +508,11 @@ def format_table(rows: list[Row], header: str) -> str:
     stock = {r.model: r for r in rows if r.name == "stock"}
     for r in rows:
         base = stock.get(r.model, r)
+        speedup = r.speedup
+        if speedup is None:
+            speedup = r.examples_per_sec / base.examples_per_sec
         lines.append(
-            f"{r.model:6} {r.name:6} {r.examples_per_sec:7.0f} "
-            f"{r.examples_per_sec / base.examples_per_sec:7.2f} "
+            f"{r.model:6} {r.name:6} {r.examples_per_sec:7.0f} {speedup:7.2f} "
             f"{r.socket_bytes_per_example:10.0f} {r.tensor_bytes_per_example:11.0f} "
             f"{r.socket_bytes_per_example / base.socket_bytes_per_example:9.3f} "
             f"{sum(r.cpu_ms_per_step.values()):11.1f} {r.test_accuracy:8.4f} "

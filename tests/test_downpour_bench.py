@@ -175,3 +175,16 @@ def test_median_rows_and_table_ratios():
     fields = lines[3].split()
     # ex/s, x stock, sock B/ex, tensor B/ex, B x stock, CPU ms/step.
     assert fields[:8] == ["speech", "n=16", "250", "2.50", "65", "65", "0.065", "1.5"]
+
+
+def test_speedup_is_the_median_of_per_round_ratios():
+    """Round by round: 2.6, 2.0, 3.0 (median 2.6); the medians' ratio is 2.4."""
+    rows = []
+    for stock_rate, rate in ((100, 260), (120, 240), (80, 240)):
+        rows += [_row("stock", stock_rate, 1000, 0.9), _row("n=4", rate, 250, 0.9)]
+    stock, n4 = bench.median_rows(rows)
+    assert stock.speedup == 1.0
+    assert n4.speedup == pytest.approx(2.6)
+    assert n4.examples_per_sec / stock.examples_per_sec == pytest.approx(2.4)
+    fields = bench.format_table([stock, n4], "header").splitlines()[3].split()
+    assert fields[:4] == ["speech", "n=4", "240", "2.60"]
