@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from tests.helpers import loopback_bytes
 from tf_distbelief import adagrad, downpour, downpour_schedule
 from tf_distbelief import strategy as strategy_lib
 
@@ -178,16 +179,6 @@ def test_row_sparse_errors(local_cluster):
         downpour.install(model, CONFIG, row_sparse=[outsider])
 
 
-def _loopback_bytes():
-    """Bytes through the loopback interface (received side), from the kernel."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == "lo":
-                return int(rest.split()[0])
-    raise AssertionError("no loopback interface in /proc/net/dev")
-
-
 @pytest.mark.slow
 def test_large_table_moves_rows_not_the_table(local_cluster):
     """A 25.6 MB table: loopback bytes of 8 steps, rows against whole caching."""
@@ -221,11 +212,11 @@ def test_large_table_moves_rows_not_the_table(local_cluster):
         for _ in range(4):  # Traces, creates the caches, one fetch and push.
             trainer.step(iterator)
         trainer.join()
-        before, (stats_before,) = _loopback_bytes(), trainer.stats()
+        before, (stats_before,) = loopback_bytes(), trainer.stats()
         for _ in range(8):
             trainer.step(iterator)
         trainer.join()
-        moved[row_sparse is None] = _loopback_bytes() - before
+        moved[row_sparse is None] = loopback_bytes() - before
         (stats,) = trainer.stats()
         tensors = (stats.bytes_fetched + stats.bytes_pushed) - (
             stats_before.bytes_fetched + stats_before.bytes_pushed

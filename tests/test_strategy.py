@@ -6,21 +6,12 @@ import tensorflow as tf
 import tf_keras
 
 from models import embedding
+from tests.helpers import loopback_bytes
 from tf_distbelief import strategy as strategy_lib
 
 PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
 PS1 = "/job:ps/replica:0/task:1/device:CPU:0"
 VOCAB, DIM = 100_000, 64  # A 25.6 MB float32 table.
-
-
-def _loopback_bytes():
-    """Bytes through the loopback interface (received side), from the kernel."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == "lo":
-                return int(rest.split()[0])
-    raise AssertionError("no loopback interface in /proc/net/dev")
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +54,12 @@ def test_embedding_lookup_moves_only_the_looked_up_rows(two_ps):
 
     coordinator.schedule(lookup).fetch()  # Trace and warm up outside the count.
     coordinator.schedule(read_all).fetch()
-    before = _loopback_bytes()
+    before = loopback_bytes()
     rows = coordinator.schedule(lookup).fetch()
-    lookup_bytes = _loopback_bytes() - before
-    before = _loopback_bytes()
+    lookup_bytes = loopback_bytes() - before
+    before = loopback_bytes()
     coordinator.schedule(read_all).fetch()
-    read_bytes = _loopback_bytes() - before
+    read_bytes = loopback_bytes() - before
 
     table_bytes = VOCAB * DIM * 4
     expected = np.concatenate([v.numpy() for v in table.variables])[ids.numpy()]
