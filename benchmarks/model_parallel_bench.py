@@ -6,7 +6,9 @@ benchmark times one training step (forward, backward and a plain SGD update, in 
 `tf.function`) of two models, split over 1, 2 and 4 logical CPU devices:
 
 * `lc`: two wide locally connected layers (`PartitionedLocallyConnected2D`, output
-  rows split into blocks).
+  rows split into blocks). The first gives its output as blocks
+  (`output_blocks=True`) and the second takes them, so the activations between them
+  stay partitioned, as in the paper: only the halo crosses.
 * `mlp`: the speech model's shape: 440 inputs (11 frames of 40 filter banks), 4
   sigmoid hidden layers, softmax (`PartitionedDense`, units split).
 
@@ -31,11 +33,15 @@ over repeats and, in brackets, the spread (max - min) of the repeats as a share 
 the median.
 
 Bytes per step are forward plus backward, from `partition_math`, in two columns:
-`needed` is what a DistBelief network whose layers stay partitioned would move (the
-halo of locally connected layers; for dense layers each partition's copy of the
-input it does not hold); `moved` adds what these layers move because each takes its
-input whole on the replica's default device and concatenates its output there
-(scatter of owned input regions, gather of outputs).
+`needed` is what a DistBelief network whose layers stay partitioned would move (for
+locally connected layers the halo: into the first layer's blocks from the input
+regions the others own, and between the layers from the first layer's output blocks,
+`cross_partition_bytes`; for dense layers each partition's copy of the input it does
+not hold); `moved` adds what the models move because a layer takes its input whole
+on the replica's default device or concatenates its output there: for `lc` the
+scatter of the input to the first layer's blocks and the gather of the second
+layer's output (`scatter_gather_bytes`), for `mlp` the gather of every layer's
+output.
 
 Usage:
   python benchmarks/model_parallel_bench.py  # About 4 minutes on 2 idle cores.
@@ -106,7 +112,11 @@ def _build(model, num_partitions, batch_size):
         )
         layers = [
             partitioned_locally_connected.PartitionedLocallyConnected2D(
-                f.lc_filters, 5, num_partitions=num_partitions, activation="relu"
+                f.lc_filters,
+                5,
+                num_partitions=num_partitions,
+                activation="relu",
+                output_blocks=True,  # Blocks stay on their devices for the next.
             ),
             partitioned_locally_connected.PartitionedLocallyConnected2D(
                 f.lc_filters, 5, num_partitions=num_partitions
@@ -149,18 +159,13 @@ def _build(model, num_partitions, batch_size):
             v.assign_sub(0.01 * g)  # Runs where `v` lives.
         return loss
 
-    # Forward and backward move the same bytes.
+    # Forward and backward move the same bytes. The layers were called above, so
+    # each knows whether its input came whole or as blocks.
     needed = 2 * sum(layer.cross_partition_bytes(batch_size) for layer in layers)
     whole_io = 0
     for layer in layers:
         if model == "lc":
-            whole_io += partition_math.locally_connected_scatter_gather_bytes(
-                [batch_size, *layer._input_shape[1:]],
-                layer.kernel_size,
-                layer.strides,
-                layer.partition_grid,
-                layer.filters,
-            )
+            whole_io += layer.scatter_gather_bytes(batch_size)
         else:
             whole_io += partition_math.dense_gather_bytes(
                 batch_size, layer.units, num_partitions

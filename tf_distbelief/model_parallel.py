@@ -194,7 +194,9 @@ def assign_devices(
     return [devices[k % len(devices)] for k in range(num_partitions)]
 
 
-def call_on_device(device: str, fn: Callable[..., tf.Tensor], *args) -> tf.Tensor:
+def call_on_device(
+    device: str, fn: Callable[..., tf.Tensor | list[tf.Tensor]], *args
+) -> tf.Tensor | list[tf.Tensor]:
     """Calls `fn(*args)` on `device`, in the forward and in the backward pass.
 
     A `tf.device` scope places the forward ops only: `tf.GradientTape` creates the
@@ -202,9 +204,16 @@ def call_on_device(device: str, fn: Callable[..., tf.Tensor], *args) -> tf.Tenso
     one device (`CPU:0`). Here the gradient of `fn`, with respect to `args` and to
     the variables it reads, is computed under `tf.device(device)` too.
 
+    `fn` may return a list of tensors. Several outputs made from one input by one
+    call (pieces of a block cut for different consumers) also have their gradients
+    summed on `device`: cut by separate calls, the input would have several
+    consumers, and the tape would add up their gradients in an op outside any
+    device scope, placed wherever TensorFlow chooses.
+
     Args:
       device: device name, e.g. `"/device:CPU:1"`.
-      fn: function of tensors returning one tensor; it may read variables.
+      fn: function of tensors returning one tensor or a list of tensors; it may
+        read variables.
       *args: tensors.
 
     Returns:
@@ -217,11 +226,14 @@ def call_on_device(device: str, fn: Callable[..., tf.Tensor], *args) -> tf.Tenso
             tape.watch(args)
             outputs = fn(*args)
 
-        def grad(upstream, variables=None):
+        def grad(*upstream, variables=None):
             variables = list(variables or [])
+            several = isinstance(outputs, (list, tuple))
             with tf.device(device):
                 grads = tape.gradient(
-                    outputs, [*args, *variables], output_gradients=upstream
+                    outputs,
+                    [*args, *variables],
+                    output_gradients=list(upstream) if several else upstream[0],
                 )
             return grads[: len(args)], grads[len(args) :]
 

@@ -17,8 +17,11 @@ import tensorflow as tf
 __all__ = [
     "dense_cross_partition_bytes",
     "dense_gather_bytes",
+    "locally_connected_block_halo_bytes",
     "locally_connected_halo_bytes",
+    "locally_connected_output_bounds",
     "locally_connected_scatter_gather_bytes",
+    "read_input_indices",
     "split_bounds",
 ]
 
@@ -60,14 +63,151 @@ def _owned_input_bounds(
     return [b * stride for b in out_bounds[:-1]] + [input_size]
 
 
-def _halo_elements_1d(out_bounds, stride, kernel, input_size):
-    """Per part: (needed input length, owned input length) along one axis."""
-    owned = _owned_input_bounds(out_bounds, stride, input_size)
-    needed = [
-        (out_bounds[i + 1] - 1) * stride + kernel - owned[i]
-        for i in range(len(out_bounds) - 1)
+def read_input_indices(
+    first_output: int, end_output: int, stride: int, kernel: int
+) -> list[int]:
+    """Input indices the windows of outputs `first_output:end_output` read.
+
+    Along one axis of a `padding="valid"` layer, output `r` reads inputs
+    `r * stride` to `r * stride + kernel - 1`. With `stride <= kernel` the windows
+    touch or overlap and the indices form one run; with a longer stride the inputs
+    between windows are read by no one and left out. Either way `n` outputs read
+    `(n - 1) * min(stride, kernel) + kernel` inputs.
+
+    Args:
+      first_output: first output index.
+      end_output: one past the last output index, `> first_output`.
+      stride: window step, at least 1.
+      kernel: window size, at least 1.
+
+    Returns:
+      Sorted input indices, without duplicates.
+    """
+    if stride <= kernel:
+        return list(range(first_output * stride, (end_output - 1) * stride + kernel))
+    return [
+        r * stride + d for r in range(first_output, end_output) for d in range(kernel)
     ]
-    return needed, [owned[i + 1] - owned[i] for i in range(len(needed))]
+
+
+def _needed_and_held_1d(out_bounds, stride, kernel, held_bounds):
+    """Per part along one axis: (inputs it reads, how many of them it holds).
+
+    Part `i` makes outputs `out_bounds[i]:out_bounds[i + 1]` and holds the inputs
+    `held_bounds[i]:held_bounds[i + 1]`.
+    """
+    lengths = []
+    for i in range(len(out_bounds) - 1):
+        read = read_input_indices(out_bounds[i], out_bounds[i + 1], stride, kernel)
+        held = sum(held_bounds[i] <= v < held_bounds[i + 1] for v in read)
+        lengths.append((len(read), held))
+    return lengths
+
+
+def _output_size(input_size: int, kernel: int, stride: int) -> int:
+    return (input_size - kernel) // stride + 1
+
+
+def locally_connected_output_bounds(
+    input_shape: Sequence[int],
+    kernel_size: Sequence[int],
+    strides: Sequence[int],
+    partition_grid: Sequence[int],
+) -> tuple[list[int], list[int]]:
+    """Where a partitioned locally connected layer cuts its output map into blocks.
+
+    Args:
+      input_shape: `[batch_size, rows, cols, channels]` of the layer's input.
+      kernel_size: `[kernel_rows, kernel_cols]`.
+      strides: `[stride_rows, stride_cols]`.
+      partition_grid: `[row_blocks, col_blocks]`.
+
+    Returns:
+      `(row_bounds, col_bounds)`: `split_bounds` of the output rows and columns;
+      block `(i, j)` holds output rows `row_bounds[i]:row_bounds[i + 1]` and columns
+      `col_bounds[j]:col_bounds[j + 1]`.
+
+    Raises:
+      ValueError: if the grid does not fit the output map.
+    """
+    out_rows = _output_size(int(input_shape[1]), kernel_size[0], strides[0])
+    out_cols = _output_size(int(input_shape[2]), kernel_size[1], strides[1])
+    return (
+        split_bounds(out_rows, partition_grid[0], "partition_grid[0]"),
+        split_bounds(out_cols, partition_grid[1], "partition_grid[1]"),
+    )
+
+
+def locally_connected_block_halo_bytes(
+    input_shape: Sequence[int],
+    input_bounds: tuple[Sequence[int], Sequence[int]],
+    kernel_size: Sequence[int],
+    strides: Sequence[int],
+    partition_grid: Sequence[int],
+    dtype: tf.dtypes.DType | str = tf.float32,
+) -> int:
+    """Bytes one forward pass moves into a layer whose input arrives in blocks.
+
+    The input map is held in a `partition_grid` of blocks, block `(i, j)` (rows
+    `input_bounds[0][i]:input_bounds[0][i + 1]`, columns likewise) on the device
+    of the layer's partition `(i, j)`: for example the output blocks of a previous
+    partitioned layer with the same grid (`locally_connected_output_bounds`). Output
+    block `(i, j)` reads the inputs its windows cover (`read_input_indices` of its
+    rows times those of its columns); each of them outside the block the partition
+    holds crosses, once, from the block that holds it. Nothing less can work, and
+    the layer sends nothing more. Per output block, making `n` rows from
+    `first_row` on:
+
+        needed_rows = (n - 1) * min(stride, kernel) + kernel
+        held_rows = number of read_input_indices(first_row, first_row + n,
+                    stride, kernel) in [input_bounds[0][i], input_bounds[0][i + 1])
+
+    (with `stride <= kernel` the read rows are one run from `first_row * stride`,
+    and `held_rows` is its overlap with the held block), columns likewise; the
+    block receives `needed_rows * needed_cols - held_rows * held_cols` elements of
+    `batch * channels` values each. The read rows need not start where the held
+    ones do: block boundaries of consecutive layers differ by kernel and stride
+    offsets, so a partition may read rows of the block before its own, and hold
+    rows only another partition reads. The backward pass sends as many bytes back
+    (halo gradients).
+
+    Args:
+      input_shape: `[batch_size, rows, cols, channels]` of the whole input map.
+      input_bounds: `(row_bounds, col_bounds)` of the input blocks,
+        `partition_grid[0] + 1` and `partition_grid[1] + 1` boundaries from 0 to
+        `rows` and `cols`.
+      kernel_size: `[kernel_rows, kernel_cols]`.
+      strides: `[stride_rows, stride_cols]`.
+      partition_grid: `[row_blocks, col_blocks]`, of the output and of the input.
+      dtype: element type of the activations.
+
+    Returns:
+      Bytes crossing partition boundaries in one forward pass.
+
+    Raises:
+      ValueError: if the grid does not fit the output map, or `input_bounds` do not
+        split the input map into `partition_grid` blocks.
+    """
+    batch, rows, cols, channels = (int(d) for d in input_shape)
+    for axis, (bounds, size) in enumerate(zip(input_bounds, (rows, cols))):
+        bounds = list(bounds)
+        if (
+            len(bounds) != partition_grid[axis] + 1
+            or bounds[0] != 0
+            or bounds[-1] != size
+            or any(a >= b for a, b in zip(bounds, bounds[1:]))
+        ):
+            raise ValueError(
+                f"Argument `input_bounds[{axis}]` must rise from 0 to {size} in "
+                f"{partition_grid[axis]} steps. Received: {bounds}"
+            )
+    out_rows, out_cols = locally_connected_output_bounds(
+        input_shape, kernel_size, strides, partition_grid
+    )
+    per_row = _needed_and_held_1d(out_rows, strides[0], kernel_size[0], input_bounds[0])
+    per_col = _needed_and_held_1d(out_cols, strides[1], kernel_size[1], input_bounds[1])
+    elements = sum(nr * nc - hr * hc for nr, hr in per_row for nc, hc in per_col)
+    return elements * batch * channels * tf.as_dtype(dtype).size
 
 
 def locally_connected_halo_bytes(
@@ -90,7 +230,11 @@ def locally_connected_halo_bytes(
 
     Per block the halo is `batch * channels * (needed_rows * needed_cols -
     min(needed_rows, owned_rows) * min(needed_cols, owned_cols))`, where
-    `needed_rows = last_output_row * stride + kernel - first_output_row * stride`.
+    `needed_rows = (n - 1) * min(stride, kernel) + kernel` for `n` output rows
+    counts the input rows its windows read: `locally_connected_block_halo_bytes`
+    with the owned regions as input blocks. The read rows start where the owned ones
+    do, so they overlap by `min(needed, owned)`; with a stride longer than the
+    kernel a block owns all the rows it reads.
 
     Args:
       input_shape: `[batch_size, rows, cols, channels]`.
@@ -105,29 +249,16 @@ def locally_connected_halo_bytes(
     Raises:
       ValueError: if the grid does not fit the output map.
     """
-    batch, rows, cols, channels = (int(d) for d in input_shape)
-    out_rows = (rows - kernel_size[0]) // strides[0] + 1
-    out_cols = (cols - kernel_size[1]) // strides[1] + 1
-    need_r, own_r = _halo_elements_1d(
-        split_bounds(out_rows, partition_grid[0], "partition_grid[0]"),
-        strides[0],
-        kernel_size[0],
-        rows,
+    row_bounds, col_bounds = locally_connected_output_bounds(
+        input_shape, kernel_size, strides, partition_grid
     )
-    need_c, own_c = _halo_elements_1d(
-        split_bounds(out_cols, partition_grid[1], "partition_grid[1]"),
-        strides[1],
-        kernel_size[1],
-        cols,
+    owned = (
+        _owned_input_bounds(row_bounds, strides[0], int(input_shape[1])),
+        _owned_input_bounds(col_bounds, strides[1], int(input_shape[2])),
     )
-    elements = 0
-    for nr, orow in zip(need_r, own_r):
-        for nc, ocol in zip(need_c, own_c):
-            # The needed region starts where the owned one does, so their overlap is
-            # `min(needed, owned)` per axis (a block needs fewer rows than it owns
-            # when it is the last one, or when the stride is longer than the kernel).
-            elements += nr * nc - min(nr, orow) * min(nc, ocol)
-    return elements * batch * channels * tf.as_dtype(dtype).size
+    return locally_connected_block_halo_bytes(
+        input_shape, owned, kernel_size, strides, partition_grid, dtype
+    )
 
 
 def dense_cross_partition_bytes(
@@ -172,16 +303,21 @@ def locally_connected_scatter_gather_bytes(
     partition_grid: Sequence[int],
     filters: int,
     dtype: tf.dtypes.DType | str = tf.float32,
+    *,
+    input_whole: bool = True,
+    output_whole: bool = True,
 ) -> int:
-    """Bytes a locally connected layer moves because it takes and gives tensors whole.
+    """Bytes a locally connected layer moves because it takes or gives tensors whole.
 
-    `PartitionedLocallyConnected2D` receives its input whole, on one device, and
-    concatenates its output there. With the input on block 0's device (the
-    replica's default device), every other block receives the input region it owns
-    (scatter) and sends its outputs back (gather). A DistBelief network whose
-    layers all stay partitioned would move only the halo
-    (`locally_connected_halo_bytes`); this is the extra. The backward pass moves as
-    many bytes again.
+    `PartitionedLocallyConnected2D` receives its input whole, on one device, unless
+    it gets the blocks of a previous partitioned layer, and concatenates its output
+    there, unless built with `output_blocks=True`. With the whole input on block 0's
+    device (the replica's default device), every other block receives the input
+    region it owns (scatter); a whole output is gathered on block 0's device from
+    the others (gather). A DistBelief network whose layers all stay partitioned
+    would move only the halo (`locally_connected_halo_bytes`,
+    `locally_connected_block_halo_bytes`); this is the extra. The backward pass
+    moves as many bytes again.
 
     Args:
       input_shape: `[batch_size, rows, cols, channels]`.
@@ -190,6 +326,10 @@ def locally_connected_scatter_gather_bytes(
       partition_grid: `[row_blocks, col_blocks]`, one device per block.
       filters: output channels per position.
       dtype: element type of the activations.
+      input_whole: whether the input arrives whole (scattered); `False` when it
+        arrives as blocks.
+      output_whole: whether the output leaves whole (gathered); `False` with
+        `output_blocks=True`.
 
     Returns:
       Scatter plus gather bytes of one forward pass.
@@ -198,15 +338,15 @@ def locally_connected_scatter_gather_bytes(
       ValueError: if the grid does not fit the output map.
     """
     batch, rows, cols, channels = (int(d) for d in input_shape)
-    out_rows = (rows - kernel_size[0]) // strides[0] + 1
-    out_cols = (cols - kernel_size[1]) // strides[1] + 1
-    row_bounds = split_bounds(out_rows, partition_grid[0], "partition_grid[0]")
-    col_bounds = split_bounds(out_cols, partition_grid[1], "partition_grid[1]")
+    row_bounds, col_bounds = locally_connected_output_bounds(
+        input_shape, kernel_size, strides, partition_grid
+    )
     own_rows = _owned_input_bounds(row_bounds, strides[0], rows)[1]
     own_cols = _owned_input_bounds(col_bounds, strides[1], cols)[1]
     scatter = (rows * cols - own_rows * own_cols) * channels
-    gather = (out_rows * out_cols - row_bounds[1] * col_bounds[1]) * filters
-    return (scatter + gather) * batch * tf.as_dtype(dtype).size
+    gather = (row_bounds[-1] * col_bounds[-1] - row_bounds[1] * col_bounds[1]) * filters
+    elements = scatter * input_whole + gather * output_whole
+    return elements * batch * tf.as_dtype(dtype).size
 
 
 def dense_gather_bytes(

@@ -24,6 +24,24 @@ layer.set_unpartitioned_weights(reference.get_weights())
 # 3 blocks read 2 halo rows: 3 * 2 rows * 9 cols * 3 channels * 2 examples * 4 B.
 layer.cross_partition_bytes(batch_size=2)  # 1296
 ```
+
+Stacked layers keep the activations partitioned, as in the paper, when the lower
+one gives its output as blocks (`output_blocks=True`) and the upper one, with the
+same grid and devices, takes them: only the halo between the layers crosses.
+
+```python
+lower = partitioned_locally_connected.PartitionedLocallyConnected2D(
+    8, 3, num_partitions=4, output_blocks=True
+)
+upper = partitioned_locally_connected.PartitionedLocallyConnected2D(
+    8, 3, num_partitions=4
+)
+blocks = lower(x)  # 4 tensors [2, rows, 7, 8] of 2, 2, 2 and 1 rows.
+y = upper(blocks)  # [2, 5, 5, 8], as two stacked `LocallyConnected2D`.
+# The upper blocks read rows 0-3, 2-4, 3-5, 4-6 and hold 0-1, 2-3, 4-5, 6: rows
+# 2-3, 4, 3 and 4-5 cross, 6 rows * 7 cols * 8 channels * 2 examples * 4 B.
+upper.cross_partition_bytes(batch_size=2)  # 2688
+```
 """
 
 from __future__ import annotations
@@ -56,6 +74,34 @@ def _check_num_partitions(value: int, limit: int | None, what: str, name: str):
         raise ValueError(
             f"Argument `{name}` must be >= 1 and <= {what}{bound}. Received: {value!r}"
         )
+
+
+def _split_by_block(
+    indices: Sequence[int], bounds: Sequence[int]
+) -> list[tuple[int, slice | list[int]]]:
+    """Splits sorted indices by the blocks `bounds` cuts their axis into.
+
+    Returns:
+      `(block, index)` for each block holding some of `indices`: a slice of the
+      block when they form a run there, else a list of indices in the block.
+    """
+    pieces = []
+    for b, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        local = [v - lo for v in indices if lo <= v < hi]
+        if local:
+            run = local[-1] - local[0] + 1 == len(local)
+            pieces.append((b, slice(local[0], local[-1] + 1) if run else local))
+    return pieces
+
+
+def _take(x: tf.Tensor, rows: slice | list[int], cols: slice | list[int]):
+    """`x[:, rows, cols]`; a list of indices is gathered."""
+    for axis, index in ((1, rows), (2, cols)):
+        if isinstance(index, slice):
+            x = x[:, index] if axis == 1 else x[:, :, index]
+        else:
+            x = tf.gather(x, index, axis=axis)
+    return x
 
 
 def local_conv_valid(
@@ -101,15 +147,30 @@ class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
     The `[out_rows, out_cols]` output map is cut into a grid of blocks
     (`partition_math.split_bounds` per axis, so sizes need not divide evenly), one
     partition per block. Each block's kernel and bias are created under its device;
-    the block's outputs are computed there from the input region it owns plus the
-    halo it reads from the blocks below and to its right, sliced on their devices
-    so that only the halo crosses. `cross_partition_bytes` gives the halo's size.
+    the block's outputs are computed there from the input block it holds plus the
+    halo it reads from the neighbouring blocks, sliced on their devices so that only
+    the halo crosses. `cross_partition_bytes` gives the halo's size.
 
     Semantics equal `tf_keras.layers.LocallyConnected2D` with `padding="valid"`,
     `data_format="channels_last"` and `implementation=1` weights (see
-    `get_unpartitioned_weights`). The layer's input arrives whole and its output
-    leaves whole (concatenated where TensorFlow places it); only the exchange
-    between blocks is counted as cross-partition traffic.
+    `get_unpartitioned_weights`).
+
+    Input and output come in one of two layouts:
+
+    * Whole: one `[batch, rows, cols, channels]` tensor. The input is cut where it
+      lives into the regions the blocks own (from a block's first window to the
+      next block's), which travel to their devices (scatter); the output is
+      concatenated where TensorFlow places it (gather).
+    * Blocks (`output_blocks=True` for the output): a list of `grid[0] * grid[1]`
+      tensors, block `(i, j)` at index `i * grid[1] + j` on partition `(i, j)`'s
+      device, holding output rows `row_bounds[i]:row_bounds[i + 1]` and columns
+      likewise. A layer given such a list by a layer with the same grid and devices
+      computes each block from the pieces of the input blocks its windows cover,
+      each cut on the device that holds it: the input block boundaries differ from
+      this layer's by kernel and stride offsets, so a partition may read rows of
+      the block before its own as well as after, and its own block may hold rows
+      only others read. The scatter and the gather go away; only the halo crosses
+      (`partition_math.locally_connected_block_halo_bytes`).
 
     Example: `PartitionedLocallyConnected2D(16, 3, num_partitions=(2, 2))` on a
     `[batch, 34, 34, 3]` input gives four `16 x 16` output blocks.
@@ -126,6 +187,7 @@ class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
         use_bias: bool = True,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
+        output_blocks: bool = False,
         **kwargs,
     ):
         """Creates the layer; weights are made in `build`.
@@ -143,6 +205,10 @@ class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
           use_bias: whether to add a `[out_rows, out_cols, filters]` bias.
           kernel_initializer: initializer of the whole (unpartitioned) kernel.
           bias_initializer: initializer of the whole bias.
+          output_blocks: if `True`, `call` returns the list of output blocks, each
+            on its partition's device, for a next `PartitionedLocallyConnected2D`
+            with the same `num_partitions` and `devices`; if `False` (the default,
+            what other layers expect), the whole output map.
           **kwargs: `tf_keras.layers.Layer` arguments (`name`, `dtype`, ...).
 
         Raises:
@@ -172,10 +238,15 @@ class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
         self.use_bias = use_bias
         self.kernel_initializer = tf_keras.initializers.get(kernel_initializer)
         self.bias_initializer = tf_keras.initializers.get(bias_initializer)
-        self.input_spec = tf_keras.layers.InputSpec(ndim=4)
+        self.output_blocks = bool(output_blocks)
+        # `(row_bounds, col_bounds)` of the input blocks of the latest call, `None`
+        # when it took a whole tensor; `cross_partition_bytes` counts for it. No
+        # `InputSpec`: a list of blocks is one input here, not several, and
+        # `_whole_input_shape` checks ranks instead.
+        self.input_block_bounds = None
 
     def build(self, input_shape):
-        input_shape = tf.TensorShape(input_shape)
+        input_shape, _ = self._whole_input_shape(input_shape)
         _, in_rows, in_cols, channels = input_shape.as_list()
         if None in (in_rows, in_cols, channels):
             raise ValueError(
@@ -251,103 +322,231 @@ class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
         rb, cb = self.row_bounds, self.col_bounds
         return slice(rb[i], rb[i + 1]), slice(cb[j], cb[j + 1])
 
+    def _whole_input_shape(self, input_shape):
+        """The whole input map's shape, and the block bounds if given blocks.
+
+        Args:
+          input_shape: one shape of rank 4, or a list of block shapes.
+
+        Returns:
+          `(shape, bounds)`: a `tf.TensorShape`, and `None` for a whole input or
+          `(row_bounds, col_bounds)` of the blocks.
+
+        Raises:
+          ValueError: if the shape is not of rank 4, or the blocks do not tile this
+            layer's grid, or (once built) make another map than it was built for.
+        """
+        if (
+            not isinstance(input_shape, (list, tuple))
+            or not input_shape
+            or not (isinstance(input_shape[0], (list, tuple, tf.TensorShape)))
+        ):
+            shape = tf.TensorShape(input_shape)
+            if shape.rank != 4:
+                raise ValueError(
+                    "Argument `inputs` must have rank 4 ([batch, rows, cols, "
+                    f"channels]) or be a list of blocks. Received shape: {shape}"
+                )
+            return shape, None
+        n_rows, n_cols = self.partition_grid
+        shapes = [tf.TensorShape(s) for s in input_shape]
+        if len(shapes) != n_rows * n_cols:
+            raise ValueError(
+                f"Argument `inputs` must be one tensor or a list of {n_rows * n_cols} "
+                f"blocks (the output of a `PartitionedLocallyConnected2D` with "
+                f"`output_blocks=True` and `num_partitions={self.num_partitions!r}`)"
+                f". Received: a list of {len(shapes)} blocks"
+            )
+        dims = [s.as_list() if s.rank == 4 else None for s in shapes]
+        grid = [dims[i * n_cols : (i + 1) * n_cols] for i in range(n_rows)]
+        tiles = (
+            None not in dims
+            and all(None not in d[1:] for d in dims)
+            and len({(d[0], d[3]) for d in dims}) == 1
+            and all(len({d[1] for d in row}) == 1 for row in grid)
+            and all(len({row[j][2] for row in grid}) == 1 for j in range(n_cols))
+        )
+        if not tiles:
+            raise ValueError(
+                f"Argument `inputs` must be blocks of a {n_rows} x {n_cols} grid, "
+                "row-major, of rank 4 with known rows, columns and channels: blocks "
+                "in a grid row need equal rows, blocks in a grid column equal "
+                "columns, all the same batch and channels (the output of a layer "
+                f"with `num_partitions={self.num_partitions!r}`). Received block "
+                f"shapes: {[str(s) for s in shapes]}"
+            )
+        row_bounds = [0, *np.cumsum([row[0][1] for row in grid]).tolist()]
+        col_bounds = [0, *np.cumsum([d[2] for d in grid[0]]).tolist()]
+        batch, channels = dims[0][0], dims[0][3]
+        shape = tf.TensorShape([batch, row_bounds[-1], col_bounds[-1], channels])
+        if self.built and shape[1:].as_list() != self._input_shape[1:].as_list():
+            raise ValueError(
+                "Argument `inputs` must be blocks that make up the input map this "
+                f"layer was built for, {self._input_shape[1:]}. Received blocks "
+                f"that make up {shape[1:]} (block shapes "
+                f"{[str(s) for s in shapes]}); blocks of another `num_partitions` "
+                "tile the map differently."
+            )
+        return shape, (tuple(row_bounds), tuple(col_bounds))
+
     def call(self, inputs):
         (kr, kc), (sr, sc) = self.kernel_size, self.strides
         n_rows, n_cols = self.partition_grid
-        # Input a block owns: from its first window's start to the next block's.
-        own_r = [b * sr for b in self.row_bounds[:-1]] + [inputs.shape[1]]
-        own_c = [b * sc for b in self.col_bounds[:-1]] + [inputs.shape[2]]
-        # End (exclusive) of the input a block needs: its last window's end.
-        need_r = [(b - 1) * sr + kr for b in self.row_bounds[1:]]
-        need_c = [(b - 1) * sc + kc for b in self.col_bounds[1:]]
-        with tf.name_scope("scatter"):
-            # Sliced where the input lives, so each device receives only its block.
-            owned = [
-                [
-                    inputs[:, own_r[i] : own_r[i + 1], own_c[j] : own_c[j + 1]]
-                    for j in range(n_cols)
+        shape, bounds = self._whole_input_shape(
+            [x.shape for x in inputs]
+            if isinstance(inputs, (list, tuple))
+            else inputs.shape
+        )
+        self.input_block_bounds = bounds
+        if bounds is None:
+            # Input a block owns: from its first window's start to the next block's.
+            bounds = (
+                [b * sr for b in self.row_bounds[:-1]] + [shape[1]],
+                [b * sc for b in self.col_bounds[:-1]] + [shape[2]],
+            )
+            with tf.name_scope("scatter"):
+                # Sliced where the input lives, so each device receives only its
+                # block.
+                blocks = [
+                    inputs[:, r0:r1, c0:c1]
+                    for r0, r1 in zip(bounds[0], bounds[0][1:])
+                    for c0, c1 in zip(bounds[1], bounds[1][1:])
                 ]
-                for i in range(n_rows)
-            ]
-        outputs = []
-        for i in range(n_rows):
-            row_outputs = []
-            for j in range(n_cols):
-                k = i * n_cols + j
-                # The needed input as rows of pieces, one row per block row it
-                # overlaps; pieces of other blocks are cut on their devices so that
-                # only the halo travels.
-                pieces = []
-                for i2 in range(i, n_rows):
-                    rows = min(own_r[i2 + 1], need_r[i]) - own_r[i2]
-                    if rows <= 0:
-                        break
-                    pieces.append([])
-                    for j2 in range(j, n_cols):
-                        cols = min(own_c[j2 + 1], need_c[j]) - own_c[j2]
-                        if cols <= 0:
-                            break
-                        k2 = i2 * n_cols + j2
-                        if k2 == k:
-                            pieces[-1].append((rows, cols))  # Cut below, on `k`.
-                            continue
-                        with tf.name_scope(f"halo_{k2}_to_{k}"):
-                            pieces[-1].append(
-                                model_parallel.call_on_device(
-                                    self.partition_devices[k2],
-                                    lambda x, r=rows, c=cols: x[:, :r, :c],
-                                    owned[i2][j2],
-                                )
-                            )
-                with tf.name_scope(f"partition_{k}"):
-                    row_outputs.append(
-                        model_parallel.call_on_device(
-                            self.partition_devices[k],
-                            functools.partial(self._block_outputs, k, pieces),
-                            owned[i][j],
-                            *[p for row in pieces for p in row if tf.is_tensor(p)],
-                        )
-                    )
-            outputs.append(tf.concat(row_outputs, axis=2))
-        return tf.concat(outputs, axis=1)
-
-    def _block_outputs(self, k, pieces, own, *halo):
-        """Block `k`'s outputs from its own input and its halo pieces, in order."""
-        rows, cols = pieces[0][0]
-        halo = iter(halo)
-        pieces = [
-            [own[:, :rows, :cols] if j == i == 0 else next(halo) for j in range(len(r))]
-            for i, r in enumerate(pieces)
+        else:
+            blocks = list(inputs)
+        # The input rows and columns each output block's windows read: from its
+        # first window's start to its last window's end, less the inputs between
+        # windows when the stride is longer than the kernel.
+        read_r = [
+            partition_math.read_input_indices(b, e, sr, kr)
+            for b, e in zip(self.row_bounds, self.row_bounds[1:])
         ]
-        x = tf.concat([tf.concat(row, axis=2) for row in pieces], axis=1)
-        y = local_conv_valid(x, self.block_kernels[k], self.kernel_size, self.strides)
+        read_c = [
+            partition_math.read_input_indices(b, e, sc, kc)
+            for b, e in zip(self.col_bounds, self.col_bounds[1:])
+        ]
+        # cuts[k2]: the (rows, cols) of input block `k2` that partitions read, and
+        # readers[k2] which partitions, in partition order; a partition's pieces
+        # come in row-major block order.
+        cuts = [[] for _ in blocks]
+        readers = [[] for _ in blocks]
+        layouts = []
+        for k in range(n_rows * n_cols):
+            i, j = divmod(k, n_cols)
+            rows = _split_by_block(read_r[i], bounds[0])
+            cols = _split_by_block(read_c[j], bounds[1])
+            layouts.append(len(cols))
+            for i2, row_index in rows:
+                for j2, col_index in cols:
+                    cuts[i2 * n_cols + j2].append((row_index, col_index))
+                    readers[i2 * n_cols + j2].append(k)
+        pieces = [[] for _ in layouts]  # By reading partition.
+        for k2, block in enumerate(blocks):
+            if not cuts[k2]:
+                # No window reads this block. Blocks of a layer with this grid
+                # always hold some window's input; other tilings may not.
+                continue
+            # All pieces of a block in one call on its device, so that their
+            # gradients are summed there. Named for what leaves the device: the
+            # piece its own partition reads stays.
+            with tf.name_scope(f"halo_{k2}"):
+                cut = model_parallel.call_on_device(
+                    self.partition_devices[k2],
+                    lambda x, c=cuts[k2]: [_take(x, r, col) for r, col in c],
+                    block,
+                )
+            for k, piece in zip(readers[k2], cut):
+                pieces[k].append(piece)
+        outputs = []
+        for k, device in enumerate(self.partition_devices):
+            with tf.name_scope(f"partition_{k}"):
+                outputs.append(
+                    model_parallel.call_on_device(
+                        device,
+                        functools.partial(self._block_outputs, k, layouts[k]),
+                        *pieces[k],
+                    )
+                )
+        if self.output_blocks:
+            return outputs
+        rows = [outputs[i * n_cols : (i + 1) * n_cols] for i in range(n_rows)]
+        return tf.concat([tf.concat(row, axis=2) for row in rows], axis=1)
+
+    def _block_outputs(self, k, pieces_per_row, *pieces):
+        """Block `k`'s outputs from the pieces of input it reads, row-major."""
+        rows = [
+            tf.concat(pieces[r : r + pieces_per_row], axis=2)
+            for r in range(0, len(pieces), pieces_per_row)
+        ]
+        x = tf.concat(rows, axis=1)
+        # Only the inputs windows read arrived: with a stride longer than the kernel
+        # the windows now lie side by side, a kernel apart.
+        strides = [min(pair) for pair in zip(self.strides, self.kernel_size)]
+        y = local_conv_valid(x, self.block_kernels[k], self.kernel_size, strides)
         if self.use_bias:
             y = y + self.block_biases[k]
         return self.activation(y)
 
     def compute_output_shape(self, input_shape):
-        input_shape = tf.TensorShape(input_shape)
+        input_shape, _ = self._whole_input_shape(input_shape)
         (kr, kc), (sr, sc) = self.kernel_size, self.strides
         rows = (input_shape[1] - kr) // sr + 1
         cols = (input_shape[2] - kc) // sc + 1
-        return tf.TensorShape([input_shape[0], rows, cols, self.filters])
+        if not self.output_blocks:
+            return tf.TensorShape([input_shape[0], rows, cols, self.filters])
+        row_bounds = partition_math.split_bounds(rows, self.partition_grid[0])
+        col_bounds = partition_math.split_bounds(cols, self.partition_grid[1])
+        return [
+            tf.TensorShape([input_shape[0], r1 - r0, c1 - c0, self.filters])
+            for r0, r1 in zip(row_bounds, row_bounds[1:])
+            for c0, c1 in zip(col_bounds, col_bounds[1:])
+        ]
 
     def cross_partition_bytes(self, batch_size: int) -> int:
         """Halo bytes one forward pass moves between blocks (backward: as many).
+
+        For the input layout of the latest call (see `input_block_bounds`): whole,
+        the halo between the owned input regions; as blocks, what crosses from the
+        previous layer's blocks.
 
         Args:
           batch_size: examples per step.
 
         Returns:
-          `partition_math.locally_connected_halo_bytes` for this layer's shapes.
+          `partition_math.locally_connected_halo_bytes` for a whole input,
+          `partition_math.locally_connected_block_halo_bytes` for blocks.
         """
         shape = [batch_size, *self._input_shape[1:]]
-        return partition_math.locally_connected_halo_bytes(
-            shape,
+        args = (self.kernel_size, self.strides, self.partition_grid)
+        if self.input_block_bounds is None:
+            return partition_math.locally_connected_halo_bytes(
+                shape, *args, self.compute_dtype
+            )
+        return partition_math.locally_connected_block_halo_bytes(
+            shape, self.input_block_bounds, *args, self.compute_dtype
+        )
+
+    def scatter_gather_bytes(self, batch_size: int) -> int:
+        """Bytes one forward pass moves to cut up a whole input and join the output.
+
+        The scatter counts if the latest call took a whole tensor, the gather unless
+        `output_blocks`; between stacked layers in block mode neither happens.
+
+        Args:
+          batch_size: examples per step.
+
+        Returns:
+          `partition_math.locally_connected_scatter_gather_bytes` for this layer.
+        """
+        return partition_math.locally_connected_scatter_gather_bytes(
+            [batch_size, *self._input_shape[1:]],
             self.kernel_size,
             self.strides,
             self.partition_grid,
+            self.filters,
             self.compute_dtype,
+            input_whole=self.input_block_bounds is None,
+            output_whole=not self.output_blocks,
         )
 
     def unpartition(self, block_values: Sequence) -> list[np.ndarray]:
@@ -420,5 +619,6 @@ class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
             use_bias=self.use_bias,
             kernel_initializer=tf_keras.initializers.serialize(self.kernel_initializer),
             bias_initializer=tf_keras.initializers.serialize(self.bias_initializer),
+            output_blocks=self.output_blocks,
         )
         return config
