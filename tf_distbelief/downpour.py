@@ -13,7 +13,11 @@ reference); this module runs it on a parameter-server cluster:
   ps shard) inside `tf.cond`, so a non-push step sends no gradient;
 * under `fit` with `n_fetch, n_push > 1`, the local steps between two ps
   exchanges run in a loop with no ps op at all (`Downpour.run_steps`): a ps op
-  in a step, even in a branch not taken, costs messages at every step.
+  in a step, even in a branch not taken, costs messages at every step;
+* row-sparse variables (embedding tables, see `Downpour`'s `row_sparse`) are
+  not cached whole: a step fetches the rows it looks up (once between two
+  fetches) and a push sends the rows touched since the last one, so such a
+  model's steps each exchange its looked-up rows with the ps.
 
 Example with `fit`:
   ```
@@ -659,7 +663,9 @@ class Downpour:
         ps op, so the ps takes part once per segment (of up to
         `min(n_fetch, n_push)` steps) instead of once per step: even a
         `tf.cond` branch not taken costs a message per step when it holds a ps
-        op, and every write to a ps variable a round trip. The parameters and
+        op, and every write to a ps variable a round trip (row-sparse
+        variables are the exception: each step gathers the rows it looks up
+        and has not fetched since the segment's fetch). The parameters and
         counters are those of `step`, step for step.
 
         During those inner steps, writes to non-trainable ps variables (Keras
