@@ -319,6 +319,64 @@ def test_max_staleness_drops_stale_pushes(local_cluster):
     assert updates == sum(s.pushes for s in stats)
 
 
+class _SlowIdentity(tf_keras.layers.Layer):
+    """Passes its input on after a 1200 x 1200 matmul: steps of 2 workers overlap."""
+
+    def call(self, x):
+        a = tf.random.stateless_normal([1200, 1200], seed=[1, 2])
+        return x + tf.cast(0.0 * tf.reduce_mean(tf.matmul(a, a)), x.dtype)
+
+
+@pytest.mark.parametrize(
+    "cadence, local_learning_rate",
+    [((1, 1), 0.05), ((2, 1), 0.0)],
+    ids=["n_fetch_n_push_1", "no_local_ops"],
+)
+def test_max_staleness_is_checked_after_the_gradient(
+    local_cluster, cadence, local_learning_rate
+):
+    """With no local op between the gradient and the push, the staleness check
+    still waits for the gradient, so pushes by the other worker that land while
+    it is computed count, and stale pushes are dropped."""
+    x, y, (kernel, bias) = _softmax_data(seed=3)
+    strategy = _strategy(local_cluster, num_workers=2)
+    with strategy.scope():
+        model = tf_keras.Sequential(
+            [
+                tf_keras.layers.InputLayer(
+                    input_shape=(NUM_FEATURES,), dtype="float64"
+                ),
+                _SlowIdentity(dtype="float64"),
+                tf_keras.layers.Dense(NUM_CLASSES, dtype="float64"),
+            ]
+        )
+        model.compile(
+            adagrad.Adagrad(LEARNING_RATE),
+            loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    config = downpour_schedule.DownpourConfig(
+        *cadence, local_learning_rate, max_staleness=0
+    )
+    trainer = downpour.DownpourTrainer(model, config)
+    iterator = iter(
+        trainer.per_worker_dataset(
+            lambda: (
+                tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE).repeat()
+            )
+        )
+    )
+    for _ in range(40):
+        trainer.step(iterator)
+    trainer.join()
+    stats = trainer.stats()
+    assert sum(s.steps for s in stats) == 40
+    assert all(s.steps > 0 for s in stats)  # Both workers ran, side by side.
+    assert sum(s.dropped_pushes for s in stats) > 0
+    for s in stats:
+        assert s.pushes + s.dropped_pushes == s.steps
+    assert int(trainer.downpour.update_count.numpy()) == sum(s.pushes for s in stats)
+
+
 def test_warm_start_trains_replica_0_only(local_cluster):
     config = downpour_schedule.DownpourConfig(1, 1, warmstart_steps=10**6)
     trainer = _two_worker_trainer(local_cluster, config, steps=20)

@@ -110,6 +110,11 @@ def _gather(handle, indices, dtype):
     return tf.raw_ops.ResourceGather(resource=handle, indices=indices, dtype=dtype)
 
 
+def _tensors(values):
+    """The tensors of `values` (tensors or `IndexedSlices`), for control edges."""
+    return [v.values if isinstance(v, tf.IndexedSlices) else v for v in values]
+
+
 def _after(ops, value):
     """`value` as a tensor that runs after `ops` (a `tf.cond` branch output)."""
     with tf.control_dependencies(ops):
@@ -613,7 +618,10 @@ class Downpour:
         # The gradient is pushed as it is unless pushes gather several steps.
         use_accumulator = cfg.n_push > 1 or active is not None
         if active is None:
-            updated = _after(self._local_ops(h, grads, use_accumulator, use_cache), 1)
+            # After the gradient even without local ops: the push (and, with
+            # `max_staleness`, its staleness check) must not run before it.
+            ops = self._local_ops(h, grads, use_accumulator, use_cache)
+            updated = _after(ops + _tensors(grads), 1)
         else:
             updated = tf.cond(
                 active,
