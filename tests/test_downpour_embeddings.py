@@ -13,7 +13,7 @@ import tensorflow as tf
 import tf_keras
 
 from tests.helpers import loopback_bytes
-from tf_distbelief import adagrad, downpour, downpour_schedule
+from tf_distbelief import adagrad, downpour, downpour_schedule, downpour_variables
 from tf_distbelief import strategy as strategy_lib
 
 VOCAB, DIM, IDS, CLASSES, BATCH, STEPS = 20, 4, 3, 3, 4, 12
@@ -177,6 +177,77 @@ def test_row_sparse_errors(local_cluster):
     outsider = tf.Variable(tf.zeros([3, 2]), name="outsider")
     with pytest.raises(ValueError, match=r"`row_sparse` must hold.*outsider"):
         downpour.install(model, CONFIG, row_sparse=[outsider])
+    embedding_layer = model.layers[0]
+    for bad in ("embedding", embedding_layer):
+        with pytest.raises(TypeError, match=r"`row_sparse` must be a list of var"):
+            downpour.install(model, CONFIG, row_sparse=[bad])
+    # A bare table is taken as a list of one.
+    replicas = downpour.Downpour(
+        model.distribute_strategy,
+        model.trainable_variables,
+        model.optimizer,
+        CONFIG,
+        row_sparse=embedding_layer.embeddings,
+    )
+    assert replicas.row_sparse == [True] * 2 + [False] * 4
+
+
+class _TiedLogits(tf_keras.layers.Layer):
+    """Adds 0 x `h @ table^T` to the logits: reads the whole table."""
+
+    def __init__(self, embedding_layer, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding_layer = embedding_layer
+
+    def call(self, inputs):
+        h, logits = inputs
+        table = tf.convert_to_tensor(self.embedding_layer.embeddings)
+        tied = tf.matmul(h, table, transpose_b=True)
+        return logits + 0.0 * tf.reduce_sum(tied, axis=1, keepdims=True)
+
+
+def test_reading_a_sharded_row_sparse_table_whole_names_it(local_cluster):
+    ids, y, (table, kernel, bias) = _data()
+    strategy = strategy_lib.DistBeliefStrategy(
+        local_cluster.resolver_for(num_workers=1, num_ps=2),
+        tf.distribute.experimental.partitioners.FixedShardsPartitioner(2),
+    )
+    downpour.enable(strategy)
+    with strategy.scope():
+        inputs = tf_keras.Input((IDS,), dtype="int64")
+        embedding_layer = tf_keras.layers.Embedding(VOCAB, DIM, name="tied")
+        h = tf_keras.layers.GlobalAveragePooling1D()(embedding_layer(inputs))
+        logits = tf_keras.layers.Dense(CLASSES)(h)
+        outputs = _TiedLogits(embedding_layer)([h, logits])
+        model = tf_keras.Model(inputs, outputs)
+        model.compile(
+            adagrad.Adagrad(LEARNING_RATE),
+            loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    assert len(embedding_layer.embeddings.variables) == 2
+    trainer = downpour.DownpourTrainer(model, CONFIG)
+    iterator = iter(
+        trainer.per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH)
+        )
+    )
+    with pytest.raises(
+        downpour_variables.RowSparseReadError,
+        match=r"tied/embeddings/part_0.*row-sparse.*read it whole",
+    ):
+        trainer.step(iterator)
+
+
+def test_frozen_embedding_is_not_row_sparse(local_cluster):
+    ids, y, params = _data()
+    model = _model(local_cluster, params)
+    model.layers[0].trainable = False
+    assert downpour.embedding_tables(model) == []
+    replicas = downpour.install(model, CONFIG)
+    assert replicas.row_sparse == [False] * 4  # Kernel and bias shards only.
+    dataset = tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH).repeat()
+    model.fit(dataset, epochs=1, steps_per_epoch=4, verbose=0)
+    np.testing.assert_array_equal(_ps_params(model)[0], params[0])
 
 
 @pytest.mark.slow

@@ -220,7 +220,9 @@ class Downpour:
       config: a `DownpourConfig`.
       row_sparse: variables among `variables` (e.g. embedding tables, whole or
         sharded) that the model only reads by row lookups
-        (`tf.nn.embedding_lookup`, `tf.gather`): they are not fetched whole.
+        (`tf.nn.embedding_lookup`; `tf.gather` only on an unsharded table, as
+        TensorFlow's gather from a `ShardedVariable` returns rows in shard
+        order): they are not fetched whole.
         Each step fetches the rows its batch looks up that the replica has not
         fetched since its last fetch, and a push sends only the rows touched
         since the last push, as `tf.IndexedSlices` to the optimizer's sparse
@@ -230,9 +232,13 @@ class Downpour:
 
     Raises:
       TypeError: a variable was not created with `enable(strategy)` in effect,
-        or `config` is not a `DownpourConfig`.
+        `config` is not a `DownpourConfig`, or `row_sparse` holds something
+        other than variables.
       ValueError: a `row_sparse` variable is not among `variables`, or is a
         scalar.
+
+    A step that reads a row-sparse variable whole raises
+    `downpour_variables.RowSparseReadError` (a RuntimeError) naming it.
     """
 
     def __init__(
@@ -252,6 +258,15 @@ class Downpour:
                     f"Variable {v.name} is not Downpour-capable ({type(v).__name__})."
                     " Call `tf_distbelief.downpour.enable(strategy)` before creating "
                     "the model under `strategy.scope()`."
+                )
+        sharded = tf.__internal__.distribute.ShardedVariable
+        if isinstance(row_sparse, (tf.Variable, sharded)):
+            row_sparse = [row_sparse]
+        for v in row_sparse:
+            if not isinstance(v, (tf.Variable, sharded)):
+                raise TypeError(
+                    "Argument `row_sparse` must be a list of variables (e.g. "
+                    f"`[layer.embeddings]`), not names or layers. Received: {v!r}"
                 )
         known = {id(v) for v in self.variables}
         sparse = {id(v) for v in downpour_variables.leaf_variables(row_sparse)}
@@ -866,7 +881,7 @@ def _check_compiled(model):
 
 
 def embedding_tables(model) -> list:
-    """The tables of `model`'s tf_keras `Embedding` layers (their `embeddings`).
+    """The tables of `model`'s trainable tf_keras `Embedding` layers.
 
     What `install` and `DownpourTrainer` treat as row-sparse by default.
 
@@ -879,7 +894,7 @@ def embedding_tables(model) -> list:
     return [
         layer.embeddings
         for layer in model.submodules
-        if isinstance(layer, tf_keras.layers.Embedding)
+        if isinstance(layer, tf_keras.layers.Embedding) and layer.trainable
     ]
 
 
@@ -984,9 +999,11 @@ def install(model, config: DownpourConfig, row_sparse=None) -> Downpour:
     Args:
       model: a compiled, built tf_keras model.
       config: a `DownpourConfig`.
-      row_sparse: variables only read by row lookups, fetched and pushed by
-        rows (see `Downpour`); None (default) means the tables of the model's
-        `Embedding` layers (`embedding_tables`), `[]` none.
+      row_sparse: the variables only read by row lookups, fetched and pushed
+        by rows (see `Downpour`); None (default) means the tables of the
+        model's trainable `Embedding` layers (`embedding_tables`), `[]` none.
+        A list replaces the default: include `embedding_tables(model)` to add
+        to it.
 
     Returns:
       The `Downpour` state; `.stats()` gives each replica's counters.

@@ -34,6 +34,7 @@ from tensorflow.python.distribute import ps_values
 __all__ = [
     "DownpourVariable",
     "RowSource",
+    "RowSparseReadError",
     "enable",
     "leaf_variables",
     "local_steps",
@@ -45,6 +46,20 @@ _local = threading.local()
 
 def _substitutions() -> dict:
     return getattr(_local, "values", None) or {}
+
+
+class RowSparseReadError(RuntimeError):
+    """A row-sparse variable was read whole during a Downpour step.
+
+    A RuntimeError rather than a ValueError: TensorFlow's op construction
+    replaces a ValueError raised while converting a list input (e.g. the shards
+    of a `ShardedVariable` being concatenated) with a generic TypeError that no
+    longer names the variable.
+    """
+
+    # Autograph re-raises an error from traced code as its own type only if
+    # that type takes the message alone through `Exception.__init__`.
+    __init__ = Exception.__init__
 
 
 class RowSource:
@@ -122,10 +137,11 @@ class DownpourVariable(ps_values.CachingVariable):
     def _substituted(self):
         value = _substitutions().get(id(self))
         if isinstance(value, RowSource):
-            raise ValueError(
+            raise RowSparseReadError(
                 f"Variable {self.name} is row-sparse under Downpour (only the rows "
                 "a step looks up are fetched and pushed), but the model read it "
-                "whole. Leave it out of `row_sparse` (e.g. `row_sparse=[]`)."
+                "whole (e.g. a tied output layer, a regularizer, `tf.matmul`). "
+                "Leave it out of `row_sparse` (e.g. `row_sparse=[]`)."
             )
         return value
 
