@@ -282,11 +282,8 @@ class Downpour:
             v.shape[1:].num_elements() * v.dtype.size if v.shape.rank else 0
             for v in self.variables
         ]
-        # Bytes of all parameters, and those moved by one fetch or one push:
-        # every variable but the row-sparse ones, once.
-        self.model_bytes = sum(
-            v.shape.num_elements() * v.dtype.size for v in self.variables
-        )
+        # Bytes moved by one fetch or one push: every variable but the
+        # row-sparse ones, once.
         self.dense_bytes = sum(
             v.shape.num_elements() * v.dtype.size
             for v, rows in zip(self.variables, self.row_sparse)
@@ -375,11 +372,15 @@ class Downpour:
         ]
         # Row-sparse variables: every row is stale now, fetched when read.
         ops += [
-            _assign(valid, tf.zeros(v.shape[:1], tf.int32))
-            for valid, v in zip(h.valid, self.variables)
+            self._clear_rows(valid, i)
+            for i, valid in enumerate(h.valid)
             if valid is not None
         ]
         return values, ops
+
+    def _clear_rows(self, handle, i):
+        """Zeroes a per-row int32 mask (`valid`, `touched`) of variable `i`."""
+        return _assign(handle, tf.zeros(self.variables[i].shape[:1], tf.int32))
 
     def _fetch_into_cache(self, h: _Handles):
         """A fetch into the cache, as a `tf.cond` branch (returns True)."""
@@ -551,10 +552,7 @@ class Downpour:
                         zeros = tf.zeros_like(v.values)
                         ops += [
                             _scatter("Update", h.accs[i], v.indices, zeros),
-                            _assign(
-                                h.touched[i],
-                                tf.zeros(self.variables[i].shape[:1], tf.int32),
-                            ),
+                            self._clear_rows(h.touched[i], i),
                         ]
                     else:
                         ops.append(_assign(h.accs[i], tf.zeros_like(v)))

@@ -25,6 +25,7 @@ local steps between two ps exchanges then touch no ps variable at all.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import threading
 
@@ -62,9 +63,10 @@ class RowSparseReadError(RuntimeError):
     __init__ = Exception.__init__
 
 
-class RowSource:
+class RowSource(abc.ABC):
     """What a row-sparse variable reads as under `substitute`: rows on demand."""
 
+    @abc.abstractmethod
     def read_rows(self, indices: tf.Tensor) -> tf.Tensor:
         """Returns `[*indices.shape, *row_shape]`: the rows at `indices`.
 
@@ -72,7 +74,6 @@ class RowSource:
           indices: int32 or int64 row indices of the variable (a shard's own
             rows for a shard), any shape.
         """
-        raise NotImplementedError
 
 
 @contextlib.contextmanager
