@@ -18,6 +18,7 @@ N_FETCH = N_PUSH = 4
 
 def _downpour_model(local_cluster):
     config = job.JobConfig(
+        learning_rate=0.1,  # What these tests were set up with (the default was).
         num_workers=2,
         num_ps=2,
         partitioner="fixed",
