@@ -236,6 +236,12 @@ def test_reading_a_sharded_row_sparse_table_whole_names_it(local_cluster):
         match=r"tied/embeddings/part_0.*row-sparse.*read it whole",
     ):
         trainer.step(iterator)
+    # Tracing created the per-worker variables (caches first, counters last)
+    # and the iterator asynchronously, on the coordinator's worker threads.
+    # Reading the counters waits for all of them: one still being created when
+    # the next test connects to the cluster anew crashed the process (SIGSEGV
+    # in TensorFlow's eager runtime).
+    assert [s.steps for s in trainer.downpour.stats()] == [0]
 
 
 def test_frozen_embedding_is_not_row_sparse(local_cluster):
