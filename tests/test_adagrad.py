@@ -76,6 +76,42 @@ def test_sparse_rows_match_numpy():
     np.testing.assert_allclose(var.numpy(), expected, rtol=1e-12)
 
 
+def _numpy_summed(value, pushes, steps, lr, a0, eps):
+    """Independent reference: a += G^2 / steps; w -= lr G / (sqrt(a) + eps)."""
+    value = np.array(value, dtype=np.float64)
+    accumulator = np.full_like(value, a0)
+    for g in pushes:
+        accumulator += g * g / steps
+        value -= lr * g / (np.sqrt(accumulator) + eps)
+    return value
+
+
+@pytest.mark.parametrize("steps", [1, 4, 16])
+def test_summed_gradient_counts_as_its_steps(steps):
+    rng = np.random.default_rng(steps)
+    value = rng.normal(size=(4, 3))
+    pushes = rng.normal(size=(3, 4, 3)) * steps  # Sums of `steps` gradients.
+    rows = [0, 2]
+    dense = tf.Variable(value, name="dense")
+    table = tf.Variable(value, name="table")
+    opt = adagrad.Adagrad(0.3, initial_accumulator_value=0.1, epsilon=1e-7)
+    opt.build([dense, table])
+    for g in pushes:
+        opt.apply_summed_gradient(tf.constant(g), dense, steps)
+        opt.apply_summed_gradient(
+            tf.IndexedSlices(tf.constant(g[rows]), tf.constant(rows)), table, steps
+        )
+    want = _numpy_summed(value, pushes, steps, 0.3, 0.1, 1e-7)
+    np.testing.assert_allclose(dense.numpy(), want, rtol=1e-12)
+    want_table = value.copy()
+    want_table[rows] = want[rows]
+    np.testing.assert_allclose(table.numpy(), want_table, rtol=1e-12)
+    if steps == 1:  # One step: plain AdaGrad.
+        np.testing.assert_allclose(
+            want, _numpy_adagrad(value, pushes, 0.3, 0.1, 1e-7), rtol=1e-12
+        )
+
+
 def test_negative_initial_accumulator_is_rejected():
     with pytest.raises(
         ValueError,

@@ -65,6 +65,7 @@ def _sequential_adagrad(params, batches):
         ({"max_staleness": -1}, ValueError, r"`max_staleness` must be >= 0"),
         ({"local_learning_rate": -0.1}, ValueError, r"`local_learning_rate`.*-0.1"),
         ({"local_learning_rate": "0.1"}, TypeError, r"`local_learning_rate`"),
+        ({"adagrad_per_step": 1}, TypeError, r"`adagrad_per_step` must be True or"),
     ],
 )
 def test_config_errors(kwargs, error, match):
@@ -197,9 +198,12 @@ def _simulate(params, x, y, config):
     return got
 
 
-def test_trainer_matches_numpy_reference(local_cluster):
+@pytest.mark.parametrize("adagrad_per_step", [True, False])
+def test_trainer_matches_numpy_reference(local_cluster, adagrad_per_step):
     x, y, params = _softmax_data()
-    config = downpour_schedule.DownpourConfig(3, 2, local_learning_rate=0.05)
+    config = downpour_schedule.DownpourConfig(
+        3, 2, local_learning_rate=0.05, adagrad_per_step=adagrad_per_step
+    )
     model = _softmax_model(_strategy(local_cluster), params)
     trainer = downpour.DownpourTrainer(model, config)
     iterator = iter(
@@ -402,7 +406,7 @@ def test_digits_two_workers_reach_95_percent(local_cluster):
         replicas = downpour.install(
             model,
             downpour_schedule.DownpourConfig(
-                n_fetch=4, n_push=4, local_learning_rate=0.05, warmstart_steps=20
+                n_fetch=4, n_push=4, local_learning_rate=0.5, warmstart_steps=20
             ),
         )
     dataset = (

@@ -103,7 +103,40 @@ class Adagrad(tf_keras.optimizers.Adagrad):
         return super()._build_learning_rate(learning_rate)
 
     def update_step(self, gradient, variable):
+        self.apply_summed_gradient(gradient, variable, steps=1)
+
+    def apply_summed_gradient(self, gradient, variable, steps: int):
+        """Applies the sum of `steps` gradients as `steps` AdaGrad updates.
+
+        For a Downpour push (Dean et al. 2012, section 4.1) of `G`, the
+        gradients of `steps` local steps summed: the accumulator grows as
+        `steps` updates with the mean gradient `G / steps` would grow it,
+        `a += steps * (G / steps)^2 = G^2 / steps`, and the parameters move by
+        `gamma * G / (sqrt(a) + epsilon)`, what those updates would move them
+        by with the accumulator at its new value. With SGD a pushed sum moves
+        the parameters as far as its steps would; so it does here. Applying
+        `G` as one update (`steps=1`) would move them by about `gamma` per
+        push, whatever `steps` is.
+
+        One fused `ResourceApplyAdagradV2` op on the variable's device, given
+        `G / sqrt(steps)` and `gamma * sqrt(steps)`.
+
+        Args:
+          gradient: `G`, a tensor of the variable's shape and dtype, or
+            `tf.IndexedSlices` of its rows.
+          variable: a variable this optimizer was built with.
+          steps: the number of gradients summed in `G`, an int >= 1.
+        """
         lr = tf.cast(self.learning_rate, variable.dtype)
+        if steps != 1:
+            scale = tf.constant(steps**0.5, variable.dtype)
+            lr = lr * scale
+            if isinstance(gradient, tf.IndexedSlices):
+                gradient = tf.IndexedSlices(
+                    gradient.values / scale, gradient.indices, gradient.dense_shape
+                )
+            else:
+                gradient = gradient / scale
         accumulator = self._accumulators[self._index_dict[self._var_key(variable)]]
         epsilon = tf.cast(self.epsilon, variable.dtype)
         if isinstance(gradient, tf.IndexedSlices):

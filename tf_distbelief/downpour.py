@@ -11,6 +11,8 @@ reference); this module runs it on a parameter-server cluster:
 * the ps keeps an update counter (one per push), for staleness;
 * a push runs the user's tf_keras optimizer (`update_step`, on each variable's
   ps shard) inside `tf.cond`, so a non-push step sends no gradient;
+  `tf_distbelief.adagrad.Adagrad` counts a push as its `n_push` steps
+  (`apply_summed_gradient`, `DownpourConfig.adagrad_per_step`);
 * under `fit` with `n_fetch, n_push > 1`, the local steps between two ps
   exchanges run in a loop with no ps op at all (`Downpour.run_steps`): a ps op
   in a step, even in a branch not taken, costs messages at every step;
@@ -26,7 +28,7 @@ Example with `fit`:
   with strategy.scope():
     model = digits.build_model()
     model.compile(tfdb.Adagrad(0.1), loss=..., metrics=["accuracy"])
-    replicas = downpour.install(model, downpour.DownpourConfig(4, 4, 0.01))
+    replicas = downpour.install(model, downpour.DownpourConfig(4, 4, 0.5))
   model.fit(dataset, epochs=5, steps_per_epoch=100)
   print(replicas.stats())
   ```
@@ -41,7 +43,7 @@ from typing import NamedTuple
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import downpour_variables
+from tf_distbelief import adagrad, downpour_variables
 from tf_distbelief.downpour_schedule import DownpourConfig, ReplicaStats
 from tf_distbelief.downpour_variables import enable
 
@@ -834,16 +836,21 @@ class Downpour:
 
         The update ops (and the optimizer's casts of its hyperparameters) run
         on the variable's ps task, as `tf.distribute`'s `extended.update` would
-        place them.
+        place them. With `config.adagrad_per_step` and `n_push > 1`, AdaGrad
+        applies each push as `n_push` updates (`apply_summed_gradient`).
 
         Returns:
           The pushed values, as tensors on the variables' ps tasks.
         """
         opt = self.optimizer
         grads = self._push_values(opt._clip_gradients(list(grads)), pack)
+        steps = self.config.n_push if self.config.adagrad_per_step else 1
         for g, v in zip(grads, self.variables):
             with tf.device(v.device):
-                opt._update_step(g, v)
+                if steps > 1 and isinstance(opt, adagrad.Adagrad):
+                    opt.apply_summed_gradient(g, v, steps)
+                else:
+                    opt._update_step(g, v)
         opt.iterations.assign_add(1)
         return grads
 

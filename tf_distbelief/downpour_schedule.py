@@ -12,7 +12,8 @@ At local step `t` a replica does, in this order:
 5. **push** if `(t + 1) % n_push == 0`: `staleness = ps update count - seen`
    (updates by *other* replicas since this replica's cache was fetched). If
    `max_staleness` is None or `staleness <= max_staleness`, the ps applies
-   its optimizer (AdaGrad, SGD, ...) to `acc`, the ps update count grows by 1
+   its optimizer (AdaGrad, SGD, ...) to `acc` (AdaGrad counts it as
+   `n_push` updates: `DownpourConfig.adagrad_per_step`), the ps update count grows by 1
    and `seen` by the same (the replica's own push is not staleness). Otherwise
    the push is dropped and the replica fetches at its next step. Either way
    `acc <- 0`.
@@ -74,13 +75,26 @@ class DownpourConfig:
       n_push: local steps between pushes of the accumulated gradient, >= 1;
         independent of `n_fetch`. The paper's runs used 1.
       local_learning_rate: step size of the replica's SGD on its own cache, >= 0.
-        0 keeps the cache at the fetched values between fetches.
+        0 keeps the cache at the fetched values between fetches. With
+        `adagrad_per_step` and a large `n_push`, a small value makes a push
+        apply `n_push` AdaGrad steps along gradients taken near one point: in
+        `benchmarks/downpour_bench.py` digits at n=16 reached 0.75 test
+        accuracy at 0.05 and 0.98 at 0.5 (the launch script's default).
       warmstart_steps: the paper's warm start: until replica 0 has taken this
         many local steps, the other replicas' steps change nothing; 0 for none.
       max_staleness: the most ps updates by other replicas that may land
         between a replica's fetch and its push for the push to be applied; a
         staler push is dropped and the replica refetches. None (default)
         applies every push, as the paper does.
+      adagrad_per_step: with AdaGrad on the ps (`tf_distbelief.adagrad`), a
+        push of the gradients of `n_push` steps summed, `G`, counts as
+        `n_push` AdaGrad updates with the mean gradient: the accumulator grows
+        by `G^2 / n_push` and the parameters move by `gamma * G / (sqrt(a) +
+        epsilon)`, so a push moves them about as far as `n_push` stock steps
+        would (as a pushed sum does with SGD). False (the literal reading)
+        applies `G` as one update: about `gamma` per push whatever `n_push`
+        is, so `n_push` times fewer ps steps per example. The two agree at
+        `n_push = 1`; other ps optimizers ignore it.
     """
 
     n_fetch: int = 1
@@ -88,6 +102,7 @@ class DownpourConfig:
     local_learning_rate: float = 0.0
     warmstart_steps: int = 0
     max_staleness: int | None = None
+    adagrad_per_step: bool = True
 
     def __post_init__(self):
         _check_int("n_fetch", self.n_fetch, 1, ">= 1 (fetch every n_fetch steps)")
@@ -99,6 +114,11 @@ class DownpourConfig:
                 self.max_staleness,
                 0,
                 ">= 0, or None to apply every push",
+            )
+        if not isinstance(self.adagrad_per_step, bool):
+            raise TypeError(
+                "Argument `adagrad_per_step` must be True or False. Received: "
+                f"{self.adagrad_per_step!r}"
             )
         lr = self.local_learning_rate
         if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)):
@@ -132,25 +152,32 @@ def num_pushes(steps: int, n_push: int) -> int:
     return steps // n_push
 
 
-# A ps optimizer: `(params, state, grads) -> (params, state)`, lists of arrays.
-PsUpdate = Callable[[list, list, list], tuple[list, list]]
+# A ps optimizer: `(params, state, grads, steps) -> (params, state)`, lists of
+# arrays; `grads` is the sum of `steps` local steps' gradients.
+PsUpdate = Callable[[list, list, list, int], tuple[list, list]]
 
 
 def adagrad_ps(
     learning_rate: float, initial_accumulator_value: float = 0.1, epsilon=1e-7
 ) -> tuple[Callable[[list], list], PsUpdate]:
-    """AdaGrad on the ps as `(init_state, update)`, as in `tf_distbelief.adagrad`."""
-    from tf_distbelief import adagrad
+    """AdaGrad on the ps as `(init_state, update)`, as in `tf_distbelief.adagrad`.
+
+    A push of `G`, the sum of `steps` gradients, adds `G^2 / steps` to the
+    accumulator `a` and subtracts `learning_rate * G / (sqrt(a) + epsilon)`
+    (`DownpourConfig.adagrad_per_step`; `simulate` passes `steps = 1` when it
+    is False).
+    """
 
     def init(params):
         return [np.full_like(p, initial_accumulator_value) for p in params]
 
-    def update(params, state, grads):
-        out = [
-            adagrad.adagrad_update(p, a, g, learning_rate, epsilon)
+    def update(params, state, grads, steps):
+        state = [a + g * g / steps for a, g in zip(state, grads)]
+        params = [
+            p - learning_rate * g / (np.sqrt(a) + epsilon)
             for p, a, g in zip(params, state, grads)
         ]
-        return [w for w, _ in out], [a for _, a in out]
+        return params, state
 
     return init, update
 
@@ -158,7 +185,8 @@ def adagrad_ps(
 def sgd_ps(learning_rate: float) -> tuple[Callable[[list], list], PsUpdate]:
     """Plain SGD on the ps as `(init_state, update)`."""
 
-    def update(params, state, grads):
+    def update(params, state, grads, steps):
+        del steps  # A pushed sum already moves as far as its steps.
         return [p - learning_rate * g for p, g in zip(params, grads)], state
 
     return (lambda params: []), update
@@ -282,7 +310,8 @@ def simulate(
             s.staleness_sum += staleness
             s.max_staleness_seen = max(s.max_staleness_seen, staleness)
             if config.max_staleness is None or staleness <= config.max_staleness:
-                ps, ps_state = update(ps, ps_state, accs[r])
+                steps = config.n_push if config.adagrad_per_step else 1
+                ps, ps_state = update(ps, ps_state, accs[r], steps)
                 ps_count += 1
                 seen[r] += 1
                 s.pushes += 1
