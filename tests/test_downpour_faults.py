@@ -10,6 +10,7 @@ import tensorflow as tf
 import tf_keras
 
 from models import digits
+from tests.helpers import wait_for_worker_recovery
 from tf_distbelief import job, training
 from tf_distbelief import strategy as strategy_lib
 
@@ -100,6 +101,7 @@ def test_restarted_worker_rejoins_and_fetches_first(local_cluster):
     finally:
         if local_cluster.processes[("worker", 1)].poll() is not None:
             local_cluster.restart("worker", 1)
+        wait_for_worker_recovery(model.distribute_strategy)
     assert [h["epoch"] for h in result.history] == [1, 2, 3, 4, 5]
     first, restarted = model.downpour.stats()
     # The steps worker 1 ran before the kill died with its process: the two

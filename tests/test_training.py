@@ -7,6 +7,7 @@ import pytest
 import tf_keras
 
 from models import digits
+from tests.helpers import wait_for_worker_recovery
 from tf_distbelief import job, training
 from tf_distbelief import strategy as strategy_lib
 
@@ -150,3 +151,4 @@ def test_sigkill_of_a_worker_during_fit_does_not_stop_training(
         assert training.accuracy(model, x_test, y_test) >= 0.95
     finally:
         local_cluster.restart("worker", 1)
+        wait_for_worker_recovery(model.distribute_strategy)
