@@ -112,6 +112,16 @@ def test_summed_gradient_counts_as_its_steps(steps):
         )
 
 
+@pytest.mark.parametrize("steps", [0, -1, 2.0, True])
+def test_summed_gradient_steps_must_be_a_positive_int(steps):
+    var = tf.Variable(np.ones(3), name="w")
+    opt = adagrad.Adagrad(0.1)
+    opt.build([var])
+    with pytest.raises(ValueError, match=r"`steps` must be an int >= 1.*Received"):
+        opt.apply_summed_gradient(tf.ones(3, tf.float64), var, steps)
+    np.testing.assert_array_equal(var.numpy(), np.ones(3))
+
+
 def test_negative_initial_accumulator_is_rejected():
     with pytest.raises(
         ValueError,

@@ -126,7 +126,19 @@ class Adagrad(tf_keras.optimizers.Adagrad):
             `tf.IndexedSlices` of its rows.
           variable: a variable this optimizer was built with.
           steps: the number of gradients summed in `G`, an int >= 1.
+
+        Raises:
+          ValueError: `steps` is not an int >= 1.
         """
+        if (
+            isinstance(steps, bool)
+            or not isinstance(steps, (int, np.integer))
+            or steps < 1
+        ):
+            raise ValueError(
+                "Argument `steps` must be an int >= 1 (the gradients summed in "
+                f"the push). Received: {steps!r}"
+            )
         lr = tf.cast(self.learning_rate, variable.dtype)
         if steps != 1:
             scale = tf.constant(steps**0.5, variable.dtype)
