@@ -9,6 +9,7 @@ With `TF_CONFIG` the same command runs on every machine; each task does its part
 """
 
 import dataclasses
+import math
 import os
 
 # Before TensorFlow loads: keep its C++ INFO/WARNING lines out of the progress.
@@ -131,7 +132,8 @@ def define_flags() -> None:
     flags.DEFINE_float(
         "local_learning_rate",
         d.local_learning_rate,
-        "Downpour: SGD step on each worker's cache (0: none).",
+        "Downpour: SGD step on each worker's cache (0: none; at a large --n_push "
+        "0 fails to train: see README).",
         lower_bound=0.0,
     )
     flags.DEFINE_integer(
@@ -217,6 +219,24 @@ def define_flags() -> None:
         "partitioned dense layers).",
         lower_bound=1,
     )
+    # absl's bounds let NaN through, and an upper bound is not set: a NaN or
+    # infinite value would fail late (NaN) or train to chance (epsilon=inf).
+    for name in _FLOAT_FLAGS:
+        flags.register_validator(
+            name,
+            lambda value: value is None or math.isfinite(value),
+            message=f"--{name} must be a finite number.",
+        )
+
+
+_FLOAT_FLAGS = (
+    "learning_rate",
+    "initial_accumulator_value",
+    "epsilon",
+    "chief_gone_secs",
+    "local_learning_rate",
+    "straggler_slowdown",
+)
 
 
 def main(argv):

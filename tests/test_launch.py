@@ -94,6 +94,8 @@ def test_readme_main_job_trains_digits_and_leaves_no_process():
         ("--optimizer=adam", r"flag --optimizer=adam: value should be one of"),
         ("--model=resnet", r"flag --model=resnet: value should be one of"),
         ("--learning_rate=-1", r"flag --learning_rate=-1: -1.0 is not number >= 1e-12"),
+        ("--epsilon=inf", r"flag --epsilon=inf: --epsilon must be a finite number"),
+        ("--learning_rate=nan", r"flag --learning_rate=nan: --learning_rate must be"),
     ],
 )
 def test_bad_flags_fail_at_parse_time(flag, message):

@@ -22,6 +22,7 @@ from tf_distbelief import (
     adagrad,
     cluster,
     downpour,
+    downpour_schedule,
     model_parallel,
     sandblaster,
     training,
@@ -33,7 +34,7 @@ OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
 PARTITIONERS = ("min_size", "max_size", "fixed")
 MODEL_PARALLEL_MODELS = ("digits", "speech")
 # Downpour: the SGD step on each worker's cache (`JobConfig.local_learning_rate`).
-LOCAL_LEARNING_RATE = 0.5
+LOCAL_LEARNING_RATE = downpour_schedule.LOCAL_LEARNING_RATE
 
 
 @dataclasses.dataclass
