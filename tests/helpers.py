@@ -1,5 +1,7 @@
 """Small helpers shared by the tests."""
 
+import time
+
 
 def loopback_bytes() -> int:
     """Bytes through the loopback interface (received side), from the kernel."""
@@ -24,8 +26,6 @@ def wait_for_worker_recovery(strategy, timeout_secs: float = 120.0) -> None:
     Raises:
       TimeoutError: still recovering after `timeout_secs` seconds.
     """
-    import time
-
     coordinator = strategy._cluster_coordinator
     if coordinator is None:
         return

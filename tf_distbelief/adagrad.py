@@ -22,20 +22,23 @@ import tensorflow as tf
 import tf_keras
 
 
-def adagrad_update(value, accumulator, grad, learning_rate, epsilon):
+def adagrad_update(value, accumulator, grad, learning_rate, epsilon, steps=1):
     """The pure AdaGrad update of the module docstring (NumPy or TF tensors).
 
     Args:
       value: the parameters `w_{K-1}`, any shape.
       accumulator: `a_{K-1}`, the same shape.
-      grad: `g_K`, the same shape.
+      grad: `g_K`, the same shape; with `steps > 1`, the sum of `steps`
+        gradients (see `Adagrad.apply_summed_gradient`).
       learning_rate: `gamma`, a scalar.
       epsilon: a scalar >= 0.
+      steps: the gradients summed in `grad`, >= 1; the accumulator grows by
+        `grad^2 / steps`.
 
     Returns:
       `(w_K, a_K)`.
     """
-    accumulator = accumulator + grad * grad
+    accumulator = accumulator + grad * grad / steps
     sqrt = np.sqrt if isinstance(accumulator, np.ndarray) else tf.sqrt
     return value - learning_rate * grad / (sqrt(accumulator) + epsilon), accumulator
 

@@ -174,16 +174,17 @@ def adagrad_ps(
     is False).
     """
 
+    from tf_distbelief import adagrad
+
     def init(params):
         return [np.full_like(p, initial_accumulator_value) for p in params]
 
     def update(params, state, grads, steps):
-        state = [a + g * g / steps for a, g in zip(state, grads)]
-        params = [
-            p - learning_rate * g / (np.sqrt(a) + epsilon)
+        out = [
+            adagrad.adagrad_update(p, a, g, learning_rate, epsilon, steps)
             for p, a, g in zip(params, state, grads)
         ]
-        return params, state
+        return [w for w, _ in out], [a for _, a in out]
 
     return init, update
 
