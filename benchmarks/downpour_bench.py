@@ -285,7 +285,19 @@ def define_flags():
     flags.DEFINE_float(
         "local_learning_rate",
         None,
-        "Downpour: SGD step on each worker's cache (default: JobConfig's).",
+        "Downpour: step size on each worker's cache (default: JobConfig's).",
+    )
+    flags.DEFINE_enum(
+        "local_optimizer",
+        "adagrad",
+        ("adagrad", "sgd"),
+        "Downpour: each worker's update of its cache (JobConfig.local_optimizer).",
+    )
+    flags.DEFINE_enum(
+        "adagrad_accumulator",
+        "squares",
+        ("squares", "mean", "sum"),
+        "Downpour: how a push grows the ps AdaGrad accumulator.",
     )
     flags.DEFINE_integer("speech_hidden_units", 256, "Speech model width.")
     flags.DEFINE_integer("speech_classes", 8192, "Speech model softmax width.")
@@ -405,11 +417,9 @@ def _run(local, data, model_name, n, f) -> Row:
         downpour=n is not None,
         n_fetch=n or 1,
         n_push=n or 1,
-        local_learning_rate=(
-            f.local_learning_rate
-            if n and f.local_learning_rate is not None
-            else job.LOCAL_LEARNING_RATE
-        ),
+        local_learning_rate=f.local_learning_rate if n else None,
+        local_optimizer=f.local_optimizer if n else "adagrad",
+        adagrad_accumulator=f.adagrad_accumulator if n else "squares",
     ).validate()
     (x_train, y_train), (x_test, y_test) = data
     start = time.monotonic()

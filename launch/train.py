@@ -129,12 +129,28 @@ def define_flags() -> None:
     flags.DEFINE_integer(
         "n_push", d.n_push, "Downpour: steps between pushes.", lower_bound=1
     )
+    flags.DEFINE_enum(
+        "local_optimizer",
+        d.local_optimizer,
+        job.LOCAL_OPTIMIZERS,
+        "Downpour: each worker's update of its cache: AdaGrad with the worker's "
+        "own accumulator, or SGD.",
+    )
     flags.DEFINE_float(
         "local_learning_rate",
         d.local_learning_rate,
-        "Downpour: SGD step on each worker's cache (0: none; at a large --n_push "
-        "0 fails to train: see README).",
+        "Downpour: step size of each worker's update of its cache (unset: "
+        "--learning_rate for adagrad, 0.5 for sgd; 0: none, which at a large "
+        "--n_push fails to train: see README).",
         lower_bound=0.0,
+    )
+    flags.DEFINE_enum(
+        "adagrad_accumulator",
+        d.adagrad_accumulator,
+        job.ADAGRAD_ACCUMULATORS,
+        "Downpour with AdaGrad: a push grows the ps accumulator by the pushed "
+        "steps' squared gradients (squares: sent along, twice the push bytes), "
+        "by G^2/n_push (mean) or by G^2 (sum).",
     )
     flags.DEFINE_integer(
         "warmstart_steps",
@@ -155,11 +171,14 @@ def define_flags() -> None:
             "n_fetch",
             "n_push",
             "local_learning_rate",
+            "local_optimizer",
+            "adagrad_accumulator",
             "warmstart_steps",
             "max_staleness",
         ],
-        message="--n_fetch, --n_push, --local_learning_rate, --warmstart_steps and "
-        "--max_staleness are Downpour settings: add --downpour.",
+        message="--n_fetch, --n_push, --local_learning_rate, --local_optimizer, "
+        "--adagrad_accumulator, --warmstart_steps and --max_staleness are "
+        "Downpour settings: add --downpour.",
     )
     def _downpour_flags_need_downpour(values):
         if values["downpour"]:
@@ -168,12 +187,16 @@ def define_flags() -> None:
             values["n_fetch"],
             values["n_push"],
             values["local_learning_rate"],
+            values["local_optimizer"],
+            values["adagrad_accumulator"],
             values["warmstart_steps"],
             values["max_staleness"],
         ) == (
             d.n_fetch,
             d.n_push,
             d.local_learning_rate,
+            d.local_optimizer,
+            d.adagrad_accumulator,
             d.warmstart_steps,
             d.max_staleness,
         )

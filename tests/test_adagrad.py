@@ -112,6 +112,45 @@ def test_summed_gradient_counts_as_its_steps(steps):
         )
 
 
+def test_gradient_and_squares_match_numpy():
+    """A push of `G = sum g` and `S = sum g^2`: a += S; w -= lr G / (sqrt(a) + eps)."""
+    rng = np.random.default_rng(7)
+    value = rng.normal(size=(4, 3))
+    steps = rng.normal(size=(3, 4, 4, 3))  # 3 pushes of 4 steps' gradients.
+    rows = [1, 3]
+    dense = tf.Variable(value, name="dense")
+    table = tf.Variable(value, name="table")
+    opt = adagrad.Adagrad(0.3, initial_accumulator_value=0.1, epsilon=1e-7)
+    opt.build([dense, table])
+    want = value.copy()
+    accumulator = np.full_like(value, 0.1)
+    for push in steps:
+        g, s = push.sum(0), (push * push).sum(0)
+        opt.apply_gradient_and_squares(tf.constant(g), tf.constant(s), dense)
+        opt.apply_gradient_and_squares(
+            tf.IndexedSlices(tf.constant(g[rows]), tf.constant(rows)),
+            tf.IndexedSlices(tf.constant(s[rows]), tf.constant(rows)),
+            table,
+        )
+        for step in push:  # The accumulator holds every step's square.
+            accumulator += step * step
+        want -= 0.3 * g / (np.sqrt(accumulator) + 1e-7)
+    np.testing.assert_allclose(dense.numpy(), want, rtol=1e-12)
+    want_table = value.copy()
+    want_table[rows] = want[rows]
+    np.testing.assert_allclose(table.numpy(), want_table, rtol=1e-12)
+    np.testing.assert_allclose(opt._accumulators[0].numpy(), accumulator, rtol=1e-12)
+    # One step per push: plain AdaGrad.
+    one = tf.Variable(value, name="one")
+    opt = adagrad.Adagrad(0.3, initial_accumulator_value=0.1, epsilon=1e-7)
+    opt.build([one])
+    for g in steps[0]:
+        opt.apply_gradient_and_squares(tf.constant(g), tf.constant(g * g), one)
+    np.testing.assert_allclose(
+        one.numpy(), _numpy_adagrad(value, steps[0], 0.3, 0.1, 1e-7), rtol=1e-12
+    )
+
+
 @pytest.mark.parametrize("steps", [0, -1, 2.0, True])
 def test_summed_gradient_steps_must_be_a_positive_int(steps):
     var = tf.Variable(np.ones(3), name="w")

@@ -65,12 +65,36 @@ def _sequential_adagrad(params, batches):
         ({"max_staleness": -1}, ValueError, r"`max_staleness` must be >= 0"),
         ({"local_learning_rate": -0.1}, ValueError, r"`local_learning_rate`.*-0.1"),
         ({"local_learning_rate": "0.1"}, TypeError, r"`local_learning_rate`"),
-        ({"adagrad_per_step": 1}, TypeError, r"`adagrad_per_step` must be True or"),
+        (
+            {"local_optimizer": "adam"},
+            ValueError,
+            r"`local_optimizer` must be one of adagrad, sgd. Received: 'adam'",
+        ),
+        (
+            {"adagrad_accumulator": True},
+            ValueError,
+            r"`adagrad_accumulator` must be one of squares, mean, sum.*True",
+        ),
     ],
 )
 def test_config_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         downpour_schedule.DownpourConfig(**kwargs)
+
+
+def test_local_learning_rate_defaults():
+    config = downpour_schedule.DownpourConfig()
+    assert config.local_learning_rate_for(0.2) == 0.2  # The ps AdaGrad's gamma.
+    with pytest.raises(ValueError, match=r"`local_learning_rate` must be set"):
+        config.local_learning_rate_for(None)
+    sgd = downpour_schedule.DownpourConfig(local_optimizer="sgd")
+    assert sgd.local_learning_rate_for(None) == downpour_schedule.LOCAL_LEARNING_RATE
+    assert downpour_schedule.DownpourConfig(1, 1, 0.0).local_learning_rate_for(0.2) == 0
+    assert not downpour_schedule.DownpourConfig(4, 1).pushes_squares
+    assert downpour_schedule.DownpourConfig(1, 4).pushes_squares
+    assert not downpour_schedule.DownpourConfig(
+        1, 4, adagrad_accumulator="mean"
+    ).pushes_squares
 
 
 @pytest.mark.parametrize("n_fetch, n_push", [(1, 1), (3, 2), (2, 5), (4, 4)])
@@ -198,11 +222,25 @@ def _simulate(params, x, y, config):
     return got
 
 
-@pytest.mark.parametrize("adagrad_per_step", [True, False])
-def test_trainer_matches_numpy_reference(local_cluster, adagrad_per_step):
+@pytest.mark.parametrize(
+    "local_optimizer, local_learning_rate, adagrad_accumulator",
+    [
+        ("sgd", 0.05, "mean"),
+        ("sgd", 0.05, "sum"),
+        ("adagrad", None, "squares"),
+        ("adagrad", 0.3, "mean"),
+    ],
+)
+def test_trainer_matches_numpy_reference(
+    local_cluster, local_optimizer, local_learning_rate, adagrad_accumulator
+):
     x, y, params = _softmax_data()
     config = downpour_schedule.DownpourConfig(
-        3, 2, local_learning_rate=0.05, adagrad_per_step=adagrad_per_step
+        3,
+        2,
+        local_learning_rate=local_learning_rate,
+        local_optimizer=local_optimizer,
+        adagrad_accumulator=adagrad_accumulator,
     )
     model = _softmax_model(_strategy(local_cluster), params)
     trainer = downpour.DownpourTrainer(model, config)
@@ -219,9 +257,11 @@ def test_trainer_matches_numpy_reference(local_cluster, adagrad_per_step):
     assert (stats.steps, stats.fetches, stats.pushes) == (12, 4, 6)
     assert stats.staleness_sum == 0
     model_bytes = (NUM_FEATURES + 1) * NUM_CLASSES * 8
+    # A push sends the squared gradients too with "squares".
+    copies = 2 if adagrad_accumulator == "squares" else 1
     assert (stats.bytes_fetched, stats.bytes_pushed) == (
         4 * model_bytes,
-        6 * model_bytes,
+        6 * copies * model_bytes,
     )
     per_step = [log.fetch() for log in logs]
     assert [int(log["bytes_fetched"] > 0) for log in per_step] == [
@@ -405,9 +445,7 @@ def test_digits_two_workers_reach_95_percent(local_cluster):
         )
         replicas = downpour.install(
             model,
-            downpour_schedule.DownpourConfig(
-                n_fetch=4, n_push=4, local_learning_rate=0.5, warmstart_steps=20
-            ),
+            downpour_schedule.DownpourConfig(n_fetch=4, n_push=4, warmstart_steps=20),
         )
     dataset = (
         tf.data.Dataset.from_tensor_slices((x_train, y_train))

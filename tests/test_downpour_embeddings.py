@@ -300,7 +300,9 @@ def test_large_table_moves_rows_not_the_table(local_cluster):
         )
         assert moved[row_sparse is None] >= tensors
     print(f"loopback bytes of 8 steps: {moved}, table {table_bytes}")
-    # Whole: 2 fetches and 2 pushes of the table. Rows: at most 8 * 32 * 8 ids
-    # of 256 B each way, under 5% of the table.
-    assert moved[False] >= 4 * table_bytes, moved
-    assert moved[True] < table_bytes / 20, moved
+    # Whole: 2 fetches of the table, and 2 pushes of it with its squared
+    # gradients (AdaGrad's default `adagrad_accumulator="squares"`). Rows: at
+    # most 8 * 32 * 8 = 2048 ids, fetched at 256 B and pushed at 2 * 256 + 8 B:
+    # 1.59 MB, 6.2% of the table, plus gRPC framing.
+    assert moved[False] >= 6 * table_bytes, moved
+    assert moved[True] < table_bytes / 10, moved

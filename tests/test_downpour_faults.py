@@ -26,7 +26,6 @@ def _downpour_model(local_cluster):
         downpour=True,
         n_fetch=N_FETCH,
         n_push=N_PUSH,
-        local_learning_rate=0.5,
         steps_per_execution=1,
     )
     strategy = strategy_lib.DistBeliefStrategy(

@@ -96,6 +96,11 @@ def test_readme_main_job_trains_digits_and_leaves_no_process():
         ("--learning_rate=-1", r"flag --learning_rate=-1: -1.0 is not number >= 1e-12"),
         ("--epsilon=inf", r"flag --epsilon=inf: --epsilon must be a finite number"),
         ("--learning_rate=nan", r"flag --learning_rate=nan: --learning_rate must be"),
+        ("--local_optimizer=adam", r"flag --local_optimizer=adam: value should be"),
+        (
+            "--adagrad_accumulator=mean",
+            r"--adagrad_accumulator.*are Downpour settings: add --downpour",
+        ),
     ],
 )
 def test_bad_flags_fail_at_parse_time(flag, message):

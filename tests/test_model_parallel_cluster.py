@@ -103,9 +103,7 @@ def trained(local_cluster):
         )
         replicas = downpour.install(
             model,
-            downpour.DownpourConfig(
-                n_fetch=4, n_push=4, local_learning_rate=0.5, warmstart_steps=20
-            ),
+            downpour.DownpourConfig(n_fetch=4, n_push=4, warmstart_steps=20),
         )
     (x_train, y_train), (x_test, y_test) = digits.load_data()
     dataset = (

@@ -22,7 +22,9 @@ import tensorflow as tf
 import tf_keras
 
 
-def adagrad_update(value, accumulator, grad, learning_rate, epsilon, steps=1):
+def adagrad_update(
+    value, accumulator, grad, learning_rate, epsilon, steps=1, squares=None
+):
     """The pure AdaGrad update of the module docstring (NumPy or TF tensors).
 
     Args:
@@ -34,11 +36,15 @@ def adagrad_update(value, accumulator, grad, learning_rate, epsilon, steps=1):
       epsilon: a scalar >= 0.
       steps: the gradients summed in `grad`, >= 1; the accumulator grows by
         `grad^2 / steps`.
+      squares: None, or the sum of the squares of the gradients summed in
+        `grad` (the same shape): the accumulator grows by it instead.
 
     Returns:
       `(w_K, a_K)`.
     """
-    accumulator = accumulator + grad * grad / steps
+    if squares is None:
+        squares = grad * grad / steps
+    accumulator = accumulator + squares
     sqrt = np.sqrt if isinstance(accumulator, np.ndarray) else tf.sqrt
     return value - learning_rate * grad / (sqrt(accumulator) + epsilon), accumulator
 
@@ -176,3 +182,36 @@ class Adagrad(tf_keras.optimizers.Adagrad):
             grad=gradient,
             use_locking=False,
         )
+
+    def apply_gradient_and_squares(self, gradient, squares, variable):
+        """Applies a pushed sum of gradients with the sum of their squares.
+
+        For a Downpour push (Dean et al. 2012, section 4.1) of `G`, the sum of
+        a replica's gradients `g_j` since its last push, and `S`, the sum of
+        their squares `g_j^2` (`DownpourConfig.adagrad_accumulator =
+        "squares"`): the accumulator grows by `S`, as those steps would grow
+        it, `a += S`, and the parameters move by `gamma * G / (sqrt(a) +
+        epsilon)`. The accumulator then holds the paper's `sum_j g_j^2` over
+        every gradient computed, whatever `n_push` is.
+
+        Args:
+          gradient: `G`, a tensor of the variable's shape and dtype, or
+            `tf.IndexedSlices` of its rows (unique row indices).
+          squares: `S`, of the same kind, shape and row indices as `gradient`.
+          variable: a variable this optimizer was built with.
+        """
+        accumulator = self._accumulators[self._index_dict[self._var_key(variable)]]
+        lr = tf.cast(self.learning_rate, variable.dtype)
+        epsilon = tf.cast(self.epsilon, variable.dtype)
+        if isinstance(gradient, tf.IndexedSlices):
+            accumulator.scatter_add(tf.IndexedSlices(squares.values, squares.indices))
+            rows = tf.gather(accumulator, gradient.indices)
+            variable.scatter_add(
+                tf.IndexedSlices(
+                    -lr * gradient.values / (tf.sqrt(rows) + epsilon),
+                    gradient.indices,
+                )
+            )
+            return
+        grown = accumulator.assign_add(squares)
+        variable.assign_sub(lr * gradient / (tf.sqrt(grown) + epsilon))

@@ -11,8 +11,11 @@ reference); this module runs it on a parameter-server cluster:
 * the ps keeps an update counter (one per push), for staleness;
 * a push runs the user's tf_keras optimizer (`update_step`, on each variable's
   ps shard) inside `tf.cond`, so a non-push step sends no gradient;
-  `tf_distbelief.adagrad.Adagrad` counts a push as its `n_push` steps
-  (`apply_summed_gradient`, `DownpourConfig.adagrad_per_step`);
+  `tf_distbelief.adagrad.Adagrad` grows its accumulator by the squared
+  gradients of the pushed steps, sent along (`apply_gradient_and_squares`,
+  `DownpourConfig.adagrad_accumulator`);
+* the local step on the cache is AdaGrad with a per-worker accumulator
+  (`DownpourConfig.local_optimizer`);
 * under `fit` with `n_fetch, n_push > 1`, the local steps between two ps
   exchanges run in a loop with no ps op at all (`Downpour.run_steps`): a ps op
   in a step, even in a branch not taken, costs messages at every step;
@@ -28,7 +31,7 @@ Example with `fit`:
   with strategy.scope():
     model = digits.build_model()
     model.compile(tfdb.Adagrad(0.1), loss=..., metrics=["accuracy"])
-    replicas = downpour.install(model, downpour.DownpourConfig(4, 4, 0.5))
+    replicas = downpour.install(model, downpour.DownpourConfig(4, 4))
   model.fit(dataset, epochs=5, steps_per_epoch=100)
   print(replicas.stats())
   ```
@@ -128,6 +131,10 @@ class _Handles(NamedTuple):
 
     caches: list  # Per-worker caches, one per variable.
     accs: list  # Per-worker accumulators, one per variable.
+    squares: list  # Per-worker sums of squared gradients since a push, one per
+    # variable; None without `Downpour.push_squares`.
+    local_accs: list  # Per-worker AdaGrad accumulators of the local step, one
+    # per variable; None with a local SGD step.
     valid: list  # Row-sparse variables: per-worker rows fetched (1) since a
     # fetch; None for the others.
     touched: list  # Row-sparse: per-worker rows touched (1) since a push.
@@ -291,13 +298,27 @@ class Downpour:
             for v, rows in zip(self.variables, self.row_sparse)
             if not rows
         )
+        # A push sends the squared gradients too (as many bytes again) only
+        # where AdaGrad on the ps can use them.
+        self.push_squares = config.pushes_squares and isinstance(
+            optimizer, adagrad.Adagrad
+        )
+        self.push_copies = 2 if self.push_squares else 1
+        self.local_learning_rate = config.local_learning_rate_for(
+            _numeric_learning_rate(optimizer)
+        )
+        # The local AdaGrad step starts and guards as the ps AdaGrad does.
+        self.local_initial_accumulator = float(
+            getattr(optimizer, "initial_accumulator_value", 0.1)
+        )
+        self.local_epsilon = float(getattr(optimizer, "epsilon", 1e-7))
         with strategy.scope():
             if not getattr(optimizer, "_built", False):
                 optimizer.build(variables)
 
-            def per_worker(name, shape, dtype):
+            def per_worker(name, shape, dtype, fill=0):
                 return tf.Variable(
-                    initial_value=lambda: tf.zeros(shape, dtype),
+                    initial_value=lambda: tf.fill(shape, tf.cast(fill, dtype)),
                     shape=shape,
                     dtype=dtype,
                     trainable=False,
@@ -311,6 +332,23 @@ class Downpour:
             ]
             self._accumulators = [
                 per_worker(f"downpour/accumulator/{_slug(v.name)}", v.shape, v.dtype)
+                for v in self.variables
+            ]
+            self._squares = [
+                per_worker(f"downpour/squares/{_slug(v.name)}", v.shape, v.dtype)
+                if self.push_squares
+                else None
+                for v in self.variables
+            ]
+            self._local_accumulators = [
+                per_worker(
+                    f"downpour/local_accumulator/{_slug(v.name)}",
+                    v.shape,
+                    v.dtype,
+                    self.local_initial_accumulator,
+                )
+                if config.local_optimizer == "adagrad"
+                else None
                 for v in self.variables
             ]
             self._valid, self._touched = [
@@ -354,6 +392,10 @@ class Downpour:
         return _Handles(
             caches=[c.handle for c in self._caches],
             accs=[a.handle for a in self._accumulators],
+            squares=[None if x is None else x.handle for x in self._squares],
+            local_accs=[
+                None if x is None else x.handle for x in self._local_accumulators
+            ],
             valid=[None if x is None else x.handle for x in self._valid],
             touched=[None if x is None else x.handle for x in self._touched],
             seen=self._seen.handle,
@@ -404,21 +446,25 @@ class Downpour:
             ]
 
     def _accumulated(self, h: _Handles):
-        """The accumulators to push: tensors, `IndexedSlices` if row-sparse."""
-        out = []
+        """`(grads, squares)` to push: tensors, `IndexedSlices` if row-sparse.
+
+        `squares` is None without `push_squares`.
+        """
+        grads, squares = [], []
         for i, v in enumerate(self.variables):
+            handles = [h.accs[i]] + ([h.squares[i]] if self.push_squares else [])
             if not self.row_sparse[i]:
-                out.append(_read(h.accs[i], h.dtypes[i]))
-                continue
-            rows = tf.where(_read(h.touched[i], tf.int32) > 0)[:, 0]
-            out.append(
-                tf.IndexedSlices(
-                    _gather(h.accs[i], rows, v.dtype),
-                    rows,
-                    tf.constant(v.shape.as_list(), tf.int64),
-                )
-            )
-        return out
+                values = [_read(x, h.dtypes[i]) for x in handles]
+            else:
+                rows = tf.where(_read(h.touched[i], tf.int32) > 0)[:, 0]
+                shape = tf.constant(v.shape.as_list(), tf.int64)
+                values = [
+                    tf.IndexedSlices(_gather(x, rows, v.dtype), rows, shape)
+                    for x in handles
+                ]
+            grads.append(values[0])
+            squares.append(values[-1])
+        return grads, squares if self.push_squares else None
 
     def _gradient(self, forward_fn, values):
         """`(loss, outputs, grads)` of `forward_fn` at the parameter `values`.
@@ -458,37 +504,72 @@ class Downpour:
         return tf.add_n(counts) if counts else tf.constant(0, tf.int64)
 
     def _local_ops(self, h: _Handles, grads, accumulate: bool, update_cache: bool):
-        """Accumulates `grads` and takes the local SGD step on the cache."""
-        lr = self.config.local_learning_rate
+        """Accumulates `grads` (and their squares) and takes the local step.
+
+        The local step on the cache is AdaGrad with the replica's own
+        accumulator, or SGD (`DownpourConfig.local_optimizer`).
+        """
+        lr = self.local_learning_rate
+        adagrad_step = self.config.local_optimizer == "adagrad"
         ops = []
         for i, g in enumerate(grads):
-            if isinstance(g, tf.IndexedSlices):
+            sparse = isinstance(g, tf.IndexedSlices)
+            dtype = g.values.dtype if sparse else g.dtype
+            alpha, epsilon = tf.cast(lr, dtype), tf.cast(self.local_epsilon, dtype)
+            if sparse:
                 if accumulate:
                     ones = tf.ones_like(g.indices, tf.int32)
                     ops += [
                         _scatter("Add", h.accs[i], g.indices, g.values),
                         _scatter("Update", h.touched[i], g.indices, ones),
                     ]
-                if lr and update_cache:
-                    step = tf.cast(lr, g.values.dtype) * g.values
-                    ops.append(_scatter("Sub", h.caches[i], g.indices, step))
+                    if self.push_squares:
+                        squared = g.values * g.values
+                        ops.append(_scatter("Add", h.squares[i], g.indices, squared))
+                if lr and update_cache and adagrad_step:
+                    ops.append(
+                        tf.raw_ops.ResourceSparseApplyAdagradV2(
+                            var=h.caches[i],
+                            accum=h.local_accs[i],
+                            lr=alpha,
+                            epsilon=epsilon,
+                            grad=g.values,
+                            indices=g.indices,
+                        )
+                    )
+                elif lr and update_cache:
+                    ops.append(
+                        _scatter("Sub", h.caches[i], g.indices, alpha * g.values)
+                    )
                 continue
             if accumulate:
                 ops.append(_add(h.accs[i], g))
-            if lr and update_cache:
+                if self.push_squares:
+                    ops.append(_add(h.squares[i], g * g))
+            if lr and update_cache and adagrad_step:
+                ops.append(
+                    tf.raw_ops.ResourceApplyAdagradV2(
+                        var=h.caches[i],
+                        accum=h.local_accs[i],
+                        lr=alpha,
+                        epsilon=epsilon,
+                        grad=g,
+                    )
+                )
+            elif lr and update_cache:
                 ops.append(
                     tf.raw_ops.ResourceApplyGradientDescent(
-                        var=h.caches[i], alpha=tf.cast(lr, g.dtype), delta=g
+                        var=h.caches[i], alpha=alpha, delta=g
                     )
                 )
         return ops
 
-    def _push(self, h: _Handles, values, zero_accumulators: bool, pack: bool):
-        """Pushes `values` unless too stale.
+    def _push(self, h: _Handles, pushed, zero_accumulators: bool, pack: bool):
+        """Pushes `pushed`, `(grads, squares)` (`_accumulated`), unless too stale.
 
         Returns `(staleness, applied, row_bytes)`: `row_bytes` is what the
-        push sent of row-sparse variables (rows and int64 indices), 0 if
-        dropped.
+        push sent of row-sparse variables (rows, their squares with
+        `push_squares`, and int64 indices), 0 if dropped.
 
         Staleness is the number of pushes by other replicas between this
         replica's fetch and its push. Without `max_staleness` it is read back
@@ -498,18 +579,20 @@ class Downpour:
         `max_staleness` it is read before the push, which then waits for it.
         """
         int64, one = tf.int64, tf.constant(1, tf.int64)
+        values, squares = pushed
         row_bytes = [
-            tf.size(g.indices, out_type=int64) * (self.row_bytes[i] + 8)
+            tf.size(g.indices, out_type=int64)
+            * (self.push_copies * self.row_bytes[i] + 8)
             for i, g in enumerate(values)
             if isinstance(g, tf.IndexedSlices)
         ]
         row_bytes = tf.add_n(row_bytes) if row_bytes else tf.constant(0, int64)
         if self.config.max_staleness is None:
-            pushed = self._apply(values, pack)
+            arrived = self._apply(values, squares, pack)
             # Counted once the push has reached the ps, not before: a control
             # edge on a tensor already there costs no message (one per ps
             # task otherwise).
-            with tf.control_dependencies(pushed[:1]):
+            with tf.control_dependencies(arrived[:1]):
                 increment = _add(h.count, one)
             with tf.control_dependencies([increment]):
                 count = _read(h.count, int64)
@@ -524,7 +607,7 @@ class Downpour:
             staleness = _read(h.count, int64) - _read(h.seen, int64)
 
             def apply_push():
-                self._apply(values, pack)
+                self._apply(values, squares, pack)
                 ops = [
                     _add(h.count, one),
                     _add(h.seen, one),
@@ -550,14 +633,17 @@ class Downpour:
             ]
             if zero_accumulators:
                 for i, v in enumerate(values):
+                    handles = [h.accs[i]] + (
+                        [h.squares[i]] if self.push_squares else []
+                    )
                     if isinstance(v, tf.IndexedSlices):
                         zeros = tf.zeros_like(v.values)
                         ops += [
-                            _scatter("Update", h.accs[i], v.indices, zeros),
-                            self._clear_rows(h.touched[i], i),
+                            _scatter("Update", x, v.indices, zeros) for x in handles
                         ]
+                        ops.append(self._clear_rows(h.touched[i], i))
                     else:
-                        ops.append(_assign(h.accs[i], tf.zeros_like(v)))
+                        ops += [_assign(x, tf.zeros_like(v)) for x in handles]
         with tf.control_dependencies(ops):
             sent = tf.where(applied, row_bytes, tf.constant(0, int64))
             return tf.identity(staleness), tf.identity(applied), sent
@@ -646,7 +732,7 @@ class Downpour:
         with tf.control_dependencies([updated]):
             if cfg.n_push == 1 and active is None:
                 staleness, pushed, rows_pushed = self._push(
-                    h, grads, zero_accumulators=False, pack=False
+                    h, (grads, None), zero_accumulators=False, pack=False
                 )
             else:
                 staleness, pushed, rows_pushed = tf.cond(
@@ -668,11 +754,12 @@ class Downpour:
         with tf.control_dependencies([counted]):
             zero = tf.constant(0, int64)
             dense_bytes = tf.constant(self.dense_bytes, int64)
+            push_bytes = tf.constant(self.push_copies * self.dense_bytes, int64)
             rows_fetched = self._row_bytes_fetched(values)
             metrics = {
                 "staleness": tf.identity(staleness),
                 "bytes_fetched": tf.where(fetched, dense_bytes, zero) + rows_fetched,
-                "bytes_pushed": tf.where(pushed, dense_bytes, zero) + rows_pushed,
+                "bytes_pushed": tf.where(pushed, push_bytes, zero) + rows_pushed,
             }
         return loss, outputs, metrics
 
@@ -831,23 +918,31 @@ class Downpour:
                     out[i] = part
         return out
 
-    def _apply(self, grads, pack: bool) -> list:
+    def _apply(self, grads, squares, pack: bool) -> list:
         """Applies one push with the optimizer, variable by variable on its shard.
 
         The update ops (and the optimizer's casts of its hyperparameters) run
         on the variable's ps task, as `tf.distribute`'s `extended.update` would
-        place them. With `config.adagrad_per_step` and `n_push > 1`, AdaGrad
-        applies each push as `n_push` updates (`apply_summed_gradient`).
+        place them. With `n_push > 1`, `tf_distbelief.adagrad.Adagrad` grows
+        its accumulator by the pushed `squares` (`apply_gradient_and_squares`)
+        or counts the push as `n_push` updates (`apply_summed_gradient`), as
+        `config.adagrad_accumulator` says. Gradient clipping, if the optimizer
+        has it, applies to the gradients, not to their squares.
 
         Returns:
-          The pushed values, as tensors on the variables' ps tasks.
+          The pushed gradients, as tensors on the variables' ps tasks.
         """
         opt = self.optimizer
         grads = self._push_values(opt._clip_gradients(list(grads)), pack)
-        steps = self.config.n_push if self.config.adagrad_per_step else 1
-        for g, v in zip(grads, self.variables):
+        if squares is not None:
+            squares = self._push_values(squares, pack)
+        mode = self.config.adagrad_accumulator
+        steps = self.config.n_push if mode == "mean" else 1
+        for i, (g, v) in enumerate(zip(grads, self.variables)):
             with tf.device(v.device):
-                if steps > 1 and isinstance(opt, adagrad.Adagrad):
+                if squares is not None:
+                    opt.apply_gradient_and_squares(g, squares[i], v)
+                elif steps > 1 and isinstance(opt, adagrad.Adagrad):
                     opt.apply_summed_gradient(g, v, steps)
                 else:
                     opt._update_step(g, v)
@@ -866,9 +961,19 @@ class Downpour:
         for i in range(len(columns["steps"])):
             s = ReplicaStats(**{name: columns[name][i] for name in _STAT_NAMES})
             s.bytes_fetched = s.fetches * self.dense_bytes + s.row_bytes_fetched
-            s.bytes_pushed = s.pushes * self.dense_bytes + s.row_bytes_pushed
+            s.bytes_pushed = (
+                s.pushes * self.push_copies * self.dense_bytes + s.row_bytes_pushed
+            )
             result.append(s)
         return result
+
+
+def _numeric_learning_rate(optimizer) -> float | None:
+    """The optimizer's learning rate as a float; None for a schedule."""
+    lr = getattr(optimizer, "_learning_rate", None)
+    if lr is None or isinstance(lr, tf_keras.optimizers.schedules.LearningRateSchedule):
+        return None
+    return float(tf_keras.backend.get_value(lr))
 
 
 def _check_compiled(model):

@@ -7,16 +7,21 @@ At local step `t` a replica does, in this order:
 1. **fetch** if `t % n_fetch == 0`, or if its previous push was dropped for
    staleness: `cache <- ps parameters`, `seen <- ps update count`.
 2. **gradient** `g = grad loss(cache; batch_t)`, at the *cached* values.
-3. **local update** `cache <- cache - local_learning_rate * g`.
-4. **accumulate** `acc <- acc + g`.
+3. **local update** of the cache with `g`: by default an AdaGrad step with
+   the replica's own accumulator (`local_optimizer = "adagrad"`:
+   `b <- b + g^2`, `cache <- cache - local_learning_rate * g / (sqrt(b) +
+   epsilon)`; `b` is never fetched or pushed and survives fetches), or an SGD
+   step `cache <- cache - local_learning_rate * g` (`"sgd"`).
+4. **accumulate** `acc <- acc + g`, and with AdaGrad on the ps (the default
+   `adagrad_accumulator = "squares"`) `sq <- sq + g^2`.
 5. **push** if `(t + 1) % n_push == 0`: `staleness = ps update count - seen`
    (updates by *other* replicas since this replica's cache was fetched). If
    `max_staleness` is None or `staleness <= max_staleness`, the ps applies
-   its optimizer (AdaGrad, SGD, ...) to `acc` (AdaGrad counts it as
-   `n_push` updates: `DownpourConfig.adagrad_per_step`), the ps update count grows by 1
-   and `seen` by the same (the replica's own push is not staleness). Otherwise
-   the push is dropped and the replica fetches at its next step. Either way
-   `acc <- 0`.
+   its optimizer (AdaGrad, SGD, ...) to `acc` (AdaGrad grows its
+   accumulator by the pushed `sq`, see `DownpourConfig.adagrad_accumulator`),
+   the ps update count grows by 1 and `seen` by the same (the replica's own
+   push is not staleness). Otherwise the push is dropped and the replica
+   fetches at its next step. Either way `acc <- 0` and `sq <- 0`.
 
 **Row-sparse variables** (large embedding tables) are not copied whole: a
 fetch only marks the replica's cached rows stale, and at step 2 each row the
@@ -30,7 +35,16 @@ unchanged, so the update equals the dense one.
 After `S` local steps a replica has fetched `ceil(S / n_fetch)` times (without
 drops) and pushed `floor(S / n_push)` times: `n_fetch` and `n_push` are
 independent. With `n_fetch = n_push = 1` and one replica this is plain
-sequential training with the ps optimizer.
+sequential training with the ps optimizer (`sq` is then `g^2`, and is not sent).
+
+Why the local AdaGrad step and the pushed squares (`benchmarks/downpour_bench.py`
+on the speech-shaped model, where the gap showed): a push sums the gradients
+of `n_push` steps, each taken at the cache. With an SGD step on the cache the
+replica's path between pushes is not the one AdaGrad would take (AdaGrad's
+per-parameter steps differ from SGD's by orders of magnitude), and growing the
+ps accumulator by `G^2 / n_push` (the mean gradient's square) undercounts it
+where the steps' gradients disagree. Each alone closed under half of the gap
+at `n = 4` in a NumPy-like simulation of 2 replicas; the two together closed it.
 
 The ps applies pushes shard by shard as they arrive, with no locks; the
 reference below applies a whole push atomically (the two agree with one
@@ -45,11 +59,15 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-# The default SGD step of a replica on its cache (`DownpourConfig`).
+# The default SGD step of a replica on its cache (`DownpourConfig` with
+# `local_optimizer="sgd"`): at 0.05 digits at n=16 reached 0.75 test accuracy
+# in `benchmarks/downpour_bench.py`, at 0.5 0.98.
 LOCAL_LEARNING_RATE = 0.5
 
 __all__ = [
+    "ADAGRAD_ACCUMULATORS",
     "LOCAL_LEARNING_RATE",
+    "LOCAL_OPTIMIZERS",
     "DownpourConfig",
     "ReplicaStats",
     "adagrad_ps",
@@ -69,6 +87,10 @@ def _check_int(name: str, value, lower: int, rule: str) -> None:
         raise ValueError(f"Argument `{name}` must be {rule}. Received: {value!r}")
 
 
+LOCAL_OPTIMIZERS = ("adagrad", "sgd")
+ADAGRAD_ACCUMULATORS = ("squares", "mean", "sum")
+
+
 @dataclasses.dataclass(frozen=True)
 class DownpourConfig:
     """The Downpour cadence and local update (Dean et al. 2012, section 4.1).
@@ -78,37 +100,45 @@ class DownpourConfig:
         runs used 1.
       n_push: local steps between pushes of the accumulated gradient, >= 1;
         independent of `n_fetch`. The paper's runs used 1.
-      local_learning_rate: step size of the replica's SGD on its own cache, >= 0
-        (default `LOCAL_LEARNING_RATE`, 0.5, as in the launch script). 0 keeps
-        the cache at the fetched values between fetches. With
-        `adagrad_per_step` and a large `n_push`, a small value makes a push
-        apply `n_push` AdaGrad steps along gradients taken near one point: in
-        `benchmarks/downpour_bench.py` digits at n=16 reached 0.75 test
-        accuracy at 0.05 and 0.98 at 0.5, and the launch script's digits job
-        at n=16 stayed at chance (0.096) at 0.
+      local_learning_rate: step size of the replica's update of its own cache
+        (`local_optimizer`), a float >= 0, or None (default): the ps AdaGrad's
+        `gamma` for `"adagrad"` (`local_learning_rate_for`), and
+        `LOCAL_LEARNING_RATE` (0.5, tuned for digits) for `"sgd"`. 0 keeps the
+        cache at the fetched values between fetches: a push then applies
+        `n_push` steps along gradients taken near one point (the launch
+        script's digits job at n=16 stayed at chance, 0.096, with SGD at 0).
       warmstart_steps: the paper's warm start: until replica 0 has taken this
         many local steps, the other replicas' steps change nothing; 0 for none.
       max_staleness: the most ps updates by other replicas that may land
         between a replica's fetch and its push for the push to be applied; a
         staler push is dropped and the replica refetches. None (default)
         applies every push, as the paper does.
-      adagrad_per_step: with AdaGrad on the ps (`tf_distbelief.adagrad`), a
-        push of the gradients of `n_push` steps summed, `G`, counts as
-        `n_push` AdaGrad updates with the mean gradient: the accumulator grows
-        by `G^2 / n_push` and the parameters move by `gamma * G / (sqrt(a) +
-        epsilon)`, so a push moves them about as far as `n_push` stock steps
-        would (as a pushed sum does with SGD). False (the literal reading)
-        applies `G` as one update: about `gamma` per push whatever `n_push`
-        is, so `n_push` times fewer ps steps per example. The two agree at
-        `n_push = 1`; other ps optimizers ignore it.
+      local_optimizer: the update of the cache at each local step: `"adagrad"`
+        (default) with an accumulator of the replica's own, started at the ps
+        AdaGrad's `initial_accumulator_value` (0.1 otherwise) and kept across
+        fetches, so that the replica's path between pushes follows the steps
+        AdaGrad takes on the ps; or `"sgd"`. Worker memory: one more copy of
+        the model for `"adagrad"`; no bytes on the network.
+      adagrad_accumulator: with AdaGrad on the ps (`tf_distbelief.adagrad`),
+        how a push of `G`, the gradients of `n_push` steps summed, grows the
+        accumulator `a` before the parameters move by `gamma * G / (sqrt(a) +
+        epsilon)`: `"squares"` (default) by the pushed sum of the steps'
+        squared gradients, the paper's `sum_j g_j^2` exactly (the push sends
+        it along: twice the bytes of a push when `n_push > 1`); `"mean"` by
+        `G^2 / n_push`, as `n_push` steps of the mean gradient
+        (`Adagrad.apply_summed_gradient`); `"sum"` by `G^2`, `G` as one
+        update (about `gamma` per push whatever `n_push` is, so `n_push`
+        times fewer ps steps per example). All three agree at `n_push = 1`;
+        other ps optimizers ignore it.
     """
 
     n_fetch: int = 1
     n_push: int = 1
-    local_learning_rate: float = LOCAL_LEARNING_RATE
+    local_learning_rate: float | None = None
     warmstart_steps: int = 0
     max_staleness: int | None = None
-    adagrad_per_step: bool = True
+    local_optimizer: str = "adagrad"
+    adagrad_accumulator: str = "squares"
 
     def __post_init__(self):
         _check_int("n_fetch", self.n_fetch, 1, ">= 1 (fetch every n_fetch steps)")
@@ -121,21 +151,59 @@ class DownpourConfig:
                 0,
                 ">= 0, or None to apply every push",
             )
-        if not isinstance(self.adagrad_per_step, bool):
-            raise TypeError(
-                "Argument `adagrad_per_step` must be True or False. Received: "
-                f"{self.adagrad_per_step!r}"
-            )
+        for name, allowed in (
+            ("local_optimizer", LOCAL_OPTIMIZERS),
+            ("adagrad_accumulator", ADAGRAD_ACCUMULATORS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"Argument `{name}` must be one of {', '.join(allowed)}. "
+                    f"Received: {getattr(self, name)!r}"
+                )
         lr = self.local_learning_rate
+        if lr is None:
+            return
         if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)):
             raise TypeError(
-                f"Argument `local_learning_rate` must be a float. Received: {lr!r}"
+                "Argument `local_learning_rate` must be a float or None. "
+                f"Received: {lr!r}"
             )
         if not (math.isfinite(lr) and lr >= 0):
             raise ValueError(
                 "Argument `local_learning_rate` must be finite and >= 0 (0 "
-                f"disables the local update). Received: {lr!r}"
+                f"disables the local update), or None. Received: {lr!r}"
             )
+
+    @property
+    def pushes_squares(self) -> bool:
+        """True when a push to AdaGrad sends the steps' squared gradients too."""
+        return self.adagrad_accumulator == "squares" and self.n_push > 1
+
+    def local_learning_rate_for(self, ps_learning_rate: float | None) -> float:
+        """The local step size: `local_learning_rate`, or its default.
+
+        Args:
+          ps_learning_rate: the ps AdaGrad's `gamma`, a float, or None when it
+            is not known as a number (a schedule, or another optimizer).
+
+        Returns:
+          A float >= 0.
+
+        Raises:
+          ValueError: `local_learning_rate` is None, `local_optimizer` is
+            `"adagrad"` and `ps_learning_rate` is None.
+        """
+        if self.local_learning_rate is not None:
+            return float(self.local_learning_rate)
+        if self.local_optimizer == "sgd":
+            return LOCAL_LEARNING_RATE
+        if ps_learning_rate is None:
+            raise ValueError(
+                "Argument `local_learning_rate` must be set (a float >= 0) when "
+                "`local_optimizer` is 'adagrad' and the ps optimizer's learning "
+                "rate is not a number (a schedule, or not AdaGrad). Received: None"
+            )
+        return float(ps_learning_rate)
 
 
 def is_fetch_step(t: int, n_fetch: int) -> bool:
@@ -158,9 +226,10 @@ def num_pushes(steps: int, n_push: int) -> int:
     return steps // n_push
 
 
-# A ps optimizer: `(params, state, grads, steps) -> (params, state)`, lists of
-# arrays; `grads` is the sum of `steps` local steps' gradients.
-PsUpdate = Callable[[list, list, list, int], tuple[list, list]]
+# A ps optimizer: `(params, state, grads, steps, squares) -> (params, state)`,
+# lists of arrays; `grads` is the sum of `steps` local steps' gradients, and
+# `squares` None or the sum of their squares (`DownpourConfig.adagrad_accumulator`).
+PsUpdate = Callable[[list, list, list, int, list | None], tuple[list, list]]
 
 
 def adagrad_ps(
@@ -168,10 +237,9 @@ def adagrad_ps(
 ) -> tuple[Callable[[list], list], PsUpdate]:
     """AdaGrad on the ps as `(init_state, update)`, as in `tf_distbelief.adagrad`.
 
-    A push of `G`, the sum of `steps` gradients, adds `G^2 / steps` to the
-    accumulator `a` and subtracts `learning_rate * G / (sqrt(a) + epsilon)`
-    (`DownpourConfig.adagrad_per_step`; `simulate` passes `steps = 1` when it
-    is False).
+    A push of `G` grows the accumulator `a` by the pushed `squares` when given,
+    else by `G^2 / steps`, then subtracts `learning_rate * G / (sqrt(a) +
+    epsilon)` (`DownpourConfig.adagrad_accumulator`).
     """
 
     from tf_distbelief import adagrad
@@ -179,23 +247,26 @@ def adagrad_ps(
     def init(params):
         return [np.full_like(p, initial_accumulator_value) for p in params]
 
-    def update(params, state, grads, steps):
+    def update(params, state, grads, steps, squares=None):
         out = [
-            adagrad.adagrad_update(p, a, g, learning_rate, epsilon, steps)
-            for p, a, g in zip(params, state, grads)
+            adagrad.adagrad_update(p, a, g, learning_rate, epsilon, steps, sq)
+            for p, a, g, sq in zip(params, state, grads, squares or [None] * len(grads))
         ]
         return [w for w, _ in out], [a for _, a in out]
 
+    update.learning_rate = learning_rate  # The local AdaGrad step's default.
+    update.takes_squares = True  # Pushes send the squared gradients along.
     return init, update
 
 
 def sgd_ps(learning_rate: float) -> tuple[Callable[[list], list], PsUpdate]:
     """Plain SGD on the ps as `(init_state, update)`."""
 
-    def update(params, state, grads, steps):
-        del steps  # A pushed sum already moves as far as its steps.
+    def update(params, state, grads, steps, squares=None):
+        del steps, squares  # A pushed sum already moves as far as its steps.
         return [p - learning_rate * g for p, g in zip(params, grads)], state
 
+    update.learning_rate = learning_rate
     return (lambda params: []), update
 
 
@@ -212,11 +283,14 @@ class ReplicaStats:
       max_staleness_seen: the largest staleness of a push.
       bytes_fetched: parameter bytes fetched (`fetches` times the size of the
         cached variables, plus `row_bytes_fetched`).
-      bytes_pushed: gradient bytes pushed (a dropped push sends nothing: the
-        staleness check comes first), `row_bytes_pushed` included.
+      bytes_pushed: gradient bytes pushed, twice the model's per push when the
+        squared gradients go along (`DownpourConfig.pushes_squares`); a
+        dropped push sends nothing (the staleness check comes first);
+        `row_bytes_pushed` included.
       row_bytes_fetched: bytes of the rows of row-sparse variables fetched.
-      row_bytes_pushed: bytes of the rows of row-sparse variables pushed, an
-        8-byte int64 row index included per row.
+      row_bytes_pushed: bytes of the rows of row-sparse variables pushed (their
+        squares too when they go along), an 8-byte int64 row index included
+        per row.
     """
 
     steps: int = 0
@@ -240,6 +314,7 @@ def simulate(
     order: Sequence[int] | None = None,
     row_sparse: Sequence[int] = (),
     rows_fn: Callable[[object], dict] | None = None,
+    local_adagrad: tuple[float, float] = (0.1, 1e-7),
 ) -> tuple[list[np.ndarray], list[ReplicaStats]]:
     """Runs Downpour in NumPy, one whole local step at a time.
 
@@ -249,7 +324,10 @@ def simulate(
       batches: one iterable of batches per replica, in that replica's order.
       config: the cadence. Until replica 0 has taken `warmstart_steps` steps, a
         step of another replica reads its batch and changes nothing.
-      ps_optimizer: `(init_state, update)`, e.g. `adagrad_ps(0.1)`.
+      ps_optimizer: `(init_state, update)`, e.g. `adagrad_ps(0.1)`; its
+        learning rate (`update.learning_rate`, if set) is the local step
+        size's default (`DownpourConfig.local_learning_rate_for`), and pushes
+        send the squared gradients only if `update.takes_squares` is True.
       order: the replica taking each step, e.g. `[0, 1, 0, 1]`; default all of
         replica 0's batches when there is one replica, else round robin until
         the shortest replica's batches run out.
@@ -257,12 +335,20 @@ def simulate(
         module docstring); their gradients must be 0 outside the rows read.
       rows_fn: `batch -> {index: row ids}`, the rows of each row-sparse
         variable that `grad_fn` reads for `batch` (any shape, repeats allowed).
+      local_adagrad: `(initial_accumulator_value, epsilon)` of the local
+        AdaGrad step, as the TF replica takes them from the ps AdaGrad.
 
     Returns:
       `(ps_params, stats)`: the final ps parameters and a `ReplicaStats` per
       replica.
+
+    Raises:
+      ValueError: `row_sparse` without `rows_fn`, or no local step size (see
+        `DownpourConfig.local_learning_rate_for`).
     """
     init, update = ps_optimizer
+    local_lr = config.local_learning_rate_for(getattr(update, "learning_rate", None))
+    local_a0, local_epsilon = local_adagrad
     ps = [np.array(p, copy=True) for p in params]
     ps_state = init(ps)
     ps_count = 0
@@ -276,10 +362,15 @@ def simulate(
     sparse = set(row_sparse)
     caches: list[list | None] = [None] * n
     accs = [[np.zeros_like(p) for p in ps] for _ in range(n)]
+    squares = [[np.zeros_like(p) for p in ps] for _ in range(n)]
+    local_accs = [[np.full_like(p, local_a0) for p in ps] for _ in range(n)]
     seen = [0] * n
     refetch = [False] * n
     stats = [ReplicaStats() for _ in range(n)]
     model_bytes = sum(p.nbytes for i, p in enumerate(ps) if i not in sparse)
+    # Sent per push: `G`, and the squares where the ps optimizer takes them.
+    takes_squares = config.pushes_squares and getattr(update, "takes_squares", False)
+    copies = 2 if takes_squares else 1
     row_bytes = {i: ps[i][0].nbytes for i in sparse}
     valid = [{i: set() for i in sparse} for _ in range(n)]  # Rows since a fetch.
     touched = [{i: set() for i in sparse} for _ in range(n)]  # Since a push.
@@ -310,27 +401,42 @@ def simulate(
             valid[r][i] |= ids
             touched[r][i] |= ids
         g = grad_fn(caches[r], batch)
-        caches[r] = [c - config.local_learning_rate * gi for c, gi in zip(caches[r], g)]
+        if config.local_optimizer == "sgd":
+            caches[r] = [c - local_lr * gi for c, gi in zip(caches[r], g)]
+        else:
+            local_accs[r] = [b + gi * gi for b, gi in zip(local_accs[r], g)]
+            caches[r] = [
+                c - local_lr * gi / (np.sqrt(b) + local_epsilon)
+                for c, gi, b in zip(caches[r], g, local_accs[r])
+            ]
         accs[r] = [a + gi for a, gi in zip(accs[r], g)]
+        squares[r] = [q + gi * gi for q, gi in zip(squares[r], g)]
         if is_push_step(t, config.n_push):
             staleness = ps_count - seen[r]
             s.staleness_sum += staleness
             s.max_staleness_seen = max(s.max_staleness_seen, staleness)
             if config.max_staleness is None or staleness <= config.max_staleness:
-                steps = config.n_push if config.adagrad_per_step else 1
-                ps, ps_state = update(ps, ps_state, accs[r], steps)
+                mode = config.adagrad_accumulator
+                ps, ps_state = update(
+                    ps,
+                    ps_state,
+                    accs[r],
+                    config.n_push if mode == "mean" else 1,
+                    squares[r] if takes_squares else None,
+                )
                 ps_count += 1
                 seen[r] += 1
                 s.pushes += 1
-                s.bytes_pushed += model_bytes
+                s.bytes_pushed += copies * model_bytes
                 for i in sparse:
-                    pushed_bytes = len(touched[r][i]) * (row_bytes[i] + 8)
+                    pushed_bytes = len(touched[r][i]) * (copies * row_bytes[i] + 8)
                     s.row_bytes_pushed += pushed_bytes
                     s.bytes_pushed += pushed_bytes
             else:
                 refetch[r] = True
                 s.dropped_pushes += 1
             accs[r] = [np.zeros_like(a) for a in accs[r]]
+            squares[r] = [np.zeros_like(a) for a in accs[r]]
             touched[r] = {i: set() for i in sparse}
         s.steps += 1
     return ps, stats

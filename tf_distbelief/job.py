@@ -33,8 +33,8 @@ MODELS = tuple(models.MODELS)
 OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
 PARTITIONERS = ("min_size", "max_size", "fixed")
 MODEL_PARALLEL_MODELS = ("digits", "speech")
-# Downpour: the SGD step on each worker's cache (`JobConfig.local_learning_rate`).
-LOCAL_LEARNING_RATE = downpour_schedule.LOCAL_LEARNING_RATE
+LOCAL_OPTIMIZERS = downpour_schedule.LOCAL_OPTIMIZERS
+ADAGRAD_ACCUMULATORS = downpour_schedule.ADAGRAD_ACCUMULATORS
 
 
 @dataclasses.dataclass
@@ -69,12 +69,14 @@ class JobConfig:
         worker) instead of TensorFlow's stock parameter-server training.
       n_fetch: Downpour: steps between fetches, >= 1.
       n_push: Downpour: steps between pushes, >= 1.
-      local_learning_rate: Downpour: SGD step on each worker's cache, >= 0. The
-        default 0.5 goes with AdaGrad counting a push as its `n_push` steps
-        (`DownpourConfig.adagrad_per_step`): the cache then moves about as far
-        between pushes as the ps will, and the gradients summed into a push are
-        taken along that path rather than at one point (at 0.05 the digits
-        model's n=16 benchmark row fell to 0.75 test accuracy).
+      local_learning_rate: Downpour: step size of each worker's update of its
+        cache, >= 0, or None: `learning_rate` for a local AdaGrad step, 0.5
+        for a local SGD step (`DownpourConfig.local_learning_rate`).
+      local_optimizer: Downpour: the update of each worker's cache, one of
+        `LOCAL_OPTIMIZERS` (`DownpourConfig.local_optimizer`).
+      adagrad_accumulator: Downpour with AdaGrad: how a push grows the ps
+        accumulator, one of `ADAGRAD_ACCUMULATORS`
+        (`DownpourConfig.adagrad_accumulator`).
       warmstart_steps: Downpour: steps worker 0 trains alone first, >= 0.
       max_staleness: Downpour: drop pushes staler than this (None: never).
       lbfgs_history: Sandblaster: `m`, the (s, y) pairs kept on the ps, >= 1.
@@ -115,7 +117,9 @@ class JobConfig:
     downpour: bool = False
     n_fetch: int = 1
     n_push: int = 1
-    local_learning_rate: float = LOCAL_LEARNING_RATE
+    local_learning_rate: float | None = None
+    local_optimizer: str = "adagrad"
+    adagrad_accumulator: str = "squares"
     warmstart_steps: int = 0
     max_staleness: int | None = None
     lbfgs_history: int = 10
@@ -165,7 +169,9 @@ class JobConfig:
             for name, default in (
                 ("n_fetch", 1),
                 ("n_push", 1),
-                ("local_learning_rate", LOCAL_LEARNING_RATE),
+                ("local_learning_rate", None),
+                ("local_optimizer", "adagrad"),
+                ("adagrad_accumulator", "squares"),
                 ("warmstart_steps", 0),
                 ("max_staleness", None),
             ):
@@ -217,6 +223,8 @@ class JobConfig:
             local_learning_rate=self.local_learning_rate,
             warmstart_steps=self.warmstart_steps,
             max_staleness=self.max_staleness,
+            local_optimizer=self.local_optimizer,
+            adagrad_accumulator=self.adagrad_accumulator,
         )
 
 
