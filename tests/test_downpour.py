@@ -229,6 +229,8 @@ def _simulate(params, x, y, config):
         ("sgd", 0.05, "sum"),
         ("adagrad", None, "squares"),
         ("adagrad", 0.3, "mean"),
+        ("sgd", 0.05, "squares"),
+        ("adagrad", 0.0, "squares"),
     ],
 )
 def test_trainer_matches_numpy_reference(
@@ -272,6 +274,28 @@ def test_trainer_matches_numpy_reference(
     ]
 
 
+def test_trainer_matches_numpy_reference_fetching_every_step(local_cluster):
+    """`n_fetch = 1`: the forward pass reads the fetched values and no local
+    step runs, yet the local AdaGrad accumulator, whose growth is the pushed
+    squares, still counts every step's squared gradient."""
+    x, y, params = _softmax_data(seed=4)
+    config = downpour_schedule.DownpourConfig(1, 3)
+    model = _softmax_model(_strategy(local_cluster), params)
+    trainer = downpour.DownpourTrainer(model, config)
+    iterator = iter(
+        trainer.per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE)
+        )
+    )
+    for _ in range(STEPS):
+        trainer.step(iterator)
+    trainer.join()
+    for got, want in zip(_ps_params(model), _simulate(params, x, y, config)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    (stats,) = trainer.stats()
+    assert (stats.steps, stats.fetches, stats.pushes) == (STEPS, STEPS, STEPS // 3)
+
+
 @pytest.mark.parametrize(
     "partitioner, steps_per_execution",
     [(None, 1), (None, 4), ("fixed2", 1)],
@@ -310,6 +334,13 @@ def test_install_errors(local_cluster):
         downpour.install(model, downpour_schedule.DownpourConfig())
     with pytest.raises(TypeError, match=r"`config` must be a DownpourConfig"):
         downpour.Downpour(strategy, [], model.optimizer, {"n_fetch": 1})
+    schedule = tf_keras.optimizers.schedules.ExponentialDecay(0.1, 100, 0.9)
+    downpour.enable(strategy)
+    with strategy.scope():
+        model = tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(3,))])
+        model.compile(adagrad.Adagrad(schedule), loss="mse")
+    with pytest.raises(ValueError, match=r"`local_learning_rate` must be set"):
+        downpour.install(model, downpour_schedule.DownpourConfig(4, 4))
     with pytest.raises(TypeError, match=r"`strategy` must be a tf_distbelief"):
         downpour.enable(tf.distribute.get_strategy())
 

@@ -213,5 +213,15 @@ class Adagrad(tf_keras.optimizers.Adagrad):
                 )
             )
             return
-        grown = accumulator.assign_add(squares)
-        variable.assign_sub(lr * gradient / (tf.sqrt(grown) + epsilon))
+        grown = accumulator.assign_add(squares, read_value=False)
+        # One fused op for the parameters, the accumulator left as it is.
+        with tf.control_dependencies([grown]):
+            tf.raw_ops.ResourceApplyAdagradV2(
+                var=variable.handle,
+                accum=accumulator.handle,
+                lr=lr,
+                epsilon=epsilon,
+                grad=gradient,
+                use_locking=False,
+                update_slots=False,
+            )

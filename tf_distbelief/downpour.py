@@ -131,8 +131,9 @@ class _Handles(NamedTuple):
 
     caches: list  # Per-worker caches, one per variable.
     accs: list  # Per-worker accumulators, one per variable.
-    squares: list  # Per-worker sums of squared gradients since a push, one per
-    # variable; None without `Downpour.push_squares`.
+    squares: list  # Per-worker, one per variable: the local AdaGrad
+    # accumulator at the last push (a local AdaGrad step), else the sum of
+    # squared gradients since the last push; None without `push_squares`.
     local_accs: list  # Per-worker AdaGrad accumulators of the local step, one
     # per variable; None with a local SGD step.
     valid: list  # Row-sparse variables: per-worker rows fetched (1) since a
@@ -244,10 +245,21 @@ class Downpour:
         `config` is not a `DownpourConfig`, or `row_sparse` holds something
         other than variables.
       ValueError: a `row_sparse` variable is not among `variables`, or is a
-        scalar.
+        scalar; or `config.local_learning_rate` is None with a local AdaGrad
+        step and an optimizer whose learning rate is a schedule.
 
     A step that reads a row-sparse variable whole raises
     `downpour_variables.RowSparseReadError` (a RuntimeError) naming it.
+
+    Worker memory, per replica: the cache and the gradient accumulator, plus
+    the local AdaGrad accumulator (`config.local_optimizer == "adagrad"`) and,
+    with `push_squares`, that accumulator's value at the last push (the
+    pushed squares are its growth since; with a local SGD step, a sum of
+    squared gradients instead): up to 4 copies of the model. The local step
+    size is `config.local_learning_rate_for` the optimizer's learning rate
+    (`local_learning_rate`); the local AdaGrad takes
+    the optimizer's `initial_accumulator_value` and `epsilon` (0.1 and 1e-7
+    for an optimizer without them).
     """
 
     def __init__(
@@ -304,6 +316,11 @@ class Downpour:
             optimizer, adagrad.Adagrad
         )
         self.push_copies = 2 if self.push_squares else 1
+        # With a local AdaGrad step the squares to push are the growth of its
+        # accumulator since the last push: no per-step work of their own.
+        self.squares_from_local = (
+            self.push_squares and config.local_optimizer == "adagrad"
+        )
         self.local_learning_rate = config.local_learning_rate_for(
             _numeric_learning_rate(optimizer)
         )
@@ -335,7 +352,12 @@ class Downpour:
                 for v in self.variables
             ]
             self._squares = [
-                per_worker(f"downpour/squares/{_slug(v.name)}", v.shape, v.dtype)
+                per_worker(
+                    f"downpour/squares/{_slug(v.name)}",
+                    v.shape,
+                    v.dtype,
+                    self.local_initial_accumulator if self.squares_from_local else 0,
+                )
                 if self.push_squares
                 else None
                 for v in self.variables
@@ -452,16 +474,22 @@ class Downpour:
         """
         grads, squares = [], []
         for i, v in enumerate(self.variables):
-            handles = [h.accs[i]] + ([h.squares[i]] if self.push_squares else [])
+            handles = [h.accs[i]]
+            if self.push_squares:
+                handles.append(h.squares[i])
+            if self.squares_from_local:
+                handles.append(h.local_accs[i])
             if not self.row_sparse[i]:
                 values = [_read(x, h.dtypes[i]) for x in handles]
             else:
                 rows = tf.where(_read(h.touched[i], tf.int32) > 0)[:, 0]
+                values = [_gather(x, rows, v.dtype) for x in handles]
+            if self.squares_from_local:
+                # The local accumulator's growth since the last push.
+                values = [values[0], values[2] - values[1]]
+            if self.row_sparse[i]:
                 shape = tf.constant(v.shape.as_list(), tf.int64)
-                values = [
-                    tf.IndexedSlices(_gather(x, rows, v.dtype), rows, shape)
-                    for x in handles
-                ]
+                values = [tf.IndexedSlices(x, rows, shape) for x in values]
             grads.append(values[0])
             squares.append(values[-1])
         return grads, squares if self.push_squares else None
@@ -523,9 +551,13 @@ class Downpour:
                         _scatter("Add", h.accs[i], g.indices, g.values),
                         _scatter("Update", h.touched[i], g.indices, ones),
                     ]
-                    if self.push_squares:
+                    if self.push_squares and not self.squares_from_local:
                         squared = g.values * g.values
                         ops.append(_scatter("Add", h.squares[i], g.indices, squared))
+                    elif self.squares_from_local and not (lr and update_cache):
+                        # No local step grows the local accumulator.
+                        squared = g.values * g.values
+                        ops.append(_scatter("Add", h.local_accs[i], g.indices, squared))
                 if lr and update_cache and adagrad_step:
                     ops.append(
                         tf.raw_ops.ResourceSparseApplyAdagradV2(
@@ -544,8 +576,10 @@ class Downpour:
                 continue
             if accumulate:
                 ops.append(_add(h.accs[i], g))
-                if self.push_squares:
+                if self.push_squares and not self.squares_from_local:
                     ops.append(_add(h.squares[i], g * g))
+                elif self.squares_from_local and not (lr and update_cache):
+                    ops.append(_add(h.local_accs[i], g * g))
             if lr and update_cache and adagrad_step:
                 ops.append(
                     tf.raw_ops.ResourceApplyAdagradV2(
@@ -633,20 +667,35 @@ class Downpour:
             ]
             if zero_accumulators:
                 for i, v in enumerate(values):
-                    handles = [h.accs[i]] + (
-                        [h.squares[i]] if self.push_squares else []
-                    )
-                    if isinstance(v, tf.IndexedSlices):
-                        zeros = tf.zeros_like(v.values)
-                        ops += [
-                            _scatter("Update", x, v.indices, zeros) for x in handles
-                        ]
-                        ops.append(self._clear_rows(h.touched[i], i))
-                    else:
-                        ops += [_assign(x, tf.zeros_like(v)) for x in handles]
+                    ops += self._restart_accumulators(h, i, v)
         with tf.control_dependencies(ops):
             sent = tf.where(applied, row_bytes, tf.constant(0, int64))
             return tf.identity(staleness), tf.identity(applied), sent
+
+    def _restart_accumulators(self, h: _Handles, i: int, pushed) -> list:
+        """Ops that start variable `i`'s accumulators anew after a push.
+
+        The gradient sum (and a sum of squares) go to 0; with
+        `squares_from_local` the local accumulator's value is kept as the
+        base of the next push's squares. `pushed` is the pushed gradient (its
+        rows, if `IndexedSlices`).
+        """
+        handles = [h.accs[i]]
+        if self.push_squares and not self.squares_from_local:
+            handles.append(h.squares[i])
+        dtype = h.dtypes[i]
+        if isinstance(pushed, tf.IndexedSlices):
+            rows = pushed.indices
+            zeros = tf.zeros_like(pushed.values)
+            ops = [_scatter("Update", x, rows, zeros) for x in handles]
+            if self.squares_from_local:
+                base = _gather(h.local_accs[i], rows, dtype)
+                ops.append(_scatter("Update", h.squares[i], rows, base))
+            return ops + [self._clear_rows(h.touched[i], i)]
+        ops = [_assign(x, tf.zeros_like(pushed)) for x in handles]
+        if self.squares_from_local:
+            ops.append(_assign(h.squares[i], _read(h.local_accs[i], dtype)))
+        return ops
 
     def _no_push(self):
         int64 = tf.int64

@@ -1,0 +1,164 @@
+r"""Downpour's local step and ps accumulator modes on the speech-shaped model.
+
+Dean et al. 2012, section 4.1 leaves open how AdaGrad on the ps treats a push
+of `n_push` steps' gradients, and what step a replica takes on its own cache.
+This script compares the choices of `DownpourConfig` without a cluster, with
+`downpour_schedule.simulate` (the NumPy reference the TF implementation is
+tested against step for step): 2 replicas taking whole steps in turn, each
+reading its own shuffle of `models/speech.py`'s data, batch 32, AdaGrad gamma
+0.2 on the ps (as `benchmarks/downpour_bench.py`), for `--steps` steps in all.
+Each row is one `(n, local_optimizer, adagrad_accumulator)`, `n = n_fetch =
+n_push`, over `--seeds` (model initialisation and data order); `diff` is the
+mean over seeds of the test accuracy's difference to `n=1` of the same seed
+(plain sequential AdaGrad with steps in turn), `sd` that difference's
+standard deviation over seeds.
+
+Without a cluster the replicas' steps interleave one by one, so staleness is
+what the cadence alone makes: a replica's cache misses the other replica's
+pushes since its fetch. The test accuracy after 960 steps is early in
+training, where runs differ by several points: read `diff` with `sd`.
+
+Usage:
+  python benchmarks/downpour_modes.py            # about 15 minutes, 2 cores
+  python benchmarks/downpour_modes.py --seeds=0 --steps=200   # a smoke run
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+_LEARNING_RATE = 0.2  # AdaGrad gamma on the ps, as downpour_bench's speech.
+_BATCH_SIZE = 32
+# (n, local_optimizer, adagrad_accumulator); n=1 first: the baseline.
+_CONFIGS = (
+    (1, "adagrad", "squares"),
+    (4, "sgd", "mean"),
+    (4, "adagrad", "mean"),
+    (4, "sgd", "squares"),
+    (4, "adagrad", "squares"),
+    (16, "sgd", "mean"),
+    (16, "adagrad", "squares"),
+)
+
+
+def define_flags():
+    flags.DEFINE_list("seeds", ["0", "1", "2", "3"], "Seeds to average over.")
+    flags.DEFINE_integer(
+        "steps", 960, "Steps of both replicas together.", lower_bound=2
+    )
+    flags.DEFINE_integer("hidden_units", 256, "Speech model width.", lower_bound=1)
+    flags.DEFINE_integer("classes", 8192, "Speech model softmax width.", lower_bound=2)
+
+
+def _speech_problem(hidden_units, classes, seed):
+    """`(params, grad_fn, accuracy_fn, train)`: the MLP as NumPy arrays."""
+    import numpy as np
+    import tensorflow as tf
+
+    from models import speech
+
+    (x, y), (x_test, y_test) = speech.load_data(num_test=10_000, num_classes=classes)
+    model = speech.build_model(hidden_units, classes, seed=seed)
+    params = model.get_weights()  # float32, as the cluster trains.
+
+    def logits(p, inputs):
+        h = inputs
+        for i in range(0, len(p) - 2, 2):
+            h = tf.sigmoid(h @ p[i] + p[i + 1])
+        return h @ p[-2] + p[-1]
+
+    @tf.function(reduce_retracing=True)
+    def grads(p, inputs, labels):
+        with tf.GradientTape() as tape:
+            tape.watch(p)
+            loss = tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    labels, logits(p, inputs)
+                )
+            )
+        return tape.gradient(loss, p)
+
+    def grad_fn(p, batch):
+        inputs, labels = batch
+        return [g.numpy() for g in grads([tf.constant(v) for v in p], inputs, labels)]
+
+    def accuracy(p):
+        out = logits([tf.constant(v) for v in p], tf.constant(x_test))
+        return float(np.mean(np.argmax(out.numpy(), 1) == y_test))
+
+    return params, grad_fn, accuracy, (x, y)
+
+
+def _batches(train, replica, steps, seed):
+    import numpy as np
+
+    x, y = train
+    order = np.random.default_rng([seed, replica]).permutation(len(x))
+    out = []
+    for t in range(steps):
+        idx = order[(t * _BATCH_SIZE) % len(x) :][:_BATCH_SIZE]
+        out.append((x[idx], y[idx]))
+    return out
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    from tf_distbelief import downpour_schedule
+
+    f = flags.FLAGS
+    seeds = [int(s) for s in f.seeds]
+    accuracy = {}
+    for seed in seeds:
+        params, grad_fn, accuracy_fn, train = _speech_problem(
+            f.hidden_units, f.classes, seed
+        )
+        batches = [_batches(train, r, f.steps // 2, seed) for r in range(2)]
+        for n, local, mode in _CONFIGS:
+            start = time.monotonic()
+            config = downpour_schedule.DownpourConfig(
+                n, n, local_optimizer=local, adagrad_accumulator=mode
+            )
+            got, _ = downpour_schedule.simulate(
+                params,
+                grad_fn,
+                batches,
+                config,
+                downpour_schedule.adagrad_ps(_LEARNING_RATE),
+            )
+            accuracy[seed, n, local, mode] = accuracy_fn(got)
+            print(
+                f"seed {seed} n={n} {local} {mode}: "
+                f"{accuracy[seed, n, local, mode]:.4f} "
+                f"({time.monotonic() - start:.0f} s)",
+                flush=True,
+            )
+    print(
+        f"speech 440-{f.hidden_units}x4-{f.classes}, 2 replicas, {f.steps} steps of "
+        f"{_BATCH_SIZE}, AdaGrad gamma {_LEARNING_RATE}, seeds {f.seeds}"
+    )
+    print(
+        f"{'n':>3} {'local':8} {'accumulator':11} {'test acc':>8} {'diff':>7} {'sd':>6}"
+    )
+    base = _CONFIGS[0]
+    for n, local, mode in _CONFIGS:
+        accs = [accuracy[s, n, local, mode] for s in seeds]
+        diffs = [accuracy[s, n, local, mode] - accuracy[(s, *base)] for s in seeds]
+        sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+        print(
+            f"{n:3d} {local:8} {mode:11} {statistics.mean(accs):8.4f} "
+            f"{statistics.mean(diffs):+7.4f} {sd:6.4f}"
+        )
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
