@@ -42,7 +42,7 @@ the ps accumulator is the paper's `sum g^2` over every gradient computed, and a
 replica's path between pushes follows the per-parameter steps AdaGrad takes on
 the ps (an SGD step moves parameters by amounts unrelated to AdaGrad's). On the
 speech-shaped model early in training their effect on accuracy is within the
-noise at n=4 and modest at n=16 (`benchmarks/downpour_modes.py`, README).
+noise of the comparisons made (`benchmarks/downpour_modes.py`, README).
 """
 
 from __future__ import annotations
