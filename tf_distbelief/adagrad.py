@@ -49,6 +49,22 @@ def adagrad_update(
     return value - learning_rate * grad / (sqrt(accumulator) + epsilon), accumulator
 
 
+def _apply_rows(variable, accumulator, gradient, squares, lr, epsilon):
+    """AdaGrad on the rows of `gradient` (`IndexedSlices`, unique indices) only.
+
+    The accumulator's rows grow by `squares` (`[rows, ...]`), then the
+    variable's rows move by `lr * gradient / (sqrt(a) + epsilon)`: the rows of
+    an embedding that a batch did not look up stay as they are.
+    """
+    accumulator.scatter_add(tf.IndexedSlices(squares, gradient.indices))
+    rows = tf.gather(accumulator, gradient.indices)
+    variable.scatter_add(
+        tf.IndexedSlices(
+            -lr * gradient.values / (tf.sqrt(rows) + epsilon), gradient.indices
+        )
+    )
+
+
 class Adagrad(tf_keras.optimizers.Adagrad):
     """tf_keras AdaGrad whose state and update stay on each variable's ps shard.
 
@@ -161,17 +177,8 @@ class Adagrad(tf_keras.optimizers.Adagrad):
         accumulator = self._accumulators[self._index_dict[self._var_key(variable)]]
         epsilon = tf.cast(self.epsilon, variable.dtype)
         if isinstance(gradient, tf.IndexedSlices):
-            # Rows of an embedding: only the looked-up rows move.
-            accumulator.scatter_add(
-                tf.IndexedSlices(gradient.values * gradient.values, gradient.indices)
-            )
-            rows = tf.gather(accumulator, gradient.indices)
-            variable.scatter_add(
-                tf.IndexedSlices(
-                    -lr * gradient.values / (tf.sqrt(rows) + epsilon),
-                    gradient.indices,
-                )
-            )
+            squares = gradient.values * gradient.values
+            _apply_rows(variable, accumulator, gradient, squares, lr, epsilon)
             return
         # One fused op on the variable's device: accumulate, then update.
         tf.raw_ops.ResourceApplyAdagradV2(
@@ -204,14 +211,7 @@ class Adagrad(tf_keras.optimizers.Adagrad):
         lr = tf.cast(self.learning_rate, variable.dtype)
         epsilon = tf.cast(self.epsilon, variable.dtype)
         if isinstance(gradient, tf.IndexedSlices):
-            accumulator.scatter_add(tf.IndexedSlices(squares.values, squares.indices))
-            rows = tf.gather(accumulator, gradient.indices)
-            variable.scatter_add(
-                tf.IndexedSlices(
-                    -lr * gradient.values / (tf.sqrt(rows) + epsilon),
-                    gradient.indices,
-                )
-            )
+            _apply_rows(variable, accumulator, gradient, squares.values, lr, epsilon)
             return
         grown = accumulator.assign_add(squares, read_value=False)
         # One fused op for the parameters, the accumulator left as it is.
