@@ -19,7 +19,7 @@ pushes since its fetch. The test accuracy after 960 steps is early in
 training, where runs differ by several points: read `diff` with `sd`.
 
 Usage:
-  python benchmarks/downpour_modes.py            # about 15 minutes, 2 cores
+  python benchmarks/downpour_modes.py            # about 12 minutes, 2 cores
   python benchmarks/downpour_modes.py --seeds=0 --steps=200   # a smoke run
 """
 

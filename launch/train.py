@@ -262,9 +262,28 @@ _FLOAT_FLAGS = (
 )
 
 
+# Flags that only Downpour reads: given without --downpour they would be
+# ignored, even at their default values.
+_DOWNPOUR_FLAGS = (
+    "n_fetch",
+    "n_push",
+    "local_learning_rate",
+    "local_optimizer",
+    "adagrad_accumulator",
+    "warmstart_steps",
+    "max_staleness",
+)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    given = [f"--{name}" for name in _DOWNPOUR_FLAGS if FLAGS[name].present]
+    if given and not FLAGS.downpour:
+        raise app.UsageError(
+            f"{', '.join(given)}: Downpour settings, ignored without --downpour: "
+            "add --downpour."
+        )
     fields = {f.name for f in dataclasses.fields(job.JobConfig)}
     job.main(job.JobConfig(**{name: FLAGS[name].value for name in fields}))
 

@@ -65,6 +65,7 @@ def _sequential_adagrad(params, batches):
         ({"max_staleness": -1}, ValueError, r"`max_staleness` must be >= 0"),
         ({"local_learning_rate": -0.1}, ValueError, r"`local_learning_rate`.*-0.1"),
         ({"local_learning_rate": "0.1"}, TypeError, r"`local_learning_rate`"),
+        ({"local_learning_rate": 10**400}, ValueError, r"must be finite and >= 0"),
         (
             {"local_optimizer": "adam"},
             ValueError,

@@ -101,6 +101,10 @@ def test_readme_main_job_trains_digits_and_leaves_no_process():
             "--adagrad_accumulator=mean",
             r"--adagrad_accumulator.*are Downpour settings: add --downpour",
         ),
+        (  # Its default value, yet ignored without --downpour.
+            "--adagrad_accumulator=squares",
+            r"--adagrad_accumulator: Downpour settings, ignored without --downpour",
+        ),
     ],
 )
 def test_bad_flags_fail_at_parse_time(flag, message):

@@ -95,8 +95,9 @@ class DownpourConfig:
       n_push: local steps between pushes of the accumulated gradient, >= 1;
         independent of `n_fetch`. The paper's runs used 1.
       local_learning_rate: step size of the replica's update of its own cache
-        (`local_optimizer`), a float >= 0, or None (default): the ps AdaGrad's
-        `gamma` for `"adagrad"` (`local_learning_rate_for`), and
+        (`local_optimizer`), a float >= 0, or None (default): the ps
+        optimizer's learning rate (AdaGrad's `gamma`) for `"adagrad"`
+        (`local_learning_rate_for`), and
         `LOCAL_LEARNING_RATE` (0.5, tuned for digits) for `"sgd"`. 0 keeps the
         cache at the fetched values between fetches: a push then applies
         `n_push` steps along gradients taken near one point (the launch
@@ -110,9 +111,13 @@ class DownpourConfig:
       local_optimizer: the update of the cache at each local step: `"adagrad"`
         (default) with an accumulator of the replica's own, started at the ps
         AdaGrad's `initial_accumulator_value` (0.1 otherwise) and kept across
-        fetches, so that the replica's path between pushes follows the steps
-        AdaGrad takes on the ps; or `"sgd"`. Worker memory: one more copy of
-        the model for `"adagrad"`; no bytes on the network.
+        fetches, so that the replica's path between pushes takes AdaGrad's
+        per-parameter steps, as the ps does (about: a replica's accumulator
+        sees only its own gradients, about `1/N` of the ps one with `N`
+        replicas, so its steps are up to `sqrt(N)` times larger); or `"sgd"`.
+        No bytes on the network; worker memory: one more copy of the model,
+        and one more with `"squares"` pushes (the accumulator's value at the
+        last push, whose growth since is the pushed squares).
       adagrad_accumulator: with AdaGrad on the ps (`tf_distbelief.adagrad`),
         how a push of `G`, the gradients of `n_push` steps summed, grows the
         accumulator `a` before the parameters move by `gamma * G / (sqrt(a) +
@@ -157,12 +162,18 @@ class DownpourConfig:
         lr = self.local_learning_rate
         if lr is None:
             return
-        if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating)):
+        if isinstance(lr, bool) or not isinstance(
+            lr, (int, float, np.floating, np.integer)
+        ):
             raise TypeError(
                 "Argument `local_learning_rate` must be a float or None. "
                 f"Received: {lr!r}"
             )
-        if not (math.isfinite(lr) and lr >= 0):
+        try:
+            finite = math.isfinite(float(lr))
+        except OverflowError:  # An int beyond float range.
+            finite = False
+        if not (finite and lr >= 0):
             raise ValueError(
                 "Argument `local_learning_rate` must be finite and >= 0 (0 "
                 f"disables the local update), or None. Received: {lr!r}"
@@ -177,8 +188,8 @@ class DownpourConfig:
         """The local step size: `local_learning_rate`, or its default.
 
         Args:
-          ps_learning_rate: the ps AdaGrad's `gamma`, a float, or None when it
-            is not known as a number (a schedule, or another optimizer).
+          ps_learning_rate: the ps optimizer's learning rate (AdaGrad's
+            `gamma`), a float, or None when it is not a number (a schedule).
 
         Returns:
           A float >= 0.
@@ -195,7 +206,7 @@ class DownpourConfig:
             raise ValueError(
                 "Argument `local_learning_rate` must be set (a float >= 0) when "
                 "`local_optimizer` is 'adagrad' and the ps optimizer's learning "
-                "rate is not a number (a schedule, or not AdaGrad). Received: None"
+                "rate is not a number (a schedule). Received: None"
             )
         return float(ps_learning_rate)
 
