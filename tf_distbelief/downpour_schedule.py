@@ -37,6 +37,10 @@ drops) and pushed `floor(S / n_push)` times: `n_fetch` and `n_push` are
 independent. With `n_fetch = n_push = 1` and one replica this is plain
 sequential training with the ps optimizer (`sq` is then `g^2`, and is not sent).
 
+The ps applies pushes shard by shard as they arrive, with no locks; the
+reference below applies a whole push atomically (the two agree with one
+replica, and with several replicas as long as pushes do not overlap in time).
+
 Why the local AdaGrad step and the pushed squares are the defaults: with them
 the ps accumulator is the paper's `sum g^2` over every gradient computed, and a
 replica's path between pushes follows the per-parameter steps AdaGrad takes on
