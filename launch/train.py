@@ -23,6 +23,19 @@ from tf_distbelief import strategy as strategy_lib  # noqa: E402
 FLAGS = flags.FLAGS
 
 
+# Flags that only Downpour reads: given without --downpour they would be
+# ignored, even at their default values.
+_DOWNPOUR_FLAGS = (
+    "n_fetch",
+    "n_push",
+    "local_learning_rate",
+    "local_optimizer",
+    "adagrad_accumulator",
+    "warmstart_steps",
+    "max_staleness",
+)
+
+
 def define_flags() -> None:
     """Defines the flags; all optional, with the defaults of `job.JobConfig`."""
     d = job.JobConfig()
@@ -166,40 +179,14 @@ def define_flags() -> None:
     )
 
     @flags.multi_flags_validator(
-        [
-            "downpour",
-            "n_fetch",
-            "n_push",
-            "local_learning_rate",
-            "local_optimizer",
-            "adagrad_accumulator",
-            "warmstart_steps",
-            "max_staleness",
-        ],
-        message="--n_fetch, --n_push, --local_learning_rate, --local_optimizer, "
-        "--adagrad_accumulator, --warmstart_steps and --max_staleness are "
-        "Downpour settings: add --downpour.",
+        ["downpour", *_DOWNPOUR_FLAGS],
+        message=", ".join(f"--{name}" for name in _DOWNPOUR_FLAGS)
+        + " are Downpour settings: add --downpour.",
     )
     def _downpour_flags_need_downpour(values):
         if values["downpour"]:
             return True
-        return (
-            values["n_fetch"],
-            values["n_push"],
-            values["local_learning_rate"],
-            values["local_optimizer"],
-            values["adagrad_accumulator"],
-            values["warmstart_steps"],
-            values["max_staleness"],
-        ) == (
-            d.n_fetch,
-            d.n_push,
-            d.local_learning_rate,
-            d.local_optimizer,
-            d.adagrad_accumulator,
-            d.warmstart_steps,
-            d.max_staleness,
-        )
+        return all(values[name] == getattr(d, name) for name in _DOWNPOUR_FLAGS)
 
     flags.DEFINE_integer(
         "lbfgs_history",
@@ -259,19 +246,6 @@ _FLOAT_FLAGS = (
     "chief_gone_secs",
     "local_learning_rate",
     "straggler_slowdown",
-)
-
-
-# Flags that only Downpour reads: given without --downpour they would be
-# ignored, even at their default values.
-_DOWNPOUR_FLAGS = (
-    "n_fetch",
-    "n_push",
-    "local_learning_rate",
-    "local_optimizer",
-    "adagrad_accumulator",
-    "warmstart_steps",
-    "max_staleness",
 )
 
 

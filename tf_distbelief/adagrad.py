@@ -49,6 +49,20 @@ def adagrad_update(
     return value - learning_rate * grad / (sqrt(accumulator) + epsilon), accumulator
 
 
+def _apply_fused(variable, accumulator, gradient, lr, epsilon, update_slots):
+    """`ResourceApplyAdagradV2` on the variable's device; with `update_slots`
+    False it reads the accumulator without growing it by `gradient^2`."""
+    return tf.raw_ops.ResourceApplyAdagradV2(
+        var=variable.handle,
+        accum=accumulator.handle,
+        lr=lr,
+        epsilon=epsilon,
+        grad=gradient,
+        use_locking=False,
+        update_slots=update_slots,
+    )
+
+
 def _apply_rows(variable, accumulator, gradient, squares, lr, epsilon):
     """AdaGrad on the rows of `gradient` (`IndexedSlices`, unique indices) only.
 
@@ -181,14 +195,7 @@ class Adagrad(tf_keras.optimizers.Adagrad):
             _apply_rows(variable, accumulator, gradient, squares, lr, epsilon)
             return
         # One fused op on the variable's device: accumulate, then update.
-        tf.raw_ops.ResourceApplyAdagradV2(
-            var=variable.handle,
-            accum=accumulator.handle,
-            lr=lr,
-            epsilon=epsilon,
-            grad=gradient,
-            use_locking=False,
-        )
+        _apply_fused(variable, accumulator, gradient, lr, epsilon, update_slots=True)
 
     def apply_gradient_and_squares(self, gradient, squares, variable):
         """Applies a pushed sum of gradients with the sum of their squares.
@@ -216,12 +223,4 @@ class Adagrad(tf_keras.optimizers.Adagrad):
         grown = accumulator.assign_add(squares, read_value=False)
         # One fused op for the parameters, the accumulator left as it is.
         with tf.control_dependencies([grown]):
-            tf.raw_ops.ResourceApplyAdagradV2(
-                var=variable.handle,
-                accum=accumulator.handle,
-                lr=lr,
-                epsilon=epsilon,
-                grad=gradient,
-                use_locking=False,
-                update_slots=False,
-            )
+            _apply_fused(variable, accumulator, gradient, lr, epsilon, False)
