@@ -343,36 +343,29 @@ class Downpour:
                     per_worker_variable=True,
                 )
 
-            self._caches = [
-                per_worker(f"downpour/cache/{_slug(v.name)}", v.shape, v.dtype)
-                for v in self.variables
-            ]
-            self._accumulators = [
-                per_worker(f"downpour/accumulator/{_slug(v.name)}", v.shape, v.dtype)
-                for v in self.variables
-            ]
-            self._squares = [
-                per_worker(
-                    f"downpour/squares/{_slug(v.name)}",
-                    v.shape,
-                    v.dtype,
-                    self.local_initial_accumulator if self.squares_from_local else 0,
-                )
-                if self.push_squares
-                else None
-                for v in self.variables
-            ]
-            self._local_accumulators = [
-                per_worker(
-                    f"downpour/local_accumulator/{_slug(v.name)}",
-                    v.shape,
-                    v.dtype,
-                    self.local_initial_accumulator,
-                )
-                if config.local_optimizer == "adagrad"
-                else None
-                for v in self.variables
-            ]
+            def copies(what, fill=0, enabled=True):
+                """A per-worker variable of each variable's shape, or Nones."""
+                return [
+                    per_worker(
+                        f"downpour/{what}/{_slug(v.name)}", v.shape, v.dtype, fill
+                    )
+                    if enabled
+                    else None
+                    for v in self.variables
+                ]
+
+            self._caches = copies("cache")
+            self._accumulators = copies("accumulator")
+            self._squares = copies(
+                "squares",
+                self.local_initial_accumulator if self.squares_from_local else 0,
+                self.push_squares,
+            )
+            self._local_accumulators = copies(
+                "local_accumulator",
+                self.local_initial_accumulator,
+                config.local_optimizer == "adagrad",
+            )
             self._valid, self._touched = [
                 [
                     per_worker(
@@ -539,11 +532,19 @@ class Downpour:
         """
         lr = self.local_learning_rate
         adagrad_step = self.config.local_optimizer == "adagrad"
+        step = bool(lr) and update_cache
         ops = []
         for i, g in enumerate(grads):
             sparse = isinstance(g, tf.IndexedSlices)
             dtype = g.values.dtype if sparse else g.dtype
             alpha, epsilon = tf.cast(lr, dtype), tf.cast(self.local_epsilon, dtype)
+            # Where this step's squared gradient goes: the squares to push, or
+            # the local accumulator when no local AdaGrad step grows it.
+            squares_into = None
+            if accumulate and self.push_squares and not self.squares_from_local:
+                squares_into = h.squares[i]
+            elif accumulate and self.squares_from_local and not step:
+                squares_into = h.local_accs[i]
             if sparse:
                 if accumulate:
                     ones = tf.ones_like(g.indices, tf.int32)
@@ -551,14 +552,10 @@ class Downpour:
                         _scatter("Add", h.accs[i], g.indices, g.values),
                         _scatter("Update", h.touched[i], g.indices, ones),
                     ]
-                    if self.push_squares and not self.squares_from_local:
-                        squared = g.values * g.values
-                        ops.append(_scatter("Add", h.squares[i], g.indices, squared))
-                    elif self.squares_from_local and not (lr and update_cache):
-                        # No local step grows the local accumulator.
-                        squared = g.values * g.values
-                        ops.append(_scatter("Add", h.local_accs[i], g.indices, squared))
-                if lr and update_cache and adagrad_step:
+                if squares_into is not None:
+                    squared = g.values * g.values
+                    ops.append(_scatter("Add", squares_into, g.indices, squared))
+                if step and adagrad_step:
                     ops.append(
                         tf.raw_ops.ResourceSparseApplyAdagradV2(
                             var=h.caches[i],
@@ -569,18 +566,16 @@ class Downpour:
                             indices=g.indices,
                         )
                     )
-                elif lr and update_cache:
+                elif step:
                     ops.append(
                         _scatter("Sub", h.caches[i], g.indices, alpha * g.values)
                     )
                 continue
             if accumulate:
                 ops.append(_add(h.accs[i], g))
-                if self.push_squares and not self.squares_from_local:
-                    ops.append(_add(h.squares[i], g * g))
-                elif self.squares_from_local and not (lr and update_cache):
-                    ops.append(_add(h.local_accs[i], g * g))
-            if lr and update_cache and adagrad_step:
+            if squares_into is not None:
+                ops.append(_add(squares_into, g * g))
+            if step and adagrad_step:
                 ops.append(
                     tf.raw_ops.ResourceApplyAdagradV2(
                         var=h.caches[i],
@@ -590,7 +585,7 @@ class Downpour:
                         grad=g,
                     )
                 )
-            elif lr and update_cache:
+            elif step:
                 ops.append(
                     tf.raw_ops.ResourceApplyGradientDescent(
                         var=h.caches[i], alpha=alpha, delta=g
