@@ -9,7 +9,7 @@ setuptools.setup(
         "DistBelief (Dean et al., NIPS 2012) on TensorFlow: parameter-server "
         "sharding, Downpour SGD, Sandblaster L-BFGS, model parallelism."
     ),
-    packages=setuptools.find_packages(include=["tf_distbelief*", "models*", "launch*"]),
+    packages=setuptools.find_packages(include=["tf_distbelief", "tf_distbelief.*"]),
     python_requires=">=3.10",
     install_requires=[
         # The `tensorflow` wheel runs on CPU-only machines and uses a GPU where CUDA

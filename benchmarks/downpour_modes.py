@@ -112,7 +112,7 @@ def _batches(train, replica, steps, seed):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    from tf_distbelief import downpour_schedule
+    from tf_distbelief.downpour import schedule as downpour_schedule
 
     f = flags.FLAGS
     seeds = [int(s) for s in f.seeds]

@@ -99,11 +99,11 @@ def _build(model, num_partitions, batch_size):
     """Returns `(step_fn, inputs, {"needed": bytes, "moved": bytes} per step)`."""
     import tensorflow as tf
 
-    from tf_distbelief import (
-        partition_math,
-        partitioned_dense,
-        partitioned_locally_connected,
+    from tf_distbelief.model_parallel import dense as partitioned_dense
+    from tf_distbelief.model_parallel import (
+        locally_connected as partitioned_locally_connected,
     )
+    from tf_distbelief.model_parallel import partition_math
 
     f = flags.FLAGS
     if model == "lc":
@@ -190,7 +190,7 @@ def _child(setup, partitions):
     """
     import tensorflow as tf
 
-    from tf_distbelief import model_parallel
+    from tf_distbelief.model_parallel import devices as model_parallel
 
     f = flags.FLAGS
     model_parallel.configure_logical_cpus(max(_PARTITIONS))

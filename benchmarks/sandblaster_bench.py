@@ -95,7 +95,7 @@ def scipy_run(model, loss_fn, x, y, target_iters):
     """L-BFGS-B in this process; returns `(loss per iteration, secs per iteration)`."""
     import tensorflow as tf
 
-    from tf_distbelief import flat_params
+    from tf_distbelief.sandblaster import flat_params
 
     layout = flat_params.FlatLayout(model)
 
@@ -140,8 +140,10 @@ def main(argv):
     del argv
     import tf_keras
 
-    from tf_distbelief import cluster, lbfgs, sandblaster
+    from tf_distbelief import cluster
     from tf_distbelief import strategy as strategy_lib
+    from tf_distbelief.sandblaster import lbfgs
+    from tf_distbelief.sandblaster import trainer as sandblaster
 
     x, y = make_data(FLAGS.examples, FLAGS.features, FLAGS.seed)
     loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -22,7 +22,7 @@ the ps tasks, created by the strategy as usual.
 
 ```python
 from models import model_parallel
-from tf_distbelief import model_parallel as mp
+from tf_distbelief.model_parallel import devices as mp
 
 with strategy.scope():
     model = model_parallel.build_model("digits", mp.cpu_device_names(2), seed=0)
@@ -36,7 +36,10 @@ from collections.abc import Sequence
 import tf_keras
 
 from models import digits, speech
-from tf_distbelief import partitioned_dense, partitioned_locally_connected
+from tf_distbelief.model_parallel import dense as partitioned_dense
+from tf_distbelief.model_parallel import (
+    locally_connected as partitioned_locally_connected,
+)
 
 MODEL_NAMES = ("digits", "speech")
 IMAGE_SHAPE = (8, 8, 1)  # The digits' 64 pixels as rows, columns, channels.

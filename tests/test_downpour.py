@@ -7,8 +7,9 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import adagrad, downpour, downpour_schedule
+from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.downpour import schedule as downpour_schedule
 
 NUM_FEATURES, NUM_CLASSES, BATCH_SIZE, STEPS = 6, 3, 4, 12
 LEARNING_RATE = 0.1

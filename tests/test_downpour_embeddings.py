@@ -13,8 +13,10 @@ import tensorflow as tf
 import tf_keras
 
 from tests.helpers import loopback_bytes
-from tf_distbelief import adagrad, downpour, downpour_schedule, downpour_variables
+from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.downpour import schedule as downpour_schedule
+from tf_distbelief.downpour import variables as downpour_variables
 
 VOCAB, DIM, IDS, CLASSES, BATCH, STEPS = 20, 4, 3, 3, 4, 12
 LEARNING_RATE = 0.1

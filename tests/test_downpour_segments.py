@@ -15,7 +15,8 @@ from tests.test_downpour import (
     _softmax_model,
     _strategy,
 )
-from tf_distbelief import downpour, downpour_schedule
+from tf_distbelief import downpour
+from tf_distbelief.downpour import schedule as downpour_schedule
 
 
 def _segments(num_steps, steps_per_execution, n_fetch, n_push):

@@ -1,4 +1,4 @@
-"""Tests for tf_distbelief.lbfgs against independent NumPy/SciPy computations."""
+"""Tests for `sandblaster.lbfgs` against independent NumPy/SciPy computations."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import scipy.optimize
 
-from tf_distbelief import lbfgs
+from tf_distbelief.sandblaster import lbfgs
 
 
 def rosenbrock(x):

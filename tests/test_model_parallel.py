@@ -24,8 +24,11 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import cluster, model_parallel, partition_math, partitioned_dense
-from tf_distbelief import partitioned_locally_connected as plc
+from tf_distbelief import cluster
+from tf_distbelief.model_parallel import dense as partitioned_dense
+from tf_distbelief.model_parallel import devices as model_parallel
+from tf_distbelief.model_parallel import locally_connected as plc
+from tf_distbelief.model_parallel import partition_math
 
 _TOLERANCE = 1e-5
 _NUM_DEVICES = 4

@@ -24,8 +24,8 @@ import tf_keras
 
 from models import digits, model_parallel, speech
 from tf_distbelief import adagrad, downpour, training
-from tf_distbelief import model_parallel as mp
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.model_parallel import devices as mp
 
 NUM_WORKERS = 2
 NUM_PS = 3

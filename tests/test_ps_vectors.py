@@ -1,4 +1,4 @@
-"""Tests for tf_distbelief.ps_vectors on the shared local cluster (1 worker, 3 ps)."""
+"""Tests for `sandblaster.ps_vectors` on the shared local cluster (1 worker, 3 ps)."""
 
 import time
 
@@ -8,8 +8,8 @@ import scipy.optimize
 import sklearn.datasets
 import tensorflow as tf
 
-from tf_distbelief import lbfgs, ps_vectors
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.sandblaster import lbfgs, ps_vectors
 
 _NUM_WORKERS = 1
 _NUM_PS = 3

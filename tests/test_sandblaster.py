@@ -18,15 +18,11 @@ import tensorflow as tf
 import tf_keras
 
 import models.digits
-from tf_distbelief import (
-    flat_params,
-    lbfgs,
-    ps_vectors,
-    sandblaster,
-    sandblaster_portion,
-)
-from tf_distbelief import sandblaster_schedule as schedule_lib
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.sandblaster import flat_params, lbfgs, ps_vectors
+from tf_distbelief.sandblaster import portion as sandblaster_portion
+from tf_distbelief.sandblaster import schedule as schedule_lib
+from tf_distbelief.sandblaster import trainer as sandblaster
 
 # Exactly representable in float32, so tf_keras's float32 regularisation
 # constant equals the NumPy reference's: kernel penalty `L2 * sum(W ** 2)`.

@@ -18,16 +18,13 @@ from absl import logging
 
 import models
 import models.model_parallel
-from tf_distbelief import (
-    adagrad,
-    cluster,
-    downpour,
-    downpour_schedule,
-    model_parallel,
-    sandblaster,
-    training,
-)
+from tf_distbelief import cluster, training
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.adagrad import optimizer as adagrad
+from tf_distbelief.downpour import replica as downpour
+from tf_distbelief.downpour import schedule as downpour_schedule
+from tf_distbelief.model_parallel import devices as model_parallel
+from tf_distbelief.sandblaster import trainer as sandblaster
 
 MODELS = tuple(models.MODELS)
 OPTIMIZERS = ("adagrad", "sgd", "lbfgs")

@@ -10,7 +10,8 @@ why fully connected layers gain least from model parallelism.
 ```python
 import tensorflow as tf
 import tf_keras
-from tf_distbelief import model_parallel, partitioned_dense
+from tf_distbelief.model_parallel import devices as model_parallel
+from tf_distbelief.model_parallel import dense as partitioned_dense
 
 model_parallel.configure_logical_cpus(4)  # Before TensorFlow initialises.
 reference = tf_keras.layers.Dense(10)
@@ -30,7 +31,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import model_parallel, partition_math
+from tf_distbelief.model_parallel import devices as model_parallel
+from tf_distbelief.model_parallel import partition_math
 
 __all__ = ["PartitionedDense"]
 

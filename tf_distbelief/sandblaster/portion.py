@@ -24,7 +24,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python.data.experimental.ops import testing as data_testing
 
-from tf_distbelief import flat_params
+from tf_distbelief.sandblaster import flat_params
 
 __all__ = ["build_portion_function", "per_example_loss", "reduce_slots"]
 

@@ -3,7 +3,7 @@
 In Sandblaster L-BFGS the coordinator "never holds the parameters": it issues
 vector operations that every parameter-server shard performs on its own slice,
 and a dot product is the sum of the shards' partial dot products. `PsVectorOps`
-is that backend for `tf_distbelief.lbfgs`: a vector is a `PsVector`, a float64
+is that backend for `sandblaster.lbfgs`: a vector is a `PsVector`, a float64
 vector cut into contiguous shards, each a `tf.Variable` on a `ps` task; every
 operation is one `tf.function` call whose per-shard ops are pinned to the shard's
 own device, and only python floats (`dot`) come back to the coordinator.
@@ -27,7 +27,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import lbfgs
+from tf_distbelief.sandblaster import lbfgs
 
 __all__ = ["PsVector", "PsVectorOps", "shard_sizes"]
 

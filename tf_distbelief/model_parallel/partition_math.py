@@ -10,9 +10,9 @@ the whole input.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-import tensorflow as tf
 
 __all__ = [
     "dense_cross_partition_bytes",
@@ -24,6 +24,15 @@ __all__ = [
     "read_input_indices",
     "split_bounds",
 ]
+
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes of one element of `dtype`: a `tf.DType` (its `size`), a NumPy
+    dtype or a name such as "float32"; no TensorFlow import needed."""
+    size = getattr(dtype, "size", None)
+    if isinstance(size, int):
+        return size
+    return np.dtype(dtype).itemsize
 
 
 def split_bounds(size: int, num_parts: int, name: str = "num_parts") -> list[int]:
@@ -144,7 +153,7 @@ def locally_connected_block_halo_bytes(
     kernel_size: Sequence[int],
     strides: Sequence[int],
     partition_grid: Sequence[int],
-    dtype: tf.dtypes.DType | str = tf.float32,
+    dtype: Any = "float32",
 ) -> int:
     """Bytes one forward pass moves into a layer whose input arrives in blocks.
 
@@ -207,7 +216,7 @@ def locally_connected_block_halo_bytes(
     per_row = _needed_and_held_1d(out_rows, strides[0], kernel_size[0], input_bounds[0])
     per_col = _needed_and_held_1d(out_cols, strides[1], kernel_size[1], input_bounds[1])
     elements = sum(nr * nc - hr * hc for nr, hr in per_row for nc, hc in per_col)
-    return elements * batch * channels * tf.as_dtype(dtype).size
+    return elements * batch * channels * _itemsize(dtype)
 
 
 def locally_connected_halo_bytes(
@@ -215,7 +224,7 @@ def locally_connected_halo_bytes(
     kernel_size: Sequence[int],
     strides: Sequence[int],
     partition_grid: Sequence[int],
-    dtype: tf.dtypes.DType | str = tf.float32,
+    dtype: Any = "float32",
 ) -> int:
     """Bytes of halo one forward pass moves between spatial partitions.
 
@@ -265,7 +274,7 @@ def dense_cross_partition_bytes(
     batch_size: int,
     input_units: int,
     num_partitions: int,
-    dtype: tf.dtypes.DType | str = tf.float32,
+    dtype: Any = "float32",
 ) -> int:
     """Bytes one forward pass of a column-partitioned dense layer moves.
 
@@ -293,7 +302,7 @@ def dense_cross_partition_bytes(
             f"Argument `num_partitions` must be >= 1. Received: {num_partitions}"
         )
     elements = (num_partitions - 1) * batch_size * input_units
-    return elements * tf.as_dtype(dtype).size
+    return elements * _itemsize(dtype)
 
 
 def locally_connected_scatter_gather_bytes(
@@ -302,7 +311,7 @@ def locally_connected_scatter_gather_bytes(
     strides: Sequence[int],
     partition_grid: Sequence[int],
     filters: int,
-    dtype: tf.dtypes.DType | str = tf.float32,
+    dtype: Any = "float32",
     *,
     input_whole: bool = True,
     output_whole: bool = True,
@@ -346,14 +355,14 @@ def locally_connected_scatter_gather_bytes(
     scatter = (rows * cols - own_rows * own_cols) * channels
     gather = (row_bounds[-1] * col_bounds[-1] - row_bounds[1] * col_bounds[1]) * filters
     elements = scatter * input_whole + gather * output_whole
-    return elements * batch * tf.as_dtype(dtype).size
+    return elements * batch * _itemsize(dtype)
 
 
 def dense_gather_bytes(
     batch_size: int,
     units: int,
     num_partitions: int,
-    dtype: tf.dtypes.DType | str = tf.float32,
+    dtype: Any = "float32",
 ) -> int:
     """Bytes a column-partitioned dense layer moves to concatenate its output.
 
@@ -376,4 +385,4 @@ def dense_gather_bytes(
       ValueError: if `num_partitions` is out of range.
     """
     bounds = split_bounds(units, num_partitions, "num_partitions")
-    return batch_size * (units - bounds[1]) * tf.as_dtype(dtype).size
+    return batch_size * (units - bounds[1]) * _itemsize(dtype)

@@ -11,11 +11,12 @@ and gives weights in the same layout, so weights can be copied between them:
 ```python
 import tensorflow as tf
 import tf_keras
-from tf_distbelief import model_parallel, partitioned_locally_connected
+from tf_distbelief.model_parallel import devices as model_parallel
+from tf_distbelief.model_parallel import locally_connected
 
 model_parallel.configure_logical_cpus(4)  # Before TensorFlow initialises.
 reference = tf_keras.layers.LocallyConnected2D(8, 3)
-layer = partitioned_locally_connected.PartitionedLocallyConnected2D(
+layer = locally_connected.PartitionedLocallyConnected2D(
     8, 3, num_partitions=4
 )  # 7 output rows: blocks of 2, 2, 2 and 1.
 x = tf.random.normal([2, 9, 9, 3])
@@ -53,7 +54,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import model_parallel, partition_math
+from tf_distbelief.model_parallel import devices as model_parallel
+from tf_distbelief.model_parallel import partition_math
 
 __all__ = ["PartitionedLocallyConnected2D", "local_conv_valid"]
 

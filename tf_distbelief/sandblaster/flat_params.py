@@ -1,7 +1,7 @@
 """A tf_keras model's trainable weights as one flat float64 vector.
 
 Sandblaster L-BFGS (Dean et al. 2012, section 4.2) optimises one parameter
-vector that lives sharded on the parameter servers (`tf_distbelief.ps_vectors`),
+vector that lives sharded on the parameter servers (`sandblaster.ps_vectors`),
 while the model is ordinary tf_keras code. This module maps between the two:
 
 * `FlatLayout` records each weight's shape, dtype and offset in the vector,

@@ -251,7 +251,7 @@ def adagrad_ps(
     epsilon)` (`DownpourConfig.adagrad_accumulator`).
     """
 
-    from tf_distbelief import adagrad
+    from tf_distbelief.adagrad import rule as adagrad
 
     def init(params):
         return [np.full_like(p, initial_accumulator_value) for p in params]

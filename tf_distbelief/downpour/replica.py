@@ -1,6 +1,6 @@
 """Downpour SGD on `DistBeliefStrategy` (Dean et al. 2012, section 4.1).
 
-The step order is defined in `tf_distbelief.downpour_schedule` (with a NumPy
+The step order is defined in `tf_distbelief.downpour.schedule` (with a NumPy
 reference); this module runs it on a parameter-server cluster:
 
 * every ps variable is a `downpour_variables.DownpourVariable` (see `enable`),
@@ -46,9 +46,10 @@ from typing import NamedTuple
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import adagrad, downpour_variables
-from tf_distbelief.downpour_schedule import DownpourConfig, ReplicaStats
-from tf_distbelief.downpour_variables import enable
+from tf_distbelief.adagrad import optimizer as adagrad
+from tf_distbelief.downpour import variables as downpour_variables
+from tf_distbelief.downpour.schedule import DownpourConfig, ReplicaStats
+from tf_distbelief.downpour.variables import enable
 
 __all__ = [
     "Downpour",

@@ -22,33 +22,6 @@ import tensorflow as tf
 import tf_keras
 
 
-def adagrad_update(
-    value, accumulator, grad, learning_rate, epsilon, steps=1, squares=None
-):
-    """The pure AdaGrad update of the module docstring (NumPy or TF tensors).
-
-    Args:
-      value: the parameters `w_{K-1}`, any shape.
-      accumulator: `a_{K-1}`, the same shape.
-      grad: `g_K`, the same shape; with `steps > 1`, the sum of `steps`
-        gradients (see `Adagrad.apply_summed_gradient`).
-      learning_rate: `gamma`, a scalar.
-      epsilon: a scalar >= 0.
-      steps: the gradients summed in `grad`, >= 1; the accumulator grows by
-        `grad^2 / steps`.
-      squares: None, or the sum of the squares of the gradients summed in
-        `grad` (the same shape): the accumulator grows by it instead.
-
-    Returns:
-      `(w_K, a_K)`.
-    """
-    if squares is None:
-        squares = grad * grad / steps
-    accumulator = accumulator + squares
-    sqrt = np.sqrt if isinstance(accumulator, np.ndarray) else tf.sqrt
-    return value - learning_rate * grad / (sqrt(accumulator) + epsilon), accumulator
-
-
 def _apply_fused(variable, accumulator, gradient, lr, epsilon, update_slots):
     """`ResourceApplyAdagradV2` on the variable's device; with `update_slots`
     False it reads the accumulator without growing it by `gradient^2`."""

@@ -1,4 +1,4 @@
-"""Entry point of a ps or worker task: `python -m tf_distbelief.server_main`.
+"""Entry point of a ps or worker task: `python -m tf_distbelief.cluster.server_main`.
 
 The task reads its role from `TF_CONFIG` (see `tf_distbelief.cluster`) and serves
 until SIGTERM. The launch script dispatches here too when `TF_CONFIG` names a ps
@@ -7,7 +7,7 @@ or worker task.
 
 from absl import app, flags
 
-from tf_distbelief import cluster
+from tf_distbelief.cluster import config, server
 
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", 1, "CPU devices the server exposes.", lower_bound=1
@@ -26,8 +26,8 @@ _READY_FILE = flags.DEFINE_string(
 
 def main(argv):
     del argv
-    cluster.run_server(
-        cluster.resolve_cluster(),
+    server.run_server(
+        config.resolve_cluster(),
         cpu_devices=_CPU_DEVICES.value,
         chief_gone_secs=_CHIEF_GONE_SECS.value,
         ready_file=_READY_FILE.value,

@@ -7,13 +7,13 @@ the parts that need no layer: which devices a replica can be split over and how 
 keep a partition's forward and backward ops on its device. A `tf.distribute.Server`
 exposes several CPU devices when started with `tf_distbelief.cluster.server_config`
 (`LocalCluster(..., cpu_devices_per_worker=k)`). How sizes split and how many
-bytes cross partitions is pure arithmetic, in `tf_distbelief.partition_math`. The
+bytes cross partitions is pure arithmetic, in `model_parallel.partition_math`. The
 layers are in `partitioned_locally_connected` and `partitioned_dense`.
 
 Example, in a plain process before TensorFlow initialises:
 
 ```python
-from tf_distbelief import model_parallel
+from tf_distbelief.model_parallel import devices as model_parallel
 
 model_parallel.configure_logical_cpus(4)
 model_parallel.replica_devices()

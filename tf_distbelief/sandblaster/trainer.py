@@ -1,7 +1,7 @@
 """Sandblaster L-BFGS on a parameter-server cluster (Dean et al. 2012, §4.2).
 
-The coordinator (this process, the `chief`) runs `tf_distbelief.lbfgs.minimize`
-on vectors that live sharded on the ps tasks (`tf_distbelief.ps_vectors`): it
+The coordinator (this process, the `chief`) runs `sandblaster.lbfgs.minimize`
+on vectors that live sharded on the ps tasks (`sandblaster.ps_vectors`): it
 holds python floats only, never a parameter-sized vector. One objective
 evaluation at a point `x`:
 
@@ -18,7 +18,7 @@ evaluation at a point `x`:
 3. A portion computes `sum_i loss_i / N + (n_p / N) * regularisation` over its
    `n_p` examples and the gradient of that with respect to the flat parameters
    (`tf.GradientTape` on the tf_keras model, its weights read as slices of the
-   cached vector, `tf_distbelief.flat_params`), writes the gradient into a
+   cached vector, `tf_distbelief.sandblaster.flat_params`), writes the gradient into a
    gradient *slot* on the ps and returns the scalar loss share.
 4. Backup tasks: once no portion is queued (a worker is idle) and portions are
    still running, the coordinator schedules one more copy of each outstanding
@@ -66,9 +66,9 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import flat_params, lbfgs, ps_vectors
-from tf_distbelief import sandblaster_portion as portion_lib
-from tf_distbelief import sandblaster_schedule as schedule_lib
+from tf_distbelief.sandblaster import flat_params, lbfgs, ps_vectors
+from tf_distbelief.sandblaster import portion as portion_lib
+from tf_distbelief.sandblaster import schedule as schedule_lib
 
 __all__ = ["SandblasterObjective", "SandblasterStats", "SandblasterTrainer"]
 

@@ -1,0 +1,35 @@
+"""The cluster: configuration (`config`), a task's server (`server`), and the
+local cluster of child processes (`local`).
+
+The public names are re-exported here; `server_main` is the child tasks'
+entry point (`python -m tf_distbelief.cluster.server_main`).
+"""
+
+from tf_distbelief.cluster.config import (
+    ALLOWED_JOBS,
+    SERVER_JOBS,
+    ClusterConfigError,
+    ClusterStartError,
+    resolve_cluster,
+    training_cluster_resolver,
+    validate_cluster,
+)
+from tf_distbelief.cluster.local import (
+    DEFAULT_START_TIMEOUT_SECS,
+    LocalCluster,
+)
+from tf_distbelief.cluster.server import run_server, server_config
+
+__all__ = [
+    "ALLOWED_JOBS",
+    "DEFAULT_START_TIMEOUT_SECS",
+    "SERVER_JOBS",
+    "ClusterConfigError",
+    "ClusterStartError",
+    "LocalCluster",
+    "resolve_cluster",
+    "run_server",
+    "server_config",
+    "training_cluster_resolver",
+    "validate_cluster",
+]

@@ -1,0 +1,227 @@
+"""Cluster configuration: `TF_CONFIG`, validation and the resolver.
+
+This is the only module that reads `TF_CONFIG`. It follows TensorFlow's layout for
+parameter-server training (`tf.distribute.experimental.ParameterServerStrategy`):
+
+* `chief`: the coordinator (Dean et al. 2012, section 4: it schedules work; in
+  Sandblaster it also drives the optimizer). It runs the training program.
+* `worker`: a model replica. It runs `tf.distribute.Server` and executes the
+  functions the coordinator schedules on it.
+* `ps`: a parameter-server shard. It runs `tf.distribute.Server` and holds a slice
+  of every sharded variable.
+* `evaluator` (optional): a side-car that reads checkpoints; training never
+  contacts it, so it is removed from the cluster the strategy connects to.
+
+With no `TF_CONFIG` and no explicit resolver, `tf_distbelief.cluster.local`
+starts the ps and worker tasks as child processes on free 127.0.0.1 ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+ALLOWED_JOBS = ("chief", "worker", "ps", "evaluator")
+SERVER_JOBS = ("worker", "ps")
+_TF_CONFIG = "TF_CONFIG"
+
+
+class ClusterConfigError(ValueError):
+    """A cluster configuration (`TF_CONFIG` or a resolver) is invalid."""
+
+
+class ClusterStartError(RuntimeError):
+    """A ps or worker task failed to start or died."""
+
+
+def _normalize_job(job: str, tasks: Any) -> dict[int, str]:
+    """Returns `{task_index: "host:port"}` for a job given as a list or a dict."""
+    if isinstance(tasks, (list, tuple)):
+        items = enumerate(tasks)
+    elif isinstance(tasks, Mapping):
+        items = []
+        for key, address in tasks.items():
+            try:
+                index = int(key)
+            except (TypeError, ValueError):
+                raise ClusterConfigError(
+                    f"Task index {key!r} of job `{job}` is not an integer. A sparse "
+                    'job is a JSON object with integer keys, e.g. {"1": '
+                    '"127.0.0.1:2223"}.'
+                ) from None
+            if index < 0:
+                raise ClusterConfigError(
+                    f"Task index {index} of job `{job}` is negative; task indices "
+                    "are >= 0."
+                )
+            items.append((index, address))
+    else:
+        raise ClusterConfigError(
+            f"Job `{job}` must be a list of 'host:port' strings or an object "
+            f"mapping task index to 'host:port'. Received: {tasks!r}"
+        )
+    result = {}
+    for index, address in items:
+        if not isinstance(address, str) or address.rpartition(":")[2] == "":
+            raise ClusterConfigError(
+                f"Address of task {job}:{index} must be a 'host:port' string. "
+                f"Received: {address!r}"
+            )
+        result[index] = address
+    return result
+
+
+def validate_cluster(
+    cluster: Any, task_type: str | None, task_id: int | None
+) -> dict[str, dict[int, str]]:
+    """Validates a cluster description and the current task.
+
+    Args:
+      cluster: `{job: ["host:port", ...]}` or `{job: {"index": "host:port"}}`,
+        as in the `cluster` field of `TF_CONFIG`.
+      task_type: this process's job (`chief`, `worker`, `ps`, `evaluator`), or
+        None for a process outside the cluster.
+      task_id: this process's index within its job, or None.
+
+    Returns:
+      The cluster as `{job: {task_index: "host:port"}}`, jobs without tasks
+      dropped.
+
+    Raises:
+      ClusterConfigError: an unknown job name, a task type not in the cluster, a
+        task index out of range (negative included), no `ps` or no `worker`
+        task, more than one `chief`, or the same host:port used twice.
+    """
+    if not isinstance(cluster, Mapping) or not cluster:
+        raise ClusterConfigError(
+            "The cluster must be a non-empty object mapping job names "
+            f"({', '.join(ALLOWED_JOBS)}) to task addresses. Received: {cluster!r}"
+        )
+    unknown = sorted(job for job in cluster if job not in ALLOWED_JOBS)
+    if unknown:
+        raise ClusterConfigError(
+            f"Unknown job name(s) {unknown} in the cluster; allowed job names are "
+            f"{', '.join(ALLOWED_JOBS)}. For example use `worker` and `ps`, not "
+            "`worker_hosts` and `ps_hosts`."
+        )
+    jobs = {job: _normalize_job(job, tasks) for job, tasks in cluster.items()}
+    jobs = {job: tasks for job, tasks in jobs.items() if tasks}
+    for job in SERVER_JOBS:
+        if job not in jobs:
+            raise ClusterConfigError(
+                f"The cluster has no `{job}` task; parameter-server training needs "
+                f"at least one `ps` and one `worker`. Jobs received: {sorted(jobs)}"
+            )
+    for job in ("chief", "evaluator"):
+        if len(jobs.get(job, {})) > 1:
+            raise ClusterConfigError(
+                f"The cluster has {len(jobs[job])} `{job}` tasks; at most 1 is allowed."
+            )
+    seen: dict[str, str] = {}
+    for job, tasks in jobs.items():
+        for index, address in sorted(tasks.items()):
+            if address in seen:
+                raise ClusterConfigError(
+                    f"Address {address} is used twice: by {seen[address]} and by "
+                    f"{job}:{index}. Every task needs its own host:port."
+                )
+            seen[address] = f"{job}:{index}"
+    if task_type is not None:
+        if task_type not in ALLOWED_JOBS:
+            raise ClusterConfigError(
+                f"Task type {task_type!r} is not a known job; allowed are "
+                f"{', '.join(ALLOWED_JOBS)}."
+            )
+        if task_type not in jobs:
+            raise ClusterConfigError(
+                f"Task type `{task_type}` is not in the cluster, whose jobs are "
+                f"{sorted(jobs)}."
+            )
+        if not isinstance(task_id, int) or isinstance(task_id, bool):
+            raise ClusterConfigError(
+                f"Task index of `{task_type}` must be an integer. Received: {task_id!r}"
+            )
+        if task_id not in jobs[task_type]:
+            raise ClusterConfigError(
+                f"Task index {task_id} is out of range for job `{task_type}`, "
+                f"whose task indices are {sorted(jobs[task_type])}."
+            )
+    return jobs
+
+
+def make_resolver(jobs, task_type, task_id, rpc_layer="grpc"):
+    import tensorflow as tf
+
+    cluster_spec = tf.train.ClusterSpec(jobs)
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        cluster_spec, task_type=task_type, task_id=task_id, rpc_layer=rpc_layer
+    )
+
+
+def resolve_cluster(cluster_resolver=None):
+    """Returns the validated cluster to train on, or None for a local cluster.
+
+    An explicit `cluster_resolver` wins over `TF_CONFIG`. `TF_CONFIG` is parsed
+    here, validated with `validate_cluster`, and turned into a TensorFlow
+    `SimpleClusterResolver` (sparse jobs with string keys are normalised, which
+    `TFConfigClusterResolver` does not do).
+
+    Args:
+      cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`, or
+        None to read `TF_CONFIG`.
+
+    Returns:
+      A `tf.distribute.cluster_resolver.ClusterResolver`, or None when neither a
+      resolver nor `TF_CONFIG` is given.
+
+    Raises:
+      ClusterConfigError: `TF_CONFIG` is not valid JSON, lacks `cluster`, or the
+        cluster fails `validate_cluster`.
+    """
+    if cluster_resolver is not None:
+        spec = cluster_resolver.cluster_spec().as_dict()
+        task_type = cluster_resolver.task_type
+        task_id = cluster_resolver.task_id
+        jobs = validate_cluster(spec, task_type, task_id)
+        return make_resolver(
+            jobs, task_type, task_id, cluster_resolver.rpc_layer or "grpc"
+        )
+    text = os.environ.get(_TF_CONFIG, "").strip()
+    if not text:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ClusterConfigError(
+            f"`TF_CONFIG` is not valid JSON ({e.msg} at line {e.lineno} column "
+            f"{e.colno}). Received: {text[:200]!r}"
+        ) from None
+    if not isinstance(config, dict) or "cluster" not in config:
+        raise ClusterConfigError(
+            "`TF_CONFIG` must be a JSON object with a `cluster` field and a `task` "
+            f"field. Received: {text[:200]!r}"
+        )
+    task = config.get("task", {})
+    if not isinstance(task, dict):
+        raise ClusterConfigError(
+            f'`TF_CONFIG` field `task` must be {{"type": ..., "index": ...}}. '
+            f"Received: {task!r}"
+        )
+    task_type = task.get("type")
+    task_id = task.get("index", 0 if task_type else None)
+    jobs = validate_cluster(config["cluster"], task_type, task_id)
+    return make_resolver(jobs, task_type, task_id, config.get("rpc_layer", "grpc"))
+
+
+def training_cluster_resolver(cluster_resolver):
+    """Returns `cluster_resolver` without the `evaluator` job (never contacted)."""
+    jobs = cluster_resolver.cluster_spec().as_dict()
+    jobs.pop("evaluator", None)
+    task_type = cluster_resolver.task_type
+    if task_type == "evaluator":
+        task_type = None
+    return make_resolver(
+        jobs, task_type, cluster_resolver.task_id, cluster_resolver.rpc_layer
+    )

@@ -1,0 +1,313 @@
+"""The local cluster: ps and worker tasks as child processes on 127.0.0.1.
+
+The embedded default when there is no `TF_CONFIG`: the calling process becomes
+the chief, the tasks run `python -m tf_distbelief.cluster.server_main`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+
+import portpicker
+
+from tf_distbelief.cluster import config as config_lib
+from tf_distbelief.cluster import server as server_lib
+
+# A child server imports TensorFlow (4-5 s on this class of machine) before it
+# listens; 120 s leaves room for a loaded 2-core machine starting 4 of them.
+DEFAULT_START_TIMEOUT_SECS = 120.0
+# SIGTERM ends a TF server in about 2 s; after this we SIGKILL.
+_TERMINATE_GRACE_SECS = 10.0
+_POLL_SECS = 0.1
+
+
+class LocalCluster:
+    """ps and worker tasks as child processes on free 127.0.0.1 ports.
+
+    The embedded default cluster: the calling process becomes the chief. Child
+    processes die with the chief (`PR_SET_PDEATHSIG`) and are ended by `stop()`,
+    by leaving the `with` block, and at interpreter exit, so no process is left
+    behind.
+
+    Example:
+      ```
+      with LocalCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = tf_distbelief.DistBeliefStrategy(cluster.resolver)
+      ```
+
+    Args:
+      num_workers: worker tasks (model replicas), >= 1.
+      num_ps: ps tasks (parameter shards), >= 1.
+      cpu_devices_per_worker: CPU devices each worker server exposes, >= 1.
+      start_timeout_secs: how long to wait for all tasks to listen.
+      log_dir: where task logs go; a temporary folder by default.
+      ports: optional fixed ports, `{"chief": [p], "worker": [p, ...], "ps":
+        [...]}`; jobs left out get free ports from portpicker.
+
+    Raises:
+      ValueError: a count is not a positive integer.
+      ClusterStartError: a task died or did not listen in time (its log tail is
+        in the message).
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        num_ps: int = 1,
+        cpu_devices_per_worker: int = 1,
+        start_timeout_secs: float = DEFAULT_START_TIMEOUT_SECS,
+        log_dir: str | None = None,
+        ports: Mapping[str, list[int]] | None = None,
+    ):
+        for name, value in (
+            ("num_workers", num_workers),
+            ("num_ps", num_ps),
+            ("cpu_devices_per_worker", cpu_devices_per_worker),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"Argument `{name}` must be a positive integer. Received: {value!r}"
+                )
+        if not start_timeout_secs > 0:
+            raise ValueError(
+                "Argument `start_timeout_secs` must be positive. Received: "
+                f"{start_timeout_secs!r}"
+            )
+        counts = {"chief": 1, "worker": num_workers, "ps": num_ps}
+        ports = dict(ports or {})
+        for job, job_ports in ports.items():
+            if job not in counts or len(job_ports) != counts[job]:
+                raise ValueError(
+                    f"Argument `ports` must map chief/worker/ps to as many ports as "
+                    f"tasks ({counts}). Received: {job!r}: {job_ports!r}"
+                )
+        self._ports = ports
+        self.num_workers = num_workers
+        self.num_ps = num_ps
+        self.cpu_devices_per_worker = cpu_devices_per_worker
+        self.start_timeout_secs = start_timeout_secs
+        self._log_dir = log_dir or tempfile.mkdtemp(prefix="tf_distbelief_cluster_")
+        self.jobs: dict[str, list[str]] = {}
+        self.processes: dict[tuple[str, int], subprocess.Popen] = {}
+        self.resolver = None
+
+    def _spawn(self, job: str, index: int) -> subprocess.Popen:
+        tf_config = json.dumps(
+            {"cluster": self.jobs, "task": {"type": job, "index": index}}
+        )
+        env = dict(os.environ, TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL="2")
+        devices = self.cpu_devices_per_worker if job == "worker" else 1
+        log = open(os.path.join(self._log_dir, f"{job}_{index}.log"), "ab")
+        ready = self._ready_file(job, index)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(ready)
+        try:
+            return subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tf_distbelief.cluster.server_main",
+                    f"--cpu_devices={devices}",
+                    f"--ready_file={ready}",
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=server_lib.set_parent_death_signal,
+            )
+        finally:
+            log.close()
+
+    def _ready_file(self, job: str, index: int) -> str:
+        return os.path.join(self._log_dir, f"{job}_{index}.ready")
+
+    def log_tail(self, job: str, index: int, num_bytes: int = 2000) -> str:
+        """Returns the last `num_bytes` of a task's log."""
+        path = os.path.join(self._log_dir, f"{job}_{index}.log")
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - num_bytes))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def start(self) -> LocalCluster:
+        """Starts every task and waits until all listen.
+
+        Returns:
+          self, with `resolver` set to the chief's ClusterResolver.
+
+        Raises:
+          ClusterStartError: see the class docstring.
+        """
+        ports = {
+            job: self._ports.get(job)
+            or [portpicker.pick_unused_port() for _ in range(count)]
+            for job, count in (
+                ("chief", 1),
+                ("worker", self.num_workers),
+                ("ps", self.num_ps),
+            )
+        }
+        self.jobs = {
+            job: [f"127.0.0.1:{p}" for p in job_ports]
+            for job, job_ports in ports.items()
+        }
+        _register_live(self)
+        for job in ("ps", "worker"):
+            for index in range(len(self.jobs[job])):
+                self.processes[(job, index)] = self._spawn(job, index)
+        try:
+            self._wait_listening()
+        except BaseException:
+            self.stop()
+            raise
+        self.resolver = config_lib.make_resolver(
+            {job: dict(enumerate(a)) for job, a in self.jobs.items()}, "chief", 0
+        )
+        return self
+
+    def resolver_for(self, num_workers: int | None = None, num_ps: int | None = None):
+        """Returns a chief resolver for the first `num_workers` workers and `num_ps` ps.
+
+        Each call names a new, free chief port: in TF 2.21 a process that
+        reconnects with a different cluster spec starts a new chief server, which
+        cannot bind the port of the one before (servers never shut down). Tests
+        use this to share one cluster among strategies of different sizes.
+
+        Args:
+          num_workers: workers to include (all by default), 1..`self.num_workers`.
+          num_ps: ps tasks to include (all by default), 1..`self.num_ps`.
+
+        Returns:
+          A `tf.distribute.cluster_resolver.SimpleClusterResolver` of task `chief`.
+
+        Raises:
+          ValueError: a count out of range.
+        """
+        num_workers = self.num_workers if num_workers is None else num_workers
+        num_ps = self.num_ps if num_ps is None else num_ps
+        for name, value, most in (
+            ("num_workers", num_workers, self.num_workers),
+            ("num_ps", num_ps, self.num_ps),
+        ):
+            if not 1 <= value <= most:
+                raise ValueError(
+                    f"Argument `{name}` must be in [1, {most}]. Received: {value}"
+                )
+        jobs = {
+            "chief": {0: f"127.0.0.1:{portpicker.pick_unused_port()}"},
+            "worker": dict(enumerate(self.jobs["worker"][:num_workers])),
+            "ps": dict(enumerate(self.jobs["ps"][:num_ps])),
+        }
+        return config_lib.make_resolver(jobs, "chief", 0)
+
+    def restart(self, job: str, index: int) -> None:
+        """Ends one task if it runs, starts it again on its address, waits for it.
+
+        A restarted worker rejoins the coordinator within seconds (TensorFlow
+        reconnects to the same address).
+        """
+        proc = self.processes[(job, index)]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self.processes[(job, index)] = self._spawn(job, index)
+        self._wait_listening({(job, index): self.processes[(job, index)]})
+
+    def _wait_listening(self, pending=None) -> None:
+        deadline = time.monotonic() + self.start_timeout_secs
+        pending = dict(pending or self.processes)
+        while pending:
+            for (job, index), proc in list(pending.items()):
+                address = self.jobs[job][index]
+                if proc.poll() is not None:
+                    tail = self.log_tail(job, index)
+                    hint = (
+                        f" (port {server_lib.port_of(address)} is already in use)"
+                        if "already in use" in tail.lower()
+                        or "failed to add port" in tail.lower()
+                        else ""
+                    )
+                    raise config_lib.ClusterStartError(
+                        f"Local task {job}:{index} at {address} exited with code "
+                        f"{proc.returncode} before listening{hint}. Log tail:\n{tail}"
+                    )
+                if os.path.exists(self._ready_file(job, index)):
+                    del pending[(job, index)]
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(f"{j}:{i}" for j, i in sorted(pending))
+                raise config_lib.ClusterStartError(
+                    f"Local tasks {names} did not listen within "
+                    f"{self.start_timeout_secs:g} s (`start_timeout_secs`)."
+                )
+            time.sleep(_POLL_SECS)
+
+    def kill(self, job: str, index: int, sig: int = signal.SIGKILL) -> None:
+        """Sends `sig` to one task (for fault-tolerance tests)."""
+        self.processes[(job, index)].send_signal(sig)
+
+    def stop(self) -> None:
+        """Ends every task: SIGTERM, then SIGKILL after a grace period."""
+        _LIVE_CLUSTERS.discard(self)
+        procs = [p for p in self.processes.values() if p.poll() is None]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+        deadline = time.monotonic() + _TERMINATE_GRACE_SECS
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+_LIVE_CLUSTERS: set[LocalCluster] = set()
+_CLEANUP_INSTALLED = False
+
+
+def _stop_live_clusters() -> None:
+    for cluster in list(_LIVE_CLUSTERS):
+        cluster.stop()
+
+
+def _register_live(cluster: LocalCluster) -> None:
+    """Stops `cluster` at interpreter exit and on SIGTERM of this (chief) process."""
+    global _CLEANUP_INSTALLED
+    _LIVE_CLUSTERS.add(cluster)
+    if _CLEANUP_INSTALLED:
+        return
+    import atexit
+
+    atexit.register(_stop_live_clusters)
+    _CLEANUP_INSTALLED = True
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def _on_sigterm(signum, frame):
+        _stop_live_clusters()
+        if callable(previous):
+            previous(signum, frame)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _on_sigterm)

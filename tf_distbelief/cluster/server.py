@@ -1,0 +1,147 @@
+"""A ps or worker task's server process (`tf.distribute.Server`).
+
+`run_server` serves this process's task until SIGTERM (or until the chief has
+been gone `chief_gone_secs`); `server_config` is the `ConfigProto` every server
+starts with (CPU devices for model parallelism, inter-op threads).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+from tf_distbelief.cluster import config as config_lib
+
+_POLL_SECS = 0.1
+
+
+def server_config(cpu_devices: int = 1, inter_op_threads: int = 0):
+    """Returns the `tf.compat.v1.ConfigProto` a ps or worker server starts with.
+
+    Args:
+      cpu_devices: CPU devices the server exposes (`/device:CPU:0..n-1`). Model
+        parallelism on CPUs needs more than 1; logical devices configured in the
+        process are not seen by a `tf.distribute.Server`.
+      inter_op_threads: the inter-op thread pool size, 0 for TensorFlow's default.
+
+    Returns:
+      A `tf.compat.v1.ConfigProto`.
+    """
+    import tensorflow as tf
+
+    return tf.compat.v1.ConfigProto(
+        device_count={"CPU": cpu_devices},
+        inter_op_parallelism_threads=inter_op_threads,
+    )
+
+
+def port_of(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
+def host_of(address: str) -> str:
+    return address.rpartition(":")[0].strip("[]")
+
+
+def is_listening(address: str) -> bool:
+    try:
+        with socket.create_connection((host_of(address), port_of(address)), 0.5):
+            return True
+    except OSError:
+        return False
+
+
+def run_server(
+    cluster_resolver,
+    cpu_devices: int = 1,
+    chief_gone_secs: float | None = None,
+    ready_file: str | None = None,
+) -> None:
+    """Runs this process's ps or worker task until SIGTERM/SIGINT, then exits 0.
+
+    TensorFlow servers never exit by themselves. Besides SIGTERM, a task can end
+    when the coordinator is done: with `chief_gone_secs` set, the task exits once
+    the chief's port, after having been seen listening, has refused connections
+    for that many seconds (a restarted chief within that time keeps the cluster).
+
+    Args:
+      cluster_resolver: a resolver whose task type is `ps` or `worker`.
+      cpu_devices: CPU devices this server exposes (see `server_config`).
+      chief_gone_secs: seconds without a listening chief before exiting, or None
+        to serve until a signal.
+      ready_file: a path written once the server listens (how `LocalCluster`
+        knows the task is up), or None.
+
+    Raises:
+      ClusterConfigError: the task type is not `ps` or `worker`.
+      ClusterStartError: the server could not listen on its address.
+    """
+    import tensorflow as tf
+
+    task_type = cluster_resolver.task_type
+    if task_type not in config_lib.SERVER_JOBS:
+        raise config_lib.ClusterConfigError(
+            f"Only `ps` and `worker` tasks run a server. Received task type "
+            f"{task_type!r}."
+        )
+    spec = config_lib.training_cluster_resolver(cluster_resolver).cluster_spec()
+    stop = threading.Event()
+
+    def _on_signal(signum, frame):
+        del frame
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    address = spec.task_address(task_type, cluster_resolver.task_id)
+    try:
+        tf.distribute.Server(
+            spec,
+            job_name=task_type,
+            task_index=cluster_resolver.task_id,
+            protocol=cluster_resolver.rpc_layer or "grpc",
+            config=server_config(cpu_devices),
+            start=True,
+        )
+    except tf.errors.UnknownError as e:
+        raise config_lib.ClusterStartError(
+            f"The {task_type}:{cluster_resolver.task_id} server could not listen on "
+            f"{address}: port {port_of(address)} is already in use or the host is "
+            f"not this machine ({e.message})."
+        ) from None
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(address)
+    chief = spec.as_dict().get("chief")
+    chief_address = chief[0] if isinstance(chief, list) and chief else None
+    seen_chief = False
+    gone_since = None
+    while not stop.wait(1.0):
+        if chief_gone_secs is None or chief_address is None:
+            continue
+        if is_listening(chief_address):
+            seen_chief, gone_since = True, None
+        elif seen_chief:
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since >= chief_gone_secs:
+                break
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The gRPC server has no clean shutdown in TF 2; ending the process is the
+    # supported way to stop it.
+    os._exit(0)
+
+
+def set_parent_death_signal():
+    """Child-side: SIGKILL this process when the parent dies (Linux only)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass

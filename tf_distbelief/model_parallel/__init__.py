@@ -1,0 +1,24 @@
+"""Model parallelism: one model replica split across devices (Dean et al.
+2012, section 3).
+
+* `devices`: a replica's devices and explicit placement (`call_on_device`).
+* `partition_math`: partition bounds and the bytes that cross partitions
+  (pure, no TensorFlow).
+* `dense`, `locally_connected`: the partitioned tf_keras layers.
+"""
+
+from tf_distbelief import _lazy
+
+__all__, __getattr__, __dir__ = _lazy.exports(
+    __name__,
+    {
+        "PartitionedDense": "dense",
+        "PartitionedLocallyConnected2D": "locally_connected",
+        "assign_devices": "devices",
+        "call_on_device": "devices",
+        "configure_logical_cpus": "devices",
+        "cpu_device_names": "devices",
+        "replica_devices": "devices",
+        "worker_device_names": "devices",
+    },
+)
