@@ -90,7 +90,7 @@ def build_speech_mlp(
       ValueError: if an argument is out of range.
     """
     num_partitions = _check_partitions(num_partitions, devices)
-    speech._check_positive(hidden_units=hidden_units, num_classes=num_classes)
+    speech.check_positive(hidden_units=hidden_units, num_classes=num_classes)
     init = tf_keras.initializers.GlorotUniform
     layers = [tf_keras.layers.InputLayer(input_shape=(speech.NUM_FEATURES,))]
     for i in range(speech.NUM_HIDDEN_LAYERS):

@@ -23,7 +23,7 @@ PAPER_NUM_CLASSES = 8192
 NUM_HIDDEN_LAYERS = 4
 
 
-def _check_positive(**values):
+def check_positive(**values):
     for name, value in values.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(
@@ -52,7 +52,7 @@ def load_data(
     Returns:
       `x_*`: `[n, 440]` float32; `y_*`: `[n]` int64 in `[0, num_classes)`.
     """
-    _check_positive(num_train=num_train, num_test=num_test, num_classes=num_classes)
+    check_positive(num_train=num_train, num_test=num_test, num_classes=num_classes)
     if not noise >= 0:
         raise ValueError(f"Argument `noise` must be >= 0. Received: {noise!r}")
     rng = np.random.default_rng(seed)
@@ -76,7 +76,7 @@ def build_model(hidden_units=256, num_classes=PAPER_NUM_CLASSES, seed=0):
       A tf_keras `Sequential` mapping `[batch, 440]` float32 to
       `[batch, num_classes]` logits.
     """
-    _check_positive(hidden_units=hidden_units, num_classes=num_classes)
+    check_positive(hidden_units=hidden_units, num_classes=num_classes)
     init = tf_keras.initializers.GlorotUniform
     layers = [tf_keras.layers.InputLayer(input_shape=(NUM_FEATURES,))]
     for i in range(NUM_HIDDEN_LAYERS):

@@ -7,16 +7,18 @@ tf_keras (Keras 2) `Model.fit`. What it adds:
 * a default partitioner bounded by the number of ps tasks;
 * validation of the cluster (`tf_distbelief.cluster`) before it connects;
 * a clear error when a Keras 3 model is used with it;
-* a hook (`variable_wrapper`) through which Downpour wraps every ps variable.
+* a hook (`variable_wrapper`) through which Downpour wraps every ps variable:
+  `scope()` enters TensorFlow's own scope and then a `tf.variable_creator_scope`
+  (the public route to see each variable as the strategy creates it).
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
 
 import tensorflow as tf
-from tensorflow.python.distribute import parameter_server_strategy_v2
 
 from tf_distbelief import cluster as cluster_lib
 
@@ -62,29 +64,13 @@ def default_partitioner(num_ps: int, min_shard_bytes: int = DEFAULT_MIN_SHARD_BY
 
 def _called_from_keras3() -> bool:
     """True when a Keras 3 (`keras.src`) frame is on the call stack."""
-    frame = sys._getframe(2)
+    frame = inspect.currentframe()
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if module.startswith("keras.src") or module == "keras":
             return True
         frame = frame.f_back
     return False
-
-
-class _DistBeliefExtended(
-    parameter_server_strategy_v2.ParameterServerStrategyV2Extended
-):
-    """Variable creation for `DistBeliefStrategy` (see `StrategyExtended`)."""
-
-    variable_wrapper: Callable | None = None
-
-    def _create_variable(self, next_creator, **kwargs):
-        if _called_from_keras3():
-            raise Keras3Error(KERAS3_MESSAGE)
-        variable = super()._create_variable(next_creator, **kwargs)
-        if self.variable_wrapper is not None:
-            variable = self.variable_wrapper(variable, **kwargs)
-        return variable
 
 
 class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
@@ -144,12 +130,35 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
                 f"(shape, dtype) -> list of ints. Received: {variable_partitioner!r}"
             )
         super().__init__(resolver, variable_partitioner)
-        # `ParameterServerStrategyV2.__init__` hard-codes its extended class;
-        # swap in ours, keeping all state it set up.
-        extended = self._extended
-        extended.__class__ = _DistBeliefExtended
+        self.variable_wrapper: Callable | None = None
         self.num_ps = num_ps
         self.num_workers = len(resolver.cluster_spec().as_dict()["worker"])
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[DistBeliefStrategy]:
+        """TensorFlow's `Strategy.scope()`, seeing each variable it creates.
+
+        Inside TensorFlow's scope, a `tf.variable_creator_scope` is the innermost
+        creator: it receives every variable (a `ShardedVariable` when the
+        partitioner splits it) after the strategy made it, rejects Keras 3, and
+        passes it through `variable_wrapper` (set by Downpour's `enable`).
+
+        Yields:
+          This strategy, as `with strategy.scope() as s:` does for TensorFlow's.
+
+        Raises:
+          Keras3Error: a Keras 3 model, optimizer or metric creates a variable.
+        """
+        with super().scope(), tf.variable_creator_scope(self._create_variable):
+            yield self
+
+    def _create_variable(self, next_creator, **kwargs):
+        if _called_from_keras3():
+            raise Keras3Error(KERAS3_MESSAGE)
+        variable = next_creator(**kwargs)
+        if self.variable_wrapper is not None:
+            variable = self.variable_wrapper(variable, **kwargs)
+        return variable
 
     @property
     def ps_devices(self) -> list[str]:

@@ -46,6 +46,7 @@ from typing import NamedTuple
 import tensorflow as tf
 import tf_keras
 
+from tf_distbelief import _tf_internals
 from tf_distbelief.adagrad import optimizer as adagrad
 from tf_distbelief.downpour import variables as downpour_variables
 from tf_distbelief.downpour.schedule import DownpourConfig, ReplicaStats
@@ -281,7 +282,7 @@ class Downpour:
                     " Call `tf_distbelief.downpour.enable(strategy)` before creating "
                     "the model under `strategy.scope()`."
                 )
-        sharded = tf.__internal__.distribute.ShardedVariable
+        sharded = _tf_internals.ShardedVariable
         if isinstance(row_sparse, (tf.Variable, sharded)):
             row_sparse = [row_sparse]
         for v in row_sparse:
@@ -978,7 +979,7 @@ class Downpour:
           The pushed gradients, as tensors on the variables' ps tasks.
         """
         opt = self.optimizer
-        grads = self._push_values(opt._clip_gradients(list(grads)), pack)
+        grads = self._push_values(_tf_internals.clip_gradients(opt, list(grads)), pack)
         if squares is not None:
             squares = self._push_values(squares, pack)
         mode = self.config.adagrad_accumulator
@@ -990,13 +991,13 @@ class Downpour:
                 elif steps > 1 and isinstance(opt, adagrad.Adagrad):
                     opt.apply_summed_gradient(g, v, steps)
                 else:
-                    opt._update_step(g, v)
+                    _tf_internals.update_step(opt, g, v)
         opt.iterations.assign_add(1)
         return grads
 
     def stats(self) -> list[ReplicaStats]:
         """Reads every replica's counters (blocking). Index = worker index."""
-        if self._stats["steps"]._per_worker_vars is None:
+        if not _tf_internals.per_worker_values_exist(self._stats["steps"]):
             return []
         columns = {
             name: [int(x.numpy()) for x in v.read_all()]
@@ -1122,16 +1123,17 @@ def _make_segment_train_function(model, replicas: Downpour):
             done = replicas.run_steps(
                 iterator, steps_per_execution, forward, update_metrics
             )
-            counter = model._train_counter
+            counter = _tf_internals.train_counter(model)
             with tf.control_dependencies(
                 [counter.assign_add(tf.cast(done, counter.dtype))]
             ):
                 return tf.nest.map_structure(tf.identity, model.get_metrics_result())
 
-        coordinator = model._cluster_coordinator
+        coordinator = _tf_internals.cluster_coordinator(model)
         model.train_tf_function = train_function
         model.train_function = lambda iterator: coordinator.schedule(
-            train_function, args=(iterator, model._steps_per_execution.value())
+            train_function,
+            args=(iterator, _tf_internals.steps_per_execution(model).value()),
         )
         return model.train_function
 

@@ -30,11 +30,13 @@ import contextlib
 import threading
 
 import tensorflow as tf
-from tensorflow.python.distribute import ps_values
+
+from tf_distbelief import _tf_internals
 
 __all__ = [
     "DownpourVariable",
     "RowSource",
+    "DownpourUnsupportedError",
     "RowSparseReadError",
     "enable",
     "leaf_variables",
@@ -61,6 +63,10 @@ class RowSparseReadError(RuntimeError):
     # Autograph re-raises an error from traced code as its own type only if
     # that type takes the message alone through `Exception.__init__`.
     __init__ = Exception.__init__
+
+
+class DownpourUnsupportedError(TypeError):
+    """A variable kind Downpour cannot keep a per-worker cache of."""
 
 
 class RowSource(abc.ABC):
@@ -114,7 +120,7 @@ def local_steps():
         _local.drop_writes = previous
 
 
-class DownpourVariable(ps_values.CachingVariable):
+class DownpourVariable(_tf_internals.CachingVariable):
     """A ps variable whose reads can be redirected to a replica's cache."""
 
     def _write_dropped(self) -> bool:
@@ -178,15 +184,26 @@ class DownpourVariable(ps_values.CachingVariable):
 def _wrap_variable(variable, **kwargs):
     """The `variable_wrapper` hook: wraps ps variables, leaves per-worker ones."""
     if kwargs.get("per_worker_variable") or isinstance(
-        variable, ps_values.PerWorkerVariable
+        variable, _tf_internals.PerWorkerVariable
     ):
         return variable
-    if isinstance(variable, tf.__internal__.distribute.ShardedVariable):
+    if isinstance(variable, _tf_internals.ShardedVariable):
         # Each shard becomes its own cached slice; the optimizer sees shards too.
-        for i, shard in enumerate(variable._variables):
-            variable._variables[i] = _wrap_variable(shard)
+        for i, shard in enumerate(variable.variables):
+            _tf_internals.replace_shard(variable, i, _wrap_variable(shard))
         return variable
-    if type(variable) is ps_values.CachingVariable:
+    if isinstance(variable, _tf_internals.AggregatingVariable):
+        raise DownpourUnsupportedError(
+            f"Variable {variable.name} is an AggregatingVariable: TensorFlow "
+            "wraps ps variables so when each worker has 2 or more GPUs (one "
+            "replica per GPU). Downpour keeps one cache per worker, so it needs "
+            "one replica per worker: give each worker task one GPU "
+            "(CUDA_VISIBLE_DEVICES), or split the model over a worker's GPUs "
+            "with model parallelism (`--devices_per_replica`)."
+        )
+    if isinstance(variable, DownpourVariable):
+        return variable  # Already wrapped (a nested `strategy.scope()`).
+    if isinstance(variable, _tf_internals.CachingVariable):
         return DownpourVariable(variable.get())
     return variable
 
@@ -200,18 +217,18 @@ def enable(strategy) -> None:
     Raises:
       TypeError: `strategy` has no `variable_wrapper` hook.
     """
-    if not hasattr(strategy.extended, "variable_wrapper"):
+    if not hasattr(strategy, "variable_wrapper"):
         raise TypeError(
             "Argument `strategy` must be a tf_distbelief.DistBeliefStrategy (it "
             f"needs the `variable_wrapper` hook). Received: {strategy!r}"
         )
-    strategy.extended.variable_wrapper = _wrap_variable
+    strategy.variable_wrapper = _wrap_variable
 
 
 def leaf_variables(variables) -> list:
     leaves = []
     for v in variables:
-        if isinstance(v, tf.__internal__.distribute.ShardedVariable):
+        if isinstance(v, _tf_internals.ShardedVariable):
             leaves.extend(v.variables)
         else:
             leaves.append(v)

@@ -35,7 +35,8 @@ import threading
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
+
+from tf_distbelief import _tf_internals
 
 __all__ = ["FlatLayout", "evaluate_at"]
 
@@ -123,7 +124,7 @@ class FlatLayout:
                 f"{model.name!r}"
             )
         for v in variables:
-            if not isinstance(v, resource_variable_ops.ResourceVariable):
+            if not isinstance(v, _tf_internals.ResourceVariable):
                 raise TypeError(
                     "Argument `model` must be built outside any distribution "
                     "strategy's scope: Sandblaster keeps the parameters on the ps "

@@ -22,8 +22,8 @@ One call, `portion_fn(portion, slot, eval_id)` (int64 scalars):
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.python.data.experimental.ops import testing as data_testing
 
+from tf_distbelief import _tf_internals
 from tf_distbelief.sandblaster import flat_params
 
 __all__ = ["build_portion_function", "per_example_loss", "reduce_slots"]
@@ -49,7 +49,7 @@ def _sleep(secs):
     """Sleeps `secs` (a float64 scalar) on the device it runs on; returns 0."""
     micros = tf.cast(tf.maximum(secs, 0.0) * 1e6, _I64)
     data = tf.data.Dataset.from_tensors(tf.constant(0, _I64))
-    return data.apply(data_testing.sleep(micros)).reduce(
+    return data.apply(_tf_internals.sleep_dataset(micros)).reduce(
         tf.constant(0, _I64), lambda a, b: a + b
     )
 

@@ -201,8 +201,8 @@ class SandblasterObjective:
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(
             strategy
         )
-        self.num_workers = getattr(strategy, "num_workers", None) or (
-            strategy.extended._num_workers
+        self.num_workers = getattr(strategy, "num_workers", None) or len(
+            strategy.cluster_resolver.cluster_spec().as_dict()["worker"]
         )
         self.stats = SandblasterStats()
 

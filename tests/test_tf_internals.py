@@ -1,0 +1,39 @@
+"""The TensorFlow internals tf_distbelief relies on still have their shape."""
+
+import ast
+import os
+
+from tf_distbelief import _tf_internals
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "tf_distbelief")
+
+
+def test_internals_keep_their_shape():
+    # Fails with a message naming the TensorFlow and tf_keras versions.
+    _tf_internals.check()
+
+
+def test_only_the_internals_module_imports_tensorflow_python():
+    offenders = []
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            path = os.path.join(folder, name)
+            if not name.endswith(".py") or path.endswith("_tf_internals.py"):
+                continue
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                module = None
+                if isinstance(node, ast.ImportFrom):
+                    module = node.module or ""
+                elif isinstance(node, ast.Import):
+                    module = ",".join(a.name for a in node.names)
+                if module and (
+                    "tensorflow.python" in module or "tf_keras.src" in module
+                ):
+                    offenders.append(f"{os.path.relpath(path, ROOT)}: {module}")
+            with open(path) as f:
+                if "tf.__internal__" in f.read():
+                    offenders.append(f"{os.path.relpath(path, ROOT)}: tf.__internal__")
+    assert offenders == [], offenders

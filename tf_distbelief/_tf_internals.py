@@ -1,0 +1,172 @@
+"""The TensorFlow and tf_keras internals tf_distbelief relies on: the one place.
+
+Everything else in the package uses public APIs only (ruff's SLF001 rule is on
+for every other module). Each entry says why it is needed and which public
+route was checked and found missing in TensorFlow 2.21 / tf_keras 2.21.
+`check()` verifies that each internal still has the shape we rely on;
+`tests/test_tf_internals.py` runs it and fails naming the TensorFlow version.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import tf_keras
+
+# `ParameterServerStrategy` wraps every ps variable in a `CachingVariable` and
+# every `per_worker_variable=True` variable in a `PerWorkerVariable`; Downpour
+# subclasses the first (reads redirected to a replica's cache) and must leave
+# the second alone. Public route checked: `tf.distribute` exports neither class
+# (`tf.distribute.experimental.coordinator.PerWorkerValues` is another type).
+from tensorflow.python.distribute import ps_values  # noqa: E402
+
+CachingVariable = ps_values.CachingVariable
+PerWorkerVariable = ps_values.PerWorkerVariable
+# What `ParameterServerStrategy` wraps ps variables in instead when each worker
+# has 2+ GPUs (one replica per GPU); Downpour rejects it by name.
+AggregatingVariable = ps_values.AggregatingVariable
+
+# The type of a variable split by a partitioner. Public route checked:
+# `tf.__internal__.distribute.ShardedVariable` is the only export (no
+# `tf.distribute.ShardedVariable`).
+ShardedVariable = tf.__internal__.distribute.ShardedVariable
+
+# `tf.Variable`'s own resource variable class, to tell a plain model weight
+# from a distributed one. Public route checked: `tf.Variable` is an abstract
+# base that distributed variables also subclass.
+
+
+def sleep_dataset(micros):
+    """A `tf.data` transformation that sleeps `micros` microseconds per element.
+
+    TODO(#9): a test-only op; it leaves the production Sandblaster path.
+    Public route checked: none (`tf.data.experimental` does not export it).
+    """
+    from tensorflow.python.data.experimental.ops import testing
+
+    return testing.sleep(micros)
+
+
+def replace_shard(variable, index: int, shard) -> None:
+    """Replaces shard `index` of a `ShardedVariable` in place.
+
+    Downpour wraps each shard of a sharded ps variable as it is created, before
+    Keras or the optimizer holds references to the shards. Public route
+    checked: `ShardedVariable.variables` is a read-only copy.
+    """
+    variable._variables[index] = shard  # noqa: SLF001
+
+
+def per_worker_values_exist(variable) -> bool:
+    """True once a `per_worker_variable=True` variable has its per-worker copies.
+
+    They are created lazily, on the first function the coordinator schedules;
+    reading them before (`read_all`) fails. Public route checked: none.
+    """
+    return variable._per_worker_vars is not None  # noqa: SLF001
+
+
+def clip_gradients(optimizer, grads: list) -> list:
+    """Applies a tf_keras optimizer's `clipnorm`/`clipvalue` settings to `grads`.
+
+    Downpour applies a push with the optimizer's per-variable update, outside
+    `apply_gradients` (which cannot run inside `tf.cond`, TF_NOTES.md).
+    Public route checked: none; `apply_gradients` clips and applies together.
+    """
+    return optimizer._clip_gradients(grads)  # noqa: SLF001
+
+
+def update_step(optimizer, gradient, variable):
+    """One tf_keras optimizer update of `variable` by `gradient`, in place.
+
+    Public route checked: `update_step` is public but, on a variable created
+    under a strategy, tf_keras dispatches it through the distribution context
+    (`_distributed_apply_gradients_fn`), which cannot run on a ps shard inside
+    a scheduled function's `tf.cond`; `_update_step` is the per-variable rule.
+    """
+    return optimizer._update_step(gradient, variable)  # noqa: SLF001
+
+
+def train_counter(model: tf_keras.Model) -> tf.Variable:
+    """The step counter that tf_keras `fit` advances (`model._train_counter`).
+
+    A custom `train_function` must advance it as `fit`'s own does. Public route
+    checked: none (`model.optimizer.iterations` counts ps updates, not steps).
+    """
+    return model._train_counter  # noqa: SLF001
+
+
+def cluster_coordinator(model: tf_keras.Model):
+    """The `ClusterCoordinator` tf_keras `fit` created for `model`, or None.
+
+    A custom `train_function` schedules through the same coordinator. Public
+    route checked: `ClusterCoordinator(strategy)` returns that same object
+    only after `fit` made it; tf_keras keeps it on the model.
+    """
+    return getattr(model, "_cluster_coordinator", None)
+
+
+def steps_per_execution(model: tf_keras.Model) -> tf.Variable:
+    """The `steps_per_execution` variable of a compiled tf_keras model.
+
+    Public route checked: `compile(steps_per_execution=...)` takes it but no
+    public attribute returns it.
+    """
+    return model._steps_per_execution  # noqa: SLF001
+
+
+def check() -> None:
+    """Fails if an internal above no longer has the shape tf_distbelief needs.
+
+    Raises:
+      AssertionError: naming the internal and the TensorFlow and tf_keras
+        versions.
+    """
+    versions = f"TensorFlow {tf.__version__}, tf_keras {tf_keras.__version__}"
+    expectations = [
+        ("ps_values.CachingVariable.get", hasattr(CachingVariable, "get")),
+        ("ps_values.PerWorkerVariable", isinstance(PerWorkerVariable, type)),
+        ("ps_values.AggregatingVariable", isinstance(AggregatingVariable, type)),
+        (
+            "ShardedVariable._variables",
+            "_variables" in ShardedVariable.__init__.__code__.co_names,
+        ),
+        (
+            "PerWorkerVariable._per_worker_vars",
+            "_per_worker_vars" in PerWorkerVariable.__init__.__code__.co_names,
+        ),
+        (
+            "tf_keras Optimizer._clip_gradients",
+            callable(getattr(tf_keras.optimizers.Optimizer, "_clip_gradients", None)),
+        ),
+        (
+            "tf_keras Optimizer._update_step",
+            callable(getattr(tf_keras.optimizers.Optimizer, "_update_step", None)),
+        ),
+        (
+            "tf_keras Model._train_counter",
+            "_train_counter" in _source_names(tf_keras.Model),
+        ),
+        (
+            "tf_keras Model._cluster_coordinator",
+            "_cluster_coordinator" in _source_names(tf_keras.Model),
+        ),
+        (
+            "tf_keras Model._steps_per_execution",
+            "_steps_per_execution" in _source_names(tf_keras.Model),
+        ),
+    ]
+    missing = [name for name, ok in expectations if not ok]
+    assert not missing, (
+        f"TensorFlow internals that tf_distbelief relies on changed shape in "
+        f"{versions}: {', '.join(missing)}. See tf_distbelief/_tf_internals.py."
+    )
+
+
+def _source_names(cls: type) -> set[str]:
+    """Attribute names the methods of `cls` use (from their code objects)."""
+    names = set()
+    for attr in vars(cls).values():
+        code = getattr(getattr(attr, "__wrapped__", attr), "__code__", None)
+        if code is not None:
+            names.update(code.co_names)
+    return names
