@@ -33,6 +33,9 @@ ShardedVariable = tf.__internal__.distribute.ShardedVariable
 # `tf.Variable`'s own resource variable class, to tell a plain model weight
 # from a distributed one. Public route checked: `tf.Variable` is an abstract
 # base that distributed variables also subclass.
+from tensorflow.python.ops import resource_variable_ops  # noqa: E402
+
+ResourceVariable = resource_variable_ops.ResourceVariable
 
 
 def sleep_dataset(micros):
