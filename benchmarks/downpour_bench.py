@@ -371,14 +371,14 @@ def _speech_classes(f):
 
 
 def _load_data(model_name, f):
+    import models
     from models import speech
-    from tf_distbelief import job
 
     if model_name == "speech":
         return speech.load_data(
             num_test=_SPEECH_TEST_EXAMPLES, num_classes=_speech_classes(f)
         )
-    return job.load_data(job.JobConfig(model=model_name))
+    return models.spec(model_name).load_data()
 
 
 def _test_loss(model, x, y, batch_size=512):
@@ -402,32 +402,38 @@ def _run(local, data, model_name, n, f) -> Row:
     """Trains one configuration on a fresh strategy; returns its row."""
     import statistics
 
-    from tf_distbelief import job, training
+    import models
+    from tf_distbelief import downpour, job, training
     from tf_distbelief import strategy as strategy_lib
 
     steps = _steps_per_epoch(f, model_name)
     config = job.JobConfig(
-        model=model_name,
         learning_rate=f.learning_rate or _LEARNING_RATE[model_name],
         batch_size=f.batch_size,
         steps_per_execution=f.steps_per_execution,
         num_ps=local.num_ps,
+        downpour=None
+        if n is None
+        else downpour.DownpourConfig(
+            n_fetch=n,
+            n_push=n,
+            local_learning_rate=f.local_learning_rate,
+            local_optimizer=f.local_optimizer,
+            adagrad_accumulator=f.adagrad_accumulator,
+        ),
+    ).validate()
+    spec = models.spec(
+        model_name,
         speech_hidden_units=f.speech_hidden_units,
         speech_classes=_speech_classes(f),
-        downpour=n is not None,
-        n_fetch=n or 1,
-        n_push=n or 1,
-        local_learning_rate=f.local_learning_rate if n else None,
-        local_optimizer=f.local_optimizer if n else "adagrad",
-        adagrad_accumulator=f.adagrad_accumulator if n else "squares",
-    ).validate()
+    )
     (x_train, y_train), (x_test, y_test) = data
     start = time.monotonic()
     strategy = strategy_lib.DistBeliefStrategy(
         local.resolver_for(),
         job.make_partitioner(config.partitioner, local.num_ps, config.shard_bytes),
     )
-    model = job.compile_model(config, strategy)
+    model = job.compile_model(config, strategy, spec)
     # Kept until exit: a collected model's functions are removed from the
     # tasks, which the reconnected context no longer knows (noisy errors).
     _KEEP_ALIVE.append(model)

@@ -11,35 +11,42 @@ With `TF_CONFIG` the same command runs on every machine; each task does its part
 import dataclasses
 import math
 import os
+import sys
 
 # Before TensorFlow loads: keep its C++ INFO/WARNING lines out of the progress.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The demo models (`models/`) ship with the repository, not the installed package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from tf_distbelief import job  # noqa: E402
-from tf_distbelief import strategy as strategy_lib  # noqa: E402
+import models  # noqa: E402
+from tf_distbelief import downpour, job  # noqa: E402
+from tf_distbelief.downpour import schedule as downpour_schedule  # noqa: E402
 
 FLAGS = flags.FLAGS
 
-
-# Flags that only Downpour reads: given without --downpour they would be
-# ignored, even at their default values.
-_DOWNPOUR_FLAGS = (
-    "n_fetch",
-    "n_push",
-    "local_learning_rate",
-    "local_optimizer",
-    "adagrad_accumulator",
-    "warmstart_steps",
-    "max_staleness",
-)
+# Flags that only Downpour reads, one per `DownpourConfig` field: given without
+# --downpour they would be ignored, even at their default values.
+_DOWNPOUR_FLAGS = tuple(f.name for f in dataclasses.fields(downpour.DownpourConfig))
 
 
 def define_flags() -> None:
-    """Defines the flags; all optional, with the defaults of `job.JobConfig`."""
+    """Defines the flags; all optional, defaults from `JobConfig`, `DownpourConfig`."""
     d = job.JobConfig()
-    flags.DEFINE_enum("model", d.model, job.MODELS, "Model and data to train.")
+    dp = downpour.DownpourConfig()
+    flags.DEFINE_string(
+        "model",
+        "digits",
+        f"Model and data to train: a demo model ({', '.join(models.MODELS)}) or "
+        "a user's ModelSpec, `package.module:function`.",
+    )
+    flags.register_validator(
+        "model",
+        lambda value: value in models.MODELS or ":" in value,
+        message=f"value should be one of {', '.join(models.MODELS)}, or a spec "
+        "`package.module:function`",
+    )
     flags.DEFINE_enum(
         "optimizer",
         d.optimizer,
@@ -99,7 +106,7 @@ def define_flags() -> None:
     )
     flags.DEFINE_integer(
         "shard_bytes",
-        strategy_lib.DEFAULT_MIN_SHARD_BYTES,
+        d.shard_bytes,
         "Shard size in bytes for min_size/max_size.",
         lower_bound=1,
     )
@@ -112,13 +119,13 @@ def define_flags() -> None:
     )
     flags.DEFINE_integer(
         "speech_hidden_units",
-        d.speech_hidden_units,
+        256,
         "Speech model hidden width (paper: 2560).",
         lower_bound=1,
     )
     flags.DEFINE_integer(
         "speech_classes",
-        d.speech_classes,
+        models.speech.PAPER_NUM_CLASSES,
         "Speech model softmax width (paper: 8192).",
         lower_bound=2,
     )
@@ -132,26 +139,26 @@ def define_flags() -> None:
     )
     flags.DEFINE_bool(
         "downpour",
-        d.downpour,
+        False,
         "Downpour SGD (paper section 4.1): each worker keeps a parameter cache, "
         "fetches every --n_fetch steps and pushes every --n_push steps.",
     )
     flags.DEFINE_integer(
-        "n_fetch", d.n_fetch, "Downpour: steps between fetches.", lower_bound=1
+        "n_fetch", dp.n_fetch, "Downpour: steps between fetches.", lower_bound=1
     )
     flags.DEFINE_integer(
-        "n_push", d.n_push, "Downpour: steps between pushes.", lower_bound=1
+        "n_push", dp.n_push, "Downpour: steps between pushes.", lower_bound=1
     )
     flags.DEFINE_enum(
         "local_optimizer",
-        d.local_optimizer,
-        job.LOCAL_OPTIMIZERS,
+        dp.local_optimizer,
+        downpour_schedule.LOCAL_OPTIMIZERS,
         "Downpour: each worker's update of its cache: AdaGrad with the worker's "
         "own accumulator, or SGD.",
     )
     flags.DEFINE_float(
         "local_learning_rate",
-        d.local_learning_rate,
+        dp.local_learning_rate,
         "Downpour: step size of each worker's update of its cache (unset: "
         "--learning_rate for adagrad, 0.5 for sgd; 0: none, which at a large "
         "--n_push fails to train: see README).",
@@ -159,21 +166,21 @@ def define_flags() -> None:
     )
     flags.DEFINE_enum(
         "adagrad_accumulator",
-        d.adagrad_accumulator,
-        job.ADAGRAD_ACCUMULATORS,
+        dp.adagrad_accumulator,
+        downpour_schedule.ADAGRAD_ACCUMULATORS,
         "Downpour with AdaGrad: a push grows the ps accumulator by the pushed "
         "steps' squared gradients (squares: sent along, twice the push bytes), "
         "by G^2/n_push (mean) or by G^2 (sum).",
     )
     flags.DEFINE_integer(
         "warmstart_steps",
-        d.warmstart_steps,
+        dp.warmstart_steps,
         "Downpour: steps worker 0 trains alone first.",
         lower_bound=0,
     )
     flags.DEFINE_integer(
         "max_staleness",
-        d.max_staleness,
+        dp.max_staleness,
         "Downpour: drop pushes staler than this many ps updates (unset: apply all).",
         lower_bound=0,
     )
@@ -186,7 +193,7 @@ def define_flags() -> None:
     def _downpour_flags_need_downpour(values):
         if values["downpour"]:
             return True
-        return all(values[name] == getattr(d, name) for name in _DOWNPOUR_FLAGS)
+        return all(values[name] == getattr(dp, name) for name in _DOWNPOUR_FLAGS)
 
     flags.DEFINE_integer(
         "lbfgs_history",
@@ -249,6 +256,18 @@ _FLOAT_FLAGS = (
 )
 
 
+def model_spec():
+    """The `ModelSpec` `--model` names: a demo model, or a user's spec."""
+    if FLAGS.model in models.MODELS:
+        return models.spec(
+            FLAGS.model,
+            seed=FLAGS.seed,
+            speech_hidden_units=FLAGS.speech_hidden_units,
+            speech_classes=FLAGS.speech_classes,
+        )
+    return job.load_spec(FLAGS.model)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -258,8 +277,14 @@ def main(argv):
             f"{', '.join(given)}: Downpour settings, ignored without --downpour: "
             "add --downpour."
         )
-    fields = {f.name for f in dataclasses.fields(job.JobConfig)}
-    job.main(job.JobConfig(**{name: FLAGS[name].value for name in fields}))
+    fields = {f.name for f in dataclasses.fields(job.JobConfig)} - {"downpour"}
+    config = job.JobConfig(**{name: FLAGS[name].value for name in fields})
+    if FLAGS.downpour:
+        config.downpour = downpour.DownpourConfig(
+            **{name: FLAGS[name].value for name in _DOWNPOUR_FLAGS}
+        )
+    spec = model_spec()
+    job.main(config, spec)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,79 @@
-"""Models and their data: `digits` (real), `speech` and `embedding` (synthetic)."""
+"""Demo models and their data as `ModelSpec`s: `digits` (real), `speech` and
+`embedding` (synthetic).
+
+These live in the repository, not in the installed package: the launch script
+passes one of them to the training job (`spec(name, ...)`), as it would a
+user's spec (`--model=package.module:function`).
+"""
+
+from __future__ import annotations
+
+import functools
 
 from models import digits, embedding, speech
+from tf_distbelief.job import spec as spec_lib
 
 MODELS = {"digits": digits, "speech": speech, "embedding": embedding}
+# Models with a model-parallel version (`models.model_parallel`).
+MODEL_PARALLEL = ("digits", "speech")
 
-__all__ = ["MODELS", "digits", "embedding", "speech"]
+__all__ = ["MODELS", "MODEL_PARALLEL", "digits", "embedding", "speech", "spec"]
+
+
+def _build(name, seed, speech_hidden_units, speech_classes, devices):
+    if devices:
+        from models import model_parallel
+
+        return model_parallel.build_model(
+            name,
+            devices,
+            seed=seed,
+            speech_hidden_units=speech_hidden_units,
+            speech_classes=speech_classes,
+        )
+    if name == "speech":
+        return speech.build_model(speech_hidden_units, speech_classes, seed=seed)
+    return MODELS[name].build_model(seed=seed)
+
+
+def _load(name, seed, speech_classes):
+    if name == "speech":
+        return speech.load_data(num_classes=speech_classes, seed=seed)
+    return MODELS[name].load_data(seed=seed)
+
+
+def spec(
+    name: str,
+    seed: int = 0,
+    speech_hidden_units: int = 256,
+    speech_classes: int = speech.PAPER_NUM_CLASSES,
+) -> spec_lib.ModelSpec:
+    """Returns the `ModelSpec` of demo model `name`.
+
+    Args:
+      name: one of `MODELS`.
+      seed: initialisation and data seed.
+      speech_hidden_units: `speech` only: width of the hidden layers (the
+        paper: 2560).
+      speech_classes: `speech` only: softmax width (the paper: 8192).
+
+    Returns:
+      A `ModelSpec`; `build_model(devices)` gives the model-parallel version
+      (one partition per entry of `devices`) for the models in
+      `MODEL_PARALLEL`.
+
+    Raises:
+      ValueError: `name` is not one of `MODELS`.
+    """
+    if name not in MODELS:
+        raise ValueError(
+            f"`model` must be one of {', '.join(MODELS)}. Received: {name!r}"
+        )
+    return spec_lib.ModelSpec(
+        name=name,
+        build_model=functools.partial(
+            _build, name, seed, speech_hidden_units, speech_classes
+        ),
+        load_data=functools.partial(_load, name, seed, speech_classes),
+        model_parallel=name in MODEL_PARALLEL,
+    )

@@ -9,10 +9,12 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+import models
 from models import digits
 from tests.helpers import wait_for_worker_recovery
 from tf_distbelief import job, training
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.downpour import DownpourConfig
 
 N_FETCH = N_PUSH = 4
 
@@ -23,16 +25,14 @@ def _downpour_model(local_cluster):
         num_workers=2,
         num_ps=2,
         partitioner="fixed",
-        downpour=True,
-        n_fetch=N_FETCH,
-        n_push=N_PUSH,
+        downpour=DownpourConfig(n_fetch=N_FETCH, n_push=N_PUSH),
         steps_per_execution=1,
     )
     strategy = strategy_lib.DistBeliefStrategy(
         local_cluster.resolver_for(2, 2),
         job.make_partitioner("fixed", 2, config.shard_bytes),
     )
-    return job.compile_model(config, strategy)
+    return job.compile_model(config, strategy, models.spec("digits"))
 
 
 @pytest.mark.slow

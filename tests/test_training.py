@@ -6,10 +6,12 @@ import signal
 import pytest
 import tf_keras
 
+import models
 from models import digits
 from tests.helpers import wait_for_worker_recovery
 from tf_distbelief import job, training
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.downpour import DownpourConfig
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,7 @@ def _compiled(local_cluster, config):
         local_cluster.resolver_for(config.num_workers, config.num_ps),
         job.make_partitioner(config.partitioner, config.num_ps, config.shard_bytes),
     )
-    return job.compile_model(config, strategy)
+    return job.compile_model(config, strategy, models.spec("digits"))
 
 
 @pytest.mark.slow
@@ -129,9 +131,7 @@ def test_sigkill_of_a_worker_during_fit_does_not_stop_training(
         num_ps=2,
         epochs=4,
         steps_per_epoch=100,
-        downpour=downpour,
-        n_fetch=4 if downpour else 1,
-        n_push=4 if downpour else 1,
+        downpour=DownpourConfig(n_fetch=4, n_push=4) if downpour else None,
     )
     model = _compiled(local_cluster, config)
     killer = _KillWorkerAfterFirstEpoch(local_cluster)

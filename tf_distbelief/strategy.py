@@ -43,6 +43,37 @@ class Keras3Error(RuntimeError):
     """
 
 
+PARTITIONERS = ("min_size", "max_size", "fixed")
+
+
+def make_partitioner(name: str, num_ps: int, shard_bytes: int):
+    """Returns the TensorFlow partitioner `name` (one of `PARTITIONERS`) names.
+
+    Args:
+      name: `min_size` / `max_size` (shards of `shard_bytes`, at most one per
+        ps: `MinSizePartitioner` / `MaxSizePartitioner`) or `fixed` (one shard
+        per ps: `FixedShardsPartitioner`).
+      num_ps: ps tasks, >= 1.
+      shard_bytes: the shard size of `min_size` and `max_size`, in bytes.
+
+    Returns:
+      A `tf.distribute.experimental.partitioners.Partitioner`.
+
+    Raises:
+      ValueError: `name` is not one of `PARTITIONERS`.
+    """
+    partitioners = tf.distribute.experimental.partitioners
+    if name == "min_size":
+        return partitioners.MinSizePartitioner(shard_bytes, max_shards=num_ps)
+    if name == "max_size":
+        return partitioners.MaxSizePartitioner(shard_bytes, max_shards=num_ps)
+    if name == "fixed":
+        return partitioners.FixedShardsPartitioner(num_ps)
+    raise ValueError(
+        f"`partitioner` must be one of {', '.join(PARTITIONERS)}. Received: {name!r}"
+    )
+
+
 def default_partitioner(num_ps: int, min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES):
     """Returns the default variable partitioner for `num_ps` ps tasks.
 
@@ -57,9 +88,7 @@ def default_partitioner(num_ps: int, min_shard_bytes: int = DEFAULT_MIN_SHARD_BY
     Returns:
       A `tf.distribute.experimental.partitioners.Partitioner`.
     """
-    return tf.distribute.experimental.partitioners.MinSizePartitioner(
-        min_shard_bytes=min_shard_bytes, max_shards=num_ps
-    )
+    return make_partitioner("min_size", num_ps, min_shard_bytes)
 
 
 def _called_from_keras3() -> bool:

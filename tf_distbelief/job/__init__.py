@@ -1,0 +1,39 @@
+"""The training job that `launch/train.py` runs.
+
+* `config`: `JobConfig`, the job's settings (it holds a `DownpourConfig`).
+* `spec`: `ModelSpec`, the model and its data; `load_spec` imports a user's
+  spec named `package.module:function`.
+* `runner`: `run` (dispatch on the task type), `train`, `compile_model`,
+  `evaluate_checkpoints`, `main`.
+"""
+
+from tf_distbelief.job.config import OPTIMIZERS, PARTITIONERS, JobConfig
+from tf_distbelief.job.runner import (
+    build_model,
+    build_optimizer,
+    check_spec,
+    compile_model,
+    evaluate_checkpoints,
+    main,
+    run,
+    train,
+)
+from tf_distbelief.job.spec import ModelSpec, load_spec
+from tf_distbelief.strategy import make_partitioner
+
+__all__ = [
+    "OPTIMIZERS",
+    "PARTITIONERS",
+    "JobConfig",
+    "ModelSpec",
+    "build_model",
+    "build_optimizer",
+    "check_spec",
+    "compile_model",
+    "evaluate_checkpoints",
+    "load_spec",
+    "main",
+    "make_partitioner",
+    "run",
+    "train",
+]

@@ -1,0 +1,144 @@
+"""`JobConfig`: the settings of one training job, each with one owner.
+
+The launch script's flags are derived from these dataclasses and their
+defaults: `JobConfig` for the job, `DownpourConfig` (its `downpour` field) for
+Downpour SGD. Each value is validated once, by the dataclass that owns it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tf_distbelief import downpour as downpour_lib
+from tf_distbelief import strategy as strategy_lib
+
+OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
+PARTITIONERS = strategy_lib.PARTITIONERS
+
+
+@dataclasses.dataclass
+class JobConfig:
+    """Everything a training job needs besides its model (`ModelSpec`).
+
+    Attributes:
+      optimizer: `adagrad` (on the ps shards, section 4.1), `sgd`, or `lbfgs`
+        (Sandblaster L-BFGS, section 4.2: full-batch, the coordinator driving
+        vector operations on the ps shards).
+      learning_rate: gamma of AdaGrad or the SGD step size, > 0.
+      initial_accumulator_value: AdaGrad's `a_0`, >= 0.
+      epsilon: AdaGrad's epsilon, >= 0.
+      batch_size: examples per step per worker, >= 1.
+      epochs: epochs to train to, >= 1 (a resumed run continues to this epoch).
+      steps_per_epoch: steps per epoch over all workers, >= 1.
+      steps_per_execution: steps in one scheduled function, >= 1.
+      num_workers: local cluster workers (ignored with `TF_CONFIG`), >= 1.
+      num_ps: local cluster ps tasks (ignored with `TF_CONFIG`), >= 1.
+      partitioner: one of `strategy.PARTITIONERS` (`strategy.make_partitioner`).
+      shard_bytes: the shard size of `min_size` and `max_size`, > 0.
+      model_dir: checkpoints and TensorBoard logs, or None.
+      log_every_steps: progress lines every so many steps; 0 per epoch only.
+      seed: model initialisation and data seed.
+      chief_gone_secs: a ps/worker task exits once the chief has been gone this
+        long (None: serve until SIGTERM).
+      downpour: a `DownpourConfig` to train with Downpour SGD (section 4.1: a
+        parameter cache per worker), or None (default) for TensorFlow's stock
+        parameter-server training.
+      lbfgs_history: Sandblaster: `m`, the (s, y) pairs kept on the ps, >= 1.
+      lbfgs_max_iters: Sandblaster: L-BFGS iterations at most, >= 1.
+      portions: Sandblaster: work portions per batch, >= 1 (far more than
+        workers).
+      backup_tasks: Sandblaster: copies of the last outstanding portions go to
+        idle workers; the first to finish counts.
+      straggler_worker: test/benchmark hook: this worker runs its portions
+        `straggler_slowdown` times slower (None: no straggler).
+      straggler_slowdown: the straggler's slowdown factor, >= 1.
+      devices_per_replica: devices one model replica is split over (section 3:
+        model parallelism), >= 1; > 1 needs a `ModelSpec` with
+        `model_parallel`. Local cluster workers then expose that many CPU
+        devices; with `TF_CONFIG`, worker tasks start with that many.
+    """
+
+    optimizer: str = "adagrad"
+    learning_rate: float = 0.2
+    initial_accumulator_value: float = 0.1
+    epsilon: float = 1e-7
+    batch_size: int = 32
+    epochs: int = 5
+    steps_per_epoch: int = 100
+    steps_per_execution: int = 10
+    num_workers: int = 2
+    num_ps: int = 2
+    partitioner: str = "min_size"
+    shard_bytes: int = strategy_lib.DEFAULT_MIN_SHARD_BYTES
+    model_dir: str | None = None
+    log_every_steps: int = 100
+    seed: int = 0
+    chief_gone_secs: float | None = None
+    downpour: downpour_lib.DownpourConfig | None = None
+    lbfgs_history: int = 10
+    lbfgs_max_iters: int = 100
+    portions: int = 32
+    backup_tasks: bool = True
+    straggler_worker: int | None = None
+    straggler_slowdown: float = 1.0
+    devices_per_replica: int = 1
+
+    def validate(self) -> JobConfig:
+        """Checks every field; returns self.
+
+        Raises:
+          ValueError: naming the first bad field, its value and what is allowed.
+          TypeError: `downpour` is not a `DownpourConfig` or None.
+        """
+        for name, allowed in (
+            ("optimizer", OPTIMIZERS),
+            ("partitioner", PARTITIONERS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"`{name}` must be one of {', '.join(allowed)}. Received: "
+                    f"{getattr(self, name)!r}"
+                )
+        for name in (
+            "batch_size",
+            "epochs",
+            "steps_per_epoch",
+            "steps_per_execution",
+            "num_workers",
+            "num_ps",
+            "shard_bytes",
+            "devices_per_replica",
+            "lbfgs_history",
+            "lbfgs_max_iters",
+            "portions",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"`{name}` must be >= 1. Received: {getattr(self, name)!r}"
+                )
+        if not self.learning_rate > 0:
+            raise ValueError(
+                f"`learning_rate` must be > 0. Received: {self.learning_rate!r}"
+            )
+        if self.downpour is not None:
+            if not isinstance(self.downpour, downpour_lib.DownpourConfig):
+                raise TypeError(
+                    "`downpour` must be a tf_distbelief DownpourConfig or None. "
+                    f"Received: {self.downpour!r}"
+                )
+            if self.optimizer == "lbfgs":
+                raise ValueError(
+                    "`downpour` trains with SGD-type optimizers (adagrad, sgd); "
+                    "`optimizer=lbfgs` is Sandblaster. Received both."
+                )
+        if not self.straggler_slowdown >= 1:
+            raise ValueError(
+                "`straggler_slowdown` must be >= 1. Received: "
+                f"{self.straggler_slowdown!r}"
+            )
+        for name in ("initial_accumulator_value", "epsilon", "log_every_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"`{name}` must be >= 0. Received: {getattr(self, name)!r}"
+                )
+        return self

@@ -1,0 +1,291 @@
+"""One training job, dispatched on the task type: the library side of `launch/`.
+
+`run(config, spec)` is what `launch/train.py` calls. With `TF_CONFIG` naming a
+`ps` or `worker` task it serves; `evaluator` evaluates each new checkpoint;
+`chief` (or no `TF_CONFIG`: a local cluster is started) trains and reports test
+accuracy. The model and its data come from a `ModelSpec`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import tensorflow as tf
+import tf_keras
+from absl import logging
+
+from tf_distbelief import adagrad, cluster, downpour, training
+from tf_distbelief import model_parallel as model_parallel_lib
+from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.job.config import JobConfig
+from tf_distbelief.job.spec import ModelSpec
+
+
+def check_spec(config: JobConfig, spec: ModelSpec) -> None:
+    """Checks that `spec` can train as `config` asks.
+
+    Raises:
+      TypeError: `spec` is not a `ModelSpec`.
+      ValueError: `config.devices_per_replica > 1` and `spec` has no
+        model-parallel version.
+    """
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(
+            f"Argument `spec` must be a tf_distbelief ModelSpec. Received: {spec!r}"
+        )
+    if config.devices_per_replica > 1 and not spec.model_parallel:
+        raise ValueError(
+            "`devices_per_replica` > 1 needs a model with a model-parallel "
+            "version (a ModelSpec with `model_parallel=True`; the demo models "
+            f"digits and speech). Received: model={spec.name!r}"
+        )
+
+
+def build_model(config: JobConfig, spec: ModelSpec, devices=None) -> tf_keras.Model:
+    """Returns the uncompiled model of `spec`.
+
+    Args:
+      config: the job.
+      spec: the model.
+      devices: with `config.devices_per_replica > 1`, the devices of one replica
+        (default: `model_parallel.worker_device_names(k)`: the workers' GPUs
+        when each has k, else their `/device:CPU:0..k-1`).
+    """
+    k = config.devices_per_replica
+    if k > 1:
+        return spec.build_model(devices or model_parallel_lib.worker_device_names(k))
+    return spec.build_model(None)
+
+
+def build_optimizer(config: JobConfig) -> tf_keras.optimizers.Optimizer:
+    """Returns the ps-side optimizer `config.optimizer` names."""
+    if config.optimizer == "adagrad":
+        return adagrad.Adagrad(
+            config.learning_rate,
+            initial_accumulator_value=config.initial_accumulator_value,
+            epsilon=config.epsilon,
+        )
+    return tf_keras.optimizers.SGD(config.learning_rate)
+
+
+def compile_model(config: JobConfig, strategy, spec: ModelSpec) -> tf_keras.Model:
+    """Builds and compiles `spec`'s model under `strategy`'s scope.
+
+    With `config.downpour`, Downpour is enabled on `strategy` first and installed
+    on the compiled model; its `Downpour` object is `model.downpour`.
+    """
+    if config.downpour is not None:
+        downpour.enable(strategy)
+    with strategy.scope():
+        model = build_model(config, spec)
+        model.compile(
+            optimizer=build_optimizer(config),
+            loss=spec.loss(),
+            metrics=list(spec.metrics),
+            steps_per_execution=config.steps_per_execution,
+        )
+        if config.downpour is not None:
+            model.downpour = downpour.install(model, config.downpour)
+    return model
+
+
+def train(config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=print) -> dict:
+    """Trains on the cluster `cluster_resolver` describes, from the chief.
+
+    Args:
+      config: a validated `JobConfig`.
+      spec: the model and its data.
+      cluster_resolver: the chief's ClusterResolver.
+      print_fn: where progress lines go.
+
+    Returns:
+      `{"test_accuracy": float, "epochs": int, "initial_epoch": int,
+      "history": [...], "train_secs": float}`.
+    """
+    (x_train, y_train), (x_test, y_test) = spec.load_data()
+    num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
+    strategy = strategy_lib.DistBeliefStrategy(
+        cluster_resolver,
+        strategy_lib.make_partitioner(config.partitioner, num_ps, config.shard_bytes),
+    )
+    if config.optimizer == "lbfgs":
+        return _train_sandblaster(
+            config, spec, strategy, (x_train, y_train), (x_test, y_test), print_fn
+        )
+    model = compile_model(config, strategy, spec)
+    downpour_on = config.downpour is not None
+    callbacks = [downpour.DownpourMetrics(model.downpour)] if downpour_on else []
+    start = time.monotonic()
+    result = training.fit(
+        model,
+        training.dataset_creator(x_train, y_train, config.batch_size, config.seed),
+        epochs=config.epochs,
+        steps_per_epoch=config.steps_per_epoch,
+        batch_size=config.batch_size,
+        model_dir=config.model_dir,
+        log_every_steps=config.log_every_steps,
+        callbacks=callbacks,
+        print_fn=print_fn,
+    )
+    train_secs = time.monotonic() - start
+    test_accuracy = training.accuracy(model, x_test, y_test)
+    if downpour_on:
+        for worker, stats in enumerate(model.downpour.stats()):
+            print_fn(f"downpour replica {worker}: {stats}")
+    print_fn(f"test accuracy: {test_accuracy:.4f}")
+    return {
+        "test_accuracy": test_accuracy,
+        "epochs": result.epochs,
+        "initial_epoch": result.initial_epoch,
+        "history": result.history,
+        "train_secs": train_secs,
+    }
+
+
+def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) -> dict:
+    """`train` with Sandblaster L-BFGS (section 4.2): full-batch, no epochs."""
+    from tf_distbelief import sandblaster
+
+    if config.straggler_worker is not None and not (
+        0 <= config.straggler_worker < strategy.num_workers
+    ):
+        raise ValueError(
+            f"`straggler_worker` must be in [0, {strategy.num_workers}). Received: "
+            f"{config.straggler_worker!r}"
+        )
+    # Built after the strategy connected, outside its scope: the parameters
+    # live in Sandblaster's flat vectors on the ps, not in Keras variables.
+    model = build_model(config, spec)
+    trainer = sandblaster.SandblasterTrainer(
+        strategy,
+        model,
+        spec.loss(),
+        *train_data,
+        portions=config.portions,
+        history=config.lbfgs_history,
+        backup_tasks=config.backup_tasks,
+        straggler_worker=config.straggler_worker,
+        straggler_slowdown=config.straggler_slowdown,
+    )
+    start = time.monotonic()
+    result = trainer.fit(max_iters=config.lbfgs_max_iters)
+    train_secs = time.monotonic() - start
+    stats = trainer.stats
+    print_fn(
+        f"lbfgs: {result.num_iters} iterations, {result.num_evals} evaluations, "
+        f"loss {result.loss:.6f} ({result.message}), {train_secs:.1f} s; "
+        f"portions {stats.portions_scheduled}, backup copies "
+        f"{stats.backup_copies_scheduled}, discarded {stats.copies_discarded}, "
+        f"accepted by worker {dict(sorted(stats.accepted_by_worker.items()))}"
+    )
+    test_accuracy = training.accuracy(model, *test_data)
+    print_fn(f"test accuracy: {test_accuracy:.4f}")
+    return {
+        "test_accuracy": test_accuracy,
+        "iterations": result.num_iters,
+        "loss": result.loss,
+        "train_secs": train_secs,
+        "stats": stats,
+    }
+
+
+def evaluate_checkpoints(config: JobConfig, spec: ModelSpec, print_fn=print) -> None:
+    """The `evaluator` task: test accuracy of each new checkpoint in `model_dir`.
+
+    Uses `tf_keras.utils.SidecarEvaluator`; it stops after the checkpoint of
+    `config.epochs` epochs. Training never contacts this task.
+
+    Raises:
+      ValueError: `config.model_dir` is not set.
+    """
+    if not config.model_dir:
+        raise ValueError("The `evaluator` task needs `model_dir` (checkpoints).")
+    _, (x_test, y_test) = spec.load_data()
+    # The evaluator has one device: the same partitions (hence the same
+    # checkpointed weights) on CPU:0.
+    model = build_model(
+        config, spec, devices=["/device:CPU:0"] * config.devices_per_replica
+    )
+    model.compile(
+        optimizer=build_optimizer(config), loss=spec.loss(), metrics=list(spec.metrics)
+    )
+    data = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(512)
+    tf_keras.utils.SidecarEvaluator(
+        model,
+        data,
+        checkpoint_dir=f"{config.model_dir}/{training.CHECKPOINT_SUBDIR}",
+        max_evaluations=config.epochs,
+    ).start()
+    print_fn("evaluator: done")
+
+
+def run(config: JobConfig, spec: ModelSpec, print_fn=print) -> dict | None:
+    """Runs this process's part of the job; see the module docstring.
+
+    Everything is validated before any server starts.
+
+    Args:
+      config: the job.
+      spec: the model and its data (not loaded on ps and worker tasks).
+      print_fn: where progress lines go.
+
+    Returns:
+      On the chief, `train`'s result; on other tasks, None.
+
+    Raises:
+      ValueError: a bad `config` field or cluster (`ClusterConfigError`).
+      ClusterStartError: a local task failed to start.
+    """
+    config.validate()
+    check_spec(config, spec)
+    resolver = cluster.resolve_cluster()
+    if resolver is None:
+        with cluster.LocalCluster(
+            config.num_workers,
+            config.num_ps,
+            cpu_devices_per_worker=config.devices_per_replica,
+        ) as local:
+            print_fn(
+                f"local cluster: {config.num_workers} workers, {config.num_ps} ps "
+                f"({', '.join(a for j in ('worker', 'ps') for a in local.jobs[j])})"
+            )
+            return train(config, spec, local.resolver, print_fn)
+    task_type = resolver.task_type
+    logging.info("Task %s:%s", task_type, resolver.task_id)
+    if task_type in cluster.SERVER_JOBS:
+        cluster.run_server(
+            resolver,
+            cpu_devices=config.devices_per_replica if task_type == "worker" else 1,
+            chief_gone_secs=config.chief_gone_secs,
+        )
+        return None
+    if task_type == "evaluator":
+        evaluate_checkpoints(config, spec, print_fn)
+        return None
+    if task_type != "chief":
+        raise cluster.ClusterConfigError(
+            f"`TF_CONFIG` task type must be chief, worker, ps or evaluator. "
+            f"Received: {task_type!r}"
+        )
+    return train(config, spec, resolver, print_fn)
+
+
+def main(config: JobConfig, spec: ModelSpec) -> None:
+    """Runs `run(config, spec)` for a launch script, then ends the process at once.
+
+    TensorFlow's interpreter teardown tries to remove functions from the cluster
+    tasks that `run` has already ended, and logs an error per task; ending the
+    process after flushing skips that teardown. Errors propagate as usual.
+
+    Args:
+      config: the job.
+      spec: the model and its data.
+    """
+    tf.get_logger().setLevel("WARNING")
+    logging.set_verbosity(logging.WARNING)
+    run(config, spec)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
