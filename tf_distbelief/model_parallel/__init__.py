@@ -2,8 +2,12 @@
 2012, section 3).
 
 * `devices`: a replica's devices and explicit placement (`call_on_device`).
-* `partition_math`: partition bounds and the bytes that cross partitions
-  (pure, no TensorFlow).
+* `partition_math`: partition bounds, which inputs each partition reads, and the
+  bytes that cross partitions (pure, no TensorFlow).
+* `base`: `PartitionedLayer`, the per-partition weight blocks and their
+  conversion to and from the unpartitioned layer's weights.
+* `blocks`: activation maps held as a grid of blocks (scatter, gather, halo
+  exchange).
 * `dense`, `locally_connected`: the partitioned tf_keras layers.
 """
 
@@ -13,6 +17,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
     __name__,
     {
         "PartitionedDense": "dense",
+        "PartitionedLayer": "base",
         "PartitionedLocallyConnected2D": "locally_connected",
         "assign_devices": "devices",
         "call_on_device": "devices",

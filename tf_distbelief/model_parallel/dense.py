@@ -26,13 +26,13 @@ layer.cross_partition_bytes(batch_size=8)  # 3 * 8 * 440 * 4 bytes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import EllipsisType
 
-import numpy as np
 import tensorflow as tf
 import tf_keras
 
+from tf_distbelief.model_parallel import base, partition_math
 from tf_distbelief.model_parallel import devices as model_parallel
-from tf_distbelief.model_parallel import partition_math
 
 __all__ = ["PartitionedDense"]
 
@@ -58,7 +58,7 @@ _ELEMENTWISE_ACTIVATIONS = frozenset(
 )
 
 
-class PartitionedDense(tf_keras.layers.Layer):
+class PartitionedDense(base.PartitionedLayer):
     """`tf_keras.layers.Dense` with its units split over devices.
 
     Partition `k` owns units `bounds[k]:bounds[k + 1]` (`partition_math.split_bounds`,
@@ -67,7 +67,8 @@ class PartitionedDense(tf_keras.layers.Layer):
     its device, and its matrix product runs there; the outputs are concatenated.
     Element-wise activations run per partition, others (softmax) after the concat.
     Results equal `tf_keras.layers.Dense` with the same weights
-    (`set_unpartitioned_weights`).
+    (`set_unpartitioned_weights`, which takes `[kernel, bias]` as
+    `Dense.get_weights()` gives them: `[input_units, units]` and `[units]`).
     """
 
     def __init__(
@@ -97,7 +98,6 @@ class PartitionedDense(tf_keras.layers.Layer):
         Raises:
           ValueError: if `units` or `num_partitions` is out of range.
         """
-        super().__init__(**kwargs)
         if not isinstance(units, int) or units < 1:
             raise ValueError(f"Argument `units` must be >= 1. Received: {units!r}")
         if not isinstance(num_partitions, int) or not 1 <= num_partitions <= units:
@@ -105,13 +105,16 @@ class PartitionedDense(tf_keras.layers.Layer):
                 f"Argument `num_partitions` must be >= 1 and <= `units` ({units}). "
                 f"Received: {num_partitions!r}"
             )
+        super().__init__(
+            num_partitions,
+            devices,
+            activation,
+            use_bias,
+            kernel_initializer,
+            bias_initializer,
+            **kwargs,
+        )
         self.units = units
-        self.num_partitions = num_partitions
-        self.devices = None if devices is None else list(devices)
-        self.activation = tf_keras.activations.get(activation)
-        self.use_bias = use_bias
-        self.kernel_initializer = tf_keras.initializers.get(kernel_initializer)
-        self.bias_initializer = tf_keras.initializers.get(bias_initializer)
         self.bounds = partition_math.split_bounds(units, num_partitions)
         self.input_spec = tf_keras.layers.InputSpec(min_ndim=2)
 
@@ -123,42 +126,20 @@ class PartitionedDense(tf_keras.layers.Layer):
                 f"Received: {input_shape}"
             )
         self.input_units = input_units
-        self.partition_devices = model_parallel.assign_devices(
-            self.num_partitions, self.devices
-        )
-        kernel_cache, bias_cache = {}, {}
-        self.block_kernels, self.block_biases = [], []
-        for k, device in enumerate(self.partition_devices):
-            cols = slice(self.bounds[k], self.bounds[k + 1])
-            with tf.device(device):
-                self.block_kernels.append(
-                    self.add_weight(
-                        f"kernel_{k}",
-                        shape=(input_units, cols.stop - cols.start),
-                        initializer=model_parallel.sliced_initializer(
-                            self.kernel_initializer,
-                            (input_units, self.units),
-                            kernel_cache,
-                            lambda full, cols=cols: full[:, cols],
-                        ),
-                    )
-                )
-                if self.use_bias:
-                    self.block_biases.append(
-                        self.add_weight(
-                            f"bias_{k}",
-                            shape=(cols.stop - cols.start,),
-                            initializer=model_parallel.sliced_initializer(
-                                self.bias_initializer,
-                                (self.units,),
-                                bias_cache,
-                                lambda full, cols=cols: full[cols],
-                            ),
-                        )
-                    )
-        kernel_cache.clear()
-        bias_cache.clear()
+        self._build_blocks(self.num_partitions)
         super().build(input_shape)
+
+    def _weight_layouts(self) -> tuple[base.WeightLayout, base.WeightLayout]:
+        sizes = [b - a for a, b in zip(self.bounds, self.bounds[1:])]
+        kernel = (self.input_units, self.units)
+        return (
+            base.WeightLayout(kernel, kernel, tuple((kernel[0], n) for n in sizes)),
+            base.WeightLayout((self.units,), (self.units,), tuple((n,) for n in sizes)),
+        )
+
+    def _block_index(self, k: int) -> tuple[EllipsisType, slice]:
+        # The units are the last axis of both the kernel and the bias.
+        return ..., slice(self.bounds[k], self.bounds[k + 1])
 
     def call(self, inputs):
         name = tf_keras.activations.serialize(self.activation)
@@ -196,65 +177,7 @@ class PartitionedDense(tf_keras.layers.Layer):
             batch_size, self.input_units, self.num_partitions, self.compute_dtype
         )
 
-    def unpartition(self, block_values: Sequence) -> list[np.ndarray]:
-        """Assembles per-partition values into the `tf_keras.layers.Dense` layout.
-
-        Args:
-          block_values: one array per variable, in `self.trainable_weights` order:
-            the block weights themselves, or their gradients.
-
-        Returns:
-          `kernel` `[input_units, units]` and, with `use_bias`, `bias` `[units]`.
-        """
-        index = {id(v): i for i, v in enumerate(self.trainable_weights)}
-
-        def gather(variables, axis):
-            values = [np.asarray(block_values[index[id(v)]]) for v in variables]
-            return np.concatenate(values, axis=axis)
-
-        weights = [gather(self.block_kernels, axis=1)]
-        if self.use_bias:
-            weights.append(gather(self.block_biases, axis=0))
-        return weights
-
-    def get_unpartitioned_weights(self) -> list[np.ndarray]:
-        """Returns the weights as `tf_keras.layers.Dense.get_weights()` lays them out.
-
-        Returns:
-          `[kernel, bias]` (see `unpartition`), or `[kernel]` without bias.
-        """
-        return self.unpartition([v.numpy() for v in self.trainable_weights])
-
-    def set_unpartitioned_weights(self, weights: Sequence[np.ndarray]) -> None:
-        """Loads weights laid out as `tf_keras.layers.Dense` (`get_weights()`).
-
-        Args:
-          weights: `[kernel, bias]`, or `[kernel]` without bias.
-
-        Raises:
-          ValueError: if the number or shapes of `weights` do not match.
-        """
-        expected = [(self.input_units, self.units)] + [(self.units,)] * self.use_bias
-        got = [tuple(np.shape(w)) for w in weights]
-        if got != expected:
-            raise ValueError(
-                f"Argument `weights` must have shapes {expected}. Received: {got}"
-            )
-        for k, kernel in enumerate(self.block_kernels):
-            cols = slice(self.bounds[k], self.bounds[k + 1])
-            kernel.assign(weights[0][:, cols])
-            if self.use_bias:
-                self.block_biases[k].assign(weights[1][cols])
-
     def get_config(self):
         config = super().get_config()
-        config.update(
-            units=self.units,
-            num_partitions=self.num_partitions,
-            devices=self.devices,
-            activation=tf_keras.activations.serialize(self.activation),
-            use_bias=self.use_bias,
-            kernel_initializer=tf_keras.initializers.serialize(self.kernel_initializer),
-            bias_initializer=tf_keras.initializers.serialize(self.bias_initializer),
-        )
+        config.update(units=self.units)
         return config

@@ -8,7 +8,8 @@ keep a partition's forward and backward ops on its device. A `tf.distribute.Serv
 exposes several CPU devices when started with `tf_distbelief.cluster.server_config`
 (`LocalCluster(..., cpu_devices_per_worker=k)`). How sizes split and how many
 bytes cross partitions is pure arithmetic, in `model_parallel.partition_math`. The
-layers are in `partitioned_locally_connected` and `partitioned_dense`.
+layers are in `model_parallel.dense` and `model_parallel.locally_connected`
+(subclasses of `model_parallel.base.PartitionedLayer`).
 
 Example, in a plain process before TensorFlow initialises:
 
@@ -33,7 +34,7 @@ __all__ = [
     "configure_logical_cpus",
     "cpu_device_names",
     "replica_devices",
-    "sliced_initializer",
+    "worker_device_names",
 ]
 
 
@@ -278,36 +279,3 @@ def configure_logical_cpus(num_cpu_devices: int) -> None:
                 f"already initialised with {have}. Call `configure_logical_cpus` "
                 "before any TensorFlow op runs, or run in a child process."
             ) from e
-
-
-def sliced_initializer(
-    initializer: Callable,
-    full_shape: Sequence[int],
-    cache: dict,
-    block: Callable[[tf.Tensor], tf.Tensor],
-) -> Callable:
-    """Makes an initializer for one partition's block of a larger variable.
-
-    The first call draws the whole `full_shape` value once into `cache`; every call
-    returns `block(value)`. Drawing the whole keeps the unpartitioned layer's
-    distribution (fan-in and fan-out of the whole kernel) and, with a seeded
-    initializer, its exact values, at the cost of one full-size tensor at build
-    time; clear `cache` once all blocks are built.
-
-    Args:
-      initializer: a `tf_keras` initializer, called as `initializer(shape, dtype)`.
-      full_shape: shape of the unpartitioned variable.
-      cache: a dict shared by the blocks of one variable; starts empty.
-      block: maps the full value to this partition's block.
-
-    Returns:
-      A callable `(shape, dtype=None, **kwargs) -> tf.Tensor`; `shape` is ignored.
-    """
-
-    def init(shape, dtype=None, **kwargs):
-        del shape, kwargs  # The block's shape follows from `block`.
-        if "value" not in cache:
-            cache["value"] = initializer(full_shape, dtype=dtype)
-        return block(cache["value"])
-
-    return init

@@ -31,10 +31,10 @@ one gives its output as blocks (`output_blocks=True`) and the upper one, with th
 same grid and devices, takes them: only the halo between the layers crosses.
 
 ```python
-lower = partitioned_locally_connected.PartitionedLocallyConnected2D(
+lower = locally_connected.PartitionedLocallyConnected2D(
     8, 3, num_partitions=4, output_blocks=True
 )
-upper = partitioned_locally_connected.PartitionedLocallyConnected2D(
+upper = locally_connected.PartitionedLocallyConnected2D(
     8, 3, num_partitions=4
 )
 blocks = lower(x)  # 4 tensors [2, rows, 7, 8] of 2, 2, 2 and 1 rows.
@@ -50,12 +50,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import numpy as np
 import tensorflow as tf
-import tf_keras
 
+from tf_distbelief.model_parallel import base, partition_math
+from tf_distbelief.model_parallel import blocks as blocks_lib
 from tf_distbelief.model_parallel import devices as model_parallel
-from tf_distbelief.model_parallel import partition_math
 
 __all__ = ["PartitionedLocallyConnected2D", "local_conv_valid"]
 
@@ -76,34 +75,6 @@ def _check_num_partitions(value: int, limit: int | None, what: str, name: str):
         raise ValueError(
             f"Argument `{name}` must be >= 1 and <= {what}{bound}. Received: {value!r}"
         )
-
-
-def _split_by_block(
-    indices: Sequence[int], bounds: Sequence[int]
-) -> list[tuple[int, slice | list[int]]]:
-    """Splits sorted indices by the blocks `bounds` cuts their axis into.
-
-    Returns:
-      `(block, index)` for each block holding some of `indices`: a slice of the
-      block when they form a run there, else a list of indices in the block.
-    """
-    pieces = []
-    for b, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        local = [v - lo for v in indices if lo <= v < hi]
-        if local:
-            run = local[-1] - local[0] + 1 == len(local)
-            pieces.append((b, slice(local[0], local[-1] + 1) if run else local))
-    return pieces
-
-
-def _take(x: tf.Tensor, rows: slice | list[int], cols: slice | list[int]):
-    """`x[:, rows, cols]`; a list of indices is gathered."""
-    for axis, index in ((1, rows), (2, cols)):
-        if isinstance(index, slice):
-            x = x[:, index] if axis == 1 else x[:, :, index]
-        else:
-            x = tf.gather(x, index, axis=axis)
-    return x
 
 
 def local_conv_valid(
@@ -128,8 +99,8 @@ def local_conv_valid(
       `[batch_size, out_rows, out_cols, filters]`.
     """
     (kr, kc), (sr, sc) = kernel_size, strides
-    rows = (inputs.shape[1] - kr) // sr + 1
-    cols = (inputs.shape[2] - kc) // sc + 1
+    rows = partition_math.valid_output_size(inputs.shape[1], kr, sr)
+    cols = partition_math.valid_output_size(inputs.shape[2], kc, sc)
     # One strided slice per kernel offset: cheaper to differentiate than
     # `tf.image.extract_patches`, whose gradient is a scatter.
     taps = [
@@ -143,7 +114,7 @@ def local_conv_valid(
     return tf.reshape(outputs, [-1, rows, cols, kernel.shape[2]])
 
 
-class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
+class PartitionedLocallyConnected2D(base.PartitionedLayer):
     """`LocallyConnected2D` split spatially over devices (Dean et al. 2012, sec. 3).
 
     The `[out_rows, out_cols]` output map is cut into a grid of blocks
@@ -216,12 +187,10 @@ class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
         Raises:
           ValueError: if an argument is out of range.
         """
-        super().__init__(**kwargs)
         if not isinstance(filters, int) or filters < 1:
             raise ValueError(f"Argument `filters` must be >= 1. Received: {filters!r}")
-        self.filters = filters
-        self.kernel_size = _pair(kernel_size, "kernel_size")
-        self.strides = _pair(strides, "strides")
+        kernel_size = _pair(kernel_size, "kernel_size")
+        strides = _pair(strides, "strides")
         grid = (
             (num_partitions, 1) if isinstance(num_partitions, int) else num_partitions
         )
@@ -233,13 +202,19 @@ class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
             )
         _check_num_partitions(grid[0], None, "the output rows", "num_partitions")
         _check_num_partitions(grid[1], None, "the output columns", "num_partitions")
-        self.num_partitions = num_partitions
+        super().__init__(
+            num_partitions,
+            devices,
+            activation,
+            use_bias,
+            kernel_initializer,
+            bias_initializer,
+            **kwargs,
+        )
+        self.filters = filters
+        self.kernel_size = kernel_size
+        self.strides = strides
         self.partition_grid = grid
-        self.devices = None if devices is None else list(devices)
-        self.activation = tf_keras.activations.get(activation)
-        self.use_bias = use_bias
-        self.kernel_initializer = tf_keras.initializers.get(kernel_initializer)
-        self.bias_initializer = tf_keras.initializers.get(bias_initializer)
         self.output_blocks = bool(output_blocks)
         # `(row_bounds, col_bounds)` of the input blocks of the latest call, `None`
         # when it took a whole tensor; `cross_partition_bytes` counts for it. No
@@ -256,8 +231,8 @@ class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
                 f"Received: {input_shape}"
             )
         (kr, kc), (sr, sc) = self.kernel_size, self.strides
-        self.output_rows = (in_rows - kr) // sr + 1
-        self.output_cols = (in_cols - kc) // sc + 1
+        self.output_rows = partition_math.valid_output_size(in_rows, kr, sr)
+        self.output_cols = partition_math.valid_output_size(in_cols, kc, sc)
         if self.output_rows < 1 or self.output_cols < 1:
             raise ValueError(
                 f"Argument `kernel_size` {self.kernel_size} is larger than the input "
@@ -271,129 +246,55 @@ class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
             n_cols, self.output_cols, "the output columns", "num_partitions"
         )
         self._input_shape = input_shape
-        self.row_bounds = partition_math.split_bounds(self.output_rows, n_rows)
-        self.col_bounds = partition_math.split_bounds(self.output_cols, n_cols)
-        self.partition_devices = model_parallel.assign_devices(
-            n_rows * n_cols, self.devices
+        self.row_bounds, self.col_bounds = (
+            partition_math.locally_connected_output_bounds(
+                input_shape, self.kernel_size, self.strides, self.partition_grid
+            )
         )
-        feature_dim = kr * kc * channels
-        full_kernel = (self.output_rows * self.output_cols, feature_dim, self.filters)
-        full_bias = (self.output_rows, self.output_cols, self.filters)
-        kernel_cache, bias_cache = {}, {}
-        self.block_kernels, self.block_biases = [], []
-        for k, device in enumerate(self.partition_devices):
-            rows, cols = self._block_slices(k)
-            nr, nc = rows.stop - rows.start, cols.stop - cols.start
-
-            def kernel_block(full, rows=rows, cols=cols, nr=nr, nc=nc):
-                full = tf.reshape(full, full_bias[:2] + full_kernel[1:])
-                return tf.reshape(full[rows, cols], [nr * nc, *full_kernel[1:]])
-
-            with tf.device(device):
-                self.block_kernels.append(
-                    self.add_weight(
-                        f"kernel_{k}",
-                        shape=(nr * nc, feature_dim, self.filters),
-                        initializer=model_parallel.sliced_initializer(
-                            self.kernel_initializer,
-                            full_kernel,
-                            kernel_cache,
-                            kernel_block,
-                        ),
-                    )
-                )
-                if self.use_bias:
-                    self.block_biases.append(
-                        self.add_weight(
-                            f"bias_{k}",
-                            shape=(nr, nc, self.filters),
-                            initializer=model_parallel.sliced_initializer(
-                                self.bias_initializer,
-                                full_bias,
-                                bias_cache,
-                                lambda full, rows=rows, cols=cols: full[rows, cols],
-                            ),
-                        )
-                    )
-        kernel_cache.clear()
-        bias_cache.clear()
+        self._build_blocks(n_rows * n_cols)
         super().build(input_shape)
 
-    def _block_slices(self, k: int) -> tuple[slice, slice]:
+    def _weight_layouts(self) -> tuple[base.WeightLayout, base.WeightLayout]:
+        # The kernel's positions are row-major `(out_row, out_col)`: as a grid
+        # `[out_rows, out_cols, ...]` a block is one slice, as the bias is.
+        grid = (self.output_rows, self.output_cols)
+        features = (
+            self.kernel_size[0] * self.kernel_size[1] * self._input_shape[3],
+            self.filters,
+        )
+        n_blocks = self.partition_grid[0] * self.partition_grid[1]
+        blocks = [
+            (rows.stop - rows.start, cols.stop - cols.start)
+            for rows, cols in map(self._block_index, range(n_blocks))
+        ]
+        bias = (*grid, self.filters)
+        return (
+            base.WeightLayout(
+                (grid[0] * grid[1], *features),
+                (*grid, *features),
+                tuple((nr * nc, *features) for nr, nc in blocks),
+            ),
+            base.WeightLayout(
+                bias, bias, tuple((nr, nc, self.filters) for nr, nc in blocks)
+            ),
+        )
+
+    def _block_index(self, k: int) -> tuple[slice, slice]:
         i, j = divmod(k, self.partition_grid[1])
         rb, cb = self.row_bounds, self.col_bounds
         return slice(rb[i], rb[i + 1]), slice(cb[j], cb[j + 1])
 
     def _whole_input_shape(self, input_shape):
-        """The whole input map's shape, and the block bounds if given blocks.
-
-        Args:
-          input_shape: one shape of rank 4, or a list of block shapes.
-
-        Returns:
-          `(shape, bounds)`: a `tf.TensorShape`, and `None` for a whole input or
-          `(row_bounds, col_bounds)` of the blocks.
-
-        Raises:
-          ValueError: if the shape is not of rank 4, or the blocks do not tile this
-            layer's grid, or (once built) make another map than it was built for.
-        """
-        if (
-            not isinstance(input_shape, (list, tuple))
-            or not input_shape
-            or not (isinstance(input_shape[0], (list, tuple, tf.TensorShape)))
-        ):
-            shape = tf.TensorShape(input_shape)
-            if shape.rank != 4:
-                raise ValueError(
-                    "Argument `inputs` must have rank 4 ([batch, rows, cols, "
-                    f"channels]) or be a list of blocks. Received shape: {shape}"
-                )
-            return shape, None
-        n_rows, n_cols = self.partition_grid
-        shapes = [tf.TensorShape(s) for s in input_shape]
-        if len(shapes) != n_rows * n_cols:
-            raise ValueError(
-                f"Argument `inputs` must be one tensor or a list of {n_rows * n_cols} "
-                f"blocks (the output of a `PartitionedLocallyConnected2D` with "
-                f"`output_blocks=True` and `num_partitions={self.num_partitions!r}`)"
-                f". Received: a list of {len(shapes)} blocks"
-            )
-        dims = [s.as_list() if s.rank == 4 else None for s in shapes]
-        grid = [dims[i * n_cols : (i + 1) * n_cols] for i in range(n_rows)]
-        tiles = (
-            None not in dims
-            and all(None not in d[1:] for d in dims)
-            and len({(d[0], d[3]) for d in dims}) == 1
-            and all(len({d[1] for d in row}) == 1 for row in grid)
-            and all(len({row[j][2] for row in grid}) == 1 for j in range(n_cols))
+        """`blocks.whole_shape` for this layer's grid; once built, its map."""
+        return blocks_lib.whole_shape(
+            input_shape,
+            self.partition_grid,
+            self.num_partitions,
+            self._input_shape if self.built else None,
         )
-        if not tiles:
-            raise ValueError(
-                f"Argument `inputs` must be blocks of a {n_rows} x {n_cols} grid, "
-                "row-major, of rank 4 with known rows, columns and channels: blocks "
-                "in a grid row need equal rows, blocks in a grid column equal "
-                "columns, all the same batch and channels (the output of a layer "
-                f"with `num_partitions={self.num_partitions!r}`). Received block "
-                f"shapes: {[str(s) for s in shapes]}"
-            )
-        row_bounds = [0, *np.cumsum([row[0][1] for row in grid]).tolist()]
-        col_bounds = [0, *np.cumsum([d[2] for d in grid[0]]).tolist()]
-        batch, channels = dims[0][0], dims[0][3]
-        shape = tf.TensorShape([batch, row_bounds[-1], col_bounds[-1], channels])
-        if self.built and shape[1:].as_list() != self._input_shape[1:].as_list():
-            raise ValueError(
-                "Argument `inputs` must be blocks that make up the input map this "
-                f"layer was built for, {self._input_shape[1:]}. Received blocks "
-                f"that make up {shape[1:]} (block shapes "
-                f"{[str(s) for s in shapes]}); blocks of another `num_partitions` "
-                "tile the map differently."
-            )
-        return shape, (tuple(row_bounds), tuple(col_bounds))
 
     def call(self, inputs):
         (kr, kc), (sr, sc) = self.kernel_size, self.strides
-        n_rows, n_cols = self.partition_grid
         shape, bounds = self._whole_input_shape(
             [x.shape for x in inputs]
             if isinstance(inputs, (list, tuple))
@@ -401,78 +302,32 @@ class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
         )
         self.input_block_bounds = bounds
         if bounds is None:
-            # Input a block owns: from its first window's start to the next block's.
             bounds = (
-                [b * sr for b in self.row_bounds[:-1]] + [shape[1]],
-                [b * sc for b in self.col_bounds[:-1]] + [shape[2]],
+                partition_math.owned_input_bounds(self.row_bounds, sr, shape[1]),
+                partition_math.owned_input_bounds(self.col_bounds, sc, shape[2]),
             )
-            with tf.name_scope("scatter"):
-                # Sliced where the input lives, so each device receives only its
-                # block.
-                blocks = [
-                    inputs[:, r0:r1, c0:c1]
-                    for r0, r1 in zip(bounds[0], bounds[0][1:])
-                    for c0, c1 in zip(bounds[1], bounds[1][1:])
-                ]
+            blocks = blocks_lib.scatter(inputs, bounds)
         else:
             blocks = list(inputs)
-        # The input rows and columns each output block's windows read: from its
-        # first window's start to its last window's end, less the inputs between
-        # windows when the stride is longer than the kernel.
-        read_r = [
-            partition_math.read_input_indices(b, e, sr, kr)
-            for b, e in zip(self.row_bounds, self.row_bounds[1:])
-        ]
-        read_c = [
-            partition_math.read_input_indices(b, e, sc, kc)
-            for b, e in zip(self.col_bounds, self.col_bounds[1:])
-        ]
-        # cuts[k2]: the (rows, cols) of input block `k2` that partitions read, and
-        # readers[k2] which partitions, in partition order; a partition's pieces
-        # come in row-major block order.
-        cuts = [[] for _ in blocks]
-        readers = [[] for _ in blocks]
-        layouts = []
-        for k in range(n_rows * n_cols):
-            i, j = divmod(k, n_cols)
-            rows = _split_by_block(read_r[i], bounds[0])
-            cols = _split_by_block(read_c[j], bounds[1])
-            layouts.append(len(cols))
-            for i2, row_index in rows:
-                for j2, col_index in cols:
-                    cuts[i2 * n_cols + j2].append((row_index, col_index))
-                    readers[i2 * n_cols + j2].append(k)
-        pieces = [[] for _ in layouts]  # By reading partition.
-        for k2, block in enumerate(blocks):
-            if not cuts[k2]:
-                # No window reads this block. Blocks of a layer with this grid
-                # always hold some window's input; other tilings may not.
-                continue
-            # All pieces of a block in one call on its device, so that their
-            # gradients are summed there. Named for what leaves the device: the
-            # piece its own partition reads stays.
-            with tf.name_scope(f"halo_{k2}"):
-                cut = model_parallel.call_on_device(
-                    self.partition_devices[k2],
-                    lambda x, c=cuts[k2]: [_take(x, r, col) for r, col in c],
-                    block,
-                )
-            for k, piece in zip(readers[k2], cut):
-                pieces[k].append(piece)
+        pieces, pieces_per_row = blocks_lib.exchange_halo(
+            blocks,
+            self.partition_devices,
+            partition_math.block_reads(self.row_bounds, sr, kr, bounds[0]),
+            partition_math.block_reads(self.col_bounds, sc, kc, bounds[1]),
+        )
         outputs = []
         for k, device in enumerate(self.partition_devices):
             with tf.name_scope(f"partition_{k}"):
                 outputs.append(
                     model_parallel.call_on_device(
                         device,
-                        functools.partial(self._block_outputs, k, layouts[k]),
+                        functools.partial(self._block_outputs, k, pieces_per_row[k]),
                         *pieces[k],
                     )
                 )
         if self.output_blocks:
             return outputs
-        rows = [outputs[i * n_cols : (i + 1) * n_cols] for i in range(n_rows)]
-        return tf.concat([tf.concat(row, axis=2) for row in rows], axis=1)
+        return blocks_lib.gather(outputs, self.partition_grid[1])
 
     def _block_outputs(self, k, pieces_per_row, *pieces):
         """Block `k`'s outputs from the pieces of input it reads, row-major."""
@@ -491,13 +346,14 @@ class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
 
     def compute_output_shape(self, input_shape):
         input_shape, _ = self._whole_input_shape(input_shape)
-        (kr, kc), (sr, sc) = self.kernel_size, self.strides
-        rows = (input_shape[1] - kr) // sr + 1
-        cols = (input_shape[2] - kc) // sc + 1
         if not self.output_blocks:
+            (kr, kc), (sr, sc) = self.kernel_size, self.strides
+            rows = partition_math.valid_output_size(input_shape[1], kr, sr)
+            cols = partition_math.valid_output_size(input_shape[2], kc, sc)
             return tf.TensorShape([input_shape[0], rows, cols, self.filters])
-        row_bounds = partition_math.split_bounds(rows, self.partition_grid[0])
-        col_bounds = partition_math.split_bounds(cols, self.partition_grid[1])
+        row_bounds, col_bounds = partition_math.locally_connected_output_bounds(
+            input_shape, self.kernel_size, self.strides, self.partition_grid
+        )
         return [
             tf.TensorShape([input_shape[0], r1 - r0, c1 - c0, self.filters])
             for r0, r1 in zip(row_bounds, row_bounds[1:])
@@ -551,76 +407,12 @@ class PartitionedLocallyConnected2D(tf_keras.layers.Layer):
             output_whole=not self.output_blocks,
         )
 
-    def unpartition(self, block_values: Sequence) -> list[np.ndarray]:
-        """Assembles per-block values into the `LocallyConnected2D` layout.
-
-        Args:
-          block_values: one array per variable, in `self.trainable_weights` order:
-            the block weights themselves, or their gradients.
-
-        Returns:
-          `kernel` `[out_rows * out_cols, kernel_rows * kernel_cols * channels,
-          filters]` and, with `use_bias`, `bias` `[out_rows, out_cols, filters]`.
-        """
-        index = {id(v): i for i, v in enumerate(self.trainable_weights)}
-        shape = (self.output_rows, self.output_cols)
-        dtype = self.block_kernels[0].dtype.as_numpy_dtype
-        kernel = np.zeros(shape + tuple(self.block_kernels[0].shape[1:]), dtype)
-        bias = np.zeros(shape + (self.filters,), kernel.dtype)
-        for k, block in enumerate(self.block_kernels):
-            rows, cols = self._block_slices(k)
-            value = np.asarray(block_values[index[id(block)]])
-            kernel[rows, cols] = value.reshape(kernel[rows, cols].shape)
-            if self.use_bias:
-                bias[rows, cols] = block_values[index[id(self.block_biases[k])]]
-        kernel = kernel.reshape((-1,) + kernel.shape[2:])
-        return [kernel, bias] if self.use_bias else [kernel]
-
-    def get_unpartitioned_weights(self) -> list[np.ndarray]:
-        """Returns the weights as `LocallyConnected2D.get_weights()` lays them out.
-
-        Returns:
-          `[kernel, bias]` (see `unpartition`), or `[kernel]` without bias.
-        """
-        return self.unpartition([v.numpy() for v in self.trainable_weights])
-
-    def set_unpartitioned_weights(self, weights: Sequence[np.ndarray]) -> None:
-        """Loads weights laid out as `LocallyConnected2D` (implementation 1).
-
-        Args:
-          weights: `[kernel, bias]` (or `[kernel]` without bias) as returned by
-            `tf_keras.layers.LocallyConnected2D.get_weights()`.
-
-        Raises:
-          ValueError: if the number or shapes of `weights` do not match.
-        """
-        expected = [w.shape for w in self.get_unpartitioned_weights()]
-        got = [np.shape(w) for w in weights]
-        if got != expected:
-            raise ValueError(
-                f"Argument `weights` must have shapes {expected}. Received: {got}"
-            )
-        kernel = np.reshape(
-            weights[0], (self.output_rows, self.output_cols, -1, self.filters)
-        )
-        for k, block in enumerate(self.block_kernels):
-            rows, cols = self._block_slices(k)
-            block.assign(kernel[rows, cols].reshape(block.shape))
-            if self.use_bias:
-                self.block_biases[k].assign(weights[1][rows, cols])
-
     def get_config(self):
         config = super().get_config()
         config.update(
             filters=self.filters,
             kernel_size=self.kernel_size,
             strides=self.strides,
-            num_partitions=self.num_partitions,
-            devices=self.devices,
-            activation=tf_keras.activations.serialize(self.activation),
-            use_bias=self.use_bias,
-            kernel_initializer=tf_keras.initializers.serialize(self.kernel_initializer),
-            bias_initializer=tf_keras.initializers.serialize(self.bias_initializer),
             output_blocks=self.output_blocks,
         )
         return config

@@ -15,14 +15,17 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "block_reads",
     "dense_cross_partition_bytes",
     "dense_gather_bytes",
     "locally_connected_block_halo_bytes",
     "locally_connected_halo_bytes",
     "locally_connected_output_bounds",
     "locally_connected_scatter_gather_bytes",
+    "owned_input_bounds",
     "read_input_indices",
     "split_bounds",
+    "valid_output_size",
 ]
 
 
@@ -62,13 +65,24 @@ def split_bounds(size: int, num_parts: int, name: str = "num_parts") -> list[int
     return [0, *np.cumsum(sizes).tolist()]
 
 
-def _owned_input_bounds(
+def owned_input_bounds(
     out_bounds: Sequence[int], stride: int, input_size: int
 ) -> list[int]:
-    # A partition owns the input rows from its first output row's window start up to
-    # the next partition's; the last one owns the rest. With `padding="valid"` a
-    # window never starts before its output row times the stride, so the needed
-    # rows only ever extend past the owned ones towards later partitions.
+    """Where a whole input is cut so that each part owns a region of it, one axis.
+
+    Part `i` owns the inputs from its first output's window start,
+    `out_bounds[i] * stride`, up to the next part's; the last part owns the rest.
+    With `padding="valid"` no window starts before its output times the stride, so
+    the inputs a part reads beyond its own lie only towards later parts.
+
+    Args:
+      out_bounds: `split_bounds` of the outputs along the axis.
+      stride: window step, at least 1.
+      input_size: inputs along the axis.
+
+    Returns:
+      `len(out_bounds)` boundaries from 0 to `input_size`.
+    """
     return [b * stride for b in out_bounds[:-1]] + [input_size]
 
 
@@ -99,21 +113,52 @@ def read_input_indices(
     ]
 
 
-def _needed_and_held_1d(out_bounds, stride, kernel, held_bounds):
-    """Per part along one axis: (inputs it reads, how many of them it holds).
+def block_reads(
+    out_bounds: Sequence[int],
+    stride: int,
+    kernel: int,
+    in_bounds: Sequence[int],
+) -> list[list[tuple[int, list[int]]]]:
+    """Which inputs each part reads, by the input block that holds them, one axis.
 
-    Part `i` makes outputs `out_bounds[i]:out_bounds[i + 1]` and holds the inputs
-    `held_bounds[i]:held_bounds[i + 1]`.
+    Part `i` makes outputs `out_bounds[i]:out_bounds[i + 1]` and reads
+    `read_input_indices` of them; the input is held in blocks, block `b` holding
+    inputs `in_bounds[b]:in_bounds[b + 1]`. Both the halo arithmetic and the
+    layer that cuts the pieces use this, so that they agree on what crosses.
+
+    Args:
+      out_bounds: output boundaries of the parts.
+      stride: window step, at least 1.
+      kernel: window size, at least 1.
+      in_bounds: input block boundaries, rising from 0 to the input size.
+
+    Returns:
+      Per part, `(block, indices)` for each block holding inputs it reads, in block
+      order; `indices` are sorted and relative to the block's start.
     """
-    lengths = []
-    for i in range(len(out_bounds) - 1):
-        read = read_input_indices(out_bounds[i], out_bounds[i + 1], stride, kernel)
-        held = sum(held_bounds[i] <= v < held_bounds[i + 1] for v in read)
-        lengths.append((len(read), held))
-    return lengths
+    reads = []
+    for first, end in zip(out_bounds, out_bounds[1:]):
+        read = read_input_indices(first, end, stride, kernel)
+        pieces = []
+        for b, (lo, hi) in enumerate(zip(in_bounds, in_bounds[1:])):
+            local = [v - lo for v in read if lo <= v < hi]
+            if local:
+                pieces.append((b, local))
+        reads.append(pieces)
+    return reads
 
 
-def _output_size(input_size: int, kernel: int, stride: int) -> int:
+def valid_output_size(input_size: int, kernel: int, stride: int) -> int:
+    """Outputs along one axis of a `padding="valid"` windowed layer.
+
+    Args:
+      input_size: inputs along the axis.
+      kernel: window size, at least 1.
+      stride: window step, at least 1.
+
+    Returns:
+      `(input_size - kernel) // stride + 1`; below 1 when the window does not fit.
+    """
     return (input_size - kernel) // stride + 1
 
 
@@ -139,8 +184,8 @@ def locally_connected_output_bounds(
     Raises:
       ValueError: if the grid does not fit the output map.
     """
-    out_rows = _output_size(int(input_shape[1]), kernel_size[0], strides[0])
-    out_cols = _output_size(int(input_shape[2]), kernel_size[1], strides[1])
+    out_rows = valid_output_size(int(input_shape[1]), kernel_size[0], strides[0])
+    out_cols = valid_output_size(int(input_shape[2]), kernel_size[1], strides[1])
     return (
         split_bounds(out_rows, partition_grid[0], "partition_grid[0]"),
         split_bounds(out_cols, partition_grid[1], "partition_grid[1]"),
@@ -213,9 +258,17 @@ def locally_connected_block_halo_bytes(
     out_rows, out_cols = locally_connected_output_bounds(
         input_shape, kernel_size, strides, partition_grid
     )
-    per_row = _needed_and_held_1d(out_rows, strides[0], kernel_size[0], input_bounds[0])
-    per_col = _needed_and_held_1d(out_cols, strides[1], kernel_size[1], input_bounds[1])
-    elements = sum(nr * nc - hr * hc for nr, hr in per_row for nc, hc in per_col)
+    row_reads = block_reads(out_rows, strides[0], kernel_size[0], input_bounds[0])
+    col_reads = block_reads(out_cols, strides[1], kernel_size[1], input_bounds[1])
+    # Output block (i, j) receives every piece it reads but that of block (i, j).
+    elements = sum(
+        len(piece_rows) * len(piece_cols)
+        for i, row_pieces in enumerate(row_reads)
+        for j, col_pieces in enumerate(col_reads)
+        for i2, piece_rows in row_pieces
+        for j2, piece_cols in col_pieces
+        if (i2, j2) != (i, j)
+    )
     return elements * batch * channels * _itemsize(dtype)
 
 
@@ -262,8 +315,8 @@ def locally_connected_halo_bytes(
         input_shape, kernel_size, strides, partition_grid
     )
     owned = (
-        _owned_input_bounds(row_bounds, strides[0], int(input_shape[1])),
-        _owned_input_bounds(col_bounds, strides[1], int(input_shape[2])),
+        owned_input_bounds(row_bounds, strides[0], int(input_shape[1])),
+        owned_input_bounds(col_bounds, strides[1], int(input_shape[2])),
     )
     return locally_connected_block_halo_bytes(
         input_shape, owned, kernel_size, strides, partition_grid, dtype
@@ -350,8 +403,8 @@ def locally_connected_scatter_gather_bytes(
     row_bounds, col_bounds = locally_connected_output_bounds(
         input_shape, kernel_size, strides, partition_grid
     )
-    own_rows = _owned_input_bounds(row_bounds, strides[0], rows)[1]
-    own_cols = _owned_input_bounds(col_bounds, strides[1], cols)[1]
+    own_rows = owned_input_bounds(row_bounds, strides[0], rows)[1]
+    own_cols = owned_input_bounds(col_bounds, strides[1], cols)[1]
     scatter = (rows * cols - own_rows * own_cols) * channels
     gather = (row_bounds[-1] * col_bounds[-1] - row_bounds[1] * col_bounds[1]) * filters
     elements = scatter * input_whole + gather * output_whole
