@@ -9,16 +9,13 @@ restart it (`LocalCluster.restart`) before they return.
 """
 
 import os
-import sys
-import threading
-import time
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 
-from tf_distbelief import cluster  # noqa: E402
+from tf_distbelief import cluster, strategy  # noqa: E402
 
 NUM_WORKERS = 3
 NUM_PS = 3
@@ -46,59 +43,15 @@ def clean_tf_config(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
 
 
-# How long a test waits for earlier tests' coordinator threads to go idle.
-_IDLE_TIMEOUT_SECS = 60.0
-
-
-def _busy_coordinator_threads() -> list[str]:
-    """Names of ClusterCoordinator threads that are not waiting for work.
-
-    A worker thread waits in `_CoordinatedClosureQueue.get` when idle; the
-    failure handler waits on an event. Anything else is work in flight: a
-    per-worker resource (variable, iterator) being created, a scheduled
-    function, or a worker being reconnected (`update_server_def`).
-    """
-    frames = sys._current_frames()
-    busy = []
-    for thread in threading.enumerate():
-        frame, stack = frames.get(thread.ident), []
-        while frame is not None:
-            stack.append(frame.f_code.co_name)
-            frame = frame.f_back
-        for loop, idle in (("_process_queue", "get"), ("_preemption_handler", "wait")):
-            if loop in stack:
-                i = stack.index(loop)
-                if i == 0 or stack[i - 1] != idle:
-                    busy.append(thread.name)
-    return busy
-
-
 @pytest.fixture(autouse=True)
 def _earlier_coordinators_idle():
     """Waits until the ClusterCoordinators of earlier tests have no work in flight.
 
     Every test connects this process to the shared cluster anew (a new
-    strategy). A per-worker resource an earlier coordinator was still creating
-    at that moment (an iterator a finished `fit` had queued for a worker that
-    got no step, or the caches of a trace that failed) crashed the process
-    with SIGSEGV inside TensorFlow. TensorFlow offers no public wait for them
-    (`ClusterCoordinator.join` waits for scheduled functions only), so this
-    looks at the threads' stacks.
+    strategy); `DistBeliefStrategy` waits too, but a test may use TensorFlow's
+    own strategy.
     """
-    deadline = time.monotonic() + _IDLE_TIMEOUT_SECS
-    quiet = 0
-    while quiet < 2:  # Idle at two looks in a row, not between two closures.
-        busy = _busy_coordinator_threads()
-        if not busy:
-            quiet += 1
-        else:
-            quiet = 0
-            if time.monotonic() > deadline:
-                warnings.warn(
-                    f"ClusterCoordinator threads still busy after "
-                    f"{_IDLE_TIMEOUT_SECS:g} s: {busy}",
-                    stacklevel=1,
-                )
-                break
-        time.sleep(0.05)
+    busy = strategy.wait_for_idle_coordinators()
+    if busy:
+        warnings.warn(f"ClusterCoordinator threads still busy: {busy}", stacklevel=1)
     yield

@@ -9,6 +9,9 @@ route was checked and found missing in TensorFlow 2.21 / tf_keras 2.21.
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import tensorflow as tf
 import tf_keras
 
@@ -115,6 +118,46 @@ def steps_per_execution(model: tf_keras.Model) -> tf.Variable:
     public attribute returns it.
     """
     return model._steps_per_execution  # noqa: SLF001
+
+
+def busy_coordinator_threads() -> list[str]:
+    """Names of `ClusterCoordinator` threads with work in flight.
+
+    A coordinator's worker thread waits in `_CoordinatedClosureQueue.get` when
+    idle and its failure handler waits on an event; a thread anywhere else in
+    those loops is creating a per-worker resource (variable, iterator),
+    running a scheduled function, or reconnecting a worker. A new strategy
+    connecting while one is busy crashed the process (SIGSEGV in the eager
+    runtime). Public route checked: `ClusterCoordinator.join` waits for
+    scheduled functions only, not for resource creation or recovery.
+    """
+    frames = sys._current_frames()  # noqa: SLF001
+    busy = []
+    for thread in threading.enumerate():
+        frame, stack = frames.get(thread.ident), []
+        while frame is not None:
+            stack.append(frame.f_code.co_name)
+            frame = frame.f_back
+        for loop, idle in (("_process_queue", "get"), ("_preemption_handler", "wait")):
+            if loop in stack:
+                i = stack.index(loop)
+                if i == 0 or stack[i - 1] != idle:
+                    busy.append(thread.name)
+    return busy
+
+
+def worker_recovery_pending(strategy) -> bool:
+    """True while `strategy`'s coordinator is reconnecting a failed worker.
+
+    Its failure handler keeps calling `update_server_def` with this strategy's
+    cluster until the worker is back; a new strategy connecting meanwhile is
+    reconfigured under it. Public route checked: none.
+    """
+    coordinator = getattr(strategy, "_cluster_coordinator", None)
+    if coordinator is None:
+        return False
+    handler = coordinator._cluster.failure_handler  # noqa: SLF001
+    return handler._cluster_due_for_update_or_finish.is_set()  # noqa: SLF001
 
 
 def check() -> None:

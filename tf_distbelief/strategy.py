@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 from collections.abc import Callable, Iterator
 
 import tensorflow as tf
+from absl import logging
 
+from tf_distbelief import _tf_internals
 from tf_distbelief import cluster as cluster_lib
 
 # A shard smaller than this is not worth its RPC: TensorFlow's own suggested
@@ -91,6 +94,74 @@ def default_partitioner(num_ps: int, min_shard_bytes: int = DEFAULT_MIN_SHARD_BY
     return make_partitioner("min_size", num_ps, min_shard_bytes)
 
 
+# How long a new strategy waits for an earlier one's coordinator to go idle:
+# creating a worker's per-worker variables and iterators takes well under a
+# second; a worker being reconnected takes up to about a minute.
+COORDINATOR_IDLE_TIMEOUT_SECS = 60.0
+_POLL_SECS = 0.05
+
+
+def wait_for_idle_coordinators(
+    timeout_secs: float = COORDINATOR_IDLE_TIMEOUT_SECS,
+) -> list[str]:
+    """Waits until no `ClusterCoordinator` of this process has work in flight.
+
+    An earlier strategy's coordinator may still be creating per-worker
+    resources (the caches of a trace that failed, an iterator for a worker
+    that got no step) or reconnecting a worker; connecting a new strategy then
+    crashed the process. `DistBeliefStrategy` calls this before it connects;
+    tests call it between tests.
+
+    Args:
+      timeout_secs: the longest wait, in seconds.
+
+    Returns:
+      The names of the threads still busy at the deadline (empty when idle);
+      a warning names them.
+    """
+    deadline = time.monotonic() + timeout_secs
+    quiet = 0
+    while quiet < 2:  # Idle at two looks in a row, not between two closures.
+        busy = _tf_internals.busy_coordinator_threads()
+        if not busy:
+            quiet += 1
+        else:
+            quiet = 0
+            if time.monotonic() > deadline:
+                logging.warning(
+                    "ClusterCoordinator threads of an earlier strategy still busy "
+                    "after %g s: %s; connecting anyway.",
+                    timeout_secs,
+                    busy,
+                )
+                return busy
+        time.sleep(_POLL_SECS)
+    return []
+
+
+def wait_for_worker_recovery(strategy, timeout_secs: float = 120.0) -> None:
+    """Waits until `strategy`'s coordinator has reconnected a failed worker.
+
+    Call it after restarting a killed worker, before connecting a new
+    strategy.
+
+    Args:
+      strategy: a `DistBeliefStrategy` (or any ParameterServerStrategy).
+      timeout_secs: the longest wait, in seconds.
+
+    Raises:
+      TimeoutError: still recovering after `timeout_secs` seconds.
+    """
+    deadline = time.monotonic() + timeout_secs
+    while _tf_internals.worker_recovery_pending(strategy):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"The coordinator was still recovering a worker after "
+                f"{timeout_secs:g} s."
+            )
+        time.sleep(0.1)
+
+
 def _called_from_keras3() -> bool:
     """True when a Keras 3 (`keras.src`) frame is on the call stack."""
     frame = inspect.currentframe()
@@ -158,6 +229,9 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
                 "tf.distribute.experimental.partitioners.Partitioner or a callable "
                 f"(shape, dtype) -> list of ints. Received: {variable_partitioner!r}"
             )
+        # Connecting while an earlier coordinator of this process still works
+        # crashed the process (see `wait_for_idle_coordinators`).
+        wait_for_idle_coordinators()
         super().__init__(resolver, variable_partitioner)
         self.variable_wrapper: Callable | None = None
         self.num_ps = num_ps
