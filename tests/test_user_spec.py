@@ -11,7 +11,6 @@ from tf_distbelief import job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
-EXAMPLES = os.path.join(ROOT, "examples")
 
 
 def _run(args, cwd):
@@ -34,9 +33,9 @@ def _accuracy(stdout):
 
 
 @pytest.mark.slow
-def test_a_user_spec_module_trains_from_its_folder():
+def test_a_user_spec_module_trains_by_name():
     proc = _run(
-        ["--model=blobs_spec:spec", "--epochs=2", "--steps_per_epoch=50"], EXAMPLES
+        ["--model=models.blobs:spec", "--epochs=2", "--steps_per_epoch=50"], ROOT
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _accuracy(proc.stdout) >= 0.95

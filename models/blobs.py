@@ -1,8 +1,9 @@
 """A user's own model and data as a tf_distbelief `ModelSpec` (README: "Your
 own model").
 
-Train it with `python launch/train.py --model=blobs_spec:spec` from this
-folder (or with it on PYTHONPATH). The data are Gaussian blobs made here, so
+Train it with `python launch/train.py --model=models.blobs:spec` from the
+repository root: a spec is imported by name like any module (from the working
+directory or PYTHONPATH), so a user's own file works the same way. The data are Gaussian blobs made here, so
 the example runs offline.
 """
 
@@ -36,5 +37,5 @@ def build_model(devices=None):
 
 
 def spec() -> ModelSpec:
-    """What `--model=blobs_spec:spec` loads."""
+    """What `--model=models.blobs:spec` loads."""
     return ModelSpec(name="blobs", build_model=build_model, load_data=load_data)
