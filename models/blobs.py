@@ -3,8 +3,8 @@ own model").
 
 Train it with `python launch/train.py --model=models.blobs:spec` from the
 repository root: a spec is imported by name like any module (from the working
-directory or PYTHONPATH), so a user's own file works the same way. The data are Gaussian blobs made here, so
-the example runs offline.
+directory or PYTHONPATH), so a user's own file works the same way. The data
+are Gaussian blobs made here, so the example runs offline.
 """
 
 import numpy as np
