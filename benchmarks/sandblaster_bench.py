@@ -7,8 +7,9 @@ the end of the batch. This benchmark starts its own `LocalCluster` (2 workers,
 
 * batch time (one objective evaluation: the whole training set, `--portions`
   portions) with no straggler, then with worker 1 made `--slowdown` times
-  slower (each of its portions sleeps `(slowdown - 1) x` its compute time),
-  without and with backup tasks, as ratios to the no-straggler time (median of
+  slower (each of its portions sleeps `(slowdown - 1) x` its compute time,
+  `tests.stragglers.slow_worker` passed as `portion_delay_fn`), without and
+  with backup tasks, as ratios to the no-straggler time (median of
   `--batches` batches after one warm-up);
 * iterations and wall time to a fixed loss for Sandblaster (no straggler) and
   for SciPy's L-BFGS-B in this one process on the same objective (the same
@@ -27,10 +28,13 @@ Usage:
 """
 
 import os
+import sys
 
 # Before TensorFlow starts, and inherited by the cluster's child processes.
 os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The repository root, for `tests.stragglers` (the straggler is test code).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import time
 
@@ -140,10 +144,11 @@ def main(argv):
     del argv
     import tf_keras
 
+    from tests import stragglers
     from tf_distbelief import cluster
     from tf_distbelief import strategy as strategy_lib
     from tf_distbelief.sandblaster import lbfgs
-    from tf_distbelief.sandblaster import trainer as sandblaster
+    from tf_distbelief.sandblaster import objective as sandblaster
 
     x, y = make_data(FLAGS.examples, FLAGS.features, FLAGS.seed)
     loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -157,21 +162,20 @@ def main(argv):
                 strategy, model, loss_fn, x, y, portions=FLAGS.portions, **kwargs
             )
 
+        straggler = stragglers.slow_worker(1, straggler_slowdown=FLAGS.slowdown)
         settings = [
             ("no straggler, backup tasks", {"backup_tasks": True}),
             (
                 f"worker 1 {FLAGS.slowdown:g}x slower, no backup tasks",
-                {"backup_tasks": False, "straggler_worker": 1},
+                {"backup_tasks": False, "portion_delay_fn": straggler},
             ),
             (
                 f"worker 1 {FLAGS.slowdown:g}x slower, backup tasks",
-                {"backup_tasks": True, "straggler_worker": 1},
+                {"backup_tasks": True, "portion_delay_fn": straggler},
             ),
         ]
         baseline = None
         for name, kwargs in settings:
-            if "straggler_worker" in kwargs:
-                kwargs["straggler_slowdown"] = FLAGS.slowdown
             model, obj = objective(**kwargs)
             secs = batch_secs(obj, obj.ops.from_numpy(obj.layout.read()), FLAGS.batches)
             obj.join()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import subprocess
+import sys
 import time
 import types
 
@@ -18,8 +20,11 @@ import tensorflow as tf
 import tf_keras
 
 import models.digits
+from tests import stragglers
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.sandblaster import config as config_lib
 from tf_distbelief.sandblaster import flat_params, lbfgs, ps_vectors
+from tf_distbelief.sandblaster import objective as sandblaster_objective
 from tf_distbelief.sandblaster import portion as sandblaster_portion
 from tf_distbelief.sandblaster import schedule as schedule_lib
 from tf_distbelief.sandblaster import trainer as sandblaster
@@ -71,6 +76,60 @@ def test_slot_pool_lends_each_slot_once():
     with pytest.raises(ValueError, match="not lent out"):
         pool.release(a)
     assert pool.acquire() == a
+
+
+@pytest.mark.parametrize(
+    "fields, error, message",
+    [
+        ({"portions": 0}, ValueError, r"Argument `portions` must be >= 1. Received: 0"),
+        ({"history": 0}, ValueError, r"Argument `history` must be >= 1. Received: 0"),
+        (
+            {"max_iters": -1},
+            ValueError,
+            r"Argument `max_iters` must be >= 1. Received: -1",
+        ),
+        (
+            {"history": 2.5},
+            TypeError,
+            r"Argument `history` must be an int. Received: 2.5",
+        ),
+        (
+            {"backup_tasks": 1},
+            TypeError,
+            r"Argument `backup_tasks` must be a bool. Received: 1",
+        ),
+    ],
+)
+def test_config_errors_name_field_rule_and_value(fields, error, message):
+    with pytest.raises(error, match=message):
+        config_lib.SandblasterConfig(**fields)
+
+
+def test_config_defaults():
+    config = config_lib.SandblasterConfig()
+    assert (config.history, config.max_iters, config.portions) == (10, 100, 32)
+    assert config.backup_tasks
+
+
+def test_pure_modules_import_no_tensorflow():
+    code = (
+        "import sys\n"
+        "from tf_distbelief.sandblaster import (\n"
+        "    config, lbfgs, line_search, schedule, vector_ops)\n"
+        "print(sorted(m for m in ('tensorflow', 'tf_keras') if m in sys.modules))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def _op_types(concrete):
+    """Op types of a concrete function, those of its branch functions included."""
+    graph_def = concrete.graph.as_graph_def()
+    return {n.op for n in graph_def.node} | {
+        n.op for f in graph_def.library.function for n in f.node_def
+    }
 
 
 def _logistic_model(dtype="float64"):
@@ -264,9 +323,9 @@ def test_exactly_once_with_straggler_and_backup_tasks(local_cluster):
         y,
         portions=portions,
         backup_tasks=True,
-        straggler_worker=1,
-        straggler_slowdown=5.0,
-        straggler_delay_secs=0.02,
+        portion_delay_fn=stragglers.slow_worker(
+            straggler_worker=1, straggler_slowdown=5.0, straggler_delay_secs=0.02
+        ),
     )
     rng = np.random.default_rng(1)
     for _ in range(evaluations):
@@ -277,6 +336,8 @@ def test_exactly_once_with_straggler_and_backup_tasks(local_cluster):
         got = objective.ops.to_numpy(grad)
         assert np.linalg.norm(got - ref_grad) <= 1e-12 * np.linalg.norm(ref_grad)
 
+    # The delay is the test's own op, traced in through `portion_delay_fn`.
+    assert "SleepDataset" in _op_types(objective.portion_function)
     stats = objective.stats
     assert stats.evaluations == evaluations
     assert stats.portions_scheduled == portions * evaluations
@@ -325,6 +386,7 @@ def test_vectors_on_ps_and_coordinator_moves_only_scalars(local_cluster, monkeyp
         portions=8,
     )
     objective = trainer.objective
+    assert trainer.config == config_lib.SandblasterConfig(portions=8)
     ps = tuple(_ps_device(i) for i in range(num_ps))
     assert objective.grad.devices == ps
     assert tuple(s.device for s in objective._slots) == ps
@@ -332,6 +394,8 @@ def test_vectors_on_ps_and_coordinator_moves_only_scalars(local_cluster, monkeyp
     # What a portion returns to the coordinator: two scalars.
     portion_fn = objective.portion_function
     assert [t.shape.rank for t in portion_fn.outputs] == [0, 0]
+    # With no `portion_delay_fn`, no sleep and no timing op in production.
+    assert not {"SleepDataset", "Timestamp"} & _op_types(portion_fn)
     # Its only writes go to the gradient slots, on the ps.
     writes = [
         op for op in portion_fn.graph.get_operations() if op.type.startswith("Resource")
@@ -403,7 +467,7 @@ def test_bad_arguments(local_cluster):
         variables=[types.SimpleNamespace(name="w", device=_LOCALHOST_CPU)]
     )
     with pytest.raises(ValueError, match=r"built after the strategy is created"):
-        sandblaster._check_made_after_connecting(
+        sandblaster_objective._check_made_after_connecting(
             early, "/job:chief/replica:0/task:0/device:CPU:0"
         )
     with pytest.raises(ValueError, match=r"`loss_fn` is required.*Received: None"):
@@ -415,11 +479,15 @@ def test_bad_arguments(local_cluster):
     with pytest.raises(ValueError, match=r"same, non-zero number.*1347 and 3"):
         sandblaster.SandblasterObjective(strategy, _logistic_model(), CE, x, y[:3])
     with pytest.raises(ValueError, match=r"`straggler_slowdown` >= 1.*0.5"):
-        sandblaster.SandblasterObjective(
-            strategy, _logistic_model(), CE, x, y, straggler_slowdown=0.5
-        )
+        stragglers.slow_worker(straggler_worker=1, straggler_slowdown=0.5)
     with pytest.raises(TypeError, match=r"`loss_fn` must be a tf_keras Loss"):
         sandblaster.SandblasterObjective(strategy, _logistic_model(), 3, x, y)
+    with pytest.raises(TypeError, match=r"`portion_delay_fn` must be callable.*: 3"):
+        sandblaster.SandblasterObjective(
+            strategy, _logistic_model(), CE, x, y, portion_delay_fn=3
+        )
+    with pytest.raises(TypeError, match=r"`config` must be a `SandblasterConfig`.*8"):
+        sandblaster.SandblasterTrainer(strategy, _logistic_model(), CE, x, y, 8)
     with strategy.scope():
         scoped = _logistic_model()
     with pytest.raises(TypeError, match=r"built outside any distribution strategy"):

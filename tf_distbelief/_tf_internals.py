@@ -41,17 +41,6 @@ from tensorflow.python.ops import resource_variable_ops  # noqa: E402
 ResourceVariable = resource_variable_ops.ResourceVariable
 
 
-def sleep_dataset(micros):
-    """A `tf.data` transformation that sleeps `micros` microseconds per element.
-
-    TODO(#9): a test-only op; it leaves the production Sandblaster path.
-    Public route checked: none (`tf.data.experimental` does not export it).
-    """
-    from tensorflow.python.data.experimental.ops import testing
-
-    return testing.sleep(micros)
-
-
 def replace_shard(variable, index: int, shard) -> None:
     """Replaces shard `index` of a `ShardedVariable` in place.
 

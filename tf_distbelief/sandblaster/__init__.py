@@ -1,11 +1,16 @@
 """Sandblaster L-BFGS (Dean et al. 2012, section 4.2).
 
-* `lbfgs`: L-BFGS against an abstract `VectorOps` (pure, no TensorFlow).
+* `lbfgs`: L-BFGS (two-loop recursion, driver) against an abstract `VectorOps`
+  (pure, no TensorFlow).
+* `vector_ops`: the `VectorOps` interface and its NumPy backend (pure).
+* `line_search`: the strong Wolfe line search (pure).
+* `config`: `SandblasterConfig`, the settings of a run (pure).
 * `schedule`: work portions and the ledger of their copies (pure).
 * `ps_vectors`: `VectorOps` on vectors sharded over the ps tasks.
 * `flat_params`: a Keras model's parameters as one flat vector.
 * `portion`: the scheduled function that evaluates one work portion.
-* `trainer`: `SandblasterObjective` and `SandblasterTrainer`.
+* `objective`: `SandblasterObjective`, the objective evaluated in portions.
+* `trainer`: `SandblasterTrainer`, L-BFGS on the cluster for a Keras model.
 """
 
 from tf_distbelief import _lazy
@@ -13,8 +18,9 @@ from tf_distbelief import _lazy
 __all__, __getattr__, __dir__ = _lazy.exports(
     __name__,
     {
-        "SandblasterObjective": "trainer",
-        "SandblasterStats": "trainer",
+        "SandblasterConfig": "config",
+        "SandblasterObjective": "objective",
+        "SandblasterStats": "objective",
         "SandblasterTrainer": "trainer",
     },
 )

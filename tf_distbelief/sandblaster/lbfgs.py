@@ -6,15 +6,18 @@ operations (dot product, scaling, axpy, element-wise add and multiply, copy) tha
 every parameter-server shard performs on its own slice, and it keeps only python
 scalars. This module is that coordinator loop with the storage abstracted away:
 
-* `VectorOps` is the vector-space interface. Vectors are opaque handles owned by
-  the backend; every operation either returns a python `float` (`dot`) or
-  overwrites a vector in place.
-* `NumpyVectorOps` is the single-process backend (1-D NumPy arrays).
+* `VectorOps` is the vector-space interface and `NumpyVectorOps` its
+  single-process backend (defined in `sandblaster.vector_ops`, re-exported).
 * `two_loop_recursion` computes `H_k g` from the stored `(s_i, y_i)` pairs
   (Nocedal & Wright, Numerical Optimization, 2nd ed., Algorithm 7.4).
 * `wolfe_line_search` finds a step satisfying the strong Wolfe conditions on a
-  scalar function (Nocedal & Wright, Algorithms 3.5 and 3.6).
+  scalar function (Nocedal & Wright, Algorithms 3.5 and 3.6; defined in
+  `sandblaster.line_search`, re-exported).
 * `minimize` is the driver (Nocedal & Wright, Algorithm 7.5).
+
+The memory of L-BFGS, the number of `(s, y)` pairs kept, is `m` here, Nocedal &
+Wright's symbol; the Sandblaster layers above call it `history`
+(`SandblasterConfig.history`).
 
 Example:
 
@@ -29,13 +32,14 @@ ops.to_numpy(result.x)  # ~[0, 0, 0]
 ```
 """
 
-import abc
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Generic
 
 import numpy as np
+
+from tf_distbelief.sandblaster import _checks, line_search, vector_ops
 
 __all__ = [
     "LbfgsResult",
@@ -47,7 +51,13 @@ __all__ = [
     "wolfe_line_search",
 ]
 
-Vector = TypeVar("Vector")
+# Re-exported: the vector space and the line search are parts of this
+# algorithm's interface (`minimize` takes a `VectorOps`).
+Vector = vector_ops.Vector
+VectorOps = vector_ops.VectorOps
+NumpyVectorOps = vector_ops.NumpyVectorOps
+LineSearchResult = line_search.LineSearchResult
+wolfe_line_search = line_search.wolfe_line_search
 
 # A pair (s, y) enters the history only if s·y > _CURVATURE_EPS * |s| * |y|, i.e.
 # the cosine of the angle between s and y exceeds 1e-10. For s·y <= 0 the BFGS
@@ -56,155 +66,6 @@ Vector = TypeVar("Vector")
 # s·y >= (1 - c2) |s·g| > 0 in exact arithmetic, so the rule only fires on
 # rounding or on a line search that fell back to a step short of Wolfe.
 _CURVATURE_EPS = 1e-10
-
-# Growth factor of the trial step while bracketing (Nocedal & Wright, Algorithm
-# 3.5 only asks for a larger step; doubling is what SciPy's `line_search` uses).
-_EXPAND_FACTOR = 2.0
-
-# A cubic-interpolated trial step is clipped to the middle 80% of the bracket, so
-# each zoom iteration shrinks the bracket by at least 10% even when the cubic
-# minimiser sits at an end. Clipping (rather than bisecting) keeps the trial near
-# a minimiser at an end: when the clipped trial overshoots it, 90% of the bracket
-# goes at once.
-_CUBIC_SAFEGUARD = 0.1
-
-
-class VectorOps(abc.ABC, Generic[Vector]):
-    """Vector-space operations that L-BFGS needs, on vectors the backend owns.
-
-    The algorithm never looks inside a vector. All in-place operations follow the
-    BLAS convention: the last vector argument is overwritten, the others are read.
-    Only `dot` returns data to the caller, and only a python `float`, so a backend
-    that shards vectors over parameter servers moves one scalar per shard and
-    operation (Dean et al. 2012, section 4.2).
-
-    `from_numpy` and `to_numpy` move whole vectors and are meant for the initial
-    point, results and tests, not for the inner loop.
-    """
-
-    @abc.abstractmethod
-    def from_numpy(self, array: np.ndarray) -> Vector:
-        """Returns a new vector holding the values of the 1-D `array`."""
-
-    @abc.abstractmethod
-    def to_numpy(self, x: Vector) -> np.ndarray:
-        """Returns the values of `x` as a 1-D NumPy array."""
-
-    @abc.abstractmethod
-    def zeros_like(self, x: Vector) -> Vector:
-        """Returns a new vector of zeros shaped and placed like `x`."""
-
-    @abc.abstractmethod
-    def copy(self, x: Vector) -> Vector:
-        """Returns a new vector holding the values of `x`."""
-
-    @abc.abstractmethod
-    def assign(self, x: Vector, y: Vector) -> None:
-        """Sets `y <- x`."""
-
-    @abc.abstractmethod
-    def dot(self, x: Vector, y: Vector) -> float:
-        """Returns the inner product `x·y` as a python float."""
-
-    @abc.abstractmethod
-    def scale(self, alpha: float, x: Vector) -> None:
-        """Sets `x <- alpha * x`."""
-
-    @abc.abstractmethod
-    def axpy(self, alpha: float, x: Vector, y: Vector) -> None:
-        """Sets `y <- alpha * x + y`."""
-
-    @abc.abstractmethod
-    def add(self, x: Vector, y: Vector) -> None:
-        """Sets `y <- x + y` element-wise."""
-
-    @abc.abstractmethod
-    def multiply(self, x: Vector, y: Vector) -> None:
-        """Sets `y <- x * y` element-wise."""
-
-
-class NumpyVectorOps(VectorOps[np.ndarray]):
-    """`VectorOps` on 1-D NumPy arrays in one process.
-
-    Args:
-      dtype: floating dtype of the vectors. Defaults to float64, the precision
-        L-BFGS tests are written for.
-
-    Raises:
-      TypeError: if `dtype` is not a floating dtype.
-    """
-
-    def __init__(self, dtype: Any = np.float64):
-        dtype = np.dtype(dtype)
-        if not np.issubdtype(dtype, np.floating):
-            raise TypeError(
-                f"Argument `dtype` must be a floating dtype. Received: {dtype}"
-            )
-        self._dtype = dtype
-
-    def from_numpy(self, array: np.ndarray) -> np.ndarray:
-        """Returns a copy of the 1-D `array` in this backend's dtype.
-
-        Raises:
-          ValueError: if `array` is not 1-D.
-        """
-        array = np.asarray(array)
-        if array.ndim != 1:
-            raise ValueError(
-                "Argument `array` must be 1-D; flatten parameters into one vector. "
-                f"Received shape: {array.shape}"
-            )
-        return np.array(array, dtype=self._dtype)
-
-    def to_numpy(self, x: np.ndarray) -> np.ndarray:
-        return np.array(x)
-
-    def zeros_like(self, x: np.ndarray) -> np.ndarray:
-        return np.zeros_like(x)
-
-    def copy(self, x: np.ndarray) -> np.ndarray:
-        return np.array(x)
-
-    def assign(self, x: np.ndarray, y: np.ndarray) -> None:
-        y[...] = x
-
-    def dot(self, x: np.ndarray, y: np.ndarray) -> float:
-        return float(np.dot(x, y))
-
-    def scale(self, alpha: float, x: np.ndarray) -> None:
-        x *= alpha
-
-    def axpy(self, alpha: float, x: np.ndarray, y: np.ndarray) -> None:
-        y += alpha * x
-
-    def add(self, x: np.ndarray, y: np.ndarray) -> None:
-        y += x
-
-    def multiply(self, x: np.ndarray, y: np.ndarray) -> None:
-        y *= x
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"Argument `{name}` must be an int. Received: {value!r}")
-    if value < minimum:
-        rule = "positive" if minimum == 1 else f">= {minimum}"
-        raise ValueError(f"Argument `{name}` must be {rule}. Received: {value!r}")
-
-
-def _check_nonnegative(name: str, value: Any) -> None:
-    if not (isinstance(value, (int, float, np.floating)) and value >= 0):
-        raise ValueError(
-            f"Argument `{name}` must be a number >= 0. Received: {value!r}"
-        )
-
-
-def _check_wolfe_constants(c1: float, c2: float) -> None:
-    if not 0.0 < c1 < c2 < 1.0:
-        raise ValueError(
-            "Arguments `c1` and `c2` must satisfy 0 < c1 < c2 < 1 (Nocedal & Wright "
-            f"use c1=1e-4, c2=0.9). Received: c1={c1!r}, c2={c2!r}"
-        )
 
 
 def two_loop_recursion(
@@ -262,160 +123,6 @@ def two_loop_recursion(
     for i in range(len(s_history)):
         beta = rho_history[i] * ops.dot(y_history[i], out)
         ops.axpy(alphas[i] - beta, s_history[i], out)
-
-
-@dataclasses.dataclass(frozen=True)
-class LineSearchResult:
-    """Outcome of `wolfe_line_search`.
-
-    Attributes:
-      step: the step `t` returned; `0.0` if no point with sufficient decrease was
-        found.
-      phi: `phi(step)`.
-      dphi: `phi'(step)`.
-      num_evals: number of calls to `phi`, non-finite trials included.
-      success: True if `step` satisfies both strong Wolfe conditions. If False and
-        `step > 0`, `step` satisfies the sufficient-decrease condition only.
-    """
-
-    step: float
-    phi: float
-    dphi: float
-    num_evals: int
-    success: bool
-
-
-def _interpolate(lo: tuple, hi: tuple) -> float:
-    """Safeguarded cubic minimiser on the bracket (Nocedal & Wright, eq. 3.59)."""
-    (t_lo, p_lo, dp_lo), (t_hi, p_hi, dp_hi) = lo, hi
-    midpoint = 0.5 * (t_lo + t_hi)
-    if not (math.isfinite(p_hi) and math.isfinite(dp_hi)):
-        return midpoint
-    with np.errstate(all="ignore"):
-        d1 = dp_lo + dp_hi - 3.0 * (p_lo - p_hi) / (t_lo - t_hi)
-        radicand = d1 * d1 - dp_lo * dp_hi
-        if radicand < 0.0:
-            return midpoint
-        d2 = math.copysign(math.sqrt(radicand), t_hi - t_lo)
-        denominator = dp_hi - dp_lo + 2.0 * d2
-        if denominator == 0.0:
-            return midpoint
-        t = t_hi - (t_hi - t_lo) * (dp_hi + d2 - d1) / denominator
-    if not math.isfinite(t):
-        return midpoint
-    margin = _CUBIC_SAFEGUARD * abs(t_hi - t_lo)
-    return min(max(t, min(t_lo, t_hi) + margin), max(t_lo, t_hi) - margin)
-
-
-def wolfe_line_search(
-    phi: Callable[[float], tuple[float, float]],
-    phi0: float,
-    dphi0: float,
-    step0: float = 1.0,
-    c1: float = 1e-4,
-    c2: float = 0.9,
-    max_evals: int = 25,
-) -> LineSearchResult:
-    """Finds a step `t > 0` satisfying the strong Wolfe conditions.
-
-    Nocedal & Wright, Algorithm 3.5 (bracketing) and 3.6 (zoom). With
-    `phi(t) = f(x + t d)` and a descent direction (`phi'(0) < 0`) the returned step
-    satisfies
-
-        phi(t) <= phi(0) + c1 t phi'(0)       (sufficient decrease)
-        |phi'(t)| <= c2 |phi'(0)|              (curvature)
-
-    Bracketing tries `step0, 2 step0, 4 step0, ...` until a trial fails sufficient
-    decrease, does not decrease `phi`, or has `phi'(t) >= 0`; zoom then shrinks the
-    bracket by the minimiser of the cubic interpolating `phi` and `phi'` at both
-    ends, clipped to the middle 80% of the bracket; it bisects instead when the
-    cubic has no minimiser or the far end is non-finite.
-
-    A trial whose `phi` or `phi'` is not finite (a loss of inf or nan, or a
-    gradient with an inf or nan entry) is never accepted: it is treated as "step too
-    long", so the step is halved toward the last finite trial with sufficient
-    decrease and tried again.
-
-    Args:
-      phi: maps a step `t` to `(phi(t), phi'(t))` as floats.
-      phi0: `phi(0)`, finite.
-      dphi0: `phi'(0)`, finite and negative.
-      step0: first trial step, positive. Quasi-Newton methods use 1.
-      c1: sufficient-decrease constant; Nocedal & Wright recommend 1e-4.
-      c2: curvature constant, `c1 < c2 < 1`; 0.9 for quasi-Newton methods.
-      max_evals: most calls to `phi`.
-
-    Returns:
-      A `LineSearchResult`. If no Wolfe step is found within `max_evals`, the
-      finite trial with sufficient decrease and the lowest `phi` (`0.0` if there
-      is none), with `success=False`.
-
-    Raises:
-      ValueError: on a non-finite `phi0`, a `dphi0` that is not negative, a
-        `step0` that is not positive, or constants outside `0 < c1 < c2 < 1`.
-      TypeError: if `max_evals` is not an int.
-    """
-    if not math.isfinite(phi0):
-        raise ValueError(f"Argument `phi0` must be finite. Received: {phi0!r}")
-    if not (math.isfinite(dphi0) and dphi0 < 0.0):
-        raise ValueError(
-            "Argument `dphi0` must be finite and negative (a descent direction). "
-            f"Received: {dphi0!r}"
-        )
-    if not (math.isfinite(step0) and step0 > 0.0):
-        raise ValueError(
-            f"Argument `step0` must be finite and positive. Received: {step0!r}"
-        )
-    _check_wolfe_constants(c1, c2)
-    _check_int("max_evals", max_evals, 1)
-
-    num_evals = 0
-
-    def evaluate(t: float) -> tuple[float, float, bool]:
-        nonlocal num_evals
-        num_evals += 1
-        p, dp = phi(t)
-        p, dp = float(p), float(dp)
-        return p, dp, math.isfinite(p) and math.isfinite(dp)
-
-    def too_long(t: float, p: float, finite: bool, p_ref: float) -> bool:
-        return not finite or p > phi0 + c1 * t * dphi0 or p >= p_ref
-
-    def result(point: tuple, success: bool) -> LineSearchResult:
-        return LineSearchResult(point[0], point[1], point[2], num_evals, success)
-
-    def zoom(lo: tuple, hi: tuple) -> LineSearchResult:
-        # Invariants (Nocedal & Wright, section 3.5): `lo` is finite, has sufficient
-        # decrease and the lowest phi so far; phi'(lo) (hi - lo) < 0.
-        while num_evals < max_evals:
-            t = _interpolate(lo, hi)
-            if not min(lo[0], hi[0]) < t < max(lo[0], hi[0]):
-                break  # The bracket has shrunk below rounding.
-            p, dp, finite = evaluate(t)
-            if too_long(t, p, finite, lo[1]):
-                hi = (t, p, dp)
-                continue
-            if abs(dp) <= -c2 * dphi0:
-                return result((t, p, dp), True)
-            if dp * (hi[0] - lo[0]) >= 0.0:
-                hi = lo
-            lo = (t, p, dp)
-        return result(lo, False)
-
-    prev = (0.0, phi0, dphi0)
-    t = step0
-    while num_evals < max_evals:
-        p, dp, finite = evaluate(t)
-        p_ref = prev[1] if num_evals > 1 else math.inf
-        if too_long(t, p, finite, p_ref):
-            return zoom(prev, (t, p, dp))
-        if abs(dp) <= -c2 * dphi0:
-            return result((t, p, dp), True)
-        if dp >= 0.0:
-            return zoom((t, p, dp), prev)
-        prev = (t, p, dp)
-        t *= _EXPAND_FACTOR
-    return result(prev, False)
 
 
 @dataclasses.dataclass
@@ -496,7 +203,8 @@ def minimize(
         loss or gradient marks `x` as outside the domain.
       x0: starting point; not modified.
       ops: the vector backend that owns `x0` and the gradients.
-      m: number of `(s, y)` pairs kept. Nocedal & Wright suggest 3 to 20.
+      m: the memory, the number of `(s, y)` pairs kept (Sandblaster's
+        `history`). Nocedal & Wright suggest 3 to 20.
       max_iters: most accepted steps.
       gtol: stop when the Euclidean gradient norm is at most this.
       ftol: stop when the relative loss decrease of a step is at most this.
@@ -523,12 +231,12 @@ def minimize(
         raise TypeError(
             f"Argument `fun_and_grad` must be callable. Received: {fun_and_grad!r}"
         )
-    _check_int("m", m, 1)
-    _check_int("max_iters", max_iters, 0)
-    _check_int("max_line_search_evals", max_line_search_evals, 1)
-    _check_nonnegative("gtol", gtol)
-    _check_nonnegative("ftol", ftol)
-    _check_wolfe_constants(c1, c2)
+    _checks.check_int("m", m, 1)
+    _checks.check_int("max_iters", max_iters, 0)
+    _checks.check_int("max_line_search_evals", max_line_search_evals, 1)
+    _checks.check_nonnegative("gtol", gtol)
+    _checks.check_nonnegative("ftol", ftol)
+    _checks.check_wolfe_constants(c1, c2)
 
     x = ops.copy(x0)
     loss, grad = fun_and_grad(x)

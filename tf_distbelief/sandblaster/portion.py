@@ -1,6 +1,6 @@
 """The function a Sandblaster work portion runs on a worker (Dean et al. 2012, §4.2).
 
-`build_portion_function` traces it; `tf_distbelief.sandblaster` schedules it
+`build_portion_function` traces it; `objective.SandblasterObjective` schedules it
 with `ClusterCoordinator.schedule` and reduces its results with `reduce_slots`.
 One call, `portion_fn(portion, slot, eval_id)` (int64 scalars):
 
@@ -14,19 +14,35 @@ One call, `portion_fn(portion, slot, eval_id)` (int64 scalars):
    respect to the flat parameters, the model's weights read as slices of the
    cache (`flat_params.evaluate_at`).
 4. Write the gradient into row `slot` of the slot variables on the ps (one
-   2-D variable `[num_slots, shard_size]` per ps shard), then, on the straggler
-   worker only, sleep.
+   2-D variable `[num_slots, shard_size]` per ps shard).
 5. Return `(share, worker_index)`: two scalars, all the coordinator receives.
+
+Tests and benchmarks slow one worker down (a straggler, to exercise backup
+tasks) by passing a `PortionDelayFn`, whose ops the function runs between steps
+4 and 5; without one, the function holds no timing op at all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals
 from tf_distbelief.sandblaster import flat_params
 
-__all__ = ["build_portion_function", "per_example_loss", "reduce_slots"]
+__all__ = [
+    "PortionDelayFn",
+    "build_portion_function",
+    "per_example_loss",
+    "reduce_slots",
+]
+
+# `(worker, compute_secs) -> tf.Tensor | tf.Operation`, traced into the portion
+# function after the portion's gradient is written: `worker` is the index of the
+# worker running the portion (int64 scalar), `compute_secs` the seconds the
+# portion took so far, fetch included (float64 scalar). The portion returns only
+# once the ops it returns have run; a test makes a straggler by sleeping in them.
+PortionDelayFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor | tf.Operation]
 
 _F64 = tf.float64
 _I64 = tf.int64
@@ -43,15 +59,6 @@ def _assign(handle, value):
 def _after(ops, value):
     with tf.control_dependencies(ops):
         return tf.identity(value)
-
-
-def _sleep(secs):
-    """Sleeps `secs` (a float64 scalar) on the device it runs on; returns 0."""
-    micros = tf.cast(tf.maximum(secs, 0.0) * 1e6, _I64)
-    data = tf.data.Dataset.from_tensors(tf.constant(0, _I64))
-    return data.apply(_tf_internals.sleep_dataset(micros)).reduce(
-        tf.constant(0, _I64), lambda a, b: a + b
-    )
 
 
 @tf.function(autograph=False)
@@ -114,9 +121,7 @@ def build_portion_function(
     slots: list,
     cache_variable,
     cached_eval_variable,
-    straggler: int | None,
-    slowdown: float,
-    delay_secs: float,
+    portion_delay_fn: PortionDelayFn | None = None,
 ):
     """Traces the portion function; returns it as a `ConcreteFunction`.
 
@@ -132,9 +137,8 @@ def build_portion_function(
       cache_variable: `per_worker_variable` `[layout.size]` float64.
       cached_eval_variable: `per_worker_variable` int64 scalar, the evaluation
         id the cache holds.
-      straggler: the slowed worker's index, or None.
-      slowdown: a slowed portion lasts `slowdown` times its compute time.
-      delay_secs: extra sleep of a slowed portion.
+      portion_delay_fn: run after the gradient is written (`PortionDelayFn`),
+        or None.
 
     Raises:
       ValueError: the model reads a weight in a way that cannot be substituted
@@ -143,20 +147,20 @@ def build_portion_function(
     num_examples = len(x)
     shard_sizes = list(x_eval.sizes)
     x_shards = x_eval.shards
-    straggler = -1 if straggler is None else int(straggler)
 
     @tf.function(autograph=False)
     def portion_fn(portion, slot, eval_id):
         # Per-worker handles at the top: inside `tf.cond` they would not
         # resolve to the worker running the function.
         cache, cached_eval = cache_variable.handle, cached_eval_variable.handle
-        start_secs = tf.timestamp()
+        # Timed only for the delay function; the start comes before the fetch.
+        start = [] if portion_delay_fn is None else [tf.timestamp()]
 
         def fetch():
             params = tf.concat([_read(s.handle) for s in x_shards], axis=0)
             return _after([_assign(cache, params), _assign(cached_eval, eval_id)], 1)
 
-        with tf.control_dependencies([start_secs]):
+        with tf.control_dependencies(start):
             fetched = tf.cond(
                 tf.not_equal(_read(cached_eval, _I64), eval_id),
                 fetch,
@@ -190,14 +194,12 @@ def build_portion_function(
         worker = tf.cast(
             tf.distribute.coordinator.experimental_get_current_worker_index(), _I64
         )
-        with tf.control_dependencies(writes):
-            compute_secs = tf.timestamp() - start_secs
-        slowed = tf.cond(
-            tf.equal(worker, straggler),
-            lambda: _sleep((slowdown - 1.0) * compute_secs + delay_secs),
-            lambda: tf.constant(0, _I64),
-        )
-        with tf.control_dependencies([slowed]):
+        done = writes
+        if portion_delay_fn is not None:
+            with tf.control_dependencies(writes):
+                compute_secs = tf.timestamp() - start[0]
+            done = [portion_delay_fn(worker, compute_secs)]
+        with tf.control_dependencies(done):
             return tf.identity(share), tf.identity(worker)
 
     scalar = tf.TensorSpec([], _I64)

@@ -3,10 +3,11 @@
 In Sandblaster L-BFGS the coordinator "never holds the parameters": it issues
 vector operations that every parameter-server shard performs on its own slice,
 and a dot product is the sum of the shards' partial dot products. `PsVectorOps`
-is that backend for `sandblaster.lbfgs`: a vector is a `PsVector`, a float64
-vector cut into contiguous shards, each a `tf.Variable` on a `ps` task; every
-operation is one `tf.function` call whose per-shard ops are pinned to the shard's
-own device, and only python floats (`dot`) come back to the coordinator.
+is that backend (a `vector_ops.VectorOps`) for `sandblaster.lbfgs`: a vector is
+a `PsVector`, a float64 vector cut into contiguous shards, each a `tf.Variable`
+on a `ps` task; every operation is one `tf.function` call whose per-shard ops
+are pinned to the shard's own device, and only python floats (`dot`) come back
+to the coordinator.
 
 Example, in a process connected to a cluster by a parameter-server strategy:
 
@@ -27,7 +28,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief.sandblaster import lbfgs
+from tf_distbelief.sandblaster import vector_ops
 
 __all__ = ["PsVector", "PsVectorOps", "shard_sizes"]
 
@@ -121,8 +122,8 @@ def _dot(coordinator_device, devices, xs, ys):
         return tf.add_n(partials)
 
 
-class PsVectorOps(lbfgs.VectorOps[PsVector]):
-    """`lbfgs.VectorOps` on vectors sharded over the ps tasks of a cluster.
+class PsVectorOps(vector_ops.VectorOps[PsVector]):
+    """`vector_ops.VectorOps` on vectors sharded over the ps tasks of a cluster.
 
     Layout: `from_numpy` cuts a vector into `num_shards` contiguous shards
     (`shard_sizes`) and puts shard `i` on ps task `i % num_ps`; `copy` and

@@ -5,7 +5,7 @@ into many small work portions, handed to whichever replica is free; near the
 end of the batch the coordinator hands out copies of the portions still
 outstanding ("backup tasks") and takes whichever copy finishes first. This
 module holds that policy with no TensorFlow in it, so it is tested on its own;
-`tf_distbelief.sandblaster` runs it on a cluster.
+`objective.SandblasterObjective` runs it on a cluster.
 
 * `portion_bounds` cuts `num_examples` into contiguous portions.
 * `PortionLedger` tracks one evaluation: the copies of each portion, which

@@ -1,0 +1,61 @@
+"""The settings of a Sandblaster L-BFGS run, without TensorFlow.
+
+Dean et al. 2012, section 4.2. `SandblasterConfig` gathers what a job chooses:
+the L-BFGS memory, the iteration budget, how finely each objective evaluation
+is cut into work portions, and whether backup tasks run. It is validated when
+made, so a bad value fails before any cluster is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tf_distbelief.sandblaster import _checks
+
+__all__ = ["SandblasterConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SandblasterConfig:
+    """Sandblaster L-BFGS settings (Dean et al. 2012, section 4.2).
+
+    Example:
+
+    ```python
+    config = sandblaster.SandblasterConfig(history=10, portions=64)
+    trainer = sandblaster.SandblasterTrainer(strategy, model, loss, x, y, config)
+    trainer.fit()  # At most `config.max_iters` iterations.
+    ```
+
+    Attributes:
+      history: the L-BFGS memory, the number of `(s, y)` pairs kept (on the ps),
+        >= 1; `m` in Nocedal & Wright and in `lbfgs.minimize`. They suggest 3 to
+        20; the default 10 is SciPy L-BFGS-B's.
+      max_iters: L-BFGS iterations (accepted steps) at most, >= 1; the default
+        of `SandblasterTrainer.fit`.
+      portions: work portions each objective evaluation (the whole training
+        set) is cut into, >= 1 and at most the number of examples (checked when
+        the data is known). The paper uses far more portions than workers, so
+        fast workers do more of them (default 32).
+      backup_tasks: near the end of an evaluation, copy the portions still
+        running onto idle workers and take whichever copy finishes first
+        (default True).
+
+    Raises:
+      TypeError: a field of the wrong type.
+      ValueError: a field out of range.
+    """
+
+    history: int = 10
+    max_iters: int = 100
+    portions: int = 32
+    backup_tasks: bool = True
+
+    def __post_init__(self):
+        for name in ("history", "max_iters", "portions"):
+            _checks.check_int(name, getattr(self, name), 1, ">= 1")
+        if not isinstance(self.backup_tasks, bool):
+            raise TypeError(
+                f"Argument `backup_tasks` must be a bool. Received: "
+                f"{self.backup_tasks!r}"
+            )

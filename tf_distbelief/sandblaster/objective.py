@@ -1,0 +1,356 @@
+"""Sandblaster's objective, evaluated in work portions on the workers (§4.2).
+
+Dean et al. 2012, section 4.2. The coordinator (this process, the `chief`) runs
+`sandblaster.lbfgs.minimize` on vectors that live sharded on the ps tasks
+(`sandblaster.ps_vectors`): it holds python floats only, never a
+parameter-sized vector. `SandblasterObjective` is the `fun_and_grad` it calls;
+one objective evaluation at a point `x`:
+
+1. The coordinator copies `x` into the evaluation point `x_eval`, shard by shard
+   on each ps (no data through the coordinator).
+2. The batch (the whole training set) is cut into `portions` contiguous work
+   portions, far more than workers. Each portion is one
+   `ClusterCoordinator.schedule`d function, run by whichever worker is free, so
+   fast workers do more portions (load balancing). A worker fetches `x_eval`
+   into its own cache once per evaluation (a `per_worker_variable` tagged with
+   the evaluation id); its later portions reuse the cache. The training set is
+   a constant of the scheduled function, so it reaches each worker once and a
+   portion costs only its index (data affinity at no cost).
+3. A portion computes `sum_i loss_i / N + (n_p / N) * regularisation` over its
+   `n_p` examples and the gradient of that with respect to the flat parameters
+   (`tf.GradientTape` on the tf_keras model, its weights read as slices of the
+   cached vector, `flat_params`), writes the gradient into a gradient *slot*
+   on the ps and returns the scalar loss share.
+4. Backup tasks: once no portion is queued (a worker is idle) and portions are
+   still running, the coordinator schedules one more copy of each outstanding
+   portion, oldest first, onto the idle workers.
+5. When every portion has an accepted copy, the ps shards sum the accepted
+   slots in portion order into the gradient vector; the coordinator sums the
+   accepted loss shares. The result does not depend on which worker ran what.
+
+Exactly once, by construction: every copy (primary or backup) writes into a
+slot of its own, lent to it by the coordinator until the copy has finished, and
+only the coordinator, a single thread, decides which copy counts: the first
+whose `RemoteValue` it sees finished (`schedule.PortionLedger`).
+The reduction reads exactly one slot per portion, that of the accepted copy; a
+copy finishing later (even during a later evaluation) only writes its own slot,
+which nobody reads, and is counted in `copies_discarded`. Nothing is ever added
+into a shared accumulator by a worker, so no race can count a portion twice.
+
+Cost of this design: `portions + 2 * num_workers` parameter-sized slots on the
+ps (the paper's replicas instead add several portions into one local
+accumulator before sending it; with the coordinator unable to direct a
+function to a given worker, per-copy slots are what makes exactly-once cheap to
+prove). Each portion sends its gradient once; parameters are fetched once per
+worker and evaluation.
+
+Example:
+
+```python
+strategy = tf_distbelief.DistBeliefStrategy(resolver)
+model = tf_keras.Sequential([...])     # built outside `strategy.scope()`
+objective = sandblaster.SandblasterObjective(
+    strategy, model, "sparse_categorical_crossentropy", x_train, y_train,
+    portions=32)
+x0 = objective.ops.from_numpy(objective.layout.read())
+result = lbfgs.minimize(objective, x0, objective.ops, m=10)
+objective.close()
+print(result.loss, objective.stats)
+```
+
+`sandblaster.trainer.SandblasterTrainer` does this and writes the result back
+into the model.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+from tf_distbelief.sandblaster import flat_params, ps_vectors
+from tf_distbelief.sandblaster import portion as portion_lib
+from tf_distbelief.sandblaster import schedule as schedule_lib
+
+__all__ = ["LossFn", "SandblasterObjective", "SandblasterStats"]
+
+# What `loss_fn` may be (`portion.per_example_loss`): a tf_keras `Loss`, a loss
+# name, or `(y_true, y_pred) -> per-example losses`.
+LossFn = tf_keras.losses.Loss | str | Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+
+_F64 = tf.float64
+_I64 = tf.int64
+
+
+@dataclasses.dataclass
+class SandblasterStats:
+    """Counters of a `SandblasterObjective`, summed over its evaluations.
+
+    Attributes:
+      evaluations: objective evaluations (calls).
+      portions_scheduled: primary copies, `portions` per evaluation.
+      backup_copies_scheduled: backup copies.
+      copies_accepted: copies counted, exactly one per portion and evaluation.
+      copies_discarded: copies that finished after another copy of their portion
+        had been accepted; their gradient was never added.
+      accepted_by_worker: accepted copies per worker index (load balancing).
+      evaluation_secs: wall time of each evaluation.
+    """
+
+    evaluations: int = 0
+    portions_scheduled: int = 0
+    backup_copies_scheduled: int = 0
+    copies_accepted: int = 0
+    copies_discarded: int = 0
+    accepted_by_worker: dict[int, int] = dataclasses.field(default_factory=dict)
+    evaluation_secs: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Copy:
+    eval_id: int
+    ledger: schedule_lib.PortionLedger
+    portion: int
+    slot: int
+
+
+def _job(device: str) -> str:
+    return device.split("/job:")[1].split("/")[0] if "/job:" in device else ""
+
+
+def _check_made_after_connecting(layout, coordinator_device):
+    # Connecting to a cluster resets the eager context: a variable made before
+    # belongs to the old one (`/job:localhost`) and can no longer be read.
+    for v in layout.variables:
+        if _job(v.device) != _job(coordinator_device):
+            raise ValueError(
+                "Argument `model` must be built after the strategy is created "
+                "(creating it connects this process to the cluster and drops "
+                f"earlier variables). Received weight {v.name!r} on {v.device!r}, "
+                f"while this process is {coordinator_device!r}"
+            )
+
+
+class SandblasterObjective:
+    """`fun_and_grad` for `lbfgs.minimize`, evaluated in portions on the workers.
+
+    See the module docstring for the protocol. The objective is the mean loss
+    over the training set plus the model's regularisation losses
+    (`model.losses`), at the flat float64 parameters (`flat_params.FlatLayout`).
+    The model is evaluated with `training=False`, so it is deterministic.
+
+    Args:
+      strategy: a `DistBeliefStrategy` (or ParameterServerStrategy); this
+        process is its coordinator.
+      model: a tf_keras model, built after `strategy` was created (connecting
+        to the cluster drops earlier variables) and outside `strategy.scope()`.
+      loss_fn: a tf_keras `Loss`, a loss name, a callable returning
+        per-example losses, or None for the compiled loss
+        (`portion.per_example_loss`).
+      x: training features, `[num_examples, ...]`.
+      y: training targets, `[num_examples, ...]`.
+      portions: work portions per evaluation, in `[1, num_examples]`; the paper
+        uses far more than workers (default 32).
+      backup_tasks: schedule copies of outstanding portions at the end of an
+        evaluation.
+      num_shards: ps shards of every vector; None means one per ps task.
+      portion_delay_fn: for tests and benchmarks, a `portion.PortionDelayFn`
+        traced into every portion after its gradient is written (a test slows
+        one worker down with it, making a straggler); None (default) adds
+        nothing to the portion function.
+
+    Attributes:
+      ops: the `ps_vectors.PsVectorOps` of the vectors.
+      layout: the model's `flat_params.FlatLayout`.
+      grad: the gradient vector each call returns (overwritten by the next).
+      stats: a `SandblasterStats`.
+
+    Raises:
+      ValueError: `x` and `y` differ in length or are empty, `portions` is out
+        of range, no loss for an uncompiled model, or the model was built
+        before the strategy connected.
+      TypeError: a bad `loss_fn` or `portion_delay_fn`, or the model's weights
+        are not plain variables (built under `strategy.scope()`).
+    """
+
+    def __init__(
+        self,
+        strategy: tf.distribute.experimental.ParameterServerStrategy,
+        model: tf_keras.Model,
+        loss_fn: LossFn | None,
+        x: np.ndarray,
+        y: np.ndarray,
+        portions: int = 32,
+        backup_tasks: bool = True,
+        num_shards: int | None = None,
+        portion_delay_fn: portion_lib.PortionDelayFn | None = None,
+    ):
+        x, y = np.asarray(x), np.asarray(y)
+        if len(x) != len(y) or len(x) == 0:
+            raise ValueError(
+                "Arguments `x` and `y` must hold the same, non-zero number of "
+                f"examples. Received: {len(x)} and {len(y)}"
+            )
+        self.bounds = schedule_lib.portion_bounds(len(x), portions)
+        if portion_delay_fn is not None and not callable(portion_delay_fn):
+            raise TypeError(
+                "Argument `portion_delay_fn` must be callable or None. Received: "
+                f"{portion_delay_fn!r}"
+            )
+        self.strategy = strategy
+        self.portions = portions
+        self.backup_tasks = bool(backup_tasks)
+        self.layout = flat_params.FlatLayout(model)
+        self.ops = ps_vectors.PsVectorOps(strategy, num_shards=num_shards)
+        _check_made_after_connecting(self.layout, self.ops.coordinator_device)
+        self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(
+            strategy
+        )
+        self.num_workers = getattr(strategy, "num_workers", None) or len(
+            strategy.cluster_resolver.cluster_spec().as_dict()["worker"]
+        )
+        self.stats = SandblasterStats()
+
+        self._x_eval = self.ops.from_numpy(np.zeros(self.layout.size))
+        self.grad = self.ops.zeros_like(self._x_eval)
+        # Each copy in flight holds one slot; `portions` primaries plus a backup
+        # and a late loser per worker fit without waiting.
+        num_slots = portions + 2 * self.num_workers
+        self._slot_pool = schedule_lib.SlotPool(num_slots)
+        self._slots = []
+        for shard in self._x_eval.shards:
+            with tf.device(shard.device):
+                self._slots.append(
+                    tf.Variable(
+                        lambda n=int(shard.shape[0]): tf.zeros([num_slots, n], _F64),
+                        dtype=_F64,
+                        trainable=False,
+                    )
+                )
+        with strategy.scope():
+            size = self.layout.size
+            self._cache = tf.Variable(
+                initial_value=lambda: tf.zeros([size], _F64),
+                shape=[size],
+                dtype=_F64,
+                trainable=False,
+                name="sandblaster/cache",
+                per_worker_variable=True,
+            )
+            self._cached_eval = tf.Variable(
+                initial_value=lambda: tf.constant(-1, _I64),
+                shape=[],
+                dtype=_I64,
+                trainable=False,
+                name="sandblaster/cached_eval",
+                per_worker_variable=True,
+            )
+        self._eval_id = 0
+        self._in_flight: dict[concurrent.futures.Future, _Copy] = {}
+        # One thread per copy in flight waits on its RemoteValue (`fetch`), so the
+        # coordinator can wait for the first of any copies with public APIs.
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=num_slots)
+        self.portion_function = portion_lib.build_portion_function(
+            model,
+            self.layout,
+            portion_lib.per_example_loss(loss_fn, model),
+            x,
+            y,
+            self.bounds,
+            self._x_eval,
+            self._slots,
+            self._cache,
+            self._cached_eval,
+            portion_delay_fn,
+        )
+
+    # ------------------------------------------------------- coordinator side
+
+    def _launch(self, ledger, portion, eval_id_tensor, backup):
+        while self._slot_pool.num_free == 0:
+            self._wait_any()
+        slot = self._slot_pool.acquire()
+        ledger.scheduled(portion)
+        remote = self.coordinator.schedule(
+            self.portion_function,
+            args=(
+                tf.constant(portion, _I64),
+                tf.constant(slot, _I64),
+                eval_id_tensor,
+            ),
+        )
+        future = self._executor.submit(remote.fetch)
+        self._in_flight[future] = _Copy(self._eval_id, ledger, portion, slot)
+        if backup:
+            self.stats.backup_copies_scheduled += 1
+        else:
+            self.stats.portions_scheduled += 1
+
+    def _wait_any(self, timeout_secs=None) -> None:
+        """Waits for at least one copy to finish (or the timeout) and books it."""
+        done, _ = concurrent.futures.wait(
+            list(self._in_flight),
+            timeout=timeout_secs,
+            return_when=concurrent.futures.FIRST_COMPLETED,
+        )
+        for future in done:
+            copy = self._in_flight.pop(future)
+            share, worker = future.result()
+            current = copy.eval_id == self._eval_id
+            if current and copy.ledger.finish(copy.portion, (copy.slot, float(share))):
+                self.stats.copies_accepted += 1
+                worker = int(worker)
+                by_worker = self.stats.accepted_by_worker
+                by_worker[worker] = by_worker.get(worker, 0) + 1
+            else:
+                self.stats.copies_discarded += 1
+                self._slot_pool.release(copy.slot)
+
+    def __call__(self, x: ps_vectors.PsVector) -> tuple[float, ps_vectors.PsVector]:
+        """Returns `(loss, grad)` at `x`; `grad` is `self.grad`, overwritten later."""
+        start = time.monotonic()
+        self._eval_id += 1
+        if x is not self._x_eval:
+            self.ops.assign(x, self._x_eval)
+        eval_id = tf.constant(self._eval_id, _I64)
+        ledger = schedule_lib.PortionLedger(
+            self.portions, max_copies=2 if self.backup_tasks else 1
+        )
+        for portion in range(self.portions):
+            self._launch(ledger, portion, eval_id, backup=False)
+        while not ledger.complete:
+            if self.backup_tasks:
+                idle = self.num_workers - len(self._in_flight)
+                for portion in ledger.backups_wanted(idle):
+                    if self._slot_pool.num_free == 0:
+                        break
+                    self._launch(ledger, portion, eval_id, backup=True)
+            self._wait_any()
+        slots, shares = zip(*ledger.accepted)
+        portion_lib.reduce_slots(
+            self.grad.devices,
+            self._slots,
+            self.grad.shards,
+            tf.constant(slots, tf.int32),
+        )
+        for slot in slots:
+            self._slot_pool.release(slot)
+        self.stats.evaluations += 1
+        self.stats.evaluation_secs.append(time.monotonic() - start)
+        return math.fsum(shares), self.grad
+
+    def join(self) -> None:
+        """Waits for every copy still running (late backups) and books it."""
+        while self._in_flight:
+            self._wait_any()
+
+    def close(self) -> None:
+        """Waits for the copies still running and stops the waiting threads."""
+        self.join()
+        self._executor.shutdown(wait=True)
