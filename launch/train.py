@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 import models  # noqa: E402
-from tf_distbelief import downpour, job  # noqa: E402
+from tf_distbelief import downpour, job, sandblaster  # noqa: E402
 from tf_distbelief.downpour import schedule as downpour_schedule  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -32,9 +32,10 @@ _DOWNPOUR_FLAGS = tuple(f.name for f in dataclasses.fields(downpour.DownpourConf
 
 
 def define_flags() -> None:
-    """Defines the flags; all optional, defaults from `JobConfig`, `DownpourConfig`."""
+    """Defines the flags; all optional, defaults from the job's dataclasses."""
     d = job.JobConfig()
     dp = downpour.DownpourConfig()
+    sb = sandblaster.SandblasterConfig()
     flags.DEFINE_string(
         "model",
         "digits",
@@ -197,36 +198,23 @@ def define_flags() -> None:
 
     flags.DEFINE_integer(
         "lbfgs_history",
-        d.lbfgs_history,
+        sb.history,
         "Sandblaster: (s, y) pairs L-BFGS keeps on the ps.",
         lower_bound=1,
     )
     flags.DEFINE_integer(
         "lbfgs_max_iters",
-        d.lbfgs_max_iters,
+        sb.max_iters,
         "Sandblaster: L-BFGS iterations at most.",
         lower_bound=1,
     )
     flags.DEFINE_integer(
-        "portions", d.portions, "Sandblaster: work portions per batch.", lower_bound=1
+        "portions", sb.portions, "Sandblaster: work portions per batch.", lower_bound=1
     )
     flags.DEFINE_bool(
         "backup_tasks",
-        d.backup_tasks,
+        sb.backup_tasks,
         "Sandblaster: copies of the last portions go to idle workers.",
-    )
-    flags.DEFINE_integer(
-        "straggler_worker",
-        d.straggler_worker,
-        "Sandblaster test hook: this worker runs portions "
-        "--straggler_slowdown times slower.",
-        lower_bound=0,
-    )
-    flags.DEFINE_float(
-        "straggler_slowdown",
-        d.straggler_slowdown,
-        "Sandblaster: the straggler's slowdown factor.",
-        lower_bound=1.0,
     )
     flags.DEFINE_integer(
         "devices_per_replica",
@@ -252,8 +240,14 @@ _FLOAT_FLAGS = (
     "epsilon",
     "chief_gone_secs",
     "local_learning_rate",
-    "straggler_slowdown",
 )
+# `SandblasterConfig` field -> its flag.
+_SANDBLASTER_FLAGS = {
+    "history": "lbfgs_history",
+    "max_iters": "lbfgs_max_iters",
+    "portions": "portions",
+    "backup_tasks": "backup_tasks",
+}
 
 
 def model_spec():
@@ -277,8 +271,14 @@ def main(argv):
             f"{', '.join(given)}: Downpour settings, ignored without --downpour: "
             "add --downpour."
         )
-    fields = {f.name for f in dataclasses.fields(job.JobConfig)} - {"downpour"}
-    config = job.JobConfig(**{name: FLAGS[name].value for name in fields})
+    nested = {"downpour", "sandblaster"}
+    fields = {f.name for f in dataclasses.fields(job.JobConfig)} - nested
+    config = job.JobConfig(
+        **{name: FLAGS[name].value for name in fields},
+        sandblaster=sandblaster.SandblasterConfig(
+            **{field: FLAGS[flag].value for field, flag in _SANDBLASTER_FLAGS.items()}
+        ),
+    )
     if FLAGS.downpour:
         config.downpour = downpour.DownpourConfig(
             **{name: FLAGS[name].value for name in _DOWNPOUR_FLAGS}

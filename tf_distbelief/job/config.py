@@ -2,7 +2,8 @@
 
 The launch script's flags are derived from these dataclasses and their
 defaults: `JobConfig` for the job, `DownpourConfig` (its `downpour` field) for
-Downpour SGD. Each value is validated once, by the dataclass that owns it.
+Downpour SGD, `SandblasterConfig` (its `sandblaster` field) for Sandblaster
+L-BFGS. Each value is validated once, by the dataclass that owns it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from tf_distbelief import downpour as downpour_lib
+from tf_distbelief import sandblaster as sandblaster_lib
 from tf_distbelief import strategy as strategy_lib
 
 OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
@@ -43,15 +45,8 @@ class JobConfig:
       downpour: a `DownpourConfig` to train with Downpour SGD (section 4.1: a
         parameter cache per worker), or None (default) for TensorFlow's stock
         parameter-server training.
-      lbfgs_history: Sandblaster: `m`, the (s, y) pairs kept on the ps, >= 1.
-      lbfgs_max_iters: Sandblaster: L-BFGS iterations at most, >= 1.
-      portions: Sandblaster: work portions per batch, >= 1 (far more than
-        workers).
-      backup_tasks: Sandblaster: copies of the last outstanding portions go to
-        idle workers; the first to finish counts.
-      straggler_worker: test/benchmark hook: this worker runs its portions
-        `straggler_slowdown` times slower (None: no straggler).
-      straggler_slowdown: the straggler's slowdown factor, >= 1.
+      sandblaster: the `SandblasterConfig` of `optimizer="lbfgs"` (L-BFGS
+        history, iterations, work portions, backup tasks).
       devices_per_replica: devices one model replica is split over (section 3:
         model parallelism), >= 1; > 1 needs a `ModelSpec` with
         `model_parallel`. Local cluster workers then expose that many CPU
@@ -75,12 +70,9 @@ class JobConfig:
     seed: int = 0
     chief_gone_secs: float | None = None
     downpour: downpour_lib.DownpourConfig | None = None
-    lbfgs_history: int = 10
-    lbfgs_max_iters: int = 100
-    portions: int = 32
-    backup_tasks: bool = True
-    straggler_worker: int | None = None
-    straggler_slowdown: float = 1.0
+    sandblaster: sandblaster_lib.SandblasterConfig = dataclasses.field(
+        default_factory=lambda: sandblaster_lib.SandblasterConfig()
+    )
     devices_per_replica: int = 1
 
     def validate(self) -> JobConfig:
@@ -88,7 +80,8 @@ class JobConfig:
 
         Raises:
           ValueError: naming the first bad field, its value and what is allowed.
-          TypeError: `downpour` is not a `DownpourConfig` or None.
+          TypeError: `downpour` is not a `DownpourConfig` or None, or
+            `sandblaster` not a `SandblasterConfig`.
         """
         for name, allowed in (
             ("optimizer", OPTIMIZERS),
@@ -108,9 +101,6 @@ class JobConfig:
             "num_ps",
             "shard_bytes",
             "devices_per_replica",
-            "lbfgs_history",
-            "lbfgs_max_iters",
-            "portions",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -131,10 +121,10 @@ class JobConfig:
                     "`downpour` trains with SGD-type optimizers (adagrad, sgd); "
                     "`optimizer=lbfgs` is Sandblaster. Received both."
                 )
-        if not self.straggler_slowdown >= 1:
-            raise ValueError(
-                "`straggler_slowdown` must be >= 1. Received: "
-                f"{self.straggler_slowdown!r}"
+        if not isinstance(self.sandblaster, sandblaster_lib.SandblasterConfig):
+            raise TypeError(
+                "`sandblaster` must be a tf_distbelief SandblasterConfig. "
+                f"Received: {self.sandblaster!r}"
             )
         for name in ("initial_accumulator_value", "epsilon", "log_every_steps"):
             if getattr(self, name) < 0:

@@ -148,13 +148,6 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
     """`train` with Sandblaster L-BFGS (section 4.2): full-batch, no epochs."""
     from tf_distbelief import sandblaster
 
-    if config.straggler_worker is not None and not (
-        0 <= config.straggler_worker < strategy.num_workers
-    ):
-        raise ValueError(
-            f"`straggler_worker` must be in [0, {strategy.num_workers}). Received: "
-            f"{config.straggler_worker!r}"
-        )
     # Built after the strategy connected, outside its scope: the parameters
     # live in Sandblaster's flat vectors on the ps, not in Keras variables.
     model = build_model(config, spec)
@@ -163,14 +156,10 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
         model,
         spec.loss(),
         *train_data,
-        portions=config.portions,
-        history=config.lbfgs_history,
-        backup_tasks=config.backup_tasks,
-        straggler_worker=config.straggler_worker,
-        straggler_slowdown=config.straggler_slowdown,
+        config.sandblaster,
     )
     start = time.monotonic()
-    result = trainer.fit(max_iters=config.lbfgs_max_iters)
+    result = trainer.fit()
     train_secs = time.monotonic() - start
     stats = trainer.stats
     print_fn(
