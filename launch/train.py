@@ -138,6 +138,13 @@ def define_flags() -> None:
         "seconds; unset: serve until SIGTERM.",
         lower_bound=0.0,
     )
+    flags.DEFINE_float(
+        "connect_timeout_secs",
+        d.connect_timeout_secs,
+        "The chief fails, naming them, when ps or worker tasks do not accept "
+        "connections within this many seconds.",
+        lower_bound=1e-3,
+    )
     flags.DEFINE_bool(
         "downpour",
         False,
@@ -239,6 +246,7 @@ _FLOAT_FLAGS = (
     "initial_accumulator_value",
     "epsilon",
     "chief_gone_secs",
+    "connect_timeout_secs",
     "local_learning_rate",
 )
 # `SandblasterConfig` field -> its flag.

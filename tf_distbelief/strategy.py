@@ -24,6 +24,7 @@ from absl import logging
 
 from tf_distbelief import _tf_internals
 from tf_distbelief import cluster as cluster_lib
+from tf_distbelief.cluster import connect as connect_lib
 
 # A shard smaller than this is not worth its RPC: TensorFlow's own suggested
 # value for `MinSizePartitioner` (256 KiB).
@@ -202,8 +203,12 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
       variable_partitioner: any `tf.distribute.experimental.partitioners`
         Partitioner (or a callable `(shape, dtype) -> [num_shards, 1, ...]`);
         None means `default_partitioner(num_ps)`.
+      connect_timeout_secs: how long to wait for every ps and worker task to
+        accept connections before connecting, in seconds (default 300).
 
     Raises:
+      ClusterConnectError: a task did not answer within `connect_timeout_secs`
+        (the error names each such task and its address).
       ClusterConfigError: the cluster is invalid, or there is no cluster at all
         (start a `LocalCluster`).
       TypeError: `variable_partitioner` is not callable.
@@ -211,7 +216,12 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
         this strategy's scope, or Keras 3 `fit` distributes a dataset with it.
     """
 
-    def __init__(self, cluster_resolver=None, variable_partitioner=None):
+    def __init__(
+        self,
+        cluster_resolver=None,
+        variable_partitioner=None,
+        connect_timeout_secs: float = connect_lib.DEFAULT_CONNECT_TIMEOUT_SECS,
+    ):
         resolver = cluster_lib.resolve_cluster(cluster_resolver)
         if resolver is None:
             raise cluster_lib.ClusterConfigError(
@@ -229,6 +239,10 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
                 "tf.distribute.experimental.partitioners.Partitioner or a callable "
                 f"(shape, dtype) -> list of ints. Received: {variable_partitioner!r}"
             )
+        # TensorFlow waits for unreachable tasks silently and without bound.
+        connect_lib.wait_for_tasks(
+            resolver.cluster_spec().as_dict(), connect_timeout_secs
+        )
         # Connecting while an earlier coordinator of this process still works
         # crashed the process (see `wait_for_idle_coordinators`).
         wait_for_idle_coordinators()

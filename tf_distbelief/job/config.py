@@ -13,6 +13,7 @@ import dataclasses
 from tf_distbelief import downpour as downpour_lib
 from tf_distbelief import sandblaster as sandblaster_lib
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.cluster import connect as connect_lib
 
 OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
 PARTITIONERS = strategy_lib.PARTITIONERS
@@ -42,6 +43,9 @@ class JobConfig:
       seed: model initialisation and data seed.
       chief_gone_secs: a ps/worker task exits once the chief has been gone this
         long (None: serve until SIGTERM).
+      connect_timeout_secs: the chief fails, naming the tasks, when a ps or
+        worker task does not accept connections within this many seconds (> 0;
+        a local cluster's tasks already listen when it connects).
       downpour: a `DownpourConfig` to train with Downpour SGD (section 4.1: a
         parameter cache per worker), or None (default) for TensorFlow's stock
         parameter-server training.
@@ -69,6 +73,7 @@ class JobConfig:
     log_every_steps: int = 100
     seed: int = 0
     chief_gone_secs: float | None = None
+    connect_timeout_secs: float = connect_lib.DEFAULT_CONNECT_TIMEOUT_SECS
     downpour: downpour_lib.DownpourConfig | None = None
     sandblaster: sandblaster_lib.SandblasterConfig = dataclasses.field(
         default_factory=lambda: sandblaster_lib.SandblasterConfig()
@@ -106,6 +111,11 @@ class JobConfig:
                 raise ValueError(
                     f"`{name}` must be >= 1. Received: {getattr(self, name)!r}"
                 )
+        if not self.connect_timeout_secs > 0:
+            raise ValueError(
+                "`connect_timeout_secs` must be > 0. Received: "
+                f"{self.connect_timeout_secs!r}"
+            )
         if not self.learning_rate > 0:
             raise ValueError(
                 f"`learning_rate` must be > 0. Received: {self.learning_rate!r}"

@@ -104,12 +104,14 @@ def train(config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=print) 
       `{"test_accuracy": float, "epochs": int, "initial_epoch": int,
       "history": [...], "train_secs": float}`.
     """
-    (x_train, y_train), (x_test, y_test) = spec.load_data()
     num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
+    # Connected first: a task that cannot be reached fails the job at once.
     strategy = strategy_lib.DistBeliefStrategy(
         cluster_resolver,
         strategy_lib.make_partitioner(config.partitioner, num_ps, config.shard_bytes),
+        connect_timeout_secs=config.connect_timeout_secs,
     )
+    (x_train, y_train), (x_test, y_test) = spec.load_data()
     if config.optimizer == "lbfgs":
         return _train_sandblaster(
             config, spec, strategy, (x_train, y_train), (x_test, y_test), print_fn
