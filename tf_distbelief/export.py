@@ -1,0 +1,180 @@
+"""Export for serving: a trained model, every sharded variable joined whole.
+
+Under `DistBeliefStrategy` a model's large variables are `ShardedVariable`s on
+the ps tasks: `model.save` then writes one weight per shard (a Keras file that
+plain Keras cannot load) or a SavedModel that needs the cluster alive. Here the
+model's weights go through a TensorFlow checkpoint, which stores a sharded
+variable whole (the same route that lets a `model_dir` resume into another
+number of ps), into a plain copy of the model built outside any strategy; the
+copy is saved twice:
+
+* `<export_dir>/saved_model`: a TensorFlow SavedModel with a
+  `serving_default` signature. Loads with `tf.saved_model.load` (or
+  `tf_keras.models.load_model`) in any process, with no cluster, no
+  `TF_CONFIG` and no tf_distbelief import; TensorFlow Serving serves it.
+* `<export_dir>/model.keras`: the Keras file of the same model, for
+  `tf_keras.models.load_model` (a model with tf_distbelief's partitioned
+  layers needs `import tf_distbelief.model_parallel` first).
+
+`export_checkpoint` does the same from a `model_dir` checkpoint with no cluster
+running at all, so a finished or crashed job can still be exported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable
+
+import tensorflow as tf
+import tf_keras
+
+SAVED_MODEL_SUBDIR = "saved_model"
+KERAS_FILE = "model.keras"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportPaths:
+    """Where `export_model` wrote the model.
+
+    Attributes:
+      saved_model: the SavedModel directory (`serving_default` signature).
+      keras_file: the `.keras` file.
+    """
+
+    saved_model: str
+    keras_file: str
+
+
+def _check_no_strategy() -> None:
+    if tf.distribute.has_strategy():
+        raise RuntimeError(
+            "Export builds a plain copy of the model: call it outside "
+            "`strategy.scope()`."
+        )
+
+
+def _plain_copy(build_model: Callable[[], tf_keras.Model], input_shape=None):
+    """`build_model()` outside any strategy's scope, its variables created
+    (built with `input_shape` when `build_model` gives an unbuilt model).
+
+    Raises:
+      RuntimeError: called inside a strategy's scope.
+      ValueError: the model is not built and no `input_shape` is known.
+    """
+    _check_no_strategy()
+    plain = build_model()
+    if not plain.built and input_shape is not None:
+        plain.build(input_shape)
+    if not plain.built:
+        raise ValueError(
+            "The model `build_model` returns must be built (give it an input "
+            "layer, or pass `input_shape`) so that it can be exported. "
+            f"Received: {plain.name!r}"
+        )
+    return plain
+
+
+def _restore_into(plain: tf_keras.Model, checkpoint_path: str) -> None:
+    """Restores the `model` of a checkpoint into `plain`, every weight matched.
+
+    Raises:
+      ValueError: naming the checkpoint when a weight of `plain` is not in it
+        or does not fit (never a silent partial restore).
+    """
+    status = tf.train.Checkpoint(model=plain).restore(checkpoint_path)
+    try:
+        status.expect_partial()  # The optimizer and counters are not exported.
+        status.assert_existing_objects_matched()
+    except AssertionError as e:
+        raise ValueError(
+            f"The checkpoint {checkpoint_path} does not hold every weight of the "
+            f"model to export ({' '.join(str(e).split())[:500]})."
+        ) from None
+
+
+def _save(plain: tf_keras.Model, export_dir: str) -> ExportPaths:
+    os.makedirs(export_dir, exist_ok=True)
+    paths = ExportPaths(
+        saved_model=os.path.join(export_dir, SAVED_MODEL_SUBDIR),
+        keras_file=os.path.join(export_dir, KERAS_FILE),
+    )
+    plain.save(paths.saved_model, save_format="tf", include_optimizer=False)
+    plain.save(paths.keras_file)  # The plain copy has no optimizer.
+    return paths
+
+
+def export_model(
+    model: tf_keras.Model,
+    build_model: Callable[[], tf_keras.Model],
+    export_dir: str,
+) -> ExportPaths:
+    """Exports a model trained under `DistBeliefStrategy` for serving.
+
+    Call it on the chief, outside `strategy.scope()`, while the cluster runs:
+    the ps values are read once, into a TensorFlow checkpoint (sharded
+    variables whole), restored into `build_model()`, and saved.
+
+    Args:
+      model: the trained model (variables on the ps, sharded or not).
+      build_model: `() -> tf_keras.Model`, a built model of the same
+        architecture (the `ModelSpec`'s builder); called with no strategy.
+      export_dir: where to write; created if needed. Files already there
+        with other names are left alone.
+
+    Returns:
+      The `ExportPaths` written.
+
+    Raises:
+      ValueError: the plain model's weights do not all match the model's.
+      RuntimeError: called inside a strategy's scope.
+    """
+    _check_no_strategy()
+    with tempfile.TemporaryDirectory(prefix="tfdb_export_") as tmp:
+        path = tf.train.Checkpoint(model=model).save(os.path.join(tmp, "model"))
+        plain = _plain_copy(build_model, getattr(model, "input_shape", None))
+        _restore_into(plain, path)
+    return _save(plain, export_dir)
+
+
+def export_checkpoint(
+    checkpoint: str,
+    build_model: Callable[[], tf_keras.Model],
+    export_dir: str,
+    input_shape=None,
+) -> ExportPaths:
+    """Exports the model of a `model_dir` checkpoint, with no cluster at all.
+
+    Args:
+      checkpoint: a checkpoint path (`.../checkpoints/ckpt-5`), a checkpoint
+        directory, or a `model_dir` (its latest checkpoint is used).
+      build_model: `() -> tf_keras.Model`, a built model of the same
+        architecture.
+      export_dir: where to write.
+      input_shape: the input shape to build the model with when `build_model`
+        gives an unbuilt model, e.g. `(None, 64)`.
+
+    Returns:
+      The `ExportPaths` written.
+
+    Raises:
+      FileNotFoundError: no checkpoint at `checkpoint`.
+      ValueError: the checkpoint does not hold every weight of the model.
+    """
+    _check_no_strategy()
+    path = checkpoint
+    for folder in (checkpoint, os.path.join(checkpoint, "checkpoints")):
+        if os.path.isdir(folder):
+            latest = tf.train.latest_checkpoint(folder)
+            if latest:
+                path = latest
+                break
+    if not tf.io.gfile.exists(path + ".index"):
+        raise FileNotFoundError(
+            f"No checkpoint at {checkpoint!r} (give a checkpoint path such as "
+            "model_dir/checkpoints/ckpt-5, its directory, or the model_dir)."
+        )
+    plain = _plain_copy(build_model, input_shape)
+    _restore_into(plain, path)
+    return _save(plain, export_dir)
