@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -9,6 +13,7 @@ import tf_keras
 
 from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.downpour import config, schedule
 from tf_distbelief.downpour import schedule as downpour_schedule
 
 NUM_FEATURES, NUM_CLASSES, BATCH_SIZE, STEPS = 6, 3, 4, 12
@@ -119,6 +124,42 @@ def test_cadence_counts(n_fetch, n_push, steps):
     model_bytes = sum(p.nbytes for p in params)
     assert stats.bytes_fetched == fetches * model_bytes
     assert stats.bytes_pushed == pushes * model_bytes
+
+
+@pytest.mark.parametrize("n_fetch, n_push", [(1, 1), (3, 2), (2, 5)])
+def test_cadence_rules_agree_on_ints_and_tensors(n_fetch, n_push):
+    """The TF replica calls the same rules on its int64 step counter."""
+    steps = tf.range(12, dtype=tf.int64)
+    rules = [
+        (downpour_schedule.is_fetch_step, n_fetch),
+        (downpour_schedule.is_push_step, n_push),
+        (downpour_schedule.steps_to_fetch, n_fetch),
+        (downpour_schedule.steps_to_push, n_push),
+    ]
+    for rule, n in rules:
+        assert rule(steps, n).numpy().tolist() == [rule(t, n) for t in range(12)]
+    # A segment from step t runs to the next fetch or push point: its last
+    # step ends with a push exactly when the push point comes first.
+    for t in range(12):
+        to_push = downpour_schedule.steps_to_push(t, n_push)
+        size = min(downpour_schedule.steps_to_fetch(t, n_fetch), to_push)
+        assert downpour_schedule.is_push_step(t + size - 1, n_push) == (size == to_push)
+        assert downpour_schedule.is_fetch_step(t + size, n_fetch) or size == to_push
+
+
+def test_schedule_and_config_import_without_tensorflow():
+    code = (
+        "import sys\n"
+        "from tf_distbelief.downpour import config, schedule\n"
+        "assert 'tensorflow' not in sys.modules, sorted(sys.modules)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert schedule.DownpourConfig is config.DownpourConfig
 
 
 def test_reference_with_n_fetch_n_push_1_is_sequential_adagrad():

@@ -22,33 +22,48 @@ import tensorflow as tf
 import tf_keras
 
 
-def _apply_fused(variable, accumulator, gradient, lr, epsilon, update_slots):
-    """`ResourceApplyAdagradV2` on the variable's device; with `update_slots`
-    False it reads the accumulator without growing it by `gradient^2`."""
+def apply_adagrad(var, accum, gradient, lr, epsilon, update_slots: bool = True):
+    """One fused AdaGrad op on a variable and its accumulator (resource handles).
+
+    `ResourceApplyAdagradV2`, or `ResourceSparseApplyAdagradV2` on the rows of
+    an `IndexedSlices` gradient (unique indices: a repeated row would be
+    updated once per repeat): `a <- a + g^2` (with `update_slots`; False reads
+    the accumulator as it is), then `w <- w - lr * g / (sqrt(a) + epsilon)`,
+    the rule of `adagrad.rule.adagrad_update`. The ps AdaGrad (`Adagrad`) and
+    Downpour's local step on a replica's cache both run it; the op runs on
+    the device of the variable.
+
+    Args:
+      var: the variable's resource handle.
+      accum: the accumulator's resource handle, same shape and dtype.
+      gradient: `g`, a tensor of the variable's shape, or `tf.IndexedSlices`
+        of its rows.
+      lr: the learning rate, a scalar tensor of the variable's dtype.
+      epsilon: a scalar tensor of the variable's dtype.
+      update_slots: grow the accumulator by `g^2` first.
+
+    Returns:
+      The op.
+    """
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.raw_ops.ResourceSparseApplyAdagradV2(
+            var=var,
+            accum=accum,
+            lr=lr,
+            epsilon=epsilon,
+            grad=gradient.values,
+            indices=gradient.indices,
+            use_locking=False,
+            update_slots=update_slots,
+        )
     return tf.raw_ops.ResourceApplyAdagradV2(
-        var=variable.handle,
-        accum=accumulator.handle,
+        var=var,
+        accum=accum,
         lr=lr,
         epsilon=epsilon,
         grad=gradient,
         use_locking=False,
         update_slots=update_slots,
-    )
-
-
-def _apply_rows(variable, accumulator, gradient, squares, lr, epsilon):
-    """AdaGrad on the rows of `gradient` (`IndexedSlices`, unique indices) only.
-
-    The accumulator's rows grow by `squares` (`[rows, ...]`), then the
-    variable's rows move by `lr * gradient / (sqrt(a) + epsilon)`: the rows of
-    an embedding that a batch did not look up stay as they are.
-    """
-    accumulator.scatter_add(tf.IndexedSlices(squares, gradient.indices))
-    rows = tf.gather(accumulator, gradient.indices)
-    variable.scatter_add(
-        tf.IndexedSlices(
-            -lr * gradient.values / (tf.sqrt(rows) + epsilon), gradient.indices
-        )
     )
 
 
@@ -161,14 +176,9 @@ class Adagrad(tf_keras.optimizers.Adagrad):
                 )
             else:
                 gradient = gradient / scale
-        accumulator = self._accumulators[self._index_dict[self._var_key(variable)]]
+        accumulator = self._accumulator(variable)
         epsilon = tf.cast(self.epsilon, variable.dtype)
-        if isinstance(gradient, tf.IndexedSlices):
-            squares = gradient.values * gradient.values
-            _apply_rows(variable, accumulator, gradient, squares, lr, epsilon)
-            return
-        # One fused op on the variable's device: accumulate, then update.
-        _apply_fused(variable, accumulator, gradient, lr, epsilon, update_slots=True)
+        apply_adagrad(variable.handle, accumulator.handle, gradient, lr, epsilon)
 
     def apply_gradient_and_squares(self, gradient, squares, variable):
         """Applies a pushed sum of gradients with the sum of their squares.
@@ -187,13 +197,28 @@ class Adagrad(tf_keras.optimizers.Adagrad):
           squares: `S`, of the same kind, shape and row indices as `gradient`.
           variable: a variable this optimizer was built with.
         """
-        accumulator = self._accumulators[self._index_dict[self._var_key(variable)]]
+        accumulator = self._accumulator(variable)
         lr = tf.cast(self.learning_rate, variable.dtype)
         epsilon = tf.cast(self.epsilon, variable.dtype)
         if isinstance(gradient, tf.IndexedSlices):
-            _apply_rows(variable, accumulator, gradient, squares.values, lr, epsilon)
-            return
-        grown = accumulator.assign_add(squares, read_value=False)
-        # One fused op for the parameters, the accumulator left as it is.
+            grown = tf.raw_ops.ResourceScatterAdd(
+                resource=accumulator.handle,
+                indices=gradient.indices,
+                updates=squares.values,
+            )
+        else:
+            grown = accumulator.assign_add(squares, read_value=False)
+        # The accumulator grown by `S`, one fused op moves the parameters.
         with tf.control_dependencies([grown]):
-            _apply_fused(variable, accumulator, gradient, lr, epsilon, False)
+            apply_adagrad(
+                variable.handle,
+                accumulator.handle,
+                gradient,
+                lr,
+                epsilon,
+                update_slots=False,
+            )
+
+    def _accumulator(self, variable):
+        """The accumulator slot of `variable` (on its ps shard)."""
+        return self._accumulators[self._index_dict[self._var_key(variable)]]

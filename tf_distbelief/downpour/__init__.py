@@ -1,9 +1,11 @@
 """Downpour SGD (Dean et al. 2012, section 4.1).
 
-* `config`, `schedule`: the configuration and the step order, with a NumPy
-  reference (`schedule.simulate`); pure, no TensorFlow.
+* `config`, `schedule`: the configuration and the step order, with the cadence
+  rules and a NumPy reference (`schedule.simulate`); pure, no TensorFlow.
 * `variables`: ps variables that read as a replica's cache (`enable`).
-* `replica`: `Downpour`, the per-replica state and step on the cluster.
+* `base`, `dense`, `row_sparse`: a replica's per-worker state and ops, per
+  variable kind (dense variables, tables read by rows).
+* `replica`: `Downpour`, the replica's step on the cluster.
 * `keras`: `install` on a compiled tf_keras model, `DownpourTrainer`,
   `DownpourMetrics`.
 """
@@ -14,13 +16,13 @@ __all__, __getattr__, __dir__ = _lazy.exports(
     __name__,
     {
         "Downpour": "replica",
-        "DownpourConfig": "schedule",
-        "DownpourMetrics": "replica",
-        "DownpourTrainer": "replica",
+        "DownpourConfig": "config",
+        "DownpourMetrics": "keras",
+        "DownpourTrainer": "keras",
         "ReplicaStats": "schedule",
         "RowSparseReadError": "variables",
-        "embedding_tables": "replica",
+        "embedding_tables": "keras",
         "enable": "variables",
-        "install": "replica",
+        "install": "keras",
     },
 )

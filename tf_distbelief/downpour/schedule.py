@@ -1,4 +1,4 @@
-"""Downpour SGD without TensorFlow: the config, the cadence, a NumPy reference.
+"""Downpour SGD without TensorFlow: the cadence rules and a NumPy reference.
 
 Dean et al. 2012, section 4.1. Every model replica keeps a local copy (the
 *cache*) of the parameters and counts its own local steps `t = 0, 1, 2, ...`.
@@ -47,26 +47,32 @@ replica's path between pushes follows the per-parameter steps AdaGrad takes on
 the ps (an SGD step moves parameters by amounts unrelated to AdaGrad's). On the
 speech-shaped model early in training their effect on accuracy is within the
 noise of the comparisons made (`benchmarks/downpour_modes.py`, README).
+
+The configuration, `DownpourConfig`, is defined in `config` (re-exported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-# The default SGD step of a replica on its cache (`DownpourConfig` with
-# `local_optimizer="sgd"`): at 0.05 digits at n=16 reached 0.75 test accuracy
-# in `benchmarks/downpour_bench.py`, at 0.5 0.98.
-LOCAL_LEARNING_RATE = 0.5
+from tf_distbelief.adagrad import rule as adagrad_rule
+from tf_distbelief.downpour.config import (
+    ADAGRAD_ACCUMULATORS,
+    LOCAL_LEARNING_RATE,
+    LOCAL_OPTIMIZERS,
+    DownpourConfig,
+)
 
 __all__ = [
+    # Re-exported from `config`, where they are defined.
     "ADAGRAD_ACCUMULATORS",
     "LOCAL_LEARNING_RATE",
     "LOCAL_OPTIMIZERS",
     "DownpourConfig",
+    # The step order.
     "ReplicaStats",
     "adagrad_ps",
     "is_fetch_step",
@@ -75,154 +81,52 @@ __all__ = [
     "num_pushes",
     "sgd_ps",
     "simulate",
+    "steps_to_fetch",
+    "steps_to_push",
 ]
 
-
-def _check_int(name: str, value, lower: int, rule: str) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise TypeError(f"Argument `{name}` must be an integer. Received: {value!r}")
-    if value < lower:
-        raise ValueError(f"Argument `{name}` must be {rule}. Received: {value!r}")
+# The cadence rules below use only `%`, `-`, `+` and `==`, so they hold for
+# Python ints (`simulate`) and for int64 tensors alike: the TF replica
+# (`replica.Downpour`) calls them on its step counter.
 
 
-LOCAL_OPTIMIZERS = ("adagrad", "sgd")
-ADAGRAD_ACCUMULATORS = ("squares", "mean", "sum")
+def is_fetch_step(t, n_fetch):
+    """True when local step `t` (from 0) starts with a fetch: `t % n_fetch == 0`.
 
+    Args:
+      t: the local step, an int or an integer tensor.
+      n_fetch: `DownpourConfig.n_fetch`, an int >= 1.
 
-@dataclasses.dataclass(frozen=True)
-class DownpourConfig:
-    """The Downpour cadence and local update (Dean et al. 2012, section 4.1).
-
-    Attributes:
-      n_fetch: local steps between fetches of the parameters, >= 1. The paper's
-        runs used 1.
-      n_push: local steps between pushes of the accumulated gradient, >= 1;
-        independent of `n_fetch`. The paper's runs used 1.
-      local_learning_rate: step size of the replica's update of its own cache
-        (`local_optimizer`), a float >= 0, or None (default): the ps
-        optimizer's learning rate (AdaGrad's `gamma`) for `"adagrad"`
-        (`local_learning_rate_for`), and
-        `LOCAL_LEARNING_RATE` (0.5, tuned for digits) for `"sgd"`. 0 keeps the
-        cache at the fetched values between fetches: a push then applies
-        `n_push` steps along gradients taken near one point (the launch
-        script's digits job at n=16 stayed at chance, 0.096, with SGD at 0).
-      warmstart_steps: the paper's warm start: until replica 0 has taken this
-        many local steps, the other replicas' steps change nothing; 0 for none.
-      max_staleness: the most ps updates by other replicas that may land
-        between a replica's fetch and its push for the push to be applied; a
-        staler push is dropped and the replica refetches. None (default)
-        applies every push, as the paper does.
-      local_optimizer: the update of the cache at each local step: `"adagrad"`
-        (default) with an accumulator of the replica's own, started at the ps
-        AdaGrad's `initial_accumulator_value` (0.1 otherwise) and kept across
-        fetches, so that the replica's path between pushes takes AdaGrad's
-        per-parameter steps, as the ps does (about: a replica's accumulator
-        sees only its own gradients, about `1/N` of the ps one with `N`
-        replicas, so its steps are up to `sqrt(N)` times larger); or `"sgd"`.
-        No bytes on the network; worker memory: one more copy of the model,
-        and one more with `"squares"` pushes (the accumulator's value at the
-        last push, whose growth since is the pushed squares).
-      adagrad_accumulator: with AdaGrad on the ps (`tf_distbelief.adagrad`),
-        how a push of `G`, the gradients of `n_push` steps summed, grows the
-        accumulator `a` before the parameters move by `gamma * G / (sqrt(a) +
-        epsilon)`: `"squares"` (default) by the pushed sum of the steps'
-        squared gradients, the paper's `sum_j g_j^2` exactly (the push sends
-        it along: twice the bytes of a push when `n_push > 1`); `"mean"` by
-        `G^2 / n_push`, as `n_push` steps of the mean gradient
-        (`Adagrad.apply_summed_gradient`); `"sum"` by `G^2`, `G` as one
-        update (about `gamma` per push whatever `n_push` is, so `n_push`
-        times fewer ps steps per example). All three agree at `n_push = 1`;
-        other ps optimizers ignore it.
+    Returns:
+      A bool, or a bool tensor for a tensor `t`.
     """
-
-    n_fetch: int = 1
-    n_push: int = 1
-    local_learning_rate: float | None = None
-    warmstart_steps: int = 0
-    max_staleness: int | None = None
-    local_optimizer: str = "adagrad"
-    adagrad_accumulator: str = "squares"
-
-    def __post_init__(self):
-        _check_int("n_fetch", self.n_fetch, 1, ">= 1 (fetch every n_fetch steps)")
-        _check_int("n_push", self.n_push, 1, ">= 1 (push every n_push steps)")
-        _check_int("warmstart_steps", self.warmstart_steps, 0, ">= 0")
-        if self.max_staleness is not None:
-            _check_int(
-                "max_staleness",
-                self.max_staleness,
-                0,
-                ">= 0, or None to apply every push",
-            )
-        for name, allowed in (
-            ("local_optimizer", LOCAL_OPTIMIZERS),
-            ("adagrad_accumulator", ADAGRAD_ACCUMULATORS),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"Argument `{name}` must be one of {', '.join(allowed)}. "
-                    f"Received: {getattr(self, name)!r}"
-                )
-        lr = self.local_learning_rate
-        if lr is None:
-            return
-        if isinstance(lr, bool) or not isinstance(
-            lr, (int, float, np.floating, np.integer)
-        ):
-            raise TypeError(
-                "Argument `local_learning_rate` must be a float or None. "
-                f"Received: {lr!r}"
-            )
-        try:
-            finite = math.isfinite(float(lr))
-        except OverflowError:  # An int beyond float range.
-            finite = False
-        if not (finite and lr >= 0):
-            raise ValueError(
-                "Argument `local_learning_rate` must be finite and >= 0 (0 "
-                f"disables the local update), or None. Received: {lr!r}"
-            )
-
-    @property
-    def pushes_squares(self) -> bool:
-        """True when a push to AdaGrad sends the steps' squared gradients too."""
-        return self.adagrad_accumulator == "squares" and self.n_push > 1
-
-    def local_learning_rate_for(self, ps_learning_rate: float | None) -> float:
-        """The local step size: `local_learning_rate`, or its default.
-
-        Args:
-          ps_learning_rate: the ps optimizer's learning rate (AdaGrad's
-            `gamma`), a float, or None when it is not a number (a schedule).
-
-        Returns:
-          A float >= 0.
-
-        Raises:
-          ValueError: `local_learning_rate` is None, `local_optimizer` is
-            `"adagrad"` and `ps_learning_rate` is None.
-        """
-        if self.local_learning_rate is not None:
-            return float(self.local_learning_rate)
-        if self.local_optimizer == "sgd":
-            return LOCAL_LEARNING_RATE
-        if ps_learning_rate is None:
-            raise ValueError(
-                "Argument `local_learning_rate` must be set (a float >= 0) when "
-                "`local_optimizer` is 'adagrad' and the ps optimizer's learning "
-                "rate is not a number (a schedule). Received: None"
-            )
-        return float(ps_learning_rate)
-
-
-def is_fetch_step(t: int, n_fetch: int) -> bool:
-    """True when local step `t` (from 0) starts with a fetch."""
     return t % n_fetch == 0
 
 
-def is_push_step(t: int, n_push: int) -> bool:
-    """True when local step `t` (from 0) ends with a push."""
+def is_push_step(t, n_push):
+    """True when local step `t` (from 0) ends with a push: `(t + 1) % n_push == 0`.
+
+    Args and returns as for `is_fetch_step`, with `n_push`.
+    """
     return (t + 1) % n_push == 0
+
+
+def steps_to_fetch(t, n_fetch):
+    """Local steps from step `t` (included) to the next fetch, in `1..n_fetch`.
+
+    The next fetch starts step `t + steps_to_fetch(t, n_fetch)` (without
+    dropped pushes). Works on ints and integer tensors, as `is_fetch_step`.
+    """
+    return n_fetch - t % n_fetch
+
+
+def steps_to_push(t, n_push):
+    """Local steps from step `t` (included) to the next push, in `1..n_push`.
+
+    The next push ends step `t + steps_to_push(t, n_push) - 1`: 1 when `t`
+    itself ends with one. Works on ints and integer tensors, as `is_push_step`.
+    """
+    return n_push - t % n_push
 
 
 def num_fetches(steps: int, n_fetch: int) -> int:
@@ -251,14 +155,12 @@ def adagrad_ps(
     epsilon)` (`DownpourConfig.adagrad_accumulator`).
     """
 
-    from tf_distbelief.adagrad import rule as adagrad
-
     def init(params):
         return [np.full_like(p, initial_accumulator_value) for p in params]
 
     def update(params, state, grads, steps, squares=None):
         out = [
-            adagrad.adagrad_update(p, a, g, learning_rate, epsilon, steps, sq)
+            adagrad_rule.adagrad_update(p, a, g, learning_rate, epsilon, steps, sq)
             for p, a, g, sq in zip(params, state, grads, squares or [None] * len(grads))
         ]
         return [w for w, _ in out], [a for _, a in out]
@@ -413,11 +315,12 @@ def simulate(
         if config.local_optimizer == "sgd":
             caches[r] = [c - local_lr * gi for c, gi in zip(caches[r], g)]
         else:
-            local_accs[r] = [b + gi * gi for b, gi in zip(local_accs[r], g)]
-            caches[r] = [
-                c - local_lr * gi / (np.sqrt(b) + local_epsilon)
-                for c, gi, b in zip(caches[r], g, local_accs[r])
+            stepped = [
+                adagrad_rule.adagrad_update(c, b, gi, local_lr, local_epsilon)
+                for c, b, gi in zip(caches[r], local_accs[r], g)
             ]
+            caches[r] = [c for c, _ in stepped]
+            local_accs[r] = [b for _, b in stepped]
         accs[r] = [a + gi for a, gi in zip(accs[r], g)]
         squares[r] = [q + gi * gi for q, gi in zip(squares[r], g)]
         if is_push_step(t, config.n_push):

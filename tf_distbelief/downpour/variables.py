@@ -4,19 +4,20 @@
 that every ps variable created afterwards under the strategy's scope is a
 `DownpourVariable`: a `tf.distribute` `CachingVariable` (what
 `ParameterServerStrategy` already wraps its variables in) whose reads return a
-given tensor while `substitute` is active in the tracing thread. Downpour runs
-the model's forward pass under `substitute`, with the replica's cached values
-watched by a `tf.GradientTape`, so the gradient is taken at the cache (Dean et
-al. 2012, section 4.1) and the model code is unchanged.
+given tensor while `tf_distbelief.substitution.substitute` is active in the
+tracing thread. Downpour runs the model's forward pass under `substitute`, with
+the replica's cached values watched by a `tf.GradientTape`, so the gradient is
+taken at the cache (Dean et al. 2012, section 4.1) and the model code is
+unchanged.
 
 Sharded variables (`ShardedVariable`) are wrapped shard by shard: each shard
 has its own cache, and the optimizer (which sees shards too) updates each on its
 ps task.
 
-A variable can also be substituted by a `RowSource` (Downpour's row-sparse
-tables, e.g. embeddings): its row lookups (`sparse_read`, which
-`tf.nn.embedding_lookup` and `tf.gather` use) then read rows from the source,
-and reading it whole is an error.
+A variable can also be substituted by a `substitution.RowSource` (Downpour's
+row-sparse tables, e.g. embeddings, `row_sparse.RowReader`): its row lookups
+then read rows from the source, and reading it whole raises
+`RowSparseReadError`.
 
 While `local_steps` is active, writes to non-trainable `DownpourVariable`s
 (Keras metrics, loss trackers, BatchNorm statistics) are dropped: Downpour's
@@ -25,30 +26,24 @@ local steps between two ps exchanges then touch no ps variable at all.
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import threading
+from collections.abc import Iterable, Iterator
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals
+from tf_distbelief import _tf_internals, substitution
 
 __all__ = [
-    "DownpourVariable",
-    "RowSource",
     "DownpourUnsupportedError",
+    "DownpourVariable",
     "RowSparseReadError",
     "enable",
     "leaf_variables",
     "local_steps",
-    "substitute",
 ]
 
 _local = threading.local()
-
-
-def _substitutions() -> dict:
-    return getattr(_local, "values", None) or {}
 
 
 class RowSparseReadError(RuntimeError):
@@ -69,38 +64,8 @@ class DownpourUnsupportedError(TypeError):
     """A variable kind Downpour cannot keep a per-worker cache of."""
 
 
-class RowSource(abc.ABC):
-    """What a row-sparse variable reads as under `substitute`: rows on demand."""
-
-    @abc.abstractmethod
-    def read_rows(self, indices: tf.Tensor) -> tf.Tensor:
-        """Returns `[*indices.shape, *row_shape]`: the rows at `indices`.
-
-        Args:
-          indices: int32 or int64 row indices of the variable (a shard's own
-            rows for a shard), any shape.
-        """
-
-
 @contextlib.contextmanager
-def substitute(pairs):
-    """Within the block, each `DownpourVariable` in `pairs` reads as its tensor.
-
-    Args:
-      pairs: `(DownpourVariable, tensor or RowSource)` pairs, the tensor of the
-        variable's shape and dtype. Only reads traced in this thread are
-        redirected.
-    """
-    previous = _substitutions()
-    _local.values = {**previous, **{id(v): t for v, t in pairs}}
-    try:
-        yield
-    finally:
-        _local.values = previous
-
-
-@contextlib.contextmanager
-def local_steps():
+def local_steps() -> Iterator:
     """Within the block, writes to non-trainable `DownpourVariable`s are dropped.
 
     For the steps between a replica's fetches and pushes
@@ -120,8 +85,12 @@ def local_steps():
         _local.drop_writes = previous
 
 
-class DownpourVariable(_tf_internals.CachingVariable):
-    """A ps variable whose reads can be redirected to a replica's cache."""
+class DownpourVariable(substitution.Substitutable, _tf_internals.CachingVariable):
+    """A ps variable whose reads can be redirected to a replica's cache.
+
+    Reads follow `substitution.substitute`; writes to a non-trainable one are
+    dropped inside `local_steps`.
+    """
 
     def _write_dropped(self) -> bool:
         return getattr(_local, "drop_writes", False) and not self.trainable
@@ -140,45 +109,6 @@ class DownpourVariable(_tf_internals.CachingVariable):
         if self._write_dropped():
             return tf.no_op()
         return super().assign_sub(*args, **kwargs)
-
-    def _substituted(self):
-        value = _substitutions().get(id(self))
-        if isinstance(value, RowSource):
-            raise RowSparseReadError(
-                f"Variable {self.name} is row-sparse under Downpour (only the rows "
-                "a step looks up are fetched and pushed), but the model read it "
-                "whole (e.g. a tied output layer, a regularizer, `tf.matmul`). "
-                "Leave it out of `row_sparse` (e.g. `row_sparse=[]`)."
-            )
-        return value
-
-    def value(self):
-        value = self._substituted()
-        return super().value() if value is None else value
-
-    def read_value(self):
-        value = self._substituted()
-        return super().read_value() if value is None else value
-
-    def sparse_read(self, indices, name=None):
-        source = _substitutions().get(id(self))
-        if isinstance(source, RowSource):
-            return source.read_rows(indices)
-        value = self._substituted()
-        if value is None:
-            return super().sparse_read(indices, name=name)
-        return tf.gather(value, indices, name=name)
-
-    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
-        value = self._substituted()
-        if value is None:
-            return super()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
-        if dtype is not None and not dtype.is_compatible_with(value.dtype):
-            raise ValueError(
-                f"Variable {self.name} of dtype {value.dtype.name} was requested "
-                f"as {dtype.name}."
-            )
-        return value
 
 
 def _wrap_variable(variable, **kwargs):
@@ -225,7 +155,8 @@ def enable(strategy) -> None:
     strategy.variable_wrapper = _wrap_variable
 
 
-def leaf_variables(variables) -> list:
+def leaf_variables(variables: Iterable) -> list:
+    """`variables` with each `ShardedVariable` replaced by its shards, in order."""
     leaves = []
     for v in variables:
         if isinstance(v, _tf_internals.ShardedVariable):

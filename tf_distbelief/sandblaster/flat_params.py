@@ -31,57 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
+from collections.abc import Iterator
 
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals
+from tf_distbelief import _tf_internals, substitution
 
 __all__ = ["FlatLayout", "evaluate_at"]
-
-_local = threading.local()
-
-
-class _Substitutable:
-    """Mixin: a `ResourceVariable` whose reads can be redirected to a tensor.
-
-    A model's variables get a subclass with this mixin only inside
-    `evaluate_at` (their `__class__` is swapped and restored); it adds no state,
-    so the swap is safe.
-    """
-
-    def _substitute(self):
-        return getattr(_local, "values", {}).get(id(self))
-
-    def _read_variable_op(self, *args, **kwargs):
-        value = self._substitute()
-        if value is None:
-            return super()._read_variable_op(*args, **kwargs)
-        return value
-
-    def sparse_read(self, indices, name=None):
-        value = self._substitute()
-        if value is None:
-            return super().sparse_read(indices, name=name)
-        return tf.gather(value, indices, name=name)
-
-    def gather_nd(self, indices, name=None):
-        value = self._substitute()
-        if value is None:
-            return super().gather_nd(indices, name=name)
-        return tf.gather_nd(value, indices, name=name)
-
-
-_SUBSTITUTABLE_CLASSES: dict[type, type] = {}
-
-
-def _substitutable_class(cls: type) -> type:
-    if cls not in _SUBSTITUTABLE_CLASSES:
-        _SUBSTITUTABLE_CLASSES[cls] = type(
-            f"_Substitutable{cls.__name__}", (_Substitutable, cls), {}
-        )
-    return _SUBSTITUTABLE_CLASSES[cls]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,29 +134,20 @@ class FlatLayout:
 
 
 @contextlib.contextmanager
-def evaluate_at(layout: FlatLayout, params: tf.Tensor):
+def evaluate_at(layout: FlatLayout, params: tf.Tensor) -> Iterator:
     """Within the block, the model's trainable weights read as slices of `params`.
 
     Meant for tracing a `tf.function`: the traced graph computes the model at
     `params` (a `[layout.size]` tensor) and does not capture the weight
     variables. Gradients with respect to `params` flow through the slices.
+    The weights read so through `tf_distbelief.substitution`, the mechanism
+    Downpour reads its caches with.
 
     Args:
       layout: the model's `FlatLayout`.
       params: `[layout.size]` tensor, any floating dtype (cast per weight).
     """
-    previous = getattr(_local, "values", {})
-    swapped = []
-    try:
-        values = dict(previous)
-        for v, piece in zip(layout.variables, layout.pieces(params)):
-            values[id(v)] = piece
-            if not isinstance(v, _Substitutable):
-                swapped.append((v, type(v)))
-                v.__class__ = _substitutable_class(type(v))
-        _local.values = values
-        yield
-    finally:
-        _local.values = previous
-        for v, cls in swapped:
-            v.__class__ = cls
+    pairs = list(zip(layout.variables, layout.pieces(params)))
+    with substitution.substitutable(layout.variables):
+        with substitution.substitute(pairs):
+            yield

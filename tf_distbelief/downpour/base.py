@@ -1,0 +1,404 @@
+"""What Downpour keeps per variable on a worker, and the ops common to its kinds.
+
+Dean et al. 2012, section 4.1. A replica keeps, per trained variable, a cache
+of the parameters, the sum of its gradients since its last push, and as the
+`Plan` says, the squares to push and the accumulator of its local AdaGrad
+step, all in `per_worker_variable=True` variables (TF_NOTES.md: per-worker
+variables), so whichever worker runs a step uses its own.
+
+`VariableKind` holds that state for the variables of one kind and writes the
+local step, the accumulation, the push's read and the restart once, from
+three primitives on a variable's rows that each kind defines: `_read`,
+`_write` and `_add`, with `rows` None for the whole variable:
+
+* `dense.DenseVariables`: ordinary variables, fetched and pushed whole;
+* `row_sparse.RowSparseVariables`: tables read by row lookups, fetched and
+  pushed by rows.
+
+The kinds issue raw resource ops on handles taken at the top of the scheduled
+function (`handles`): per-worker variables get no automatic control
+dependencies and cannot be captured inside a `tf.cond` branch or a loop body.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import re
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import tensorflow as tf
+import tf_keras
+
+from tf_distbelief.adagrad import optimizer as adagrad
+from tf_distbelief.downpour.config import DownpourConfig
+
+__all__ = [
+    "Handles",
+    "KindHandles",
+    "KindOrder",
+    "Plan",
+    "PushedSquares",
+    "VariableKind",
+]
+
+
+def read(handle, dtype):
+    """`ReadVariableOp`: the value of a variable by its handle."""
+    return tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
+
+
+def assign(handle, value):
+    """`AssignVariableOp`: writes `value` to a variable by its handle."""
+    return tf.raw_ops.AssignVariableOp(resource=handle, value=value)
+
+
+def add(handle, value):
+    """`AssignAddVariableOp`: adds `value` to a variable by its handle."""
+    return tf.raw_ops.AssignAddVariableOp(resource=handle, value=value)
+
+
+def scatter(kind: str, handle, indices, updates):
+    """`ResourceScatter{kind}` of `updates` rows at `indices` of a variable."""
+    op = getattr(tf.raw_ops, f"ResourceScatter{kind}")
+    return op(resource=handle, indices=indices, updates=updates)
+
+
+def gather(handle, indices, dtype):
+    """`ResourceGather`: the rows at `indices` of a variable by its handle."""
+    return tf.raw_ops.ResourceGather(resource=handle, indices=indices, dtype=dtype)
+
+
+def after(ops, value):
+    """`value` as a tensor that runs after `ops` (a `tf.cond` branch output)."""
+    with tf.control_dependencies(ops):
+        return tf.identity(value)
+
+
+def per_worker(name: str, shape, dtype, fill=0) -> tf.Variable:
+    """A `per_worker_variable=True` variable filled with `fill`.
+
+    Create it under the strategy's scope; not trainable.
+    """
+    return tf.Variable(
+        initial_value=lambda: tf.fill(shape, tf.cast(fill, dtype)),
+        shape=shape,
+        dtype=dtype,
+        trainable=False,
+        name=name,
+        per_worker_variable=True,
+    )
+
+
+def per_worker_copies(variables, what: str, fill=0, enabled: bool = True) -> list:
+    """A per-worker variable of each variable's shape and dtype, or Nones."""
+    return [
+        per_worker(f"downpour/{what}/{slug(v.name)}", v.shape, v.dtype, fill)
+        if enabled
+        else None
+        for v in variables
+    ]
+
+
+def slug(name: str) -> str:
+    """`name` without its `:0` and characters a variable name cannot hold."""
+    return re.sub(r"[^A-Za-z0-9_.\-/]", "_", name.split(":")[0])
+
+
+class PushedSquares(enum.Enum):
+    """What a push sends as its steps' squared gradients, if anything."""
+
+    NONE = "none"  # Nothing: the ps optimizer does not take them.
+    # A per-worker sum of each step's `g^2` since the last push (local SGD).
+    SUMMED = "summed"
+    # The growth of the local AdaGrad accumulator since the last push; a
+    # per-worker copy of that accumulator at the last push is the base.
+    LOCAL = "local"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a replica keeps and does per variable, fixed at construction.
+
+    Attributes:
+      local_optimizer: the local step on the cache, `"adagrad"` or `"sgd"`
+        (`DownpourConfig.local_optimizer`).
+      learning_rate: its step size, a float >= 0; 0 skips the step.
+      initial_accumulator: the local AdaGrad accumulator's start, as the ps
+        AdaGrad's `initial_accumulator_value` (0.1 for another optimizer).
+      epsilon: the local AdaGrad's `epsilon`, as the ps AdaGrad's (1e-7).
+      squares: what a push sends as squared gradients.
+    """
+
+    local_optimizer: str
+    learning_rate: float
+    initial_accumulator: float
+    epsilon: float
+    squares: PushedSquares
+
+    @classmethod
+    def create(cls, config: DownpourConfig, optimizer) -> Plan:
+        """The plan of `config` with `optimizer` applying pushes on the ps.
+
+        Raises:
+          ValueError: no local step size (`config.local_learning_rate_for`).
+        """
+        squares = PushedSquares.NONE
+        # Squares go along only where AdaGrad on the ps can use them.
+        if config.pushes_squares and isinstance(optimizer, adagrad.Adagrad):
+            local_adagrad = config.local_optimizer == "adagrad"
+            squares = PushedSquares.LOCAL if local_adagrad else PushedSquares.SUMMED
+        return cls(
+            local_optimizer=config.local_optimizer,
+            learning_rate=config.local_learning_rate_for(
+                _numeric_learning_rate(optimizer)
+            ),
+            initial_accumulator=float(
+                getattr(optimizer, "initial_accumulator_value", 0.1)
+            ),
+            epsilon=float(getattr(optimizer, "epsilon", 1e-7)),
+            squares=squares,
+        )
+
+    @property
+    def push_copies(self) -> int:
+        """Copies of the model a push sends: 2 with the squares, else 1."""
+        return 1 if self.squares is PushedSquares.NONE else 2
+
+
+def _numeric_learning_rate(optimizer) -> float | None:
+    """The optimizer's learning rate as a float; None for a schedule."""
+    lr = getattr(optimizer, "_learning_rate", None)
+    if lr is None or isinstance(lr, tf_keras.optimizers.schedules.LearningRateSchedule):
+        return None
+    return float(tf_keras.backend.get_value(lr))
+
+
+class KindHandles(NamedTuple):
+    """Resource handles of one kind's variables in one scheduled function.
+
+    Lists with one entry per variable of the kind, None where the `Plan`
+    keeps no such variable.
+    """
+
+    ps: list  # The ps variables (shards).
+    caches: list  # Per-worker caches.
+    accs: list  # Per-worker sums of the gradients since the last push.
+    squares: list  # Per-worker: `PushedSquares.SUMMED`'s sum or `LOCAL`'s base.
+    local_accs: list  # Per-worker accumulators of the local AdaGrad step.
+    valid: list | tuple = ()  # Row-sparse: per-worker rows fetched (1) since
+    # a fetch.
+    touched: list | tuple = ()  # Row-sparse: per-worker rows touched (1) since
+    # a push.
+
+
+class Handles(NamedTuple):
+    """Resource handles of one scheduled function: both kinds', the counters."""
+
+    dense: KindHandles
+    rows: KindHandles
+    seen: tf.Tensor  # Per-worker: the ps update count the cache accounts for.
+    refetch: tf.Tensor  # Per-worker: 1 after a dropped push.
+    stats: dict  # Per-worker int64 counters, by `ReplicaStats` field name.
+    count: tf.Tensor  # On the ps: pushes applied.
+
+
+class KindOrder:
+    """Where the variables of each kind sit among a replica's variables.
+
+    Args:
+      row_sparse: per variable, True where it is row-sparse.
+    """
+
+    def __init__(self, row_sparse: Sequence[bool]):
+        self.row_sparse = list(row_sparse)
+
+    def split(self, values: Sequence) -> tuple[list, list]:
+        """`(dense, row-sparse)`: `values` (one per variable) split by kind."""
+        return (
+            [x for x, rows in zip(values, self.row_sparse) if not rows],
+            [x for x, rows in zip(values, self.row_sparse) if rows],
+        )
+
+    def merge(self, dense: Sequence, rows: Sequence) -> list:
+        """One value per variable, in variable order, from the kinds' lists."""
+        dense, rows = iter(dense), iter(rows)
+        return [next(rows) if sparse else next(dense) for sparse in self.row_sparse]
+
+
+def _handle(variable):
+    return None if variable is None else variable.handle
+
+
+class VariableKind(abc.ABC):
+    """Downpour's per-worker state and ops for the variables of one kind.
+
+    Create it under the strategy's scope. The lists the methods take and
+    return hold one entry per variable of the kind, in `variables` order.
+
+    Args:
+      variables: the kind's `DownpourVariable`s (shards, not sharded
+        variables).
+      plan: the `Plan`.
+    """
+
+    def __init__(self, variables: list, plan: Plan):
+        self.variables = list(variables)
+        self.plan = plan
+        squares = plan.squares
+        self.caches = per_worker_copies(variables, "cache")
+        self.accumulators = per_worker_copies(variables, "accumulator")
+        self.squares = per_worker_copies(
+            variables,
+            "squares",
+            plan.initial_accumulator if squares is PushedSquares.LOCAL else 0,
+            squares is not PushedSquares.NONE,
+        )
+        self.local_accumulators = per_worker_copies(
+            variables,
+            "local_accumulator",
+            plan.initial_accumulator,
+            plan.local_optimizer == "adagrad",
+        )
+
+    def handles(self) -> KindHandles:
+        """The handles; take them at the top of the scheduled function."""
+        return KindHandles(
+            ps=[v.get().handle for v in self.variables],
+            caches=[c.handle for c in self.caches],
+            accs=[a.handle for a in self.accumulators],
+            squares=[_handle(x) for x in self.squares],
+            local_accs=[_handle(x) for x in self.local_accumulators],
+        )
+
+    # The primitives: `rows` is None for the whole variable `j`, else int64
+    # row indices; `grad` a tensor or `IndexedSlices`.
+
+    @abc.abstractmethod
+    def _read(self, handle, j: int, rows):
+        """The value (or the rows) of a per-worker variable of variable `j`."""
+
+    @abc.abstractmethod
+    def _write(self, handle, rows, value):
+        """Assigns `value` to a per-worker variable (or its rows)."""
+
+    @abc.abstractmethod
+    def _add(self, handle, grad):
+        """Adds `grad` to a per-worker variable of a variable's shape."""
+
+    @abc.abstractmethod
+    def _sgd_step(self, cache, grad, alpha):
+        """The local SGD step: `cache <- cache - alpha * grad`."""
+
+    def _accumulate(self, kh: KindHandles, j: int, grad) -> list:
+        """Ops adding `grad` to the sum to push (row-sparse: and its rows)."""
+        return [self._add(kh.accs[j], grad)]
+
+    def _pushed_rows(self, kh: KindHandles, j: int):
+        """The rows a push of variable `j` sends; None for all of it."""
+        return None
+
+    def _restart_rows(self, kh: KindHandles, j: int) -> list:
+        """Ops that start variable `j`'s row bookkeeping anew after a push."""
+        return []
+
+    def local_ops(
+        self, kh: KindHandles, grads: list, accumulate: bool, update_cache: bool
+    ) -> list:
+        """Ops adding `grads` to the sums to push and taking the local step.
+
+        Args:
+          kh: the kind's handles.
+          grads: one step's gradients.
+          accumulate: add them to the sums to push (not when each step
+            pushes its own gradient).
+          update_cache: take the local step on the cache (not when each step
+            fetches).
+
+        Returns:
+          The ops, in no particular order.
+        """
+        plan = self.plan
+        step = bool(plan.learning_rate) and update_cache
+        ops = []
+        for j, g in enumerate(grads):
+            dtype = self.variables[j].dtype
+            alpha = tf.cast(plan.learning_rate, dtype)
+            epsilon = tf.cast(plan.epsilon, dtype)
+            if accumulate:
+                ops += self._accumulate(kh, j, g)
+            # Where this step's squared gradient goes: the squares to push,
+            # or the local accumulator when no local AdaGrad step grows it.
+            squares_into = None
+            if accumulate and plan.squares is PushedSquares.SUMMED:
+                squares_into = kh.squares[j]
+            elif accumulate and plan.squares is PushedSquares.LOCAL and not step:
+                squares_into = kh.local_accs[j]
+            if squares_into is not None:
+                ops.append(self._add(squares_into, _squared(g)))
+            if step and plan.local_optimizer == "adagrad":
+                ops.append(
+                    adagrad.apply_adagrad(
+                        kh.caches[j], kh.local_accs[j], g, alpha, epsilon
+                    )
+                )
+            elif step:
+                ops.append(self._sgd_step(kh.caches[j], g, alpha))
+        return ops
+
+    def accumulated(self, kh: KindHandles) -> tuple[list, list | None]:
+        """`(grads, squares)` to push, read from the per-worker sums.
+
+        Row-sparse variables give `IndexedSlices` of the rows touched since
+        the last push. `squares` is None with `PushedSquares.NONE`.
+        """
+        mode = self.plan.squares
+        grads, squares = [], []
+        for j, v in enumerate(self.variables):
+            rows = self._pushed_rows(kh, j)
+            grads.append(self._read(kh.accs[j], j, rows))
+            if mode is PushedSquares.SUMMED:
+                squares.append(self._read(kh.squares[j], j, rows))
+            elif mode is PushedSquares.LOCAL:
+                # The local accumulator's growth since the last push.
+                base = self._read(kh.squares[j], j, rows)
+                squares.append(self._read(kh.local_accs[j], j, rows) - base)
+            if rows is not None:
+                shape = tf.constant(v.shape.as_list(), tf.int64)
+                grads[-1] = tf.IndexedSlices(grads[-1], rows, shape)
+                if squares:
+                    squares[-1] = tf.IndexedSlices(squares[-1], rows, shape)
+        return grads, None if mode is PushedSquares.NONE else squares
+
+    def restart(self, kh: KindHandles, pushed: list) -> list:
+        """Ops that start the sums to push anew after a push of `pushed`.
+
+        The gradient sum (and `SUMMED` squares) go to 0; with `LOCAL` squares
+        the local accumulator's value becomes the base of the next push's.
+
+        Args:
+          kh: the kind's handles.
+          pushed: the pushed gradients (`accumulated`'s `grads`).
+        """
+        mode = self.plan.squares
+        ops = []
+        for j, g in enumerate(pushed):
+            rows = g.indices if isinstance(g, tf.IndexedSlices) else None
+            zeros = tf.zeros_like(g if rows is None else g.values)
+            ops.append(self._write(kh.accs[j], rows, zeros))
+            if mode is PushedSquares.SUMMED:
+                ops.append(self._write(kh.squares[j], rows, zeros))
+            elif mode is PushedSquares.LOCAL:
+                base = self._read(kh.local_accs[j], j, rows)
+                ops.append(self._write(kh.squares[j], rows, base))
+            ops += self._restart_rows(kh, j)
+        return ops
+
+
+def _squared(grad):
+    """`grad * grad`, for a tensor or the rows of `IndexedSlices`."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * grad.values, grad.indices)
+    return grad * grad

@@ -1,0 +1,205 @@
+"""A Downpour replica's exchanges with the ps: fetches and pushes.
+
+Dean et al. 2012, section 4.1. A fetch copies the parameters into the
+replica's cache and records the ps update count it accounts for; a push sends
+the gradients summed since the last push (and their squares, see
+`base.PushedSquares`), unless too stale (`DownpourConfig.max_staleness`),
+applies the user's tf_keras optimizer to them on each variable's ps shard,
+and counts the update on the ps. The variables of each kind move as that kind
+says (`dense.DenseVariables`, `row_sparse.RowSparseVariables`); both run in
+`tf.cond` branches, so that a step without them sends nothing.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_distbelief import _tf_internals
+from tf_distbelief.adagrad import optimizer as adagrad
+from tf_distbelief.downpour import base, schedule
+from tf_distbelief.downpour.config import DownpourConfig
+from tf_distbelief.downpour.dense import DenseVariables
+from tf_distbelief.downpour.row_sparse import RowSparseVariables
+
+__all__ = ["Exchange"]
+
+
+class Exchange:
+    """Fetches and pushes of one replica (the ops, for its step functions).
+
+    Args:
+      optimizer: the tf_keras optimizer applied on the ps to each push.
+      config: the `DownpourConfig`.
+      variables: the replica's variables (shards), in order.
+      order: the `base.KindOrder` of `variables`.
+      dense: the dense variables' handler.
+      rows: the row-sparse variables' handler.
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        config: DownpourConfig,
+        variables: list,
+        order: base.KindOrder,
+        dense: DenseVariables,
+        rows: RowSparseVariables,
+    ):
+        self.optimizer = optimizer
+        self.config = config
+        self.variables = variables
+        self.order = order
+        self.dense = dense
+        self.rows = rows
+
+    def fetch_ops(self, h: base.Handles) -> list:
+        """A fetch's bookkeeping: `seen`, `refetch`, the count, stale rows."""
+        ops = [
+            base.assign(h.seen, base.read(h.count, tf.int64)),
+            base.assign(h.refetch, tf.constant(0, tf.int64)),
+            base.add(h.stats["fetches"], tf.constant(1, tf.int64)),
+        ]
+        return ops + self.rows.mark_stale(h.rows)
+
+    def fetch_due(self, h: base.Handles, t: tf.Tensor) -> tf.Tensor:
+        """True when step `t` starts with a fetch: the cadence, or a drop."""
+        refetch = base.read(h.refetch, tf.int64) > 0
+        return schedule.is_fetch_step(t, self.config.n_fetch) | refetch
+
+    def fetch_if(self, h: base.Handles, pred: tf.Tensor) -> tf.Tensor:
+        """A fetch into the cache when `pred`, in a `tf.cond`: True if done."""
+
+        def fetch():
+            ops = self.fetch_ops(h) + self.dense.fetch_into_cache(h.dense)
+            return base.after(ops, True)
+
+        return tf.cond(pred, fetch, lambda: tf.constant(False))
+
+    def push_if(self, h: base.Handles, pred: tf.Tensor):
+        """A push of the accumulators when `pred`, in a `tf.cond` (`push`)."""
+
+        def push():
+            pushed = (self.dense.accumulated(h.dense), self.rows.accumulated(h.rows))
+            return self.push(h, pushed, zero_accumulators=True, pack=True)
+
+        def no_push():
+            int64 = tf.int64
+            return tf.constant(-1, int64), tf.constant(False), tf.constant(0, int64)
+
+        return tf.cond(pred, push, no_push)
+
+    def push(self, h: base.Handles, pushed, zero_accumulators: bool, pack: bool):
+        """Pushes `pushed` unless too stale.
+
+        Args:
+          h: the handles.
+          pushed: `((grads, squares), (grads, squares))`, dense then
+            row-sparse (`base.VariableKind.accumulated`).
+          zero_accumulators: restart the accumulators after the push.
+          pack: pack the dense variables by group (`dense.DenseVariables`).
+
+        Returns:
+          `(staleness, applied, row_bytes)`, scalars: int64, bool, int64;
+          `row_bytes` is what the push sent of row-sparse variables
+          (`RowSparseVariables.bytes_pushed`), 0 if dropped.
+
+        Staleness is the number of pushes by other replicas between this
+        replica's fetch and its push. Without `max_staleness` it is read back
+        with the update, in the same round trip: the ps update count after
+        this push's increment, less 1, less the count at the fetch (a push
+        landing between the increment and the read is counted too). With
+        `max_staleness` it is read before the push, which then waits for it.
+        """
+        int64, one = tf.int64, tf.constant(1, tf.int64)
+        (dense_grads, _), (row_grads, _) = pushed
+        row_bytes = self.rows.bytes_pushed(row_grads)
+        if self.config.max_staleness is None:
+            arrived = self._apply(pushed, pack)
+            # Counted once the push has reached the ps, not before: a control
+            # edge on a tensor already there costs no message (one per ps
+            # task otherwise).
+            with tf.control_dependencies(arrived[:1]):
+                increment = base.add(h.count, one)
+            with tf.control_dependencies([increment]):
+                count = base.read(h.count, int64)
+            staleness = count - one - base.read(h.seen, int64)
+            ops = [
+                base.add(h.seen, one),
+                base.add(h.stats["pushes"], one),
+                base.add(h.stats["row_bytes_pushed"], row_bytes),
+            ]
+            applied = base.after(ops, True)
+        else:
+            staleness = base.read(h.count, int64) - base.read(h.seen, int64)
+
+            def apply_push():
+                self._apply(pushed, pack)
+                ops = [
+                    base.add(h.count, one),
+                    base.add(h.seen, one),
+                    base.add(h.stats["pushes"], one),
+                    base.add(h.stats["row_bytes_pushed"], row_bytes),
+                ]
+                return base.after(ops, True)
+
+            def drop_push():
+                ops = [
+                    base.assign(h.refetch, one),
+                    base.add(h.stats["dropped_pushes"], one),
+                ]
+                return base.after(ops, False)
+
+            applied = tf.cond(
+                staleness <= self.config.max_staleness, apply_push, drop_push
+            )
+        with tf.control_dependencies([applied]):
+            most = base.read(h.stats["max_staleness_seen"], int64)
+            ops = [
+                base.add(h.stats["staleness_sum"], staleness),
+                base.assign(h.stats["max_staleness_seen"], tf.maximum(staleness, most)),
+            ]
+            if zero_accumulators:
+                ops += self.dense.restart(h.dense, dense_grads)
+                ops += self.rows.restart(h.rows, row_grads)
+        with tf.control_dependencies(ops):
+            sent = tf.where(applied, row_bytes, tf.constant(0, int64))
+            return tf.identity(staleness), tf.identity(applied), sent
+
+    def _apply(self, pushed, pack: bool) -> list:
+        """Applies one push with the optimizer, variable by variable on its shard.
+
+        The update ops (and the optimizer's casts of its hyperparameters) run
+        on the variable's ps task, as `tf.distribute`'s `extended.update` would
+        place them. With `n_push > 1`, `tf_distbelief.adagrad.Adagrad` grows
+        its accumulator by the pushed squares (`apply_gradient_and_squares`)
+        or counts the push as `n_push` updates (`apply_summed_gradient`), as
+        `config.adagrad_accumulator` says. Gradient clipping, if the optimizer
+        has it, applies to the gradients, not to their squares.
+
+        Returns:
+          The pushed gradients, as tensors on the variables' ps tasks.
+        """
+        opt, order = self.optimizer, self.order
+        (dense_grads, dense_squares), (row_grads, row_squares) = pushed
+        clipped = _tf_internals.clip_gradients(opt, order.merge(dense_grads, row_grads))
+        dense_grads, row_grads = order.split(clipped)
+        grads = order.merge(
+            self.dense.to_ps(dense_grads, pack), self.rows.to_ps(row_grads)
+        )
+        squares = [None] * len(grads)
+        if dense_squares is not None:
+            squares = order.merge(
+                self.dense.to_ps(dense_squares, pack), self.rows.to_ps(row_squares)
+            )
+        mode = self.config.adagrad_accumulator
+        steps = self.config.n_push if mode == "mean" else 1
+        for g, sq, v in zip(grads, squares, self.variables):
+            with tf.device(v.device):
+                if sq is not None:
+                    opt.apply_gradient_and_squares(g, sq, v)
+                elif steps > 1 and isinstance(opt, adagrad.Adagrad):
+                    opt.apply_summed_gradient(g, v, steps)
+                else:
+                    _tf_internals.update_step(opt, g, v)
+        opt.iterations.assign_add(1)
+        return grads
