@@ -113,6 +113,26 @@ def define_flags() -> None:
     )
     flags.DEFINE_string("model_dir", None, "Checkpoints (resume) and TensorBoard logs.")
     flags.DEFINE_integer(
+        "checkpoint_every_steps",
+        d.checkpoint_every_steps,
+        "Write a checkpoint every so many steps as well as at each epoch end "
+        "(0: epoch ends only); a rerun with the same --model_dir resumes at "
+        "the last one. Needs --model_dir.",
+        lower_bound=0,
+    )
+    flags.DEFINE_enum(
+        "nonfinite",
+        d.nonfinite,
+        job.NONFINITE_MODES,
+        "A step whose gradients hold NaN or inf is never applied to the ps: "
+        "raise stops the job naming the step; skip skips it and counts it.",
+    )
+    flags.register_multi_flags_validator(
+        ["checkpoint_every_steps", "model_dir"],
+        lambda v: not v["checkpoint_every_steps"] or bool(v["model_dir"]),
+        message="--checkpoint_every_steps needs --model_dir (where checkpoints go).",
+    )
+    flags.DEFINE_integer(
         "log_every_steps",
         d.log_every_steps,
         "Progress line every so many steps (0: per epoch).",

@@ -15,8 +15,10 @@ import textwrap
 import time
 import uuid
 
+import numpy as np
 import portpicker
 import pytest
+import tensorflow as tf
 
 from tf_distbelief import cluster
 
@@ -280,4 +282,82 @@ def test_devices_per_replica_needs_a_model_parallel_model():
     assert "`devices_per_replica` > 1 needs a model with a model-parallel " in (
         proc.stderr
     )
+    assert "local cluster" not in proc.stdout
+
+
+def _checkpoint_values(path, prefix=""):
+    reader = tf.train.load_checkpoint(path)
+    return {
+        key: reader.get_tensor(key)
+        for key in reader.get_variable_to_shape_map()
+        if key.startswith(prefix)
+    }
+
+
+@pytest.mark.slow
+def test_embedding_resume_keeps_every_adagrad_accumulator(tmp_path):
+    """Issue 10: a resumed run's accumulators never fall below the last run's."""
+    args = ["--model=embedding", "--steps_per_epoch=50", f"--model_dir={tmp_path}"]
+    _train_ok([*args, "--epochs=1"])
+    output = _train_ok([*args, "--epochs=2"])
+    assert re.search(r"^Resumed from .*ckpt-50 at step 50 \(epoch 1\)$", output, re.M)
+    checkpoints = tmp_path / "checkpoints"
+    first = _checkpoint_values(str(checkpoints / "ckpt-50"), "optimizer/")
+    second = _checkpoint_values(str(checkpoints / "ckpt-100"), "optimizer/")
+    assert first["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"] == 50
+    assert second["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"] == 100
+    accumulators = [k for k in first if k.startswith("optimizer/_variables/")]
+    # The embedding table (sharded over the 2 ps), the Dense kernel and bias.
+    assert len(accumulators) == 3
+    for key in accumulators:
+        assert (second[key] >= first[key]).all(), key
+        assert (second[key] > first[key]).any(), key  # The second run trained.
+
+
+@pytest.mark.slow
+def test_nonfinite_stops_the_job_naming_the_step_and_no_checkpoint_holds_it(
+    tmp_path,
+):
+    marker = uuid.uuid4().hex
+    proc = _train(
+        [
+            "--optimizer=sgd",
+            "--learning_rate=1e30",
+            f"--model_dir={tmp_path}",
+            # A checkpoint at every step, so that the last good one is there.
+            "--checkpoint_every_steps=1",
+            "--steps_per_execution=1",
+        ],
+        marker,
+    )
+    assert proc.returncode != 0
+    assert re.search(
+        r"NonFiniteError: Non-finite gradient \(NaN or inf\) at step \d+ for "
+        r"dense/kernel:0, ",
+        proc.stderr,
+    ), proc.stderr[-3000:]
+    assert "test accuracy" not in proc.stdout
+    assert _wait_no_marked(marker) == []
+    index_files = list((tmp_path / "checkpoints").glob("ckpt-*.index"))
+    assert index_files
+    for index in index_files:
+        for key, value in _checkpoint_values(str(index)[: -len(".index")]).items():
+            if getattr(value, "dtype", None) is not None and value.dtype.kind == "f":
+                assert np.isfinite(value).all(), (index.name, key)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--checkpoint_every_steps=5"],
+            r"--checkpoint_every_steps needs --model_dir",
+        ),
+        (["--nonfinite=ignore"], r"flag --nonfinite=ignore: value should be one of"),
+    ],
+)
+def test_reliability_flags_fail_at_parse_time(flags, message):
+    proc = _train(flags, uuid.uuid4().hex, timeout=300)
+    assert proc.returncode == 1
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]
     assert "local cluster" not in proc.stdout

@@ -2,14 +2,17 @@
 
 import os
 import signal
+import time
 
+import numpy as np
 import pytest
+import tensorflow as tf
 import tf_keras
 
 import models
 from models import digits
 from tests.helpers import wait_for_worker_recovery
-from tf_distbelief import job, training
+from tf_distbelief import job, resume, training
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import DownpourConfig
 
@@ -19,12 +22,12 @@ def data():
     return digits.load_data()
 
 
-def _compiled(local_cluster, config):
+def _compiled(local_cluster, config, spec=None):
     strategy = strategy_lib.DistBeliefStrategy(
         local_cluster.resolver_for(config.num_workers, config.num_ps),
         job.make_partitioner(config.partitioner, config.num_ps, config.shard_bytes),
     )
-    return job.compile_model(config, strategy, models.spec("digits"))
+    return job.compile_model(config, strategy, spec or models.spec("digits"))
 
 
 @pytest.mark.slow
@@ -59,10 +62,12 @@ def test_fit_resumes_from_model_dir(local_cluster, data, tmp_path):
         model_dir=str(tmp_path),
         print_fn=lines.append,
     )
-    assert lines[0].startswith("Resumed from ") and "at epoch 2" in lines[0]
+    assert lines[0].startswith("Resumed from ") and "at step 200 (epoch 2)" in lines[0]
     assert second.initial_epoch == 2 and second.epochs == 4
+    assert (second.initial_step, second.steps) == (200, 400)
     assert [h["epoch"] for h in second.history] == [3, 4]
-    assert second.checkpoint_path.endswith("ckpt-4")
+    # Checkpoints are numbered by their step.
+    assert second.checkpoint_path.endswith("ckpt-400")
     assert training.accuracy(model, x_test, y_test) >= 0.95
     assert any(
         n.startswith("events.out.tfevents")
@@ -89,12 +94,16 @@ def test_checkpoint_of_another_model_is_kept_and_reported(
         print_fn=lambda _: None,
     )
     before = sorted(os.listdir(tmp_path / training.CHECKPOINT_SUBDIR))
-    other = job.JobConfig(
-        num_workers=1, num_ps=1, model="speech", speech_hidden_units=8, speech_classes=4
+    model = _compiled(
+        local_cluster,
+        config,
+        models.spec("speech", speech_hidden_units=8, speech_classes=4),
     )
-    model = _compiled(local_cluster, other)
     with pytest.raises(
-        ValueError, match=r"does not match this model.*nothing was deleted"
+        resume.RestoreError,
+        match=r"ckpt-5 does not restore exactly into this model \(\d+ mismatches\): "
+        r"`dense_\d+/kernel:0` \(model/layer_with_weights-0/kernel\): shape "
+        r"\(64, \d+\) in the checkpoint, \(\d+, 8\) here",
     ):
         training.fit(
             model,
@@ -152,3 +161,60 @@ def test_sigkill_of_a_worker_during_fit_does_not_stop_training(
     finally:
         local_cluster.restart("worker", 1)
         wait_for_worker_recovery(model.distribute_strategy)
+
+
+def _shard_passes(strategy, creator, min_passes=2, timeout_secs=120.0):
+    """`{worker index: [sorted records of each batch it read]}`.
+
+    Reads through the coordinator as tf_keras `fit` does with a
+    `DatasetCreator` (`create_per_worker_dataset` of
+    `distribute_datasets_from_function`, under the strategy's scope), until
+    every worker has read `min_passes` batches.
+    """
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        iterator = iter(
+            coordinator.create_per_worker_dataset(
+                lambda: strategy.distribute_datasets_from_function(creator)
+            )
+        )
+
+    @tf.function
+    def read(iterator):
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        return worker, next(iterator)[0]
+
+    passes = {}
+    deadline = time.monotonic() + timeout_secs
+    while time.monotonic() < deadline and not (
+        len(passes) == strategy.num_workers
+        and all(len(p) >= min_passes for p in passes.values())
+    ):
+        results = [coordinator.schedule(read, args=(iterator,)) for _ in range(6)]
+        coordinator.join()
+        for result in results:
+            worker, batch = result.fetch()
+            passes.setdefault(int(worker), []).append(sorted(batch.tolist()))
+    return passes
+
+
+def test_each_replica_reads_its_own_records(local_cluster):
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(3, 1))
+    records = np.arange(30, dtype=np.int64)
+    # A batch of 10 is one whole pass over a worker's shard of 30 / 3 records.
+    passes = _shard_passes(strategy, training.dataset_creator(records, records, 10))
+    assert sorted(passes) == [0, 1, 2]
+    for worker, batches in passes.items():
+        # Worker i reads records i, i + 3, ...: every pass, each exactly once.
+        assert all(b == list(range(worker, 30, 3)) for b in batches), worker
+    # Together: every record of range(30) exactly once per pass.
+    assert sorted(sum((b[0] for b in passes.values()), [])) == list(range(30))
+
+
+def test_dataset_creator_without_a_strategy_reads_everything():
+    records = np.arange(12, dtype=np.int64)
+    creator = training.dataset_creator(records, records, 12, seed=1)
+    (batch, _) = next(iter(creator(tf.distribute.InputContext())))
+    assert sorted(batch.numpy().tolist()) == list(range(12))
+    with pytest.raises(ValueError, match=r"`num_replicas` must be >= 1 or None"):
+        training.dataset_creator(records, records, 12, num_replicas=0)

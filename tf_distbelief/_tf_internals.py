@@ -149,6 +149,60 @@ def worker_recovery_pending(strategy) -> bool:
     return handler._cluster_due_for_update_or_finish.is_set()  # noqa: SLF001
 
 
+def wrap_distributed_apply(optimizer, wrapper) -> None:
+    """Routes a tf_keras optimizer's cross-replica apply through `wrapper`.
+
+    After this, the optimizer's update of all its variables for one step runs
+    `wrapper(apply, distribution, grads_and_vars, **kwargs)`, where `apply` is
+    the optimizer's own function (it updates every variable on its ps shard
+    and returns the advanced `iterations`). The non-finite guard puts one
+    `tf.cond` around it, so that a step with a NaN/inf gradient changes no ps
+    variable and no slot. Public route checked: `apply_gradients` inside a
+    `tf.cond` fails under ParameterServerStrategy (its `merge_call` in a cond
+    branch raises RuntimeError), and wrapping `apply_gradients` can check the
+    gradients but not skip the update; `_distributed_apply_gradients_fn` is
+    what tf_keras runs in the cross-replica context, where a `tf.cond` around
+    the updates works.
+    """
+    apply = optimizer._distributed_apply_gradients_fn  # noqa: SLF001
+
+    def guarded(distribution, grads_and_vars, **kwargs):
+        return wrapper(apply, distribution, grads_and_vars, **kwargs)
+
+    optimizer._distributed_apply_gradients_fn = guarded  # noqa: SLF001
+
+
+def saved_object_graph(path: str) -> list:
+    """The object graph checkpoint `path` was saved from, node by node.
+
+    Returns:
+      `[(children, has_value)]` by node id (0 is the root): `children` maps
+      each child's name to its node id; `has_value` is true for a variable.
+
+    Restoring matches values to objects by their place in the graph only, so
+    a slot of another optimizer at the same place and of the same shape
+    (tf_keras SGD's momentums where AdaGrad's accumulators are expected)
+    restores silently; the graph's containers (`optimizer/momentums`,
+    `optimizer/_accumulators`) tell them apart. Public route checked:
+    `tf.train.CheckpointView` gives node ids and matches against objects,
+    not the saved graph's names; they are in its object graph proto
+    (`_CHECKPOINTABLE_OBJECT_GRAPH`).
+    """
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(
+        tf.train.load_checkpoint(path).get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH")
+    )
+    return [
+        (
+            {child.local_name: child.node_id for child in node.children},
+            any(a.name == "VARIABLE_VALUE" for a in node.attributes),
+        )
+        for node in graph.nodes
+    ]
+
+
 def check() -> None:
     """Fails if an internal above no longer has the shape tf_distbelief needs.
 
@@ -176,6 +230,11 @@ def check() -> None:
         (
             "tf_keras Optimizer._update_step",
             callable(getattr(tf_keras.optimizers.Optimizer, "_update_step", None)),
+        ),
+        (
+            "tf_keras Optimizer._distributed_apply_gradients_fn",
+            "_distributed_apply_gradients_fn"
+            in _source_names(tf_keras.optimizers.Optimizer),
         ),
         (
             "tf_keras Model._train_counter",

@@ -1,9 +1,11 @@
 """Training with tf_keras `Model.fit` on a DistBelief cluster.
 
 The pieces a launch script needs, kept out of the script (STYLE.md, habit 7):
-a per-worker dataset (`DatasetCreator`), a progress callback (tf_keras refuses
-`verbose=1` under parameter-server training), checkpoints that let a rerun resume,
-TensorBoard scalars, and test accuracy computed on the coordinator.
+a per-worker dataset (`DatasetCreator`, one shard per replica), a progress
+callback (tf_keras refuses `verbose=1` under parameter-server training),
+checkpoints that let a rerun resume exactly (`resume`), a guard that keeps NaN
+and inf off the ps (`nonfinite`), TensorBoard scalars, and test accuracy
+computed on the coordinator.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import time
 import numpy as np
 import tensorflow as tf
 import tf_keras
-from absl import logging
+
+from tf_distbelief import nonfinite as nonfinite_lib
+from tf_distbelief import resume
 
 CHECKPOINT_SUBDIR = "checkpoints"
 TENSORBOARD_SUBDIR = "tensorboard"
@@ -25,42 +29,85 @@ MAX_CHECKPOINTS_TO_KEEP = 3
 
 
 def dataset_creator(
-    x: np.ndarray, y: np.ndarray, batch_size: int, seed: int = 0
+    x: np.ndarray,
+    y: np.ndarray,
+    batch_size: int,
+    seed: int | None = 0,
+    num_replicas: int | None = None,
 ) -> tf_keras.utils.experimental.DatasetCreator:
-    """Returns a `DatasetCreator` giving each worker a shuffled, repeated copy.
+    """Returns a `DatasetCreator` giving each worker its own shard of the data.
 
-    Each worker (model replica) builds its own input pipeline, shuffled with its
-    own order, as the replicas of Dean et al. 2012 (section 4.1) each read their
-    own stream of the training data.
+    The replicas of Dean et al. 2012 (section 4.1) each read their own subset
+    of the training data. TensorFlow's parameter-server strategy calls the
+    dataset function with input pipeline 0 of 1 on every worker, so sharding
+    by the `tf.distribute.InputContext` cannot tell the workers apart; this
+    function shards by the worker index instead
+    (`tf.distribute.coordinator.experimental_get_current_worker_index`, which
+    the coordinator gives each worker's copy of the function): worker `i` of
+    `W` reads records `i, i + W, i + 2W, ...`, shuffled within its shard, and
+    repeats its shard. One pass of every worker over its shard reads each
+    record exactly once; the workers' steps are scheduled dynamically, so
+    within one `fit` epoch a faster worker may start its next pass while a
+    slower one has not finished its first.
+
+    A worker that is lost loses its iterator, the batches it had prefetched
+    and the step in flight (the coordinator runs that step again on another
+    worker, with that worker's data). Until it is back its shard is not read;
+    restarted, it rebuilds its iterator and starts its shard again from the
+    beginning, in a new order: in that pass the records it had read before the
+    loss are read twice and the shard's other records once.
 
     Args:
       x: `[n, ...]` features.
       y: `[n, ...]` labels.
       batch_size: examples per step per worker, >= 1.
-      seed: shuffle seed; ops-level seeds still differ per worker.
+      seed: shuffle seed (None: a new order every run); each shard is
+        reshuffled at each pass.
+      num_replicas: shards (workers) to cut the data into; None reads the
+        number of workers of the `DistBeliefStrategy` whose `fit` calls the
+        function (1 under any other strategy). 1 gives every worker all the
+        data.
 
     Returns:
       A `tf_keras.utils.experimental.DatasetCreator` for `Model.fit`.
 
     Raises:
-      ValueError: `batch_size` < 1 or `x` and `y` differ in length.
+      ValueError: `batch_size` or `num_replicas` < 1, or `x` and `y` differ in
+        length.
     """
     if batch_size < 1:
         raise ValueError(f"Argument `batch_size` must be >= 1. Received: {batch_size}")
+    if num_replicas is not None and num_replicas < 1:
+        raise ValueError(
+            f"Argument `num_replicas` must be >= 1 or None. Received: {num_replicas}"
+        )
     if len(x) != len(y):
         raise ValueError(
             f"`x` and `y` must have the same length. Received: {len(x)} and {len(y)}"
         )
 
     def dataset_fn(input_context):
-        del input_context  # One input pipeline per worker under PSS.
+        del input_context  # Pipeline 0 of 1 on every worker (see above).
         ds = tf.data.Dataset.from_tensor_slices((x, y))
-        ds = ds.shuffle(
-            len(x), seed=None if seed is None else seed, reshuffle_each_iteration=True
-        )
+        shards = num_replicas or _num_workers(tf.distribute.get_strategy())
+        if shards > 1 and tf.inside_function():
+            # Outside a function (the coordinator asking for the element
+            # spec) there is no worker: every record.
+            index = tf.distribute.coordinator.experimental_get_current_worker_index()
+            ds = ds.shard(shards, index)
+            size = -(-len(x) // shards)
+        else:
+            size = len(x)
+        ds = ds.shuffle(size, seed=seed, reshuffle_each_iteration=True)
         return ds.repeat().batch(batch_size, drop_remainder=True).prefetch(2)
 
     return tf_keras.utils.experimental.DatasetCreator(dataset_fn)
+
+
+def _num_workers(strategy) -> int:
+    # `DistBeliefStrategy.num_workers`; TensorFlow's own strategy keeps its
+    # `cluster_resolver` None inside `fit`, so others count as one replica.
+    return max(1, getattr(strategy, "num_workers", 1))
 
 
 class Progress(tf_keras.callbacks.Callback):
@@ -132,16 +179,27 @@ class Progress(tf_keras.callbacks.Callback):
             self._writer.flush()
 
 
-class _SaveEachEpoch(tf_keras.callbacks.Callback):
-    def __init__(self, manager, epoch_var):
+class _CountSkipped(tf_keras.callbacks.Callback):
+    """Adds the steps skipped for non-finite gradients to each epoch's logs."""
+
+    def __init__(self, guard, print_fn):
         super().__init__()
-        self._manager = manager
-        self._epoch_var = epoch_var
+        self._guard = guard
+        self._print_fn = print_fn
+        self._reported = 0
 
     def on_epoch_end(self, epoch, logs=None):
-        self._epoch_var.assign(epoch + 1)
-        path = self._manager.save(checkpoint_number=epoch + 1)
-        logging.info("Saved checkpoint %s", path)
+        if self._guard.mode != "skip":
+            return  # A non-finite step stops the run instead.
+        skipped = self._guard.skipped_steps()
+        if logs is not None:
+            logs["nonfinite_skipped"] = skipped
+        if skipped > self._reported:
+            self._reported = skipped
+            self._print_fn(
+                f"nonfinite: {skipped} steps skipped so far (a NaN or inf "
+                "gradient; --nonfinite=skip)"
+            )
 
 
 @dataclasses.dataclass
@@ -153,12 +211,26 @@ class FitResult:
       epochs: epochs done at the end.
       history: per-epoch logs from `Progress` (loss, metrics, examples_per_sec).
       checkpoint_path: the last checkpoint written, or None without `model_dir`.
+      initial_step: steps already done when this run started.
+      steps: steps done at the end (`epochs * steps_per_epoch` once finished).
+      nonfinite_skipped: steps whose update was skipped for a NaN or inf
+        gradient in this run (`nonfinite="skip"`).
     """
 
     initial_epoch: int
     epochs: int
     history: list
     checkpoint_path: str | None
+    initial_step: int = 0
+    steps: int = 0
+    nonfinite_skipped: int = 0
+
+
+def _check_count(name, value, why=""):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(
+            f"Argument `{name}` must be an int >= 1{why}. Received: {value!r}"
+        )
 
 
 def fit(
@@ -171,14 +243,26 @@ def fit(
     log_every_steps: int = 0,
     callbacks=(),
     print_fn=print,
+    checkpoint_every_steps: int = 0,
+    nonfinite: str = "raise",
 ) -> FitResult:
-    """Runs `model.fit` with progress, checkpoints and resume.
+    """Runs `model.fit` with progress, checkpoints, exact resume and a NaN guard.
 
-    With `model_dir`, the model and optimizer are restored from the latest
-    checkpoint in `model_dir/checkpoints` (a rerun resumes at the epoch the last
-    run stopped), a checkpoint is written after every epoch, and TensorBoard
-    scalars go to `model_dir/tensorboard`. Checkpoints hold the ps values (the
-    coordinator reads them from the ps tasks).
+    With `model_dir`, the model's variables and every optimizer slot are
+    created first and restored from the latest checkpoint in
+    `model_dir/checkpoints` bit for bit, into any number of ps tasks, or an
+    error says what does not match (`resume`). The run resumes at the step the
+    checkpoint recorded, mid-epoch if need be, and trains to `epochs *
+    steps_per_epoch` steps in all. A checkpoint is written after every epoch
+    and every `checkpoint_every_steps` steps, so a failure loses at most that
+    many steps; TensorBoard scalars go to `model_dir/tensorboard`. Checkpoints
+    hold the ps values (the coordinator reads them from the ps tasks) and are
+    never written with a NaN or inf in them.
+
+    A step whose gradients hold a NaN or inf is never applied (stock
+    parameter-server training; see `nonfinite` for Downpour): with
+    `nonfinite="raise"` the run stops with `NonFiniteError` naming the step
+    and the variables, with `"skip"` the step is skipped and counted.
 
     Args:
       model: a compiled tf_keras model built under a `DistBeliefStrategy` scope.
@@ -190,17 +274,45 @@ def fit(
       log_every_steps: progress lines every so many steps (0: per epoch only).
       callbacks: more tf_keras callbacks.
       print_fn: where progress lines go.
+      checkpoint_every_steps: steps between checkpoints besides each epoch
+        end, >= 0 (0: epoch ends only); needs `model_dir`.
+      nonfinite: `raise` or `skip` (`tf_distbelief.nonfinite.MODES`).
 
     Returns:
       A `FitResult`.
 
     Raises:
-      ValueError: `epochs` or `steps_per_epoch` < 1, or a checkpoint in
-        `model_dir` does not match the model (nothing is deleted).
+      ValueError: `epochs` or `steps_per_epoch` not an int >= 1, a bad
+        `checkpoint_every_steps` or `nonfinite`.
+      resume.RestoreError: the latest checkpoint in `model_dir` does not
+        restore exactly into the model (nothing is deleted).
+      nonfinite.NonFiniteError: a step's gradients held a NaN or inf
+        (`nonfinite="raise"`), or a checkpoint would have.
     """
-    for name, value in (("epochs", epochs), ("steps_per_epoch", steps_per_epoch)):
-        if value < 1:
-            raise ValueError(f"Argument `{name}` must be >= 1. Received: {value}")
+    _check_count("epochs", epochs)
+    _check_count(
+        "steps_per_epoch",
+        steps_per_epoch,
+        " under parameter-server training (each worker reads its own repeated "
+        "dataset, whose length tf_keras cannot infer: an epoch is this many "
+        "steps over all workers)",
+    )
+    if (
+        isinstance(checkpoint_every_steps, bool)
+        or not isinstance(checkpoint_every_steps, (int, np.integer))
+        or checkpoint_every_steps < 0
+    ):
+        raise ValueError(
+            "Argument `checkpoint_every_steps` must be an int >= 0 (0: at "
+            f"epoch ends only). Received: {checkpoint_every_steps!r}"
+        )
+    if checkpoint_every_steps and not model_dir:
+        raise ValueError(
+            "Argument `checkpoint_every_steps` needs `model_dir` (where the "
+            f"checkpoints go). Received: {checkpoint_every_steps!r} and "
+            "model_dir=None"
+        )
+    nonfinite_lib.check_mode(nonfinite)
     progress = Progress(
         batch_size,
         log_every_steps,
@@ -208,52 +320,87 @@ def fit(
         print_fn,
     )
     # The caller's callbacks first, so that logs they add are printed.
-    all_callbacks = [*callbacks, progress]
-    initial_epoch = 0
+    all_callbacks = list(callbacks)
+    guard = None
+    if getattr(model, "downpour", None) is None:
+        # Downpour applies its pushes outside the optimizer's apply path.
+        guard = nonfinite_lib.install(model, nonfinite)
+        skipped_before = guard.skipped_steps()
+        all_callbacks.append(_CountSkipped(guard, print_fn))
+    all_callbacks.append(progress)
+    initial_step = 0
     manager = None
     if model_dir:
+        step_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
-        checkpoint = tf.train.Checkpoint(
-            model=model, optimizer=model.optimizer, epoch=epoch_var
-        )
         manager = tf.train.CheckpointManager(
-            checkpoint,
+            tf.train.Checkpoint(
+                model=model, optimizer=model.optimizer, epoch=epoch_var, step=step_var
+            ),
             os.path.join(model_dir, CHECKPOINT_SUBDIR),
             max_to_keep=MAX_CHECKPOINTS_TO_KEEP,
         )
-        if manager.latest_checkpoint:
-            try:
-                checkpoint.restore(
-                    manager.latest_checkpoint
-                ).assert_existing_objects_matched()
-            except (AssertionError, ValueError, tf.errors.OpError) as e:
-                raise ValueError(
-                    f"The checkpoint {manager.latest_checkpoint} in `model_dir` "
-                    f"{model_dir!r} does not match this model "
-                    f"({' '.join(str(e).split())[:300]}). Use another "
-                    "`model_dir`; nothing was deleted."
-                ) from None
-            initial_epoch = int(epoch_var.numpy())
+        resume.build(model, data)
+        latest = manager.latest_checkpoint
+        if latest:
+            keys = {name for name, _ in tf.train.list_variables(latest)}
+            # Checkpoints written before steps were recorded hold epochs only.
+            tracked = dict(model=model, optimizer=model.optimizer, epoch=epoch_var)
+            if "step/.ATTRIBUTES/VARIABLE_VALUE" in keys:
+                tracked["step"] = step_var
+            resume.restore(tf.train.Checkpoint(**tracked), latest)
+            if "step" not in tracked:
+                step_var.assign(epoch_var * steps_per_epoch)
+            initial_step = int(step_var.numpy())
+            done, into = divmod(initial_step, steps_per_epoch)
             print_fn(
-                f"Resumed from {manager.latest_checkpoint} at epoch {initial_epoch}"
+                f"Resumed from {latest} at step {initial_step} (epoch {done}"
+                + (f", {into} steps into epoch {done + 1})" if into else ")")
             )
-        all_callbacks.append(_SaveEachEpoch(manager, epoch_var))
-    if initial_epoch >= epochs:
+        all_callbacks.append(
+            resume.Checkpointer(
+                manager, step_var, epoch_var, steps_per_epoch, checkpoint_every_steps
+            )
+        )
+    progress.steps_done = initial_step
+    initial_epoch, into = divmod(initial_step, steps_per_epoch)
+    if initial_step >= epochs * steps_per_epoch:
         print_fn(f"Already trained {initial_epoch} epochs (>= --epochs={epochs}).")
     else:
-        model.fit(
-            data,
-            epochs=epochs,
-            initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch,
-            callbacks=all_callbacks,
-            verbose=0,
-        )
+        try:
+            if into:
+                # The rest of the epoch the checkpoint stopped in.
+                model.fit(
+                    data,
+                    epochs=initial_epoch + 1,
+                    initial_epoch=initial_epoch,
+                    steps_per_epoch=steps_per_epoch - into,
+                    callbacks=all_callbacks,
+                    verbose=0,
+                )
+                initial_epoch += 1
+            if initial_epoch < epochs:
+                model.fit(
+                    data,
+                    epochs=epochs,
+                    initial_epoch=initial_epoch,
+                    steps_per_epoch=steps_per_epoch,
+                    callbacks=all_callbacks,
+                    verbose=0,
+                )
+        except tf.errors.InvalidArgumentError as e:
+            error = nonfinite_lib.error_from(e)
+            if error is None:
+                raise
+            raise error from None
     return FitResult(
-        initial_epoch=initial_epoch,
-        epochs=max(epochs, initial_epoch),
+        initial_epoch=initial_step // steps_per_epoch,
+        epochs=max(epochs, initial_step // steps_per_epoch),
         history=progress.history,
         checkpoint_path=manager.latest_checkpoint if manager else None,
+        initial_step=initial_step,
+        steps=max(initial_step, progress.steps_done),
+        nonfinite_skipped=(guard.skipped_steps() - skipped_before) if guard else 0,
     )
 
 

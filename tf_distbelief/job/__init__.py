@@ -7,7 +7,12 @@
   `evaluate_checkpoints`, `main`.
 """
 
-from tf_distbelief.job.config import OPTIMIZERS, PARTITIONERS, JobConfig
+from tf_distbelief.job.config import (
+    NONFINITE_MODES,
+    OPTIMIZERS,
+    PARTITIONERS,
+    JobConfig,
+)
 from tf_distbelief.job.runner import (
     build_model,
     build_optimizer,
@@ -22,6 +27,7 @@ from tf_distbelief.job.spec import ModelSpec, load_spec
 from tf_distbelief.strategy import make_partitioner
 
 __all__ = [
+    "NONFINITE_MODES",
     "OPTIMIZERS",
     "PARTITIONERS",
     "JobConfig",

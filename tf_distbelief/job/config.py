@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 
 from tf_distbelief import downpour as downpour_lib
+from tf_distbelief import nonfinite as nonfinite_lib
 from tf_distbelief import sandblaster as sandblaster_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import connect as connect_lib
 
 OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
+NONFINITE_MODES = nonfinite_lib.MODES
 PARTITIONERS = strategy_lib.PARTITIONERS
 
 
@@ -39,6 +41,12 @@ class JobConfig:
       partitioner: one of `strategy.PARTITIONERS` (`strategy.make_partitioner`).
       shard_bytes: the shard size of `min_size` and `max_size`, > 0.
       model_dir: checkpoints and TensorBoard logs, or None.
+      checkpoint_every_steps: steps between checkpoints besides each epoch
+        end, >= 0 (0: epoch ends only); a failure loses at most this many
+        steps. Needs `model_dir`.
+      nonfinite: a step with a NaN or inf gradient is never applied; `raise`
+        stops the job naming the step, `skip` skips and counts it
+        (`nonfinite.MODES`).
       log_every_steps: progress lines every so many steps; 0 per epoch only.
       seed: model initialisation and data seed.
       chief_gone_secs: a ps/worker task exits once the chief has been gone this
@@ -70,6 +78,8 @@ class JobConfig:
     partitioner: str = "min_size"
     shard_bytes: int = strategy_lib.DEFAULT_MIN_SHARD_BYTES
     model_dir: str | None = None
+    checkpoint_every_steps: int = 0
+    nonfinite: str = "raise"
     log_every_steps: int = 100
     seed: int = 0
     chief_gone_secs: float | None = None
@@ -91,6 +101,7 @@ class JobConfig:
         for name, allowed in (
             ("optimizer", OPTIMIZERS),
             ("partitioner", PARTITIONERS),
+            ("nonfinite", NONFINITE_MODES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(
@@ -136,7 +147,18 @@ class JobConfig:
                 "`sandblaster` must be a tf_distbelief SandblasterConfig. "
                 f"Received: {self.sandblaster!r}"
             )
-        for name in ("initial_accumulator_value", "epsilon", "log_every_steps"):
+        if self.checkpoint_every_steps and not self.model_dir:
+            raise ValueError(
+                "`checkpoint_every_steps` needs `model_dir` (where the "
+                f"checkpoints go). Received: {self.checkpoint_every_steps!r} "
+                "and model_dir=None"
+            )
+        for name in (
+            "initial_accumulator_value",
+            "epsilon",
+            "log_every_steps",
+            "checkpoint_every_steps",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(
                     f"`{name}` must be >= 0. Received: {getattr(self, name)!r}"

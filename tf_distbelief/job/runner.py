@@ -130,6 +130,8 @@ def train(config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=print) 
         log_every_steps=config.log_every_steps,
         callbacks=callbacks,
         print_fn=print_fn,
+        checkpoint_every_steps=config.checkpoint_every_steps,
+        nonfinite=config.nonfinite,
     )
     train_secs = time.monotonic() - start
     test_accuracy = training.accuracy(model, x_test, y_test)
@@ -186,7 +188,8 @@ def evaluate_checkpoints(config: JobConfig, spec: ModelSpec, print_fn=print) -> 
     """The `evaluator` task: test accuracy of each new checkpoint in `model_dir`.
 
     Uses `tf_keras.utils.SidecarEvaluator`; it stops after the checkpoint of
-    `config.epochs` epochs. Training never contacts this task.
+    `config.epochs` epochs (numbered by its step, `epochs * steps_per_epoch`).
+    Training never contacts this task.
 
     Raises:
       ValueError: `config.model_dir` is not set.
@@ -207,7 +210,8 @@ def evaluate_checkpoints(config: JobConfig, spec: ModelSpec, print_fn=print) -> 
         model,
         data,
         checkpoint_dir=f"{config.model_dir}/{training.CHECKPOINT_SUBDIR}",
-        max_evaluations=config.epochs,
+        # Checkpoints are numbered by their step; the last is the final one.
+        max_evaluations=config.epochs * config.steps_per_epoch,
     ).start()
     print_fn("evaluator: done")
 

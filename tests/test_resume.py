@@ -1,0 +1,253 @@
+"""Exact resume and step checkpoints (issue 10) on the shared local cluster.
+
+One worker and a fixed batch make every run deterministic, so a resumed run
+must equal an uninterrupted one bit for bit: every weight, every AdaGrad
+accumulator, the iteration count and the step.
+"""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import tf_distbelief as tfdb
+from tf_distbelief import resume, training
+from tf_distbelief import strategy as strategy_lib
+
+VOCAB, DIM, CLASSES, IDS, BATCH = 40, 8, 3, 4, 16
+# Every id of the table appears in the batch, some several times.
+X = ((np.arange(BATCH * IDS) * 7) % VOCAB).reshape(BATCH, IDS).astype(np.int64)
+Y = np.arange(BATCH, dtype=np.int64) % CLASSES
+
+
+def _strategy(local_cluster, num_ps):
+    return strategy_lib.DistBeliefStrategy(
+        local_cluster.resolver_for(1, num_ps),
+        tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps),
+    )
+
+
+def _model(local_cluster, num_ps, vocab=VOCAB, optimizer=tfdb.Adagrad, strategy=None):
+    """The issue's model: `Embedding(40, 8)` cut into `num_ps` shards, AdaGrad.
+
+    Left unbuilt (no input shape), as the demo `embedding` model is: `fit`
+    builds it before restoring. `optimizer(0.5)` is made under the
+    strategy's scope (its variables on the ps). A new strategy (a new
+    connection to the cluster) unless `strategy` is given.
+    """
+    strategy = strategy or _strategy(local_cluster, num_ps)
+    with strategy.scope():
+        model = tf_keras.Sequential(
+            [
+                tf_keras.layers.Embedding(
+                    vocab,
+                    DIM,
+                    embeddings_initializer=tf_keras.initializers.RandomUniform(
+                        -0.05, 0.05, seed=0
+                    ),
+                ),
+                tf_keras.layers.GlobalAveragePooling1D(),
+                tf_keras.layers.Dense(
+                    CLASSES, kernel_initializer=tf_keras.initializers.GlorotUniform(1)
+                ),
+            ]
+        )
+        model.compile(
+            optimizer(0.5),
+            tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=1,
+        )
+    return model
+
+
+def _fixed_batch():
+    return tf_keras.utils.experimental.DatasetCreator(
+        lambda _: tf.data.Dataset.from_tensors((X, Y)).repeat()
+    )
+
+
+def _fit(model, epochs, model_dir, lines=None, steps_per_epoch=1, **kwargs):
+    return training.fit(
+        model,
+        _fixed_batch(),
+        epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
+        batch_size=BATCH,
+        model_dir=str(model_dir),
+        print_fn=(lines.append if lines is not None else lambda _: None),
+        **kwargs,
+    )
+
+
+def _values(checkpoint_path):
+    """Every value a checkpoint holds but its own save counter."""
+    reader = tf.train.load_checkpoint(checkpoint_path)
+    return {
+        key: reader.get_tensor(key)
+        for key in reader.get_variable_to_shape_map()
+        if key
+        not in (
+            "_CHECKPOINTABLE_OBJECT_GRAPH",
+            "save_counter/.ATTRIBUTES/VARIABLE_VALUE",
+        )
+    }
+
+
+def _assert_bit_equal(got, want):
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype, key
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def runs(local_cluster, tmp_path_factory):
+    """A 3-step run and an uninterrupted 4-step run, both on 2 ps shards."""
+    three = tmp_path_factory.mktemp("three")
+    _fit(_model(local_cluster, 2), 3, three)
+    straight = tmp_path_factory.mktemp("straight")
+    result = _fit(_model(local_cluster, 2), 4, straight)
+    return three, _values(result.checkpoint_path)
+
+
+@pytest.mark.parametrize("num_ps", [1, 2, 3])
+def test_resume_of_sharded_adagrad_equals_an_uninterrupted_run(
+    local_cluster, runs, tmp_path, num_ps
+):
+    three, straight = runs
+    shutil.copytree(three, tmp_path, dirs_exist_ok=True)
+    lines = []
+    result = _fit(_model(local_cluster, num_ps), 4, tmp_path, lines)
+    assert lines[0].startswith("Resumed from ") and "at step 3 (epoch 3)" in lines[0]
+    assert (result.initial_step, result.steps) == (3, 4)
+    _assert_bit_equal(_values(result.checkpoint_path), straight)
+    # The test means something: the accumulators moved off their initial 0.1,
+    # and the step and iteration count are those of 4 steps.
+    accumulators = [
+        v for k, v in straight.items() if k.startswith("optimizer/_variables/")
+    ]
+    assert len(accumulators) == 3
+    assert all((a > np.float32(0.1)).any() for a in accumulators)
+    assert straight["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"] == 4
+    assert straight["step/.ATTRIBUTES/VARIABLE_VALUE"] == 4
+
+
+def test_a_value_that_does_not_fit_is_an_error_naming_the_variable(
+    local_cluster, runs, tmp_path
+):
+    three, _ = runs
+    shutil.copytree(three, tmp_path, dirs_exist_ok=True)
+    before = sorted(os.listdir(tmp_path / training.CHECKPOINT_SUBDIR))
+    with pytest.raises(
+        resume.RestoreError,
+        match=r"`embedding_\d+/embeddings:0` \(model/layer_with_weights-0/"
+        r"embeddings\): shape \(40, 8\) in the checkpoint, \(41, 8\) here",
+    ):
+        _fit(_model(local_cluster, 2, vocab=VOCAB + 1), 4, tmp_path)
+    assert sorted(os.listdir(tmp_path / training.CHECKPOINT_SUBDIR)) == before
+
+
+def test_a_missing_slot_is_an_error_naming_it(local_cluster, tmp_path):
+    # Written with SGD: no accumulators in the checkpoint for AdaGrad to find.
+    _fit(_model(local_cluster, 2, optimizer=tf_keras.optimizers.SGD), 1, tmp_path)
+    with pytest.raises(
+        resume.RestoreError,
+        match=r"optimizer/_accumulators \(holding "
+        r"`accumulator/embedding_\d+/embeddings:0`, .*\): not in the checkpoint; "
+        r"optimizer/momentums: in the checkpoint, holds no variable here",
+    ):
+        _fit(_model(local_cluster, 2), 2, tmp_path)
+
+
+class _FailAtStep(tf_keras.callbacks.Callback):
+    """Stops `fit` with an error once `step` steps are scheduled (a crash)."""
+
+    def __init__(self, step):
+        super().__init__()
+        self._supports_tf_logs = True
+        self.step = step
+        self.seen = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.step:
+            raise RuntimeError(f"crash at step {self.step}")
+
+
+def test_step_checkpoints_resume_mid_epoch_to_exactly_the_steps_requested(
+    local_cluster, tmp_path
+):
+    every, steps_per_epoch, epochs = 4, 10, 2
+    # One connection for the three runs: a new one while the crashed run's
+    # steps are still in flight crashes TensorFlow (see conftest.py).
+    strategy = _strategy(local_cluster, 2)
+    crashed = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="crash at step 7"):
+        _fit(
+            _model(local_cluster, 2, strategy=strategy),
+            epochs,
+            crashed,
+            steps_per_epoch=steps_per_epoch,
+            checkpoint_every_steps=every,
+            callbacks=[_FailAtStep(7)],
+        )
+    tf.distribute.experimental.coordinator.ClusterCoordinator(strategy).join()
+    # Steps 5-7 are lost: at most `every` steps.
+    assert tf.train.latest_checkpoint(crashed / "checkpoints").endswith("ckpt-4")
+    lines = []
+    resumed = _fit(
+        _model(local_cluster, 2, strategy=strategy),
+        epochs,
+        crashed,
+        lines,
+        steps_per_epoch=steps_per_epoch,
+        checkpoint_every_steps=every,
+    )
+    assert lines[0].endswith("at step 4 (epoch 0, 4 steps into epoch 1)")
+    assert (resumed.initial_step, resumed.steps) == (4, 20)
+    assert [h["epoch"] for h in resumed.history] == [1, 2]
+    assert [h["steps"] for h in resumed.history] == [10, 20]
+    # Checkpoints at every 4th step and at epoch ends; the last 3 kept.
+    names = sorted(
+        n for n in os.listdir(crashed / "checkpoints") if n.endswith(".index")
+    )
+    assert names == ["ckpt-12.index", "ckpt-16.index", "ckpt-20.index"]
+    straight = _fit(
+        _model(local_cluster, 2, strategy=strategy),
+        epochs,
+        tmp_path / "straight",
+        steps_per_epoch=steps_per_epoch,
+    )
+    got, want = _values(resumed.checkpoint_path), _values(straight.checkpoint_path)
+    assert got["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"] == 20
+    assert got["step/.ATTRIBUTES/VARIABLE_VALUE"] == 20
+    assert got["epoch/.ATTRIBUTES/VARIABLE_VALUE"] == 2
+    _assert_bit_equal(got, want)
+
+
+def test_steps_per_epoch_none_is_a_named_error():
+    with pytest.raises(
+        ValueError,
+        match=r"`steps_per_epoch` must be an int >= 1 under parameter-server "
+        r"training .* Received: None",
+    ):
+        training.fit(None, None, epochs=1, steps_per_epoch=None, batch_size=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"checkpoint_every_steps": -1},
+            r"`checkpoint_every_steps` must be an int >= 0",
+        ),
+        ({"checkpoint_every_steps": 5}, r"`checkpoint_every_steps` needs `model_dir`"),
+        ({"nonfinite": "ignore"}, r"`nonfinite` must be one of raise, skip"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        training.fit(None, None, epochs=1, steps_per_epoch=1, batch_size=1, **kwargs)

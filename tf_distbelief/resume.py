@@ -1,0 +1,338 @@
+"""Exact resume: every variable and optimizer slot back bit for bit, or an error.
+
+Why the optimizer is built before a restore. A tf_keras optimizer creates its
+slots (AdaGrad's accumulators) at its first step. Restored before that, a
+checkpoint is matched lazily, as each slot appears. For a variable that a
+partitioner split over the ps tasks, the optimizer keeps the slot's shards in
+a list (`_accumulators`: `[emb/part_0, emb/part_1, kernel, ...]`) but saves
+the list coalesced, one `ShardedVariable` per slot (`[emb, kernel, ...]`), and
+the same `ShardedVariable`s again in its `_variables` list. Matched lazily,
+the list's entries are paired by position: shard `emb/part_0` with the saved
+`emb` (a shape that does not fit: TensorFlow skips it without a word),
+`emb/part_1` with the saved `kernel`, and so on; when the real
+`ShardedVariable`s then appear in `_variables`, their saved values are
+already taken ("Inconsistent references" in TensorFlow's log) and are not
+restored. Every accumulator stays at its initial value, sharded or not, while
+the weights restore exactly. With every slot created first, the optimizer
+coalesces its shards before the checkpoint is read, each saved value has one
+object, and a value that does not fit raises.
+
+`restore` also insists that every value in the checkpoint found its object
+and every object its value (`assert_consumed`), so that a missing slot is an
+error naming it, never a silent reset. ShardedVariables restore into any
+number of ps tasks (the checkpoint holds each variable whole).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import tf_keras
+from absl import logging
+
+from tf_distbelief import _tf_internals, nonfinite
+
+
+class RestoreError(ValueError):
+    """A checkpoint does not restore exactly into the model (nothing changed
+    on disk)."""
+
+
+def input_spec(data):
+    """The `tf.TypeSpec` structure of one batch of features in `data`, or None.
+
+    `data` is a `tf.data.Dataset` or a tf_keras `DatasetCreator`; the
+    creator's function is traced on the coordinator (not run: no record is
+    read, and a function that asks for its worker index only registers the
+    question).
+    """
+    if isinstance(data, tf.data.Dataset):
+        spec = data.element_spec
+    elif isinstance(data, tf_keras.utils.experimental.DatasetCreator):
+        specs = []
+
+        @tf.function
+        def trace():
+            specs.append(data(tf.distribute.InputContext()).element_spec)
+            return 0
+
+        trace.get_concrete_function()
+        spec = specs[0]
+    else:
+        return None
+    x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(spec)
+    return x
+
+
+def build(model: tf_keras.Model, data=None) -> None:
+    """Creates every variable of `model` and every slot of its optimizer.
+
+    An unbuilt model (no input shape) is built by one forward pass on the
+    coordinator over a batch of zeros shaped as `data`'s features. Then the
+    optimizer builds its slots for `model.trainable_variables`, as its first
+    step would, under the model's strategy (each slot on its variable's ps
+    shard).
+
+    Raises:
+      ValueError: `model` is not built and `data` gives no feature shapes.
+    """
+    strategy = model.distribute_strategy
+    if not model.built:
+        spec = input_spec(data)
+        if spec is None or not all(
+            isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(spec)
+        ):
+            raise ValueError(
+                "Resuming needs the model's variables before the first step: "
+                "build the model (an `InputLayer`, `Input`, or "
+                f"`model.build(input_shape)`). Received an unbuilt model and "
+                f"data without plain feature shapes: {data!r}"
+            )
+        zeros = tf.nest.map_structure(
+            lambda s: tf.zeros([1 if d is None else d for d in s.shape], s.dtype),
+            spec,
+        )
+        with strategy.scope():
+            model(zeros, training=False)
+    optimizer = model.optimizer
+    if optimizer is not None and hasattr(optimizer, "build"):
+        with strategy.scope():
+            optimizer.build(model.trainable_variables)
+
+
+_VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+# Keys of the checkpoint's own bookkeeping, not of the objects restored.
+_OWN_KEYS = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter" + _VALUE_SUFFIX)
+
+
+def _escape(name: str) -> str:
+    # How TensorFlow escapes a name in a checkpoint key
+    # (`trackable_utils.escape_local_name`).
+    return name.replace(".", "..").replace("/", "./")
+
+
+def _walk(root, children, key=id):
+    """Shortest paths from `root`, breadth first, as checkpoints key them.
+
+    Args:
+      root: the root node.
+      children: `node -> {name: child}`.
+      key: a node's identity (`id` for objects; node ids are their own).
+
+    Returns:
+      `(paths, order)`: `{key(node): path}` and the nodes in visiting order.
+    """
+    paths, order, queue = {key(root): ""}, [root], [root]
+    while queue:
+        node = queue.pop(0)
+        for name, child in children(node).items():
+            if key(child) not in paths:
+                parent = paths[key(node)]
+                paths[key(child)] = (
+                    f"{parent}/{_escape(name)}" if parent else _escape(name)
+                )
+                order.append(child)
+                queue.append(child)
+    return paths, order
+
+
+def _is_variable(obj) -> bool:
+    return isinstance(obj, (tf.Variable, _tf_internals.ShardedVariable))
+
+
+def variable_keys(root) -> tuple[dict, dict]:
+    """The checkpoint keys of the variables `root` would save, and their holders.
+
+    The keys are those `tf.train.Checkpoint(root).save` writes: the shortest
+    path from `root`, breadth first, as `tf.train.TrackableView` walks it (a
+    `ShardedVariable` is one variable, saved whole).
+
+    Returns:
+      `({key: variable}, {holder path: [variable names]})`: a holder is an
+      object with variables among its direct children (a layer, the
+      optimizer's list of slots).
+    """
+    view = tf.train.TrackableView(root)
+
+    def children(node):
+        return {} if _is_variable(node) else view.children(node)
+
+    paths, order = _walk(root, children)
+    keys, holders = {}, {}
+    for node in order:
+        if _is_variable(node):
+            keys[paths[id(node)] + _VALUE_SUFFIX] = node
+            continue
+        held = [
+            nonfinite.variable_name(c)
+            for c in children(node).values()
+            if _is_variable(c)
+        ]
+        if held:
+            holders[paths[id(node)]] = held
+    return keys, holders
+
+
+def mismatches(root, path: str) -> list[str]:
+    """What keeps checkpoint `path` from restoring exactly into `root`.
+
+    Args:
+      root: what the checkpoint restores into (a `tf.train.Checkpoint`).
+      path: the checkpoint.
+
+    Returns:
+      One line per variable with no value in the checkpoint or a value of
+      another shape or dtype, per value with no variable, and per holder of
+      variables (an optimizer's list of slots) on one side only: another
+      optimizer's slots can sit at the same keys with the same shapes (SGD's
+      momentums where AdaGrad's accumulators are expected). Empty when the
+      checkpoint restores exactly.
+    """
+    reader = tf.train.load_checkpoint(path)
+    shapes = reader.get_variable_to_shape_map()
+    dtypes = reader.get_variable_to_dtype_map()
+    expected, holders = variable_keys(root)
+    problems = []
+    for key, variable in expected.items():
+        name = (
+            f"`{nonfinite.variable_name(variable)}` ({key.removesuffix(_VALUE_SUFFIX)})"
+        )
+        if key not in shapes:
+            problems.append(f"{name}: no value in the checkpoint")
+        elif tuple(shapes[key]) != tuple(variable.shape):
+            problems.append(
+                f"{name}: shape {tuple(shapes[key])} in the checkpoint, "
+                f"{tuple(variable.shape)} here"
+            )
+        elif dtypes[key] != variable.dtype:
+            problems.append(
+                f"{name}: dtype {dtypes[key].name} in the checkpoint, "
+                f"{variable.dtype.name} here"
+            )
+    values = {k for k in shapes if k.endswith(_VALUE_SUFFIX)}
+    for key in sorted(values - set(expected) - set(_OWN_KEYS)):
+        problems.append(
+            f"{key.removesuffix(_VALUE_SUFFIX)}: a value with no variable here"
+        )
+    nodes = _tf_internals.saved_object_graph(path)
+    saved_paths, _ = _walk(0, lambda i: nodes[i][0], key=int)
+    saved_holders = {
+        saved_paths[i]
+        for i in range(len(nodes))
+        if i in saved_paths and any(nodes[c][1] for c in nodes[i][0].values())
+    }
+    for holder in sorted(set(holders) - saved_holders):
+        problems.append(
+            f"{holder} (holding {', '.join(f'`{n}`' for n in holders[holder][:3])}"
+            f"{', ...' if len(holders[holder]) > 3 else ''}): not in the checkpoint"
+        )
+    for holder in sorted(saved_holders - set(holders) - {""}):
+        problems.append(f"{holder}: in the checkpoint, holds no variable here")
+    return problems
+
+
+def restore(checkpoint: tf.train.Checkpoint, path: str) -> None:
+    """Restores `checkpoint` from `path`, every value into its object, or raises.
+
+    Call `build` first: then no value is matched lazily. The checkpoint's
+    keys, shapes and dtypes are compared with the objects' first, so that a
+    checkpoint that cannot restore exactly changes nothing.
+
+    Raises:
+      RestoreError: naming each variable with no value in the checkpoint (a
+        slot missing) or a value of another shape or dtype, each value with
+        no variable, and each holder of variables on one side only (another
+        optimizer's slots).
+    """
+    problems = mismatches(checkpoint, path)
+    if problems:
+        raise RestoreError(
+            f"The checkpoint {path} does not restore exactly into this model "
+            f"({len(problems)} mismatches): " + "; ".join(problems[:20])
+        )
+    try:
+        checkpoint.restore(path).assert_consumed()
+    except (AssertionError, ValueError, tf.errors.OpError) as e:
+        detail = " ".join(str(e).split())
+        if len(detail) > 1200:
+            detail = detail[:1200] + " ..."
+        raise RestoreError(
+            f"The checkpoint {path} does not restore exactly into this model: {detail}"
+        ) from None
+
+
+class Checkpointer(tf_keras.callbacks.Callback):
+    """Writes a checkpoint every `every_steps` steps and at each epoch end.
+
+    Each checkpoint records the global step (`step`: steps finished over all
+    workers, all runs) and the epochs finished (`epoch`), and is numbered by
+    the step (`ckpt-<step>`). Steps are scheduled asynchronously under
+    parameter-server training: before a mid-epoch save this waits for the
+    steps in flight (`ClusterCoordinator.join`), so the values saved are
+    exactly those after `step` steps; the save comes at the first execution
+    boundary at or after each multiple of `every_steps` (every step with
+    `steps_per_execution=1`). Before writing, every variable is checked on its
+    ps task; one NaN or inf and the checkpoint is refused
+    (`nonfinite.NonFiniteError`), the earlier ones kept.
+
+    Args:
+      manager: the `tf.train.CheckpointManager` to save with.
+      step: the `int64` variable the checkpoint holds as the global step; its
+        value is where this run starts.
+      epoch: the `int64` variable it holds as the epochs finished.
+      steps_per_epoch: steps per epoch, >= 1.
+      every_steps: steps between checkpoints; 0 saves at epoch ends only.
+    """
+
+    def __init__(self, manager, step, epoch, steps_per_epoch, every_steps=0):
+        super().__init__()
+        # Batch hooks under parameter-server training are allowed only for
+        # callbacks that take remote logs; this one never reads them.
+        self._supports_tf_logs = True
+        self.manager = manager
+        self.step = step
+        self.epoch = epoch
+        self.steps_per_epoch = steps_per_epoch
+        self.every_steps = every_steps
+        self.done = int(step.numpy())
+        self.saved_step = self.done
+        self._epoch_start = self.done
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # A resumed run's first epoch starts where the checkpoint stopped.
+        self._epoch_start = max(epoch * self.steps_per_epoch, self.done)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.done = self._epoch_start + batch + 1
+        every = self.every_steps
+        if every and self.done // every > self.saved_step // every:
+            self.save()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.done != self.saved_step:
+            self.save()
+
+    def save(self) -> str:
+        """Waits for the steps in flight, checks every value, writes; the path."""
+        strategy = self.model.distribute_strategy
+        if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+            # The coordinator `fit` made (one per strategy).
+            tf.distribute.experimental.coordinator.ClusterCoordinator(strategy).join()
+        variables = [*self.model.weights, *self.model.optimizer.variables]
+        bad = nonfinite.nonfinite_variables(variables)
+        if bad:
+            latest = self.manager.latest_checkpoint
+            raise nonfinite.NonFiniteError(
+                f"Refusing to write a checkpoint at step {self.done}: "
+                f"{', '.join(bad)} hold NaN or inf. Nothing was written"
+                + (f"; the last checkpoint, {latest}, is kept" if latest else "")
+                + ". It came another way than a gradient (a Downpour push, an "
+                "update that overflowed, or a value set directly).",
+                self.done,
+                bad,
+            )
+        self.step.assign(self.done)
+        self.epoch.assign(self.done // self.steps_per_epoch)
+        path = self.manager.save(checkpoint_number=self.done)
+        self.saved_step = self.done
+        logging.info("Saved checkpoint %s at step %d", path, self.done)
+        return path
