@@ -29,6 +29,7 @@ setuptools.setup(
     ],
     extras_require={
         "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
-        "test": ["pytest>=8", "scipy>=1.11", "ruff>=0.5"],
+        # psutil: tests/test_isolation.py reads the host's listening sockets.
+        "test": ["pytest>=8", "scipy>=1.11", "ruff>=0.5", "psutil>=5.9"],
     },
 )

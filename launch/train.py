@@ -1,7 +1,9 @@
 """Trains a model on a DistBelief cluster.
 
 Local cluster (no `TF_CONFIG`): the script starts `--num_workers` workers and
-`--num_ps` ps tasks on 127.0.0.1, trains, prints test accuracy, and ends them.
+`--num_ps` ps tasks on 127.0.0.1, trains, prints test accuracy, and ends them;
+on Linux it first re-executes itself in a private network namespace
+(`--isolate_network`), since TensorFlow's servers listen on every interface.
 With `TF_CONFIG` the same command runs on every machine; each task does its part
 (ps/worker serve, chief trains, evaluator evaluates checkpoints).
 
@@ -19,6 +21,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+
+from tf_distbelief.cluster import isolation  # noqa: E402  (no TensorFlow)
+
+if __name__ == "__main__":
+    # The local job's TensorFlow servers listen on every interface: re-execute
+    # in a private network namespace (README: Security) while no TensorFlow is
+    # loaded and no thread runs; returns where isolation is off or unavailable.
+    isolation.enter_private_network(isolation.flag_value(sys.argv))
 
 import models  # noqa: E402
 from tf_distbelief import downpour, job, sandblaster  # noqa: E402
@@ -151,6 +161,14 @@ def define_flags() -> None:
         lower_bound=2,
     )
     flags.DEFINE_integer("seed", d.seed, "Initialisation and data seed.")
+    flags.DEFINE_bool(
+        isolation.FLAG_NAME,
+        True,
+        "Local cluster (no TF_CONFIG): run the job in a private network namespace "
+        "(Linux user + network namespaces), so that TensorFlow's servers, which "
+        "listen on every interface and run any op sent to them, are unreachable "
+        "from the network. Off or unavailable: a warning names the open ports.",
+    )
     flags.DEFINE_float(
         "chief_gone_secs",
         d.chief_gone_secs,

@@ -1,5 +1,6 @@
-"""The cluster: configuration (`config`), a task's server (`server`), and the
-local cluster of child processes (`local`).
+"""The cluster: configuration (`config`), a task's server (`server`), the
+local cluster of child processes (`local`), and its network isolation
+(`isolation`).
 
 The public names are re-exported here; `server_main` is the child tasks'
 entry point (`python -m tf_distbelief.cluster.server_main`).
@@ -14,6 +15,7 @@ from tf_distbelief.cluster.config import (
     training_cluster_resolver,
     validate_cluster,
 )
+from tf_distbelief.cluster.isolation import enter_private_network
 from tf_distbelief.cluster.local import (
     DEFAULT_START_TIMEOUT_SECS,
     LocalCluster,
@@ -27,6 +29,7 @@ __all__ = [
     "ClusterConfigError",
     "ClusterStartError",
     "LocalCluster",
+    "enter_private_network",
     "resolve_cluster",
     "run_server",
     "server_config",

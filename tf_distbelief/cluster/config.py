@@ -160,6 +160,11 @@ def make_resolver(jobs, task_type, task_id, rpc_layer="grpc"):
     )
 
 
+def tf_config_given() -> bool:
+    """Whether `TF_CONFIG` is set (not empty): a cluster, not the local one."""
+    return bool(os.environ.get(_TF_CONFIG, "").strip())
+
+
 def resolve_cluster(cluster_resolver=None):
     """Returns the validated cluster to train on, or None for a local cluster.
 

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import portpicker
 
 from tf_distbelief.cluster import config as config_lib
+from tf_distbelief.cluster import isolation
 from tf_distbelief.cluster import server as server_lib
 
 # A child server imports TensorFlow (4-5 s on this class of machine) before it
@@ -37,6 +38,11 @@ class LocalCluster:
     processes die with the chief (`PR_SET_PDEATHSIG`) and are ended by `stop()`,
     by leaving the `with` block, and at interpreter exit, so no process is left
     behind.
+
+    TensorFlow's servers listen on every interface, whatever the spec's
+    127.0.0.1 says, and run any op sent to them. Unless the process runs in a
+    private network namespace (`isolation.enter_private_network`, which
+    `launch/train.py` calls), `start()` logs one warning naming the ports.
 
     Example:
       ```
@@ -176,6 +182,7 @@ class LocalCluster:
         self.resolver = config_lib.make_resolver(
             {job: dict(enumerate(a)) for job, a in self.jobs.items()}, "chief", 0
         )
+        isolation.warn_if_exposed(self.jobs)
         return self
 
     def resolver_for(self, num_workers: int | None = None, num_ps: int | None = None):
