@@ -26,10 +26,23 @@ setuptools.setup(
         # `tf.summary` needs it to write TensorBoard scalars; TF 2.21 no longer
         # depends on it.
         "tensorboard>=2.21",
+        # `tf_distbelief.cluster.tfjob` writes Kubernetes manifests as YAML
+        # (`launch/k8s.py`).
+        "pyyaml>=6.0",
     ],
     extras_require={
         "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
         # psutil: tests/test_isolation.py reads the host's listening sockets.
-        "test": ["pytest>=8", "scipy>=1.11", "ruff>=0.5", "psutil>=5.9"],
+        # `kubernetes`: the official client's models check the generated pod
+        # templates (tests/test_k8s.py); no test talks to a cluster. Tested
+        # with 37, whose `ApiClient.deserialize` takes the JSON text (older
+        # clients take a response object).
+        "test": [
+            "pytest>=8",
+            "scipy>=1.11",
+            "ruff>=0.5",
+            "psutil>=5.9",
+            "kubernetes>=37",
+        ],
     },
 )

@@ -1,6 +1,7 @@
-"""The cluster: configuration (`config`), a task's server (`server`), the
-local cluster of child processes (`local`), and its network isolation
-(`isolation`).
+"""The cluster: configuration (`config`, with the address rules of
+`addresses`), a task's server (`server`), the local cluster of child processes
+(`local`) and its network isolation (`isolation`), bounded start-up
+(`connect`), and Kubernetes manifests for a cluster of pods (`tfjob`).
 
 The public names are re-exported here; `server_main` is the child tasks'
 entry point (`python -m tf_distbelief.cluster.server_main`).
@@ -8,6 +9,7 @@ entry point (`python -m tf_distbelief.cluster.server_main`).
 
 from tf_distbelief.cluster.config import (
     ALLOWED_JOBS,
+    JOB_ALIASES,
     SERVER_JOBS,
     ClusterConfigError,
     ClusterStartError,
@@ -25,6 +27,7 @@ from tf_distbelief.cluster.server import run_server, server_config
 __all__ = [
     "ALLOWED_JOBS",
     "DEFAULT_START_TIMEOUT_SECS",
+    "JOB_ALIASES",
     "SERVER_JOBS",
     "ClusterConfigError",
     "ClusterStartError",

@@ -12,6 +12,18 @@ parameter-server training (`tf.distribute.experimental.ParameterServerStrategy`)
 * `evaluator` (optional): a side-car that reads checkpoints; training never
   contacts it, so it is removed from the cluster the strategy connects to.
 
+`TF_CONFIG` forms in use elsewhere are accepted as they are:
+
+* Kubeflow's legacy job name `master` is the chief: it is renamed `chief` here,
+  so the resolver, the strategy and the servers only ever see `chief`.
+* The evaluator needs no training cluster: its `TF_CONFIG` may list only itself
+  (TensorFlow's parameter-server tutorial: `{"cluster": {"evaluator": [...]}}`)
+  or leave itself out (older Kubeflow TFJob operators: the evaluator is not part
+  of the training cluster).
+
+Addresses are checked before any server starts (`addresses`): ports in 1-65535,
+and no machine and port used by two tasks.
+
 With no `TF_CONFIG` and no explicit resolver, `tf_distbelief.cluster.local`
 starts the ps and worker tasks as child processes on free 127.0.0.1 ports.
 """
@@ -23,8 +35,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from tf_distbelief.cluster import addresses
+
 ALLOWED_JOBS = ("chief", "worker", "ps", "evaluator")
 SERVER_JOBS = ("worker", "ps")
+# Other names of a job, accepted in `TF_CONFIG` and renamed: Kubeflow's TFJob
+# calls the chief `master` in its older examples (replica type `Master`).
+JOB_ALIASES = {"master": "chief"}
 _TF_CONFIG = "TF_CONFIG"
 
 
@@ -73,6 +90,11 @@ def _normalize_job(job: str, tasks: Any) -> dict[int, str]:
     return result
 
 
+def canonical_job(job: Any) -> Any:
+    """Returns `job` with an alias (`JOB_ALIASES`: `master`) renamed."""
+    return JOB_ALIASES.get(job, job) if isinstance(job, str) else job
+
+
 def validate_cluster(
     cluster: Any, task_type: str | None, task_id: int | None
 ) -> dict[str, dict[int, str]]:
@@ -80,68 +102,87 @@ def validate_cluster(
 
     Args:
       cluster: `{job: ["host:port", ...]}` or `{job: {"index": "host:port"}}`,
-        as in the `cluster` field of `TF_CONFIG`.
-      task_type: this process's job (`chief`, `worker`, `ps`, `evaluator`), or
-        None for a process outside the cluster.
+        as in the `cluster` field of `TF_CONFIG`. A `master` job is the chief.
+      task_type: this process's job (`chief` or `master`, `worker`, `ps`,
+        `evaluator`), or None for a process outside the cluster.
       task_id: this process's index within its job, or None.
 
     Returns:
       The cluster as `{job: {task_index: "host:port"}}`, jobs without tasks
-      dropped.
+      dropped, `master` renamed `chief`.
 
     Raises:
-      ClusterConfigError: an unknown job name, a task type not in the cluster, a
-        task index out of range (negative included), no `ps` or no `worker`
-        task, more than one `chief`, or the same host:port used twice.
+      ClusterConfigError: an unknown job name, both `master` and `chief`, a task
+        type not in the cluster, a task index out of range (negative included),
+        no `ps` or no `worker` task (allowed for an `evaluator` task only), more
+        than one `chief`, a port outside 1-65535, or the same machine and port
+        used twice (`addresses.find_address_used_twice`).
     """
     if not isinstance(cluster, Mapping) or not cluster:
         raise ClusterConfigError(
             "The cluster must be a non-empty object mapping job names "
             f"({', '.join(ALLOWED_JOBS)}) to task addresses. Received: {cluster!r}"
         )
-    unknown = sorted(job for job in cluster if job not in ALLOWED_JOBS)
+    unknown = sorted(
+        job for job in cluster if job not in ALLOWED_JOBS and job not in JOB_ALIASES
+    )
     if unknown:
         raise ClusterConfigError(
             f"Unknown job name(s) {unknown} in the cluster; allowed job names are "
-            f"{', '.join(ALLOWED_JOBS)}. For example use `worker` and `ps`, not "
-            "`worker_hosts` and `ps_hosts`."
+            f"{', '.join(ALLOWED_JOBS)} (and `master`, Kubeflow's legacy name of "
+            "the chief). For example use `worker` and `ps`, not `worker_hosts` "
+            "and `ps_hosts`."
         )
-    jobs = {job: _normalize_job(job, tasks) for job, tasks in cluster.items()}
+    for alias, job in JOB_ALIASES.items():
+        if alias in cluster and job in cluster:
+            raise ClusterConfigError(
+                f"The cluster has both `{alias}` and `{job}` jobs; `{alias}` is "
+                f"another name of `{job}`. Keep one of them."
+            )
+    jobs = {
+        canonical_job(job): _normalize_job(job, tasks) for job, tasks in cluster.items()
+    }
     jobs = {job: tasks for job, tasks in jobs.items() if tasks}
+    task_type = canonical_job(task_type)
     for job in SERVER_JOBS:
-        if job not in jobs:
+        if job not in jobs and task_type != "evaluator":
             raise ClusterConfigError(
                 f"The cluster has no `{job}` task; parameter-server training needs "
-                f"at least one `ps` and one `worker`. Jobs received: {sorted(jobs)}"
+                f"at least one `ps` and one `worker` (only an `evaluator` task may "
+                f"run without them). Jobs received: {sorted(jobs)}"
             )
     for job in ("chief", "evaluator"):
         if len(jobs.get(job, {})) > 1:
             raise ClusterConfigError(
                 f"The cluster has {len(jobs[job])} `{job}` tasks; at most 1 is allowed."
             )
-    seen: dict[str, str] = {}
-    for job, tasks in jobs.items():
-        for index, address in sorted(tasks.items()):
-            if address in seen:
-                raise ClusterConfigError(
-                    f"Address {address} is used twice: by {seen[address]} and by "
-                    f"{job}:{index}. Every task needs its own host:port."
-                )
-            seen[address] = f"{job}:{index}"
+    try:
+        addresses.find_address_used_twice(
+            {
+                f"{job}:{index}": address
+                for job, tasks in jobs.items()
+                for index, address in sorted(tasks.items())
+            }
+        )
+    except addresses.AddressError as e:
+        raise ClusterConfigError(str(e)) from None
     if task_type is not None:
         if task_type not in ALLOWED_JOBS:
             raise ClusterConfigError(
                 f"Task type {task_type!r} is not a known job; allowed are "
                 f"{', '.join(ALLOWED_JOBS)}."
             )
+        if not isinstance(task_id, int) or isinstance(task_id, bool):
+            raise ClusterConfigError(
+                f"Task index of `{task_type}` must be an integer. Received: {task_id!r}"
+            )
+        if task_type == "evaluator" and task_type not in jobs:
+            # Older TFJob operators leave the evaluator out of the cluster.
+            return jobs
         if task_type not in jobs:
             raise ClusterConfigError(
                 f"Task type `{task_type}` is not in the cluster, whose jobs are "
                 f"{sorted(jobs)}."
-            )
-        if not isinstance(task_id, int) or isinstance(task_id, bool):
-            raise ClusterConfigError(
-                f"Task index of `{task_type}` must be an integer. Received: {task_id!r}"
             )
         if task_id not in jobs[task_type]:
             raise ClusterConfigError(
@@ -152,6 +193,7 @@ def validate_cluster(
 
 
 def make_resolver(jobs, task_type, task_id, rpc_layer="grpc"):
+    """Returns a `SimpleClusterResolver` of validated `jobs` for one task."""
     import tensorflow as tf
 
     cluster_spec = tf.train.ClusterSpec(jobs)
@@ -171,7 +213,9 @@ def resolve_cluster(cluster_resolver=None):
     An explicit `cluster_resolver` wins over `TF_CONFIG`. `TF_CONFIG` is parsed
     here, validated with `validate_cluster`, and turned into a TensorFlow
     `SimpleClusterResolver` (sparse jobs with string keys are normalised, which
-    `TFConfigClusterResolver` does not do).
+    `TFConfigClusterResolver` does not do; a `master` job and task type become
+    `chief`; other `TF_CONFIG` fields, such as Kubeflow's `environment`, are
+    ignored).
 
     Args:
       cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`, or
@@ -187,7 +231,7 @@ def resolve_cluster(cluster_resolver=None):
     """
     if cluster_resolver is not None:
         spec = cluster_resolver.cluster_spec().as_dict()
-        task_type = cluster_resolver.task_type
+        task_type = canonical_job(cluster_resolver.task_type)
         task_id = cluster_resolver.task_id
         jobs = validate_cluster(spec, task_type, task_id)
         return make_resolver(
@@ -214,7 +258,7 @@ def resolve_cluster(cluster_resolver=None):
             f'`TF_CONFIG` field `task` must be {{"type": ..., "index": ...}}. '
             f"Received: {task!r}"
         )
-    task_type = task.get("type")
+    task_type = canonical_job(task.get("type"))
     task_id = task.get("index", 0 if task_type else None)
     jobs = validate_cluster(config["cluster"], task_type, task_id)
     return make_resolver(jobs, task_type, task_id, config.get("rpc_layer", "grpc"))
