@@ -10,24 +10,11 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from tests.test_downpour_embeddings import _TiedLogits
 from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
 
 VOCAB, DIM, IDS, CLASSES, BATCH = 20, 4, 3, 3, 4
-
-
-class _TiedLogits(tf_keras.layers.Layer):
-    """Adds 0 x `h @ table^T` to the logits: reads the whole table."""
-
-    def __init__(self, embedding_layer, **kwargs):
-        super().__init__(**kwargs)
-        self.embedding_layer = embedding_layer
-
-    def call(self, inputs):
-        h, logits = inputs
-        table = tf.convert_to_tensor(self.embedding_layer.embeddings)
-        tied = tf.matmul(h, table, transpose_b=True)
-        return logits + 0.0 * tf.reduce_sum(tied, axis=1, keepdims=True)
 
 
 def _model(local_cluster):

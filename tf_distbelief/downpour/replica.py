@@ -27,7 +27,7 @@ from typing import Any
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import _lazy, _tf_internals, substitution
+from tf_distbelief import _tf_internals, substitution
 from tf_distbelief.downpour import base, schedule
 from tf_distbelief.downpour import variables as downpour_variables
 from tf_distbelief.downpour.config import DownpourConfig
@@ -38,13 +38,6 @@ from tf_distbelief.downpour.row_sparse import flags as row_sparse_flags
 from tf_distbelief.downpour.schedule import ReplicaStats
 
 __all__ = ["Downpour"]
-
-# TODO(#9): `tf_distbelief/job.py` imports this module as `downpour` for these
-# names, now defined in other modules; drop them once it imports the package.
-_, __getattr__, _ = _lazy.exports(
-    "tf_distbelief.downpour",
-    {"DownpourMetrics": "keras", "enable": "variables", "install": "keras"},
-)
 
 _STAT_NAMES = (
     "steps",
