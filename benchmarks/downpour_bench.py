@@ -35,8 +35,9 @@ Columns:
   and pushes (`Downpour.stats`) times the model size.
 * `B x stock`: socket bytes per example over the stock row's.
 * `CPU ms/step`: CPU time of the chief, workers and ps together per step
-  (`/proc/<pid>/stat`); on 2 cores the rates follow it (`--cpu_breakdown`
-  splits it by process kind).
+  (`psutil`; the chief's test-set evaluations for the curves are left out);
+  on 2 cores the rates follow it (`--cpu_breakdown` splits it by process
+  kind).
 * `test acc`, `test loss`: on the test set after the warm-up and timed epochs.
   On the speech data the most frequent class is about 10% of the examples
   (`models/speech.py`: Zipf-distributed classes, a Gaussian cluster each).
@@ -44,6 +45,19 @@ Columns:
 The speech-shaped model (`models/speech.py`) defaults to 4 hidden layers of 256
 units and 8192 classes (2.4M parameters, 9.7 MB) instead of the paper's 2560
 units (42M), so that it trains on a 2-core machine; `--quick` uses 2048 classes.
+
+Figures (`--out_dir`, default `benchmarks/results/`; `benchmarks/downpour_figures.py`):
+after every epoch (and before the first) the chief evaluates the test accuracy,
+outside the timed span, which gives the curves of
+
+* `downpour_<model>_accuracy.png`: test accuracy against wall-clock training
+  seconds per configuration (the paper's Figure 4 form; medians over rounds);
+* `downpour_<model>_time_to_target.png`: seconds to a fixed test accuracy per
+  configuration (Figure 5's measure; `--target_accuracy`, by default the best
+  accuracy every configuration reached);
+* `downpour_<model>_bytes.png`: worker<->ps bytes per example by n (log axis);
+
+and `downpour.csv` (the table), `downpour_curves.csv` (every round's curve).
 
 On stderr, TensorFlow logs "Failed to remove function remotely" for functions
 of an earlier configuration's context (each configuration reconnects); they
@@ -66,7 +80,14 @@ from collections.abc import Iterable, Mapping
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import psutil  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
+
+from benchmarks import downpour_figures, plots  # noqa: E402
 
 # Steps per epoch (both workers) of a full and a `--quick` run: multiples of 2
 # workers x 20 steps per execution, so that the workers get as many scheduled
@@ -161,10 +182,9 @@ def parse_ss(text: str) -> list[TcpSocket]:
 
 
 def cpu_secs(pid: int) -> float:
-    """User plus system CPU seconds of process `pid` (`/proc/<pid>/stat`)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User plus system CPU seconds of process `pid` (`psutil`)."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def read_sockets() -> list[TcpSocket]:
@@ -249,6 +269,11 @@ def link_bytes(
 
 def define_flags():
     flags.DEFINE_bool(
+        "curves",
+        True,
+        "Evaluate the test accuracy after every epoch (the accuracy figures).",
+    )
+    flags.DEFINE_bool(
         "quick",
         False,
         "About 3 minutes: shorter epochs and a 2048-class speech model.",
@@ -304,6 +329,15 @@ def define_flags():
     flags.DEFINE_bool(
         "cpu_breakdown", False, "Also print CPU ms per step of each process kind."
     )
+    flags.DEFINE_string(
+        "out_dir", plots.DEFAULT_OUT_DIR, "CSV and PNG output folder ('' for none)."
+    )
+    flags.DEFINE_float(
+        "target_accuracy",
+        None,
+        "Test accuracy of the time-to-target figure (default: per model, the "
+        "best accuracy every configuration reached).",
+    )
 
 
 @dataclasses.dataclass
@@ -322,17 +356,24 @@ class Row:
     # Examples/s over the same round's stock row, median over rounds (set by
     # `median_rows`); None: the ratio of the rates.
     speedup: float | None = None
+    # `(training secs, test accuracy)` before training and after each epoch;
+    # the seconds leave the evaluations out (medians over rounds after
+    # `median_rows`).
+    curve: list = dataclasses.field(default_factory=list)
 
 
 class _Probe:
     """Per-epoch times; sockets, CPU and Downpour bytes after warm-up and at the end."""
 
-    def __init__(self, replicas, pids):
+    def __init__(self, replicas, pids, evaluate=None):
         import tf_keras
 
         probe = self
 
         class Callback(tf_keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                probe.evaluate_point(count_cpu=False)
+
             def on_epoch_begin(self, epoch, logs=None):
                 probe.begin = time.monotonic()
 
@@ -340,17 +381,37 @@ class _Probe:
             # snapshot sees every scheduled step finished; it is taken outside
             # the timed epochs.
             def on_epoch_end(self, epoch, logs=None):
+                secs = time.monotonic() - probe.begin
+                probe.train_secs += secs
                 if epoch > 0:
-                    probe.epoch_secs.append(time.monotonic() - probe.begin)
+                    probe.epoch_secs.append(secs)
+                last = epoch == self.params["epochs"] - 1
                 if epoch in (0, self.params["epochs"] - 1):
                     probe.snap()
+                # After the last snapshot, its CPU is outside the window.
+                probe.evaluate_point(count_cpu=not last)
 
         self.callback = Callback()
         self.replicas = replicas
         self.pids = pids
+        self.evaluate = evaluate
         self.begin = 0.0
+        self.train_secs = 0.0
         self.epoch_secs: list[float] = []
+        self.curve: list[tuple[float, float]] = []
+        # CPU seconds per pid the evaluations took inside the measured window.
+        self.eval_cpu: dict[int, float] = collections.Counter()
         self.snaps: list[tuple[list[TcpSocket], dict, int]] = []
+
+    def evaluate_point(self, count_cpu):
+        """Adds `(training secs so far, test accuracy)` to the curve."""
+        if self.evaluate is None:
+            return
+        before = {pid: cpu_secs(pid) for pid in self.pids}
+        self.curve.append((self.train_secs, self.evaluate()))
+        if count_cpu:
+            for pid in self.pids:
+                self.eval_cpu[pid] += cpu_secs(pid) - before[pid]
 
     def snap(self):
         moved = 0
@@ -440,7 +501,11 @@ def _run(local, data, model_name, n, f) -> Row:
     replicas = getattr(model, "downpour", None)
     roles = {os.getpid(): "chief"}
     roles.update({p.pid: kind for (kind, _), p in local.processes.items()})
-    probe = _Probe(replicas, list(roles))
+    probe = _Probe(
+        replicas,
+        list(roles),
+        (lambda: training.accuracy(model, x_test, y_test)) if f.curves else None,
+    )
     training.fit(
         model,
         training.dataset_creator(x_train, y_train, config.batch_size, config.seed),
@@ -471,7 +536,9 @@ def _run(local, data, model_name, n, f) -> Row:
     else:
         tensor_bytes = moved1 - moved0
     cpu_ms = {
-        role: sum(cpu1[p] - cpu0[p] for p in role_pids) * 1e3 / timed_steps
+        role: sum(cpu1[p] - cpu0[p] - probe.eval_cpu[p] for p in role_pids)
+        * 1e3
+        / timed_steps
         for role, role_pids in pids.items()
     }
     rate = statistics.median(steps * config.batch_size / s for s in probe.epoch_secs)
@@ -485,6 +552,7 @@ def _run(local, data, model_name, n, f) -> Row:
         test_accuracy=training.accuracy(model, x_test, y_test),
         test_loss=_test_loss(model, x_test, y_test),
         wall_secs=time.monotonic() - start,
+        curve=probe.curve,
     )
 
 
@@ -526,6 +594,7 @@ def median_rows(rows: list[Row]) -> list[Row]:
                 test_loss=med("test_loss"),
                 wall_secs=sum(r.wall_secs for r in group),
                 speedup=speedup,
+                curve=downpour_figures.median_curve([r.curve for r in group]),
             )
         )
     return result
@@ -561,8 +630,6 @@ def format_table(rows: list[Row], header: str) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    import sys
-
     import tensorflow as tf
 
     from tf_distbelief import cluster
@@ -575,6 +642,7 @@ def main(argv):
         raise app.UsageError(f"--models must be among {_MODELS}. Received: {bad}")
     ns = [int(n) for n in f.n]
     rows = []
+    round_rows = []
     data = {m: _load_data(m, f) for m in f.models}
     with cluster.LocalCluster(num_workers=2, num_ps=f.num_ps) as local:
         # Rounds interleave the configurations, so that a change in the load
@@ -584,6 +652,7 @@ def main(argv):
                 for n in [None, *ns]:
                     r = _run(local, data[model_name], model_name, n, f)
                     rows.append(r)
+                    round_rows.append((round_index, r))
                     print(
                         f"round {round_index + 1}/{f.repeats} {r.model} {r.name}: "
                         f"{r.examples_per_sec:.0f} ex/s, {r.wall_secs:.0f} s",
@@ -608,6 +677,11 @@ def main(argv):
                     f"{k}={v:.1f}" for k, v in sorted(r.cpu_ms_per_step.items())
                 )
                 print(f"{r.model} {r.name}: CPU ms/step {cpu}")
+        if f.out_dir:
+            for path in downpour_figures.write_outputs(
+                f.out_dir, rows, round_rows, header, f.target_accuracy
+            ):
+                print(f"wrote {path}", flush=True)
         # TensorFlow's teardown would contact the ended tasks (see `job.main`).
         sys.stdout.flush()
         local.stop()

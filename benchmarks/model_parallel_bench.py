@@ -43,8 +43,13 @@ scatter of the input to the first layer's blocks and the gather of the second
 layer's output (`scatter_gather_bytes`), for `mlp` the gather of every layer's
 output.
 
+With `--out_dir` (default `benchmarks/results/`) it also writes the timings as
+`model_parallel.csv` and the speed-up against the partition count as
+`model_parallel_speedup.png` (`benchmarks/plots.py`).
+
 Usage:
   python benchmarks/model_parallel_bench.py  # About 4 minutes on 2 idle cores.
+  python benchmarks/model_parallel_bench.py --steps=2 --repeats=2  # quick
 """
 
 import json
@@ -55,6 +60,10 @@ import time
 
 import numpy as np
 from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import plots  # noqa: E402
 
 _PARTITIONS = (1, 2, 4)
 _MODELS = ("lc", "mlp")
@@ -89,6 +98,9 @@ def define_flags():
     )
     flags.DEFINE_integer(
         "mlp_classes", 8192, "Softmax classes (paper: 8192).", lower_bound=4
+    )
+    flags.DEFINE_string(
+        "out_dir", plots.DEFAULT_OUT_DIR, "CSV and PNG output folder ('' for none)."
     )
     # Internal: set by the parent for its children.
     flags.DEFINE_enum("setup", None, ["scaling", "overhead"], "Child: set-up to run.")
@@ -259,6 +271,59 @@ def main(argv):
             child.stdin.close()
             child.wait()
     _print_table(secs, nbytes, start)
+    if f.out_dir:
+        _write_outputs(f.out_dir, secs, nbytes)
+
+
+def _write_outputs(out_dir, secs, nbytes):
+    """`model_parallel.csv` and the speed-up figure (section 3, Figure 3's form)."""
+    rows, series = [], {}
+    for model in _MODELS:
+        for setup in ("scaling", "overhead"):
+            base = float(np.median(secs[(model, setup, 1)]))
+            speedups = []
+            for p in _PARTITIONS:
+                times = secs[(model, setup, p)]
+                median = float(np.median(times))
+                speedups.append(base / median)
+                rows.append(
+                    [
+                        model,
+                        setup,
+                        p,
+                        median * 1e3,
+                        (max(times) - min(times)) / median,
+                        base / median,
+                        nbytes[(model, p)]["needed"],
+                        nbytes[(model, p)]["moved"],
+                    ]
+                )
+            series[f"{model}, {setup}"] = (list(_PARTITIONS), speedups)
+    plots.write_csv(
+        os.path.join(out_dir, "model_parallel.csv"),
+        [
+            "model",
+            "setup",
+            "partitions",
+            "step_ms",
+            "spread",
+            "speedup",
+            "needed_bytes",
+            "moved_bytes",
+        ],
+        rows,
+    )
+    series["ideal"] = (list(_PARTITIONS), [float(p) for p in _PARTITIONS])
+    path = plots.line_plot(
+        os.path.join(out_dir, "model_parallel_speedup.png"),
+        series,
+        title="Model parallelism: step speed-up over 1 partition (section 3)",
+        xlabel="partitions (logical CPU devices of one replica)",
+        ylabel="speed-up (median step time ratio)",
+        note=plots.machine_note(),
+        xticks=_PARTITIONS,
+    )
+    print(f"wrote {path}", flush=True)
 
 
 def _print_table(secs, nbytes, start):

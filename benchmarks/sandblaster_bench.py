@@ -23,8 +23,16 @@ machines, and SciPy gets one core too.
 The problem: a tanh MLP (`--features` -> `--hidden` -> 10, float32) on
 `--examples` synthetic examples labelled by a random teacher network.
 
+With `--out_dir` (default `benchmarks/results/`) it also writes
+`sandblaster.csv` (the table), `sandblaster_loss.csv` (loss against time of
+both optimizers), `sandblaster_batch.png` (batch seconds with and without the
+straggler, without and with backup tasks) and `sandblaster_loss.png` (training
+loss against wall-clock seconds, the paper's Figure 4 form, with the target).
+
 Usage:
   python benchmarks/sandblaster_bench.py --portions=32 --slowdown=5
+  python benchmarks/sandblaster_bench.py --examples=8192 --hidden=256 \
+      --batches=2 --target_iters=20 --max_iters=30   # quick
 """
 
 import os
@@ -41,6 +49,8 @@ import time
 import numpy as np
 import scipy.optimize
 from absl import app, flags
+
+from benchmarks import plots
 
 
 def define_flags():
@@ -60,6 +70,9 @@ def define_flags():
     flags.DEFINE_integer("num_workers", 2, "Workers.", lower_bound=2)
     flags.DEFINE_integer("num_ps", 2, "Parameter-server tasks.", lower_bound=1)
     flags.DEFINE_integer("seed", 0, "Data and initialisation seed.")
+    flags.DEFINE_string(
+        "out_dir", plots.DEFAULT_OUT_DIR, "CSV and PNG output folder ('' for none)."
+    )
 
 
 FLAGS = flags.FLAGS
@@ -152,7 +165,7 @@ def main(argv):
 
     x, y = make_data(FLAGS.examples, FLAGS.features, FLAGS.seed)
     loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    rows = []
+    rows, batch_times = [], []
     with cluster.LocalCluster(FLAGS.num_workers, FLAGS.num_ps) as local:
         strategy = strategy_lib.DistBeliefStrategy(local.resolver)
 
@@ -180,6 +193,7 @@ def main(argv):
             secs = batch_secs(obj, obj.ops.from_numpy(obj.layout.read()), FLAGS.batches)
             obj.join()
             baseline = baseline or secs
+            batch_times.append((name, secs))
             s = obj.stats
             rows.append(
                 [
@@ -273,6 +287,53 @@ def main(argv):
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths], *rows]:
         print("| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |")
+    if FLAGS.out_dir:
+        curves = {
+            f"Sandblaster L-BFGS ({FLAGS.num_workers} workers)": (
+                [t for t, _ in eval_log],
+                [loss for _, loss in eval_log],
+            ),
+            "SciPy L-BFGS-B (1 core)": (scipy_secs, scipy_losses),
+        }
+        _write_outputs(FLAGS.out_dir, header, rows, batch_times, curves, target)
+
+
+def _write_outputs(out_dir, header, rows, batch_times, curves, target):
+    """The table and loss curves as CSV; the batch-time and loss figures."""
+    plots.write_csv(os.path.join(out_dir, "sandblaster.csv"), header, rows)
+    plots.write_csv(
+        os.path.join(out_dir, "sandblaster_loss.csv"),
+        ["optimizer", "secs", "loss"],
+        [[name, t, v] for name, (ts, vs) in curves.items() for t, v in zip(ts, vs)],
+    )
+    note = plots.machine_note()
+    labels = [name.replace(", ", "\n") for name, _ in batch_times]
+    paths = [
+        plots.bar_plot(
+            os.path.join(out_dir, "sandblaster_batch.png"),
+            labels,
+            {"batch": [secs for _, secs in batch_times]},
+            title=(
+                f"Sandblaster: one batch ({FLAGS.portions} portions), "
+                f"{FLAGS.num_workers} workers (section 4.2)"
+            ),
+            xlabel="",
+            ylabel="batch time (s, median)",
+            note=note,
+        ),
+        plots.line_plot(
+            os.path.join(out_dir, "sandblaster_loss.png"),
+            curves,
+            title="Training loss against time (Figure 4 form)",
+            xlabel="wall-clock seconds",
+            ylabel="training loss",
+            hline=(target, f"target {target:.4g}"),
+            logy=True,
+            note=note,
+        ),
+    ]
+    for path in paths:
+        print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -269,6 +269,14 @@ def define_flags() -> None:
         "partitioned dense layers).",
         lower_bound=1,
     )
+    flags.DEFINE_integer(
+        "gpus_per_worker",
+        d.gpus_per_worker,
+        "Local cluster on a GPU host: GPUs each worker sees (ps tasks none); "
+        "unset: the host's GPUs shared evenly (one shared GPU each when there "
+        "are fewer GPUs than workers); 0: CPUs only.",
+        lower_bound=0,
+    )
     # absl's bounds let NaN through, and an upper bound is not set: a NaN or
     # infinite value would fail late (NaN) or train to chance (epsilon=inf).
     for name in _FLOAT_FLAGS:

@@ -20,6 +20,7 @@ PURE_MODULES = [
     "tf_distbelief.sandblaster.lbfgs",
     "tf_distbelief.sandblaster.schedule",
     "tf_distbelief.model_parallel.partition_math",
+    "tf_distbelief.cluster.gpus",
 ]
 
 

@@ -1,7 +1,8 @@
 """The cluster: configuration (`config`, with the address rules of
 `addresses`), a task's server (`server`), the local cluster of child processes
-(`local`) and its network isolation (`isolation`), bounded start-up
-(`connect`), and Kubernetes manifests for a cluster of pods (`tfjob`).
+(`local`), the GPUs each local task sees (`gpus`), and its network isolation
+(`isolation`), bounded start-up (`connect`), and Kubernetes manifests for a
+cluster of pods (`tfjob`).
 
 The public names are re-exported here; `server_main` is the child tasks'
 entry point (`python -m tf_distbelief.cluster.server_main`).
@@ -17,6 +18,7 @@ from tf_distbelief.cluster.config import (
     training_cluster_resolver,
     validate_cluster,
 )
+from tf_distbelief.cluster.gpus import GpuAssignmentError
 from tf_distbelief.cluster.isolation import enter_private_network
 from tf_distbelief.cluster.local import (
     DEFAULT_START_TIMEOUT_SECS,
@@ -31,6 +33,7 @@ __all__ = [
     "SERVER_JOBS",
     "ClusterConfigError",
     "ClusterStartError",
+    "GpuAssignmentError",
     "LocalCluster",
     "enter_private_network",
     "resolve_cluster",

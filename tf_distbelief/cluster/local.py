@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import portpicker
 
 from tf_distbelief.cluster import config as config_lib
+from tf_distbelief.cluster import gpus as gpus_lib
 from tf_distbelief.cluster import isolation
 from tf_distbelief.cluster import server as server_lib
 
@@ -58,9 +59,17 @@ class LocalCluster:
       log_dir: where task logs go; a temporary folder by default.
       ports: optional fixed ports, `{"chief": [p], "worker": [p, ...], "ps":
         [...]}`; jobs left out get free ports from portpicker.
+      gpus_per_worker: GPUs each worker sees on a GPU host (its own
+        `CUDA_VISIBLE_DEVICES`; ps tasks see none): None (default) shares the
+        host's GPUs evenly, 0 hides them; see `cluster.gpus`. Worker GPU
+        memory grows as used (`TF_FORCE_GPU_ALLOW_GROWTH`), and so does the
+        chief's unless TensorFlow already uses a GPU in this process.
+      visible_gpus: the GPU ids to share out; None finds them
+        (`gpus.visible_gpus`: `CUDA_VISIBLE_DEVICES`, else `nvidia-smi -L`).
 
     Raises:
       ValueError: a count is not a positive integer.
+      GpuAssignmentError: `gpus_per_worker` asks for more GPUs than there are.
       ClusterStartError: a task died or did not listen in time (its log tail is
         in the message).
     """
@@ -73,6 +82,8 @@ class LocalCluster:
         start_timeout_secs: float = DEFAULT_START_TIMEOUT_SECS,
         log_dir: str | None = None,
         ports: Mapping[str, list[int]] | None = None,
+        gpus_per_worker: int | None = None,
+        visible_gpus: list[str] | None = None,
     ):
         for name, value in (
             ("num_workers", num_workers),
@@ -97,6 +108,12 @@ class LocalCluster:
                     f"tasks ({counts}). Received: {job!r}: {job_ports!r}"
                 )
         self._ports = ports
+        if visible_gpus is None:
+            visible_gpus = gpus_lib.visible_gpus()
+        # `{(job, index): CUDA_VISIBLE_DEVICES}`; empty on a host without GPUs.
+        self.gpu_assignment = gpus_lib.assign_gpus(
+            visible_gpus, num_workers, num_ps, gpus_per_worker
+        )
         self.num_workers = num_workers
         self.num_ps = num_ps
         self.cpu_devices_per_worker = cpu_devices_per_worker
@@ -111,6 +128,7 @@ class LocalCluster:
             {"cluster": self.jobs, "task": {"type": job, "index": index}}
         )
         env = dict(os.environ, TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL="2")
+        env.update(gpus_lib.task_env(self.gpu_assignment, job, index))
         devices = self.cpu_devices_per_worker if job == "worker" else 1
         log = open(os.path.join(self._log_dir, f"{job}_{index}.log"), "ab")
         ready = self._ready_file(job, index)
@@ -171,6 +189,11 @@ class LocalCluster:
             for job, job_ports in ports.items()
         }
         _register_live(self)
+        if any(self.gpu_assignment.values()):
+            # Read when this process's TensorFlow first creates its GPU devices
+            # (when the strategy connects); without it the chief would reserve
+            # almost all memory of the GPUs it shares with the workers.
+            os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
         for job in ("ps", "worker"):
             for index in range(len(self.jobs[job])):
                 self.processes[(job, index)] = self._spawn(job, index)

@@ -63,6 +63,10 @@ class JobConfig:
         model parallelism), >= 1; > 1 needs a `ModelSpec` with
         `model_parallel`. Local cluster workers then expose that many CPU
         devices; with `TF_CONFIG`, worker tasks start with that many.
+      gpus_per_worker: local cluster on a GPU host: GPUs each worker sees
+        (`CUDA_VISIBLE_DEVICES`; ps tasks none), >= 0; None shares the
+        host's GPUs evenly (`cluster.gpus`); 0 trains on CPUs. Ignored with
+        `TF_CONFIG` (the cluster manager assigns devices).
     """
 
     optimizer: str = "adagrad"
@@ -89,6 +93,7 @@ class JobConfig:
         default_factory=lambda: sandblaster_lib.SandblasterConfig()
     )
     devices_per_replica: int = 1
+    gpus_per_worker: int | None = None
 
     def validate(self) -> JobConfig:
         """Checks every field; returns self.
@@ -122,6 +127,11 @@ class JobConfig:
                 raise ValueError(
                     f"`{name}` must be >= 1. Received: {getattr(self, name)!r}"
                 )
+        if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
+            raise ValueError(
+                "`gpus_per_worker` must be >= 0 or None (share the host's GPUs). "
+                f"Received: {self.gpus_per_worker!r}"
+            )
         if not self.connect_timeout_secs > 0:
             raise ValueError(
                 "`connect_timeout_secs` must be > 0. Received: "

@@ -216,6 +216,12 @@ def evaluate_checkpoints(config: JobConfig, spec: ModelSpec, print_fn=print) -> 
     print_fn("evaluator: done")
 
 
+def gpu_summary(assignment) -> str:
+    """`worker 0: 0,1; worker 1: 2,3; ps: none` from `LocalCluster.gpu_assignment`."""
+    parts = [f"{j} {i}: {v}" for (j, i), v in sorted(assignment.items()) if v]
+    return "; ".join(parts + ["ps: none"])
+
+
 def run(config: JobConfig, spec: ModelSpec, print_fn=print) -> dict | None:
     """Runs this process's part of the job; see the module docstring.
 
@@ -241,7 +247,10 @@ def run(config: JobConfig, spec: ModelSpec, print_fn=print) -> dict | None:
             config.num_workers,
             config.num_ps,
             cpu_devices_per_worker=config.devices_per_replica,
+            gpus_per_worker=config.gpus_per_worker,
         ) as local:
+            if any(local.gpu_assignment.values()):
+                print_fn(f"local cluster GPUs: {gpu_summary(local.gpu_assignment)}")
             print_fn(
                 f"local cluster: {config.num_workers} workers, {config.num_ps} ps "
                 f"({', '.join(a for j in ('worker', 'ps') for a in local.jobs[j])})"

@@ -1,0 +1,175 @@
+"""CSV and PNG output of `benchmarks/downpour_bench.py` (Dean et al. 2012, section 5).
+
+Pure functions of the benchmark's rows (`downpour_bench.Row`: any object with
+the fields `model`, `name`, `examples_per_sec`, `speedup`,
+`socket_bytes_per_example`, `tensor_bytes_per_example`, `cpu_ms_per_step`,
+`test_accuracy`, `test_loss` and `curve`), so that they run and are tested
+without a cluster (tests/test_bench_plots.py).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Sequence
+
+from benchmarks import plots
+
+
+def median_curve(curves: Sequence[Sequence[tuple[float, float]]]) -> list:
+    """The point-by-point median of several rounds' curves.
+
+    Args:
+      curves: per round, `[(training secs, test accuracy), ...]` measured at the
+        same epochs (round i's k-th point is after epoch k).
+
+    Returns:
+      `[(median secs, median accuracy), ...]`, as long as the shortest curve;
+      `[]` for no curves.
+    """
+    curves = [c for c in curves if c]
+    if not curves:
+        return []
+    length = min(len(c) for c in curves)
+    return [
+        (
+            statistics.median(c[k][0] for c in curves),
+            statistics.median(c[k][1] for c in curves),
+        )
+        for k in range(length)
+    ]
+
+
+def default_target(rows) -> float:
+    """The best test accuracy every configuration reached (on its curve).
+
+    A time to this accuracy exists for every configuration, so the Figure 5
+    form compares them all. Rows without a curve count with their final
+    accuracy.
+    """
+    return min(max((a for _, a in r.curve), default=r.test_accuracy) for r in rows)
+
+
+def write_outputs(out_dir, rows, round_rows, header, target_accuracy=None):
+    """Writes the CSVs and, per model, the three figures; returns their paths.
+
+    Args:
+      out_dir: the output folder (made if missing).
+      rows: one row per `(model, configuration)` (`downpour_bench.median_rows`).
+      round_rows: `[(round index, row), ...]`, every round's own row.
+      header: the table's header line (machine, cluster, epochs), noted in
+        the CSV's first column and under the figures.
+      target_accuracy: the accuracy of the time-to-target figure, or None for
+        `default_target` per model.
+
+    Returns:
+      The paths written: `downpour.csv`, `downpour_curves.csv`, then
+      `downpour_<model>_{accuracy,time_to_target,bytes}.png` per model.
+    """
+    note = plots.machine_note()
+    models = list(dict.fromkeys(r.model for r in rows))
+    targets = {
+        m: target_accuracy or default_target([r for r in rows if r.model == m])
+        for m in models
+    }
+    to_target = {
+        (r.model, r.name): plots.time_to_target(
+            [t for t, _ in r.curve], [a for _, a in r.curve], targets[r.model]
+        )
+        for r in rows
+    }
+    paths = [
+        plots.write_csv(
+            os.path.join(out_dir, "downpour.csv"),
+            [
+                "model",
+                "config",
+                "examples_per_sec",
+                "x_stock",
+                "socket_bytes_per_example",
+                "tensor_bytes_per_example",
+                "cpu_ms_per_step",
+                "test_accuracy",
+                "test_loss",
+                "target_accuracy",
+                "secs_to_target",
+                "setup",
+            ],
+            [
+                [
+                    r.model,
+                    r.name,
+                    r.examples_per_sec,
+                    r.speedup,
+                    r.socket_bytes_per_example,
+                    r.tensor_bytes_per_example,
+                    sum(r.cpu_ms_per_step.values()),
+                    r.test_accuracy,
+                    r.test_loss,
+                    targets[r.model],
+                    to_target[(r.model, r.name)],
+                    header,
+                ]
+                for r in rows
+            ],
+        ),
+        plots.write_csv(
+            os.path.join(out_dir, "downpour_curves.csv"),
+            ["model", "config", "round", "epoch", "train_secs", "test_accuracy"],
+            [
+                [r.model, r.name, k, epoch, secs, acc]
+                for k, r in round_rows
+                for epoch, (secs, acc) in enumerate(r.curve)
+            ],
+        ),
+    ]
+    for model in models:
+        model_rows = [r for r in rows if r.model == model]
+        names = [r.name for r in model_rows]
+        prefix = os.path.join(out_dir, f"downpour_{model}")
+        paths.append(
+            plots.line_plot(
+                f"{prefix}_accuracy.png",
+                {
+                    r.name: ([t for t, _ in r.curve], [a for _, a in r.curve])
+                    for r in model_rows
+                },
+                title=f"Downpour vs stock training, {model}: accuracy (Figure 4 form)",
+                xlabel="training wall-clock seconds (evaluations left out)",
+                ylabel="test accuracy",
+                hline=(targets[model], f"target {targets[model]:.3f}"),
+                note=note,
+            )
+        )
+        paths.append(
+            plots.bar_plot(
+                f"{prefix}_time_to_target.png",
+                names,
+                {"secs": [to_target[(model, n)] for n in names]},
+                title=(
+                    f"{model}: seconds to test accuracy {targets[model]:.3f} "
+                    "(Figure 5's measure)"
+                ),
+                xlabel="configuration (n = n_fetch = n_push)",
+                ylabel="training seconds to target",
+                note=note,
+                value_format="{:.1f}",
+            )
+        )
+        paths.append(
+            plots.bar_plot(
+                f"{prefix}_bytes.png",
+                names,
+                {
+                    "sockets (gRPC)": [r.socket_bytes_per_example for r in model_rows],
+                    "tensors": [r.tensor_bytes_per_example for r in model_rows],
+                },
+                title=f"{model}: worker<->ps bytes per training example",
+                xlabel="configuration (n = n_fetch = n_push)",
+                ylabel="bytes per example (log)",
+                logy=True,
+                note=note,
+                value_format="{:.3g}",
+            )
+        )
+    return paths
