@@ -4,16 +4,25 @@ Pure functions of the benchmark's rows (`downpour_bench.Row`: any object with
 the fields `model`, `name`, `examples_per_sec`, `speedup`,
 `socket_bytes_per_example`, `tensor_bytes_per_example`, `cpu_ms_per_step`,
 `test_accuracy`, `test_loss` and `curve`), so that they run and are tested
-without a cluster (tests/test_bench_plots.py).
+without a cluster (tests/test_bench_plots.py). Run as a script, it redraws the
+figures from the CSVs of an earlier run:
+
+  python benchmarks/downpour_figures.py [out_dir]
 """
 
 from __future__ import annotations
 
+import csv
 import os
 import statistics
+import sys
+import types
 from collections.abc import Sequence
 
-from benchmarks import plots
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import plots  # noqa: E402
 
 
 def median_curve(curves: Sequence[Sequence[tuple[float, float]]]) -> list:
@@ -66,7 +75,12 @@ def write_outputs(out_dir, rows, round_rows, header, target_accuracy=None):
       The paths written: `downpour.csv`, `downpour_curves.csv`, then
       `downpour_<model>_{accuracy,time_to_target,bytes}.png` per model.
     """
-    note = plots.machine_note()
+    # The run's own machine and load, also when redrawn later from the CSVs.
+    note = (
+        header.split(" workers=")[0] + " (shared machine: noisy timings)"
+        if header.startswith("cores=")
+        else plots.machine_note()
+    )
     models = list(dict.fromkeys(r.model for r in rows))
     targets = {
         m: target_accuracy or default_target([r for r in rows if r.model == m])
@@ -169,7 +183,52 @@ def write_outputs(out_dir, rows, round_rows, header, target_accuracy=None):
                 ylabel="bytes per example (log)",
                 logy=True,
                 note=note,
-                value_format="{:.3g}",
+                value_format="{:,.0f}",
             )
         )
     return paths
+
+
+def read_outputs(out_dir):
+    """`(rows, round_rows, header)` back from `downpour.csv` and `downpour_curves.csv`.
+
+    The rows are namespaces with `write_outputs`'s fields; each row's curve is
+    the median of its rounds' curves, as `downpour_bench.median_rows` makes it.
+    """
+    with open(os.path.join(out_dir, "downpour.csv"), newline="") as f:
+        table = list(csv.DictReader(f))
+    with open(os.path.join(out_dir, "downpour_curves.csv"), newline="") as f:
+        points = list(csv.DictReader(f))
+    curves = {}
+    for p in points:
+        key = (p["model"], p["config"], int(p["round"]))
+        curves.setdefault(key, []).append(
+            (float(p["train_secs"]), float(p["test_accuracy"]))
+        )
+    rows, round_rows = [], []
+    for t in table:
+        own = {k[2]: c for k, c in curves.items() if k[:2] == (t["model"], t["config"])}
+        row = types.SimpleNamespace(
+            model=t["model"],
+            name=t["config"],
+            examples_per_sec=float(t["examples_per_sec"]),
+            speedup=float(t["x_stock"]),
+            socket_bytes_per_example=float(t["socket_bytes_per_example"]),
+            tensor_bytes_per_example=float(t["tensor_bytes_per_example"]),
+            cpu_ms_per_step={"all": float(t["cpu_ms_per_step"])},
+            test_accuracy=float(t["test_accuracy"]),
+            test_loss=float(t["test_loss"]),
+            curve=median_curve([own[k] for k in sorted(own)]),
+        )
+        rows.append(row)
+        round_rows += [
+            (k, types.SimpleNamespace(model=row.model, name=row.name, curve=own[k]))
+            for k in sorted(own)
+        ]
+    return rows, sorted(round_rows, key=lambda kr: kr[0]), table[0]["setup"]
+
+
+if __name__ == "__main__":
+    folder = sys.argv[1] if len(sys.argv) > 1 else plots.DEFAULT_OUT_DIR
+    for path in write_outputs(folder, *read_outputs(folder)):
+        print(f"wrote {path}")

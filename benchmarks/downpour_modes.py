@@ -18,6 +18,10 @@ what the cadence alone makes: a replica's cache misses the other replica's
 pushes since its fetch. The test accuracy after 960 steps is early in
 training, where runs differ by several points: read `diff` with `sd`.
 
+With `--out_dir` (default `benchmarks/results/`) it also writes every seed's
+accuracy as `downpour_modes.csv` and the mean test accuracy per configuration
+as `downpour_modes.png` (`benchmarks/plots.py`).
+
 Usage:
   python benchmarks/downpour_modes.py            # about 12 minutes, 2 cores
   python benchmarks/downpour_modes.py --seeds=0 --steps=200   # a smoke run
@@ -34,6 +38,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+
+from benchmarks import plots  # noqa: E402
 
 _LEARNING_RATE = 0.2  # AdaGrad gamma on the ps, as downpour_bench's speech.
 _BATCH_SIZE = 32
@@ -56,6 +62,9 @@ def define_flags():
     )
     flags.DEFINE_integer("hidden_units", 256, "Speech model width.", lower_bound=1)
     flags.DEFINE_integer("classes", 8192, "Speech model softmax width.", lower_bound=2)
+    flags.DEFINE_string(
+        "out_dir", plots.DEFAULT_OUT_DIR, "CSV and PNG output folder ('' for none)."
+    )
 
 
 def _speech_problem(hidden_units, classes, seed):
@@ -157,6 +166,31 @@ def main(argv):
             f"{n:3d} {local:8} {mode:11} {statistics.mean(accs):8.4f} "
             f"{statistics.mean(diffs):+7.4f} {sd:6.4f}"
         )
+    if f.out_dir:
+        _write_outputs(f.out_dir, seeds, accuracy)
+
+
+def _write_outputs(out_dir, seeds, accuracy):
+    """`downpour_modes.csv` (every seed) and the mean accuracy per configuration."""
+    f = flags.FLAGS
+    plots.write_csv(
+        os.path.join(out_dir, "downpour_modes.csv"),
+        ["seed", "n", "local_optimizer", "adagrad_accumulator", "test_accuracy"],
+        [[s, *c, accuracy[(s, *c)]] for s in seeds for c in _CONFIGS],
+    )
+    path = plots.bar_plot(
+        os.path.join(out_dir, "downpour_modes.png"),
+        [f"n={n}\n{local}\n{mode}" for n, local, mode in _CONFIGS],
+        {"acc": [statistics.mean(accuracy[(s, *c)] for s in seeds) for c in _CONFIGS]},
+        title=(
+            f"Downpour modes (simulated, 2 replicas, {f.steps} steps, "
+            f"seeds {','.join(map(str, seeds))})"
+        ),
+        xlabel="n = n_fetch = n_push, local step, ps accumulator",
+        ylabel="test accuracy (mean over seeds)",
+        value_format="{:.3f}",
+    )
+    print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

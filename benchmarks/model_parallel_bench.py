@@ -318,7 +318,7 @@ def _write_outputs(out_dir, secs, nbytes):
         os.path.join(out_dir, "model_parallel_speedup.png"),
         series,
         title="Model parallelism: step speed-up over 1 partition (section 3)",
-        xlabel="partitions (logical CPU devices of one replica)",
+        xlabel="partitions (devices of one replica: GPUs if any, else logical CPUs)",
         ylabel="speed-up (median step time ratio)",
         note=plots.machine_note(),
         xticks=_PARTITIONS,

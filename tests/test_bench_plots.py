@@ -133,3 +133,11 @@ def test_downpour_outputs_from_a_fixed_table(tmp_path):
     assert float(table[1]["secs_to_target"]) == pytest.approx(2.0)
     with open(paths[1], newline="") as f:
         assert len(list(csv.reader(f))) == 1 + 6
+    # Redrawn from the CSVs: the same rows, curves and setup line.
+    rows, round_rows, header = downpour_figures.read_outputs(str(tmp_path))
+    assert [(r.name, r.curve, r.test_accuracy) for r in rows] == [
+        ("stock", stock.curve, 0.9),
+        ("n=4", n4.curve, 0.8),
+    ]
+    assert [(k, r.name) for k, r in round_rows] == [(0, "stock"), (0, "n=4")]
+    assert header == "header"
