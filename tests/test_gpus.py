@@ -146,3 +146,10 @@ def test_local_cluster_tasks_get_their_gpus_and_start_on_a_cpu_host(monkeypatch)
     assert seen[("worker", 0)]["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
     assert seen[("worker", 1)]["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
     assert os.environ["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"  # The chief's.
+
+
+def test_the_jobs_gpu_line():
+    from tf_distbelief.job import runner
+
+    assignment = gpus.assign_gpus(["0", "1", "2", "3"], 2, 2)
+    assert runner.gpu_summary(assignment) == "worker 0: 0,1; worker 1: 2,3; ps: none"

@@ -99,6 +99,7 @@ def test_readme_main_job_trains_digits_and_leaves_no_process():
         ("--epsilon=inf", r"flag --epsilon=inf: --epsilon must be a finite number"),
         ("--learning_rate=nan", r"flag --learning_rate=nan: --learning_rate must be"),
         ("--local_optimizer=adam", r"flag --local_optimizer=adam: value should be"),
+        ("--gpus_per_worker=-1", r"flag --gpus_per_worker=-1: -1 is not a non-neg"),
         (
             "--adagrad_accumulator=mean",
             r"--adagrad_accumulator.*are Downpour settings: add --downpour",

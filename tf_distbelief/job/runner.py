@@ -249,12 +249,12 @@ def run(config: JobConfig, spec: ModelSpec, print_fn=print) -> dict | None:
             cpu_devices_per_worker=config.devices_per_replica,
             gpus_per_worker=config.gpus_per_worker,
         ) as local:
-            if any(local.gpu_assignment.values()):
-                print_fn(f"local cluster GPUs: {gpu_summary(local.gpu_assignment)}")
             print_fn(
                 f"local cluster: {config.num_workers} workers, {config.num_ps} ps "
                 f"({', '.join(a for j in ('worker', 'ps') for a in local.jobs[j])})"
             )
+            if any(local.gpu_assignment.values()):
+                print_fn(f"local cluster GPUs: {gpu_summary(local.gpu_assignment)}")
             return train(config, spec, local.resolver, print_fn)
     task_type = resolver.task_type
     logging.info("Task %s:%s", task_type, resolver.task_id)
