@@ -32,6 +32,11 @@ _ABSL_BANNER = b"WARNING: All log messages before absl::InitializeLog() is calle
 _SEVERITY = {b"I": 0, b"W": 1, b"E": 2, b"F": 3}
 # What `TF_CPP_MIN_LOG_LEVEL` means when unset (TensorFlow's default: all).
 _DEFAULT_MIN_LOG_LEVEL = 0
+# The local cluster's size when no flag says otherwise (`JobConfig`'s
+# defaults): here, so that the launch script's first line, printed before
+# TensorFlow loads, can name it.
+LOCAL_NUM_WORKERS = 2
+LOCAL_NUM_PS = 2
 # Kept at each end of a shortened message: the head says what failed, the
 # tail (the longer part) says why.
 _HEAD_SHARE = 1 / 3
@@ -69,7 +74,7 @@ def shorten(text: str, max_chars: int = 1200) -> str:
     head = int(keep * _HEAD_SHARE)
     tail = keep - head
     cut = len(text) - head - tail
-    return f"{text[:head]} [... {cut} characters ...] {text[len(text) - tail:]}"
+    return f"{text[:head]} [... {cut} characters ...] {text[len(text) - tail :]}"
 
 
 def duration(secs: float) -> str:
@@ -117,10 +122,13 @@ def starting_line(
     flags.DEFINE_integer("num_ps", default_num_ps, "", flag_values=early)
     try:
         early(list(argv), known_only=True)
-        workers, ps = early.num_workers, early.num_ps
     except (flags.Error, OSError):
-        workers, ps = "?", "?"  # A bad value fails, named, at the full parse.
-    return f"starting local cluster: {workers} workers, {ps} ps (loading TensorFlow)"
+        # A bad value fails, named, at the full parse.
+        return "starting local cluster (loading TensorFlow)"
+    return (
+        f"starting local cluster: {early.num_workers} workers, {early.num_ps} ps "
+        "(loading TensorFlow)"
+    )
 
 
 def min_log_level(environ: Mapping[str, str] | None = None) -> int:
@@ -187,9 +195,7 @@ def quiet_tensorflow_startup(fd: int = 2):
             os.dup2(saved, fd)
             os.close(saved)
             captured.seek(0)
-            kept = [
-                line for line in captured if not is_startup_noise(line, level, gpu)
-            ]
+            kept = [line for line in captured if not is_startup_noise(line, level, gpu)]
             if kept:
                 os.write(fd, b"".join(kept))
 

@@ -111,7 +111,10 @@ class LocalCluster:
         tf_config = json.dumps(
             {"cluster": self.jobs, "task": {"type": job, "index": index}}
         )
-        env = dict(os.environ, TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL="2")
+        # The task logs at this process's TensorFlow log level (INFO and
+        # WARNING hidden unless set otherwise).
+        level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")
+        env = dict(os.environ, TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL=level)
         devices = self.cpu_devices_per_worker if job == "worker" else 1
         log = open(os.path.join(self._log_dir, f"{job}_{index}.log"), "ab")
         ready = self._ready_file(job, index)
