@@ -20,6 +20,8 @@ PURE_MODULES = [
     "tf_distbelief.sandblaster.lbfgs",
     "tf_distbelief.sandblaster.schedule",
     "tf_distbelief.model_parallel.partition_math",
+    # The launch script's first line and start-up filter, before TensorFlow.
+    "tf_distbelief.console",
 ]
 
 
