@@ -301,6 +301,15 @@ def check() -> None:
             "_steps_per_execution" in _source_names(tf_keras.Model),
         ),
     ]
+    from tensorflow.python.eager import context
+
+    expectations += [
+        ("eager context.get_server_def", callable(context.get_server_def)),
+        (
+            "eager Context.update_server_def",
+            callable(getattr(context.Context, "update_server_def", None)),
+        ),
+    ]
     missing = [name for name, ok in expectations if not ok]
     assert not missing, (
         f"TensorFlow internals that tf_distbelief relies on changed shape in "
