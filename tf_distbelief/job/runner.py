@@ -212,7 +212,11 @@ def evaluate_checkpoints(
     model = build_model(
         config, spec, devices=["/device:CPU:0"] * config.devices_per_replica
     )
-    model.compile(loss=spec.loss(), metrics=list(spec.metrics))
+    # The trainer's optimizer: the model's checkpoint holds it (its values
+    # are not restored), and another optimizer's differ in dtype.
+    model.compile(
+        optimizer=build_optimizer(config), loss=spec.loss(), metrics=list(spec.metrics)
+    )
     model(x_test[:1], training=False)  # Weights exist before a restore.
     data = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(512)
     results = evaluation.evaluate_checkpoints(
