@@ -20,8 +20,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The demo models (`models/`) ship with the repository, not the installed package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
+from tf_distbelief import console  # noqa: E402  (no TensorFlow)
 from tf_distbelief.cluster import isolation  # noqa: E402  (no TensorFlow)
 
 if __name__ == "__main__":
@@ -29,6 +30,15 @@ if __name__ == "__main__":
     # in a private network namespace (README: Security) while no TensorFlow is
     # loaded and no thread runs; returns where isolation is off or unavailable.
     isolation.enter_private_network(isolation.flag_value(sys.argv))
+    # A pipe (docker, Kubernetes, `| tee`) shows each line as it is written.
+    sys.stdout.reconfigure(line_buffering=True)
+    # Loading TensorFlow takes seconds (tens on a loaded machine): say so first.
+    console.echo(
+        console.starting_line(
+            sys.argv, os.environ, console.LOCAL_NUM_WORKERS, console.LOCAL_NUM_PS
+        )
+    )
+    console.import_tensorflow_quietly()
 
 import models  # noqa: E402
 from tf_distbelief import downpour, job, sandblaster  # noqa: E402
@@ -337,6 +347,10 @@ def main(argv):
         config.downpour = downpour.DownpourConfig(
             **{name: FLAGS[name].value for name in _DOWNPOUR_FLAGS}
         )
+    if not FLAGS["verbosity"].present:
+        # absl turns an unset --verbosity into INFO; TensorFlow's INFO logs
+        # would bury the progress lines.
+        logging.set_verbosity(logging.WARNING)
     spec = model_spec()
     job.main(config, spec)
 

@@ -16,3 +16,25 @@ def wait_for_worker_recovery(strategy, timeout_secs: float = 120.0) -> None:
     from tf_distbelief import strategy as strategy_lib
 
     strategy_lib.wait_for_worker_recovery(strategy, timeout_secs)
+
+
+def tensorboard_scalars(folder):
+    """`{tag: [(step, value), ...]}` of every event file in `folder`, in order.
+
+    Event files are named by their creation time, so a resumed run's come
+    after the run before it.
+    """
+    import os
+
+    import tensorflow as tf
+
+    scalars = {}
+    for name in sorted(os.listdir(folder)):
+        if not name.startswith("events.out.tfevents"):
+            continue
+        for record in tf.data.TFRecordDataset(os.path.join(folder, name)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                number = float(tf.make_ndarray(value.tensor))
+                scalars.setdefault(value.tag, []).append((event.step, number))
+    return scalars

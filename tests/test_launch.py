@@ -20,6 +20,7 @@ import portpicker
 import pytest
 import tensorflow as tf
 
+from tests.helpers import tensorboard_scalars
 from tf_distbelief import cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,12 +82,57 @@ def _accuracy(output):
     return float(found[-1])
 
 
+# A line of TensorFlow's C++ logging (Abseil's prefix), or Abseil's banner.
+CPP_LOG_LINE = re.compile(
+    r"^([IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\]|WARNING: All log messages)",
+    re.M,
+)
+
+
 @pytest.mark.slow
-def test_readme_main_job_trains_digits_and_leaves_no_process():
-    output = _train_ok(README_ARGS)
-    assert "local cluster: 2 workers, 2 ps" in output
-    assert re.search(r"^epoch 5: steps 500 .*examples_per_sec=", output, re.M)
+def test_readme_main_job_streams_its_progress_and_leaves_no_process():
+    """Issue 12: stdout is a pipe (docker, Kubernetes, `| tee`); each line
+    arrives as it is written, and stdout and stderr hold no TensorFlow C++ log
+    line on a CPU machine."""
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, *README_ARGS],
+        env=_env(marker, PYTHONUNBUFFERED="", TF_CPP_MIN_LOG_LEVEL="2"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = [proc.stdout.readline()]
+        # Before TensorFlow loads (tens of seconds on a loaded machine).
+        assert lines[0] == (
+            "starting local cluster: 2 workers, 2 ps (loading TensorFlow)\n"
+        )
+        while not lines[-1].startswith("epoch 1/5:") and lines[-1]:
+            lines.append(proc.stdout.readline())
+        # The first epoch's line, read while the job still runs (4 epochs to go).
+        assert proc.poll() is None, lines
+        assert re.match(
+            r"^epoch 1/5: steps 100/500 loss=\d\.\d{4} accuracy=\d\.\d{4} "
+            r"\d+ examples/s, elapsed \d+s, ETA \d+s$",
+            lines[-1],
+        ), lines
+        rest, stderr = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    output = "".join(lines) + rest
+    assert "local cluster: 2 workers, 2 ps (127.0.0.1:" in output
+    # Lines as the finished steps pass each 100 (the step the follower saw).
+    assert re.search(r"^step \d+/500: \d+ examples/s, elapsed \d+s, ETA ", output, re.M)
+    last_epoch = r"^epoch 5/5: steps 500/500 .* examples/s, elapsed \d+s, ETA 0s$"
+    assert re.search(last_epoch, output, re.M)
+    # The job's full console output ends with the test accuracy.
+    assert re.fullmatch(r"test accuracy: 0\.\d{4}", output.splitlines()[-1])
     assert _accuracy(output) >= 0.95
+    assert not CPP_LOG_LINE.search(output + stderr), (output + stderr)[-3000:]
+    assert _wait_no_marked(marker) == []
 
 
 @pytest.mark.parametrize(
@@ -147,7 +193,8 @@ def test_killed_chief_leaves_no_process():
     marker = uuid.uuid4().hex
     script = textwrap.dedent("""
         import time
-        from tf_distbelief import cluster
+        from tests.helpers import tensorboard_scalars
+from tf_distbelief import cluster
         cluster.LocalCluster(num_workers=2, num_ps=1).start()
         print("up", flush=True)
         time.sleep(600)
@@ -211,7 +258,20 @@ def test_tf_config_cluster_of_separate_processes(tmp_path):
             assert proc.wait(120) == 0, key
         evaluator = (tmp_path / "evaluator0.out").read_text()
         assert "evaluator: done" in evaluator
-        assert re.search(r"accuracy: 0\.9[5-9]", evaluator), evaluator[-2000:]
+        # Issue 12: every checkpoint (one per epoch) evaluated and named, its
+        # scalars at its step.
+        steps = [100, 200, 300, 400, 500]
+        for step in steps:
+            assert re.search(
+                rf"^evaluator: \S+/checkpoints/ckpt-{step} \(step {step}\): "
+                r"accuracy=0\.\d{4} loss=",
+                evaluator,
+                re.M,
+            ), evaluator[-2000:]
+        assert re.search(r"ckpt-500 \(step 500\): accuracy=0\.9[5-9]", evaluator)
+        scalars = tensorboard_scalars(tmp_path / "tensorboard" / "eval")
+        assert [s for s, _ in scalars["eval/accuracy"]] == steps
+        assert [s for s, _ in scalars["eval/loss"]] == steps
         assert _wait_no_marked(marker) == []
     finally:
         for proc in procs.values():
@@ -251,7 +311,7 @@ def test_downpour_through_the_launch_script():
         ]
     )
     assert re.search(
-        r"^epoch 10: .*bytes_pushed_per_step=.*replica1/staleness=", output, re.M
+        r"^epoch 10/10: .*bytes_pushed_per_step=.*replica1/staleness=", output, re.M
     )
     assert _accuracy(output) >= 0.95
 

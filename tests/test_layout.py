@@ -21,6 +21,8 @@ PURE_MODULES = [
     "tf_distbelief.sandblaster.schedule",
     "tf_distbelief.model_parallel.partition_math",
     "tf_distbelief.cluster.gpus",
+    # The launch script's first line and start-up filter, before TensorFlow.
+    "tf_distbelief.console",
 ]
 
 

@@ -11,7 +11,7 @@ import tf_keras
 
 import models
 from models import digits
-from tests.helpers import wait_for_worker_recovery
+from tests.helpers import tensorboard_scalars, wait_for_worker_recovery
 from tf_distbelief import job, resume, training
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import DownpourConfig
@@ -45,6 +45,7 @@ def test_fit_resumes_from_model_dir(local_cluster, data, tmp_path):
         steps_per_epoch=100,
         batch_size=32,
         model_dir=str(tmp_path),
+        log_every_steps=50,
         print_fn=lines.append,
     )
     assert first.initial_epoch == 0 and first.epochs == 2
@@ -60,6 +61,7 @@ def test_fit_resumes_from_model_dir(local_cluster, data, tmp_path):
         steps_per_epoch=100,
         batch_size=32,
         model_dir=str(tmp_path),
+        log_every_steps=50,
         print_fn=lines.append,
     )
     assert lines[0].startswith("Resumed from ") and "at step 200 (epoch 2)" in lines[0]
@@ -69,9 +71,21 @@ def test_fit_resumes_from_model_dir(local_cluster, data, tmp_path):
     # Checkpoints are numbered by their step.
     assert second.checkpoint_path.endswith("ckpt-400")
     assert training.accuracy(model, x_test, y_test) >= 0.95
-    assert any(
-        n.startswith("events.out.tfevents")
-        for n in os.listdir(tmp_path / training.TENSORBOARD_SUBDIR)
+    # Issue 12: one step axis across both runs. Each tag's steps, read from
+    # the first run's event file and then the resumed run's, strictly
+    # increase; the epoch scalars sit at the global steps of the epoch ends.
+    scalars = tensorboard_scalars(tmp_path / training.TENSORBOARD_SUBDIR)
+    assert [s for s, _ in scalars["epoch/loss"]] == [100, 200, 300, 400]
+    assert [s for s, _ in scalars["epoch/accuracy"]] == [100, 200, 300, 400]
+    for tag, points in scalars.items():
+        steps = [s for s, _ in points]
+        assert steps == sorted(set(steps)), (tag, steps)
+    assert max(s for points in scalars.values() for s, _ in points) == 400
+    # Read while the workers trained: examples/s every 50 finished steps or so.
+    interval = [s for s, _ in scalars["interval/examples_per_sec"]]
+    assert interval and all(0 < s <= 400 for s in interval)
+    assert [h["loss"] for h in first.history + second.history] == pytest.approx(
+        [v for _, v in scalars["epoch/loss"]]
     )
     # The restored run did not start from scratch: its first epoch's loss is
     # below the first run's first epoch.

@@ -30,6 +30,8 @@ from collections.abc import Callable
 import tensorflow as tf
 import tf_keras
 
+from tf_distbelief import console
+
 SAVED_MODEL_SUBDIR = "saved_model"
 KERAS_FILE = "model.keras"
 
@@ -90,7 +92,7 @@ def _restore_into(plain: tf_keras.Model, checkpoint_path: str) -> None:
     except AssertionError as e:
         raise ValueError(
             f"The checkpoint {checkpoint_path} does not hold every weight of the "
-            f"model to export ({' '.join(str(e).split())[:500]})."
+            f"model to export ({console.shorten(str(e), 500)})."
         ) from None
 
 

@@ -29,7 +29,7 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import _tf_internals, nonfinite
+from tf_distbelief import _tf_internals, console, nonfinite
 
 
 class RestoreError(ValueError):
@@ -252,9 +252,8 @@ def restore(checkpoint: tf.train.Checkpoint, path: str) -> None:
     try:
         checkpoint.restore(path).assert_consumed()
     except (AssertionError, ValueError, tf.errors.OpError) as e:
-        detail = " ".join(str(e).split())
-        if len(detail) > 1200:
-            detail = detail[:1200] + " ..."
+        # TensorFlow's message ends with the cause: cut its middle only.
+        detail = console.shorten(str(e), 1200)
         raise RestoreError(
             f"The checkpoint {path} does not restore exactly into this model: {detail}"
         ) from None

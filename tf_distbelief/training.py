@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 
 import numpy as np
 import tensorflow as tf
 import tf_keras
 
+from tf_distbelief import console, resume
 from tf_distbelief import nonfinite as nonfinite_lib
-from tf_distbelief import resume
+from tf_distbelief.progress import Progress  # noqa: F401  (training.Progress)
 
 CHECKPOINT_SUBDIR = "checkpoints"
 TENSORBOARD_SUBDIR = "tensorboard"
@@ -110,75 +110,6 @@ def _num_workers(strategy) -> int:
     return max(1, getattr(strategy, "num_workers", 1))
 
 
-class Progress(tf_keras.callbacks.Callback):
-    """Prints and logs progress: steps done, loss, examples/s.
-
-    tf_keras refuses `verbose=1` under parameter-server training, and its batch
-    logs are remote values; this callback prints every `log_every_steps` steps
-    (steps scheduled and seconds, no synchronisation) and at each epoch end
-    (steps done, loss, metrics and examples/s), and writes the epoch scalars to
-    TensorBoard.
-
-    Args:
-      batch_size: examples per step, for examples/s.
-      log_every_steps: steps between progress lines; 0 prints epoch lines only.
-      tensorboard_dir: where to write scalars, or None.
-      print_fn: where lines go (`print` by default).
-    """
-
-    def __init__(
-        self, batch_size, log_every_steps=0, tensorboard_dir=None, print_fn=print
-    ):
-        super().__init__()
-        # Batch hooks are allowed under parameter-server training only for
-        # callbacks that accept remote logs; this one never reads batch logs.
-        self._supports_tf_logs = True
-        self.batch_size = batch_size
-        self.log_every_steps = log_every_steps
-        self.print_fn = print_fn
-        self._writer = (
-            tf.summary.create_file_writer(tensorboard_dir) if tensorboard_dir else None
-        )
-        self.steps_done = 0
-        self.history: list[dict] = []
-
-    def on_train_begin(self, logs=None):
-        self._start = time.monotonic()
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch_start = time.monotonic()
-        self._epoch_steps = 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        steps = batch + 1 - self._epoch_steps
-        self._epoch_steps = batch + 1
-        self.steps_done += steps
-        if self.log_every_steps and self.steps_done % self.log_every_steps < steps:
-            # Steps are scheduled asynchronously: this counts steps handed to
-            # workers; the epoch line below reports finished work.
-            self.print_fn(
-                f"step {self.steps_done} scheduled, "
-                f"{time.monotonic() - self._start:.1f} s"
-            )
-
-    def on_epoch_end(self, epoch, logs=None):
-        secs = time.monotonic() - self._epoch_start
-        rate = self._epoch_steps * self.batch_size / max(secs, 1e-9)
-        logs = {
-            k: float(v.fetch() if hasattr(v, "fetch") else v)
-            for k, v in (logs or {}).items()
-        }
-        logs["examples_per_sec"] = rate
-        self.history.append(dict(logs, epoch=epoch + 1, steps=self.steps_done))
-        metrics = " ".join(f"{k}={v:.4f}" for k, v in sorted(logs.items()))
-        self.print_fn(f"epoch {epoch + 1}: steps {self.steps_done} {metrics}")
-        if self._writer is not None:
-            with self._writer.as_default(step=self.steps_done):
-                for name, value in logs.items():
-                    tf.summary.scalar(name, value)
-            self._writer.flush()
-
-
 class _CountSkipped(tf_keras.callbacks.Callback):
     """Adds the steps skipped for non-finite gradients to each epoch's logs."""
 
@@ -242,7 +173,7 @@ def fit(
     model_dir: str | None = None,
     log_every_steps: int = 0,
     callbacks=(),
-    print_fn=print,
+    print_fn=console.echo,
     checkpoint_every_steps: int = 0,
     nonfinite: str = "raise",
 ) -> FitResult:
@@ -255,7 +186,8 @@ def fit(
     checkpoint recorded, mid-epoch if need be, and trains to `epochs *
     steps_per_epoch` steps in all. A checkpoint is written after every epoch
     and every `checkpoint_every_steps` steps, so a failure loses at most that
-    many steps; TensorBoard scalars go to `model_dir/tensorboard`. Checkpoints
+    many steps; TensorBoard scalars go to `model_dir/tensorboard`, numbered
+    by the global step, so that a resumed run continues the curves. Checkpoints
     hold the ps values (the coordinator reads them from the ps tasks) and are
     never written with a NaN or inf in them.
 
@@ -271,9 +203,10 @@ def fit(
       steps_per_epoch: steps per epoch over all workers, >= 1.
       batch_size: examples per step, for the examples/s figure.
       model_dir: checkpoints and logs, or None.
-      log_every_steps: progress lines every so many steps (0: per epoch only).
+      log_every_steps: progress lines and `interval/` TensorBoard scalars
+        every so many steps (0: per epoch only; see `progress`).
       callbacks: more tf_keras callbacks.
-      print_fn: where progress lines go.
+      print_fn: where progress lines go (stdout, flushed).
       checkpoint_every_steps: steps between checkpoints besides each epoch
         end, >= 0 (0: epoch ends only); needs `model_dir`.
       nonfinite: `raise` or `skip` (`tf_distbelief.nonfinite.MODES`).
@@ -318,6 +251,8 @@ def fit(
         log_every_steps,
         os.path.join(model_dir, TENSORBOARD_SUBDIR) if model_dir else None,
         print_fn,
+        epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
     )
     # The caller's callbacks first, so that logs they add are printed.
     all_callbacks = list(callbacks)
@@ -393,6 +328,8 @@ def fit(
             if error is None:
                 raise
             raise error from None
+        finally:
+            progress.close()
     return FitResult(
         initial_epoch=initial_step // steps_per_epoch,
         epochs=max(epochs, initial_step // steps_per_epoch),

@@ -35,6 +35,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from tf_distbelief import console
 from tf_distbelief.cluster import addresses
 
 ALLOWED_JOBS = ("chief", "worker", "ps", "evaluator")
@@ -245,12 +246,12 @@ def resolve_cluster(cluster_resolver=None):
     except json.JSONDecodeError as e:
         raise ClusterConfigError(
             f"`TF_CONFIG` is not valid JSON ({e.msg} at line {e.lineno} column "
-            f"{e.colno}). Received: {text[:200]!r}"
+            f"{e.colno}). Received: {console.shorten(text, 200)!r}"
         ) from None
     if not isinstance(config, dict) or "cluster" not in config:
         raise ClusterConfigError(
             "`TF_CONFIG` must be a JSON object with a `cluster` field and a `task` "
-            f"field. Received: {text[:200]!r}"
+            f"field. Received: {console.shorten(text, 200)!r}"
         )
     task = config.get("task", {})
     if not isinstance(task, dict):

@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from absl import logging
 
+from tf_distbelief import console
 from tf_distbelief.cluster import config as config_lib
 
 # Set in the environment of the re-executed program: the host's network
@@ -100,7 +101,8 @@ def probe(unshare: str, ip: str) -> str | None:
     if proc.returncode == 0:
         return None
     lines = (proc.stderr + proc.stdout).strip().splitlines() or [""]
-    return f"`unshare --user --map-root-user --net` failed: {lines[0][:200]}"
+    cause = console.shorten(lines[0], 200)
+    return f"`unshare --user --map-root-user --net` failed: {cause}"
 
 
 def decide(

@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 
 import portpicker
+from absl import logging
 
 from tf_distbelief.cluster import config as config_lib
 from tf_distbelief.cluster import gpus as gpus_lib
@@ -127,7 +128,10 @@ class LocalCluster:
         tf_config = json.dumps(
             {"cluster": self.jobs, "task": {"type": job, "index": index}}
         )
-        env = dict(os.environ, TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL="2")
+        # The task logs at this process's TensorFlow log level (INFO and
+        # WARNING hidden unless set otherwise).
+        level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")
+        env = dict(os.environ, TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL=level)
         env.update(gpus_lib.task_env(self.gpu_assignment, job, index))
         devices = self.cpu_devices_per_worker if job == "worker" else 1
         log = open(os.path.join(self._log_dir, f"{job}_{index}.log"), "ab")
@@ -289,8 +293,21 @@ class LocalCluster:
         self.processes[(job, index)].send_signal(sig)
 
     def stop(self) -> None:
-        """Ends every task: SIGTERM, then SIGKILL after a grace period."""
+        """Ends every task: SIGTERM, then SIGKILL after a grace period.
+
+        First this process's eager context leaves the tasks while they still
+        answer (`_tf_internals.disconnect_from_tasks`), so that exiting later
+        does not log a gRPC error per function and task.
+        """
         _LIVE_CLUSTERS.discard(self)
+        if "tensorflow" in sys.modules and self.jobs:
+            from tf_distbelief import _tf_internals
+
+            tasks = [a for job in ("worker", "ps") for a in self.jobs.get(job, ())]
+            try:
+                _tf_internals.disconnect_from_tasks(tasks)
+            except Exception as e:  # noqa: BLE001 (ending the tasks comes first)
+                logging.warning("Could not disconnect from the local cluster: %s", e)
         procs = [p for p in self.processes.values() if p.poll() is None]
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):

@@ -7,7 +7,15 @@ or worker task.
 
 from absl import app, flags
 
-from tf_distbelief.cluster import config, server
+from tf_distbelief import console
+
+if __name__ == "__main__":
+    # Before TensorFlow loads (the package imports no TensorFlow): keep its
+    # start-up lines below the log level, and the cuInit error of a task
+    # without a GPU, out of the task's log.
+    console.import_tensorflow_quietly()
+
+from tf_distbelief.cluster import config, server  # noqa: E402
 
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", 1, "CPU devices the server exposes.", lower_bound=1

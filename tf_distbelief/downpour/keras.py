@@ -293,19 +293,39 @@ class DownpourMetrics(tf_keras.callbacks.Callback):
         if logs is None:
             return
         now = self.downpour.stats()
-        last = self._last or [ReplicaStats() for _ in now]
+        figures = interval_figures(now, self._last)
         self._last = now
-        steps = fetched = pushed = 0
-        for i, (a, b) in enumerate(zip(now, last)):
-            d_steps, d_pushes = a.steps - b.steps, a.pushes - b.pushes
-            d_dropped = a.dropped_pushes - b.dropped_pushes
-            stale = a.staleness_sum - b.staleness_sum
-            logs[f"replica{i}/steps"] = d_steps
-            logs[f"replica{i}/staleness"] = stale / max(d_pushes + d_dropped, 1)
-            steps += d_steps
-            fetched += a.bytes_fetched - b.bytes_fetched
-            pushed += a.bytes_pushed - b.bytes_pushed
         for key in ("staleness", "bytes_fetched", "bytes_pushed"):
             logs.pop(key, None)
-        logs["bytes_fetched_per_step"] = fetched / max(steps, 1)
-        logs["bytes_pushed_per_step"] = pushed / max(steps, 1)
+        logs.update(figures)
+
+
+def interval_figures(
+    now: Sequence[ReplicaStats], last: Sequence[ReplicaStats]
+) -> dict[str, float]:
+    """The Downpour figures between two readings of the replicas' counters.
+
+    Args:
+      now: `Downpour.stats()` now.
+      last: `Downpour.stats()` at the start of the interval (empty: since
+        the start).
+
+    Returns:
+      `{"replica{i}/steps", "replica{i}/staleness", "bytes_fetched_per_step",
+      "bytes_pushed_per_step"}` over the interval (see `DownpourMetrics`).
+    """
+    last = list(last) or [ReplicaStats() for _ in now]
+    figures: dict[str, float] = {}
+    steps = fetched = pushed = 0
+    for i, (a, b) in enumerate(zip(now, last)):
+        d_steps, d_pushes = a.steps - b.steps, a.pushes - b.pushes
+        d_dropped = a.dropped_pushes - b.dropped_pushes
+        stale = a.staleness_sum - b.staleness_sum
+        figures[f"replica{i}/steps"] = d_steps
+        figures[f"replica{i}/staleness"] = stale / max(d_pushes + d_dropped, 1)
+        steps += d_steps
+        fetched += a.bytes_fetched - b.bytes_fetched
+        pushed += a.bytes_pushed - b.bytes_pushed
+    figures["bytes_fetched_per_step"] = fetched / max(steps, 1)
+    figures["bytes_pushed_per_step"] = pushed / max(steps, 1)
+    return figures

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tf_distbelief import console
 from tf_distbelief import downpour as downpour_lib
 from tf_distbelief import nonfinite as nonfinite_lib
 from tf_distbelief import sandblaster as sandblaster_lib
@@ -77,8 +78,9 @@ class JobConfig:
     epochs: int = 5
     steps_per_epoch: int = 100
     steps_per_execution: int = 10
-    num_workers: int = 2
-    num_ps: int = 2
+    # The launch script's first line names them before TensorFlow loads.
+    num_workers: int = console.LOCAL_NUM_WORKERS
+    num_ps: int = console.LOCAL_NUM_PS
     partitioner: str = "min_size"
     shard_bytes: int = strategy_lib.DEFAULT_MIN_SHARD_BYTES
     model_dir: str | None = None

@@ -16,7 +16,7 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import adagrad, cluster, downpour, training
+from tf_distbelief import adagrad, cluster, console, downpour, evaluation, training
 from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.job.config import JobConfig
@@ -91,7 +91,9 @@ def compile_model(config: JobConfig, strategy, spec: ModelSpec) -> tf_keras.Mode
     return model
 
 
-def train(config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=print) -> dict:
+def train(
+    config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=console.echo
+) -> dict:
     """Trains on the cluster `cluster_resolver` describes, from the chief.
 
     Args:
@@ -184,15 +186,23 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
     }
 
 
-def evaluate_checkpoints(config: JobConfig, spec: ModelSpec, print_fn=print) -> None:
-    """The `evaluator` task: test accuracy of each new checkpoint in `model_dir`.
+def evaluate_checkpoints(
+    config: JobConfig, spec: ModelSpec, print_fn=console.echo
+) -> dict[int, dict[str, float]]:
+    """The `evaluator` task: evaluates every checkpoint in `model_dir`, in order.
 
-    Uses `tf_keras.utils.SidecarEvaluator`; it stops after the checkpoint of
-    `config.epochs` epochs (numbered by its step, `epochs * steps_per_epoch`).
-    Training never contacts this task.
+    `evaluation.evaluate_checkpoints` on the test set: each checkpoint's
+    loss and metrics are printed with its path and written to TensorBoard
+    (`model_dir/tensorboard/eval`, `eval/<metric>`) at its global step. It
+    stops after the checkpoint of `config.epochs` epochs (numbered by its
+    step, `epochs * steps_per_epoch`). Training never contacts this task.
+
+    Returns:
+      `{step: {metric: value}}`.
 
     Raises:
       ValueError: `config.model_dir` is not set.
+      TimeoutError: no new checkpoint for an hour before the last one.
     """
     if not config.model_dir:
         raise ValueError("The `evaluator` task needs `model_dir` (checkpoints).")
@@ -202,18 +212,26 @@ def evaluate_checkpoints(config: JobConfig, spec: ModelSpec, print_fn=print) -> 
     model = build_model(
         config, spec, devices=["/device:CPU:0"] * config.devices_per_replica
     )
+    # The trainer's optimizer: the model's checkpoint holds it (its values
+    # are not restored), and another optimizer's differ in dtype.
     model.compile(
         optimizer=build_optimizer(config), loss=spec.loss(), metrics=list(spec.metrics)
     )
+    model(x_test[:1], training=False)  # Weights exist before a restore.
     data = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(512)
-    tf_keras.utils.SidecarEvaluator(
+    results = evaluation.evaluate_checkpoints(
         model,
         data,
-        checkpoint_dir=f"{config.model_dir}/{training.CHECKPOINT_SUBDIR}",
-        # Checkpoints are numbered by their step; the last is the final one.
-        max_evaluations=config.epochs * config.steps_per_epoch,
-    ).start()
+        os.path.join(config.model_dir, training.CHECKPOINT_SUBDIR),
+        last_step=config.epochs * config.steps_per_epoch,
+        tensorboard_dir=os.path.join(
+            config.model_dir, training.TENSORBOARD_SUBDIR, "eval"
+        ),
+        steps_per_epoch=config.steps_per_epoch,
+        print_fn=print_fn,
+    )
     print_fn("evaluator: done")
+    return results
 
 
 def gpu_summary(assignment) -> str:
@@ -222,7 +240,7 @@ def gpu_summary(assignment) -> str:
     return "; ".join(parts + ["ps: none"])
 
 
-def run(config: JobConfig, spec: ModelSpec, print_fn=print) -> dict | None:
+def run(config: JobConfig, spec: ModelSpec, print_fn=console.echo) -> dict | None:
     """Runs this process's part of the job; see the module docstring.
 
     Everything is validated before any server starts.
@@ -287,8 +305,6 @@ def main(config: JobConfig, spec: ModelSpec) -> None:
       config: the job.
       spec: the model and its data.
     """
-    tf.get_logger().setLevel("WARNING")
-    logging.set_verbosity(logging.WARNING)
     run(config, spec)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,0 +1,262 @@
+"""Console output (issue 12): flushed progress lines, TensorFlow's start-up
+noise kept out, messages cut in the middle, and the evaluator's loop."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from tests.helpers import tensorboard_scalars
+from tf_distbelief import console, evaluation, progress
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A line of TensorFlow's C++ logging (Abseil's prefix), or Abseil's banner.
+CPP_LOG_LINE = re.compile(
+    r"^([IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\]|WARNING: All log messages)",
+    re.M,
+)
+GRPC_LINE = re.compile(r"Failed to remove function remotely|grpc_status|GRPC error")
+
+# Lines TensorFlow 2.21 printed on this CPU machine at import (before Abseil
+# is initialised) and at the first device query.
+ONEDNN = (
+    b"I0000 00:00:1796097866.525827   10271 port.cc:153] oneDNN custom "
+    b"operations are on. You may see slightly different numerical results.\n"
+)
+BANNER = (
+    b"WARNING: All log messages before absl::InitializeLog() is called are "
+    b"written to STDERR\n"
+)
+CUINIT = (
+    b"E0000 00:00:1796097870.360002   10271 cuda_platform.cc:52] failed call to "
+    b"cuInit: INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)\n"
+)
+REAL_ERROR = b"E1130 12:00:01.000001   10271 server.cc:10] Could not bind port 2222\n"
+
+
+def test_shorten_keeps_the_start_and_the_cause_at_the_end():
+    cause = "Cause: shape (10,) in the checkpoint, (20,) here"
+    text = "Graph execution error: Detected at node RestoreV2_1 " + "x " * 2000 + cause
+    short = console.shorten(text, 300)
+    assert len(short) <= 300
+    assert short.startswith("Graph execution error: Detected at node RestoreV2_1")
+    assert short.endswith(cause)
+    omitted = int(re.search(r"\[\.\.\. (\d+) characters \.\.\.\]", short).group(1))
+    kept = len(short) - len(f" [... {omitted} characters ...] ")
+    assert kept + omitted == len(" ".join(text.split()))
+    assert console.shorten("a  short\n message") == "a short message"
+    with pytest.raises(ValueError, match=r"`max_chars` must be >= 40. Received: 5"):
+        console.shorten(text, 5)
+
+
+def test_starting_line_reads_the_cluster_size_before_tensorflow(tmp_path):
+    flagfile = tmp_path / "job.flags"
+    flagfile.write_text("--num_workers=4\n--model=digits\n")
+    line = console.starting_line
+    assert line(["train.py"], {}, 2, 2) == (
+        "starting local cluster: 2 workers, 2 ps (loading TensorFlow)"
+    )
+    assert line(["train.py", f"--flagfile={flagfile}", "--num_ps=1"], {}, 2, 2) == (
+        "starting local cluster: 4 workers, 1 ps (loading TensorFlow)"
+    )
+    assert line(["train.py", "--num_ps=x"], {}, 2, 2) == (
+        "starting local cluster (loading TensorFlow)"
+    )
+    tf_config = '{"cluster": {}, "task": {"type": "ps", "index": 1}}'
+    assert line(["train.py"], {"TF_CONFIG": tf_config}, 2, 2) == (
+        "starting task ps:1 of the TF_CONFIG cluster (loading TensorFlow)"
+    )
+
+
+def test_startup_noise_is_what_the_log_level_would_have_dropped():
+    noise = console.is_startup_noise
+    for line in (ONEDNN, BANNER):
+        assert noise(line, level=2, gpu=False) and noise(line, level=1, gpu=True)
+        assert not noise(line, level=0, gpu=False)
+    assert noise(CUINIT, level=2, gpu=False)
+    assert not noise(CUINIT, level=2, gpu=True)  # A GPU host: a real error.
+    assert not noise(REAL_ERROR, level=2, gpu=False)
+    assert noise(REAL_ERROR, level=3, gpu=False)
+    assert not noise(b"/x.py:3: UserWarning: something\n", level=3, gpu=False)
+
+
+def test_gpu_expected_follows_cuda_visible_devices():
+    assert not console.gpu_expected({"CUDA_VISIBLE_DEVICES": ""})
+    assert not console.gpu_expected({"CUDA_VISIBLE_DEVICES": "-1"})
+    has_nvidia = any(re.fullmatch(r"nvidia\d+", n) for n in os.listdir("/dev"))
+    assert console.gpu_expected({}) == has_nvidia
+
+
+def test_quiet_startup_drops_the_noise_and_keeps_the_rest_in_order(capfd, monkeypatch):
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with console.quiet_tensorflow_startup():
+        for line in (BANNER, ONEDNN, b"kept\n", CUINIT, REAL_ERROR, b"kept too\n"):
+            os.write(2, line)
+    assert capfd.readouterr().err == "kept\n" + REAL_ERROR.decode() + "kept too\n"
+
+
+def test_a_tensorflow_import_prints_nothing_at_log_level_2():
+    code = "from tf_distbelief import console; console.import_tensorflow_quietly()"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (proc.stdout, proc.stderr) == ("", "")
+
+
+def _digits_dense(seed=0):
+    tf_keras.utils.set_random_seed(seed)
+    model = tf_keras.Sequential([tf_keras.layers.Dense(10, input_shape=(64,))])
+    model.compile(
+        "sgd",
+        tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+class _SlowSteps(tf_keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(0.15)  # Steps the follower thread (every 0.5 s) can see.
+
+
+def test_progress_lines_name_the_epoch_steps_speed_and_eta():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(256, 64)).astype("float32"), rng.integers(0, 10, 256)
+    lines = []
+    callback = progress.Progress(
+        32, log_every_steps=4, print_fn=lines.append, epochs=2, steps_per_epoch=8
+    )
+    _digits_dense().fit(
+        x, y, batch_size=32, epochs=2, verbose=0, callbacks=[_SlowSteps(), callback]
+    )
+    epochs = [line for line in lines if line.startswith("epoch")]
+    assert len(epochs) == 2
+    assert re.match(
+        r"^epoch 1/2: steps 8/16 loss=\d+\.\d{4} accuracy=\d\.\d{4} "
+        r"\d+ examples/s, elapsed \d+s, ETA \d+s$",
+        epochs[0],
+    ), epochs[0]
+    last = r"^epoch 2/2: steps 16/16 .* examples/s, elapsed \d+s, ETA 0s$"
+    assert re.match(last, epochs[1])
+    steps = [line for line in lines if line.startswith("step")]
+    assert steps, lines
+    shown = []
+    for line in steps:
+        match = re.match(
+            r"^step (\d+)/16: \d+ examples/s, elapsed \d+s, ETA \d+s$", line
+        )
+        assert match, line
+        shown.append(int(match.group(1)))
+    # One line each time the finished steps pass a multiple of 4.
+    assert shown == sorted(set(shown)) and shown[0] >= 4
+    assert len({s // 4 for s in shown}) == len(shown)
+    assert [h["steps"] for h in callback.history] == [8, 16]
+
+
+def test_the_evaluator_writes_each_checkpoint_at_its_step(tmp_path):
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(200, 64)).astype("float32"), rng.integers(0, 10, 200)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
+    trained = _digits_dense(seed=1)
+    trained(x[:1])
+    weights = {
+        s: [w + 0.1 * s * rng.normal(size=w.shape) for w in trained.get_weights()]
+        for s in (10, 20, 30)
+    }
+    step = tf.Variable(0, dtype=tf.int64)
+    manager = tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=trained, step=step), str(tmp_path / "ckpt"), 3
+    )
+    for s, w in weights.items():
+        trained.set_weights(w)
+        step.assign(s)
+        manager.save(checkpoint_number=s)
+    lines = []
+    model = _digits_dense(seed=2)
+    model(x[:1])
+    results = evaluation.evaluate_checkpoints(
+        model,
+        data,
+        str(tmp_path / "ckpt"),
+        last_step=30,
+        tensorboard_dir=str(tmp_path / "eval"),
+        steps_per_epoch=10,
+        print_fn=lines.append,
+    )
+    assert sorted(results) == [10, 20, 30]
+    for s, (kernel, bias) in weights.items():
+        logits = x @ kernel + bias  # NumPy, independent of the model.
+        accuracy = np.mean(np.argmax(logits, axis=1) == y)
+        assert results[s]["accuracy"] == pytest.approx(accuracy)
+        shown = rf"ckpt-{s} \(step {s}\): .*accuracy="
+        assert any(re.search(shown, line) for line in lines)
+    events = tensorboard_scalars(tmp_path / "eval")
+    assert [s for s, _ in events["eval/accuracy"]] == [10, 20, 30]
+    assert [s for s, _ in events["eval/loss"]] == [10, 20, 30]
+    assert lines[-1] == "evaluator: evaluated 3 checkpoints"
+
+    # A run that ends later than any checkpoint comes: a bounded wait, named.
+    with pytest.raises(TimeoutError, match=r"after step 30 in .*ckpt; the run ends "):
+        evaluation.evaluate_checkpoints(
+            model, data, str(tmp_path / "ckpt"), 40, timeout_secs=1, print_fn=print
+        )
+
+
+@pytest.mark.slow
+def test_a_library_run_ends_with_at_most_one_grpc_line(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import tf_keras
+        import tf_distbelief as tfdb
+        from tf_distbelief import training
+        from models import digits
+
+        (x, y), (x_test, y_test) = digits.load_data()
+        with tfdb.LocalCluster(1, 1, log_dir={str(tmp_path)!r}) as local:
+            strategy = tfdb.DistBeliefStrategy(local.resolver)
+            with strategy.scope():
+                model = digits.build_model()
+                model.compile(
+                    tfdb.Adagrad(0.1),
+                    tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                )
+            training.fit(
+                model, training.dataset_creator(x, y, 32), epochs=1,
+                steps_per_epoch=20, batch_size=32,
+            )
+            print(f"test accuracy: {{training.accuracy(model, x_test, y_test)}}")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("test accuracy: ")
+    grpc = [line for line in proc.stderr.splitlines() if GRPC_LINE.search(line)]
+    assert len(grpc) <= 1, "\n".join(grpc[:10])
+    # The child tasks log at the parent's level: no C++ INFO lines, and no
+    # cuInit error on a machine without a GPU.
+    for name in ("worker_0.log", "ps_0.log"):
+        log = (tmp_path / name).read_text()
+        if console.gpu_expected():
+            log = "\n".join(li for li in log.splitlines() if "cuInit" not in li)
+        assert not CPP_LOG_LINE.search(log), log[-2000:]

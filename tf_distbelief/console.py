@@ -1,0 +1,213 @@
+"""Console output: lines flushed as written, TensorFlow's start-up noise kept out.
+
+A training job's console is often a pipe (docker, Kubernetes, `| tee`), where
+Python buffers `print` until exit; every line here is flushed as written.
+TensorFlow 2.21 logs through Abseil, which writes every message logged before
+`absl::InitializeLog()` to stderr whatever `TF_CPP_MIN_LOG_LEVEL` says: at
+import, the oneDNN and "Could not find cuda drivers" INFO lines (twice, once
+per TensorFlow shared library) and, at the first device query on a machine
+without a GPU, an ERROR `failed call to cuInit`. `quiet_tensorflow_startup`
+drops exactly those lines that the log level would have dropped, and the
+cuInit error where no GPU is meant to be used; anything else written in the
+meantime (a Python warning, a real error) is written out unchanged, in order.
+
+No TensorFlow import at module level: the launch script uses this module
+before TensorFlow loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+
+# Abseil's prefix: severity, MMDD, time, thread id, file:line]. Before Abseil
+# is initialised TensorFlow's lines read `I0000 00:00:<epoch seconds>.<us>`.
+_ABSL_LINE = re.compile(rb"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [^ \]]+:\d+\] ")
+_ABSL_BANNER = b"WARNING: All log messages before absl::InitializeLog() is called"
+_SEVERITY = {b"I": 0, b"W": 1, b"E": 2, b"F": 3}
+# What `TF_CPP_MIN_LOG_LEVEL` means when unset (TensorFlow's default: all).
+_DEFAULT_MIN_LOG_LEVEL = 0
+# The local cluster's size when no flag says otherwise (`JobConfig`'s
+# defaults): here, so that the launch script's first line, printed before
+# TensorFlow loads, can name it.
+LOCAL_NUM_WORKERS = 2
+LOCAL_NUM_PS = 2
+# Kept at each end of a shortened message: the head says what failed, the
+# tail (the longer part) says why.
+_HEAD_SHARE = 1 / 3
+
+
+def echo(line: str) -> None:
+    """Prints `line` to stdout and flushes it (a pipe shows it at once)."""
+    print(line, flush=True)
+
+
+def shorten(text: str, max_chars: int = 1200) -> str:
+    """Returns `text` on one line, cut in the middle if longer than `max_chars`.
+
+    Error messages end with their cause (TensorFlow's "Graph execution
+    error: Detected at node ... <the cause>"): the start and the end are
+    kept, the middle is replaced by `[... N characters ...]`.
+
+    Args:
+      text: any message; runs of whitespace become one space.
+      max_chars: the longest result, >= 40.
+
+    Returns:
+      The message, at most `max_chars` characters.
+
+    Raises:
+      ValueError: `max_chars` < 40.
+    """
+    if max_chars < 40:
+        raise ValueError(f"Argument `max_chars` must be >= 40. Received: {max_chars}")
+    text = " ".join(str(text).split())
+    if len(text) <= max_chars:
+        return text
+    marker_chars = len(f" [... {len(text)} characters ...] ")
+    keep = max_chars - marker_chars
+    head = int(keep * _HEAD_SHARE)
+    tail = keep - head
+    cut = len(text) - head - tail
+    return f"{text[:head]} [... {cut} characters ...] {text[len(text) - tail :]}"
+
+
+def duration(secs: float) -> str:
+    """`secs` as `42s`, `3m05s` or `2h07m`."""
+    secs = max(0, int(round(secs)))
+    if secs < 60:
+        return f"{secs}s"
+    if secs < 3600:
+        return f"{secs // 60}m{secs % 60:02d}s"
+    return f"{secs // 3600}h{secs % 3600 // 60:02d}m"
+
+
+def starting_line(
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+    default_num_workers: int,
+    default_num_ps: int,
+) -> str:
+    """The first console line of `launch/train.py`, before TensorFlow loads.
+
+    Reads only `--num_workers` and `--num_ps` (from the command line or a
+    `--flagfile`, with absl's own parser) and `TF_CONFIG`'s task; the full
+    flag validation comes later.
+
+    Args:
+      argv: the command line.
+      environ: the environment (`TF_CONFIG`).
+      default_num_workers, default_num_ps: the flags' defaults.
+
+    Returns:
+      `starting local cluster: 2 workers, 2 ps (loading TensorFlow)` or
+      `starting task worker:1 of the TF_CONFIG cluster (loading TensorFlow)`.
+    """
+    from absl import flags
+
+    if environ.get("TF_CONFIG"):
+        try:
+            task = json.loads(environ["TF_CONFIG"]).get("task", {})
+            name = f"task {task.get('type')}:{task.get('index', 0)}"
+        except (ValueError, AttributeError):
+            name = "a task"  # Validated, with a named error, once loaded.
+        return f"starting {name} of the TF_CONFIG cluster (loading TensorFlow)"
+    early = flags.FlagValues()
+    flags.DEFINE_integer("num_workers", default_num_workers, "", flag_values=early)
+    flags.DEFINE_integer("num_ps", default_num_ps, "", flag_values=early)
+    try:
+        early(list(argv), known_only=True)
+    except (flags.Error, OSError):
+        # A bad value fails, named, at the full parse.
+        return "starting local cluster (loading TensorFlow)"
+    return (
+        f"starting local cluster: {early.num_workers} workers, {early.num_ps} ps "
+        "(loading TensorFlow)"
+    )
+
+
+def min_log_level(environ: Mapping[str, str] | None = None) -> int:
+    """TensorFlow's C++ log level, `TF_CPP_MIN_LOG_LEVEL` (0 all .. 3 fatal only)."""
+    environ = os.environ if environ is None else environ
+    try:
+        return int(environ.get("TF_CPP_MIN_LOG_LEVEL", _DEFAULT_MIN_LOG_LEVEL))
+    except ValueError:
+        return _DEFAULT_MIN_LOG_LEVEL
+
+
+def gpu_expected(environ: Mapping[str, str] | None = None) -> bool:
+    """False when this process is meant to run without a GPU.
+
+    That is: `CUDA_VISIBLE_DEVICES` is empty or `-1`, or the host has no
+    NVIDIA device node (`/dev/nvidia0`, ...), as on a CPU machine.
+    """
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    try:
+        return any(re.fullmatch(r"nvidia\d+", name) for name in os.listdir("/dev"))
+    except OSError:
+        return True
+
+
+def is_startup_noise(line: bytes, level: int, gpu: bool) -> bool:
+    """True for a TensorFlow start-up line that `level` would have dropped.
+
+    Args:
+      line: one line of stderr, as bytes.
+      level: `TF_CPP_MIN_LOG_LEVEL`.
+      gpu: whether a GPU is meant to be used (`gpu_expected`).
+    """
+    if level >= 1 and line.startswith(_ABSL_BANNER):
+        return True
+    match = _ABSL_LINE.match(line)
+    if not match:
+        return False
+    if _SEVERITY[match.group(1)] < level:
+        return True
+    return level >= 1 and not gpu and b"failed call to cuInit" in line
+
+
+@contextlib.contextmanager
+def quiet_tensorflow_startup(fd: int = 2):
+    """Within the block, drops TensorFlow's start-up noise from file `fd`.
+
+    What is written to `fd` (stderr) in the block goes to a temporary file;
+    at the end, every line but the noise (`is_startup_noise`) is written to
+    `fd`, in order. Use it around the first TensorFlow import and the first
+    device query only: nothing written inside shows until the block ends.
+    """
+    level, gpu = min_log_level(), gpu_expected()
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured if not is_startup_noise(line, level, gpu)]
+            if kept:
+                os.write(fd, b"".join(kept))
+
+
+def import_tensorflow_quietly() -> None:
+    """Imports TensorFlow and queries its devices inside `quiet_tensorflow_startup`.
+
+    The device query is where CUDA is initialised (the cuInit error of a
+    machine without a GPU); it initialises no runtime, so device settings
+    (visible devices, memory growth) can still be made after it.
+    """
+    with quiet_tensorflow_startup():
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()

@@ -1,0 +1,228 @@
+"""Progress of `training.fit`: console lines and TensorBoard scalars.
+
+One step axis across runs: every line and scalar is numbered by the global
+step, the steps finished over all workers and all runs (`fit` starts it at
+the step its checkpoint recorded), so that a resumed run continues the
+curves of the run before it instead of drawing over them.
+
+Two cadences, by what reading a figure costs under parameter-server training:
+
+* every `log_every_steps` steps (`interval/...` scalars and a `step` line):
+  figures the coordinator reads without stopping the workers: examples per
+  second from tf_keras's step counter on the ps, and under Downpour each
+  replica's steps, staleness and bytes moved (its per-worker counters);
+* at each epoch end (`epoch/...` scalars and an `epoch` line): loss and
+  metrics, whose values are remote values on the workers: reading them
+  (`fetch`) waits for every step in flight, which tf_keras does at epoch
+  ends anyway; doing it more often would idle the workers each time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import tensorflow as tf
+import tf_keras
+from absl import logging
+
+from tf_distbelief import _tf_internals, console
+
+INTERVAL_PREFIX = "interval/"
+# How often the follower thread reads the finished-step counter (one small
+# read from a ps task), and how long closing waits for it.
+_POLL_SECS = 0.5
+_JOIN_SECS = 10.0
+EPOCH_PREFIX = "epoch/"
+
+
+def _format(value) -> str:
+    # Counts (a replica's steps, bytes per step) as integers.
+    if float(value).is_integer() and abs(value) >= 10:
+        return f"{int(value)}"
+    return f"{value:.4f}"
+
+
+class Progress(tf_keras.callbacks.Callback):
+    """Prints progress lines and writes TensorBoard scalars (see module docstring).
+
+    tf_keras refuses `verbose=1` under parameter-server training, and its batch
+    logs are remote values; this callback prints, flushed:
+
+    * every `log_every_steps` finished steps: `step 300/500: 1843 examples/s,
+      elapsed 12s, ETA 8s` (examples finished per second since the last
+      line). Steps are scheduled ahead of the workers, so a thread reads
+      tf_keras's step counter on the ps every 0.5 s and writes a line each
+      time it passes a multiple (the step shown is the counter then);
+    * at each epoch end: `epoch 3/5: steps 300/500 loss=0.1234
+      accuracy=0.9600 ... 1843 examples/s, elapsed 12s, ETA 8s`.
+
+    ETA assumes the rest of the run goes at this run's average speed.
+
+    Args:
+      batch_size: examples per step, for examples/s.
+      log_every_steps: steps between progress lines and `interval/` scalars;
+        0 per epoch only.
+      tensorboard_dir: where to write scalars, or None.
+      print_fn: where lines go (`console.echo`: stdout, flushed).
+      epochs: the epoch the run ends at (for `epoch k/N` and ETA), or None.
+      steps_per_epoch: steps per epoch (for `steps s/T`), or None.
+    """
+
+    def __init__(
+        self,
+        batch_size,
+        log_every_steps=0,
+        tensorboard_dir=None,
+        print_fn=console.echo,
+        epochs=None,
+        steps_per_epoch=None,
+    ):
+        super().__init__()
+        # Batch hooks are allowed under parameter-server training only for
+        # callbacks that accept remote logs; this one never reads batch logs.
+        self._supports_tf_logs = True
+        self.batch_size = batch_size
+        self.log_every_steps = log_every_steps
+        self.print_fn = print_fn
+        self.epochs = epochs
+        self.total_steps = (
+            epochs * steps_per_epoch if epochs and steps_per_epoch else None
+        )
+        self._writer = (
+            tf.summary.create_file_writer(tensorboard_dir) if tensorboard_dir else None
+        )
+        # Steps scheduled, over all runs; `fit` sets it to the resumed step.
+        self.steps_done = 0
+        self.history: list[dict] = []
+        self._run_start = None
+        self._last_interval_step = -1
+        self._thread = None
+        # Lines and scalars come from the training thread and the follower.
+        self._lock = threading.Lock()
+
+    # -- time ------------------------------------------------------------
+
+    def _timing(self, step) -> str:
+        elapsed = time.monotonic() - self._run_start
+        text = f"elapsed {console.duration(elapsed)}"
+        done = step - self._run_start_step
+        if self.total_steps and done > 0:
+            remaining = max(0, self.total_steps - step)
+            text += f", ETA {console.duration(remaining * elapsed / done)}"
+        return text
+
+    def _of_total(self, step) -> str:
+        return f"{step}/{self.total_steps}" if self.total_steps else f"{step}"
+
+    # -- hooks -----------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        now = time.monotonic()
+        if self._run_start is None:  # `fit` may call `Model.fit` twice.
+            self._run_start, self._run_start_step = now, self.steps_done
+        # tf_keras sets its step counter to 0 at each `Model.fit`.
+        self._fit_base_step = self.steps_done
+        self._last_interval_step = max(self._last_interval_step, self.steps_done)
+        self._last_time, self._last_finished = now, 0
+        self._last_replicas = self._replica_stats()
+        if self.log_every_steps and hasattr(self.model, "train_function"):
+            # Steps are scheduled ahead of the workers (a whole epoch at
+            # once when the closure queue has room): lines at scheduling
+            # time would say nothing. A thread follows the finished steps.
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=self._follow, name="tf_distbelief-progress", daemon=True
+            )
+            self._thread.start()
+
+    def on_train_end(self, logs=None):
+        self.close()
+
+    def close(self) -> None:
+        """Stops following the finished steps (`training.fit` calls it, errors too)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stop.set()
+            thread.join(_JOIN_SECS)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = time.monotonic()
+        self._epoch_steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._epoch_steps, steps = batch + 1, batch + 1 - self._epoch_steps
+        self.steps_done += steps
+
+    def _follow(self):
+        every = self.log_every_steps
+        while not self._stop.wait(_POLL_SECS):
+            try:
+                # A ps variable (the model is built under the strategy's
+                # scope): read while the workers run, without stopping them.
+                finished = int(_tf_internals.train_counter(self.model).numpy())
+                step = self._fit_base_step + finished
+                if step // every > self._last_interval_step // every:
+                    self._log_interval(finished, step)
+            except AttributeError:
+                return  # A model without tf_keras's step counter.
+            except tf.errors.OpError as e:
+                # A task being replaced: the next look will tell.
+                logging.info("Progress: could not read the step counter: %s", e)
+
+    def _replica_stats(self):
+        downpour = getattr(self.model, "downpour", None)
+        return downpour.stats() if downpour is not None else None
+
+    def _log_interval(self, finished, step):
+        now = time.monotonic()
+        secs = max(now - self._last_time, 1e-9)
+        rate = (finished - self._last_finished) * self.batch_size / secs
+        scalars = {"examples_per_sec": rate}
+        replicas = self._replica_stats()
+        if replicas:
+            from tf_distbelief.downpour import keras as downpour_keras
+
+            scalars.update(
+                downpour_keras.interval_figures(replicas, self._last_replicas or [])
+            )
+            self._last_replicas = replicas
+        self._last_time, self._last_finished = now, finished
+        self._last_interval_step = step
+        with self._lock:
+            self.print_fn(
+                f"step {self._of_total(step)}: {rate:.0f} examples/s, "
+                + self._timing(step)
+            )
+        self._write(INTERVAL_PREFIX, scalars, step)
+
+    def on_epoch_end(self, epoch, logs=None):
+        secs = time.monotonic() - self._epoch_start
+        rate = self._epoch_steps * self.batch_size / max(secs, 1e-9)
+        logs = {
+            k: float(v.fetch() if hasattr(v, "fetch") else v)
+            for k, v in (logs or {}).items()
+        }
+        logs["examples_per_sec"] = rate
+        self.history.append(dict(logs, epoch=epoch + 1, steps=self.steps_done))
+        shown = {k: v for k, v in logs.items() if k not in ("loss", "examples_per_sec")}
+        metrics = " ".join(
+            f"{k}={_format(v)}"
+            for k, v in [("loss", logs.get("loss"))] + sorted(shown.items())
+            if v is not None
+        )
+        epochs = f"{epoch + 1}/{self.epochs}" if self.epochs else f"{epoch + 1}"
+        with self._lock:
+            self.print_fn(
+                f"epoch {epochs}: steps {self._of_total(self.steps_done)} {metrics} "
+                f"{rate:.0f} examples/s, {self._timing(self.steps_done)}"
+            )
+        self._write(EPOCH_PREFIX, logs, self.steps_done)
+
+    def _write(self, prefix, scalars, step):
+        if self._writer is None or not scalars:
+            return
+        with self._lock, self._writer.as_default(step=step):
+            for name, value in scalars.items():
+                tf.summary.scalar(prefix + name, value)
+            self._writer.flush()
