@@ -19,7 +19,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import nonfinite as nonfinite_lib
-from tf_distbelief import resume
+from tf_distbelief import resume, validation
 
 CHECKPOINT_SUBDIR = "checkpoints"
 TENSORBOARD_SUBDIR = "tensorboard"
@@ -245,6 +245,9 @@ def fit(
     print_fn=print,
     checkpoint_every_steps: int = 0,
     nonfinite: str = "raise",
+    validation_data=None,
+    validation_freq=1,
+    validation_steps: int | None = None,
 ) -> FitResult:
     """Runs `model.fit` with progress, checkpoints, exact resume and a NaN guard.
 
@@ -277,6 +280,9 @@ def fit(
       checkpoint_every_steps: steps between checkpoints besides each epoch
         end, >= 0 (0: epoch ends only); needs `model_dir`.
       nonfinite: `raise` or `skip` (`tf_distbelief.nonfinite.MODES`).
+      validation_data, validation_freq, validation_steps: as `Model.fit`'s,
+        evaluated exactly on the coordinator (`validation.ExactValidation`,
+        first among the callbacks); `val_*` figures reach every callback.
 
     Returns:
       A `FitResult`.
@@ -321,6 +327,13 @@ def fit(
     )
     # The caller's callbacks first, so that logs they add are printed.
     all_callbacks = list(callbacks)
+    if validation_data is not None:
+        all_callbacks.insert(
+            0,
+            validation.ExactValidation(
+                validation_data, validation_freq, validation_steps
+            ),
+        )
     guard = None
     if getattr(model, "downpour", None) is None:
         # Downpour applies its pushes outside the optimizer's apply path.

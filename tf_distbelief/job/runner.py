@@ -29,11 +29,16 @@ def check_spec(config: JobConfig, spec: ModelSpec) -> None:
     Raises:
       TypeError: `spec` is not a `ModelSpec`.
       ValueError: `config.devices_per_replica > 1` and `spec` has no
-        model-parallel version.
+        model-parallel version, or `optimizer=lbfgs` and no `load_data`.
     """
     if not isinstance(spec, ModelSpec):
         raise TypeError(
             f"Argument `spec` must be a tf_distbelief ModelSpec. Received: {spec!r}"
+        )
+    if config.optimizer == "lbfgs" and spec.load_data is None:
+        raise ValueError(
+            "`optimizer=lbfgs` (Sandblaster, full batch) trains on `load_data`'s "
+            f"arrays; ModelSpec {spec.name!r} has only `dataset_fn`."
         )
     if config.devices_per_replica > 1 and not spec.model_parallel:
         raise ValueError(
@@ -111,10 +116,15 @@ def train(config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=print) 
         strategy_lib.make_partitioner(config.partitioner, num_ps, config.shard_bytes),
         connect_timeout_secs=config.connect_timeout_secs,
     )
-    (x_train, y_train), (x_test, y_test) = spec.load_data()
     if config.optimizer == "lbfgs":
-        return _train_sandblaster(
-            config, spec, strategy, (x_train, y_train), (x_test, y_test), print_fn
+        return _train_sandblaster(config, spec, strategy, *spec.load_data(), print_fn)
+    if spec.dataset_fn is not None:
+        data = spec.dataset_fn(config.batch_size, config.seed)
+        test = spec.test_arrays()
+    else:
+        (x_train, y_train), test = spec.load_data()
+        data = training.dataset_creator(
+            x_train, y_train, config.batch_size, config.seed
         )
     model = compile_model(config, strategy, spec)
     downpour_on = config.downpour is not None
@@ -122,7 +132,7 @@ def train(config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=print) 
     start = time.monotonic()
     result = training.fit(
         model,
-        training.dataset_creator(x_train, y_train, config.batch_size, config.seed),
+        data,
         epochs=config.epochs,
         steps_per_epoch=config.steps_per_epoch,
         batch_size=config.batch_size,
@@ -134,11 +144,12 @@ def train(config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=print) 
         nonfinite=config.nonfinite,
     )
     train_secs = time.monotonic() - start
-    test_accuracy = training.accuracy(model, x_test, y_test)
+    test_accuracy = training.accuracy(model, *test) if test is not None else None
     if downpour_on:
         for worker, stats in enumerate(model.downpour.stats()):
             print_fn(f"downpour replica {worker}: {stats}")
-    print_fn(f"test accuracy: {test_accuracy:.4f}")
+    if test_accuracy is not None:
+        print_fn(f"test accuracy: {test_accuracy:.4f}")
     return {
         "test_accuracy": test_accuracy,
         "epochs": result.epochs,
@@ -196,7 +207,13 @@ def evaluate_checkpoints(config: JobConfig, spec: ModelSpec, print_fn=print) -> 
     """
     if not config.model_dir:
         raise ValueError("The `evaluator` task needs `model_dir` (checkpoints).")
-    _, (x_test, y_test) = spec.load_data()
+    test = spec.test_arrays()
+    if test is None:
+        raise ValueError(
+            f"The `evaluator` task needs test arrays: ModelSpec {spec.name!r} has "
+            "neither `eval_data` nor `load_data`."
+        )
+    x_test, y_test = test
     # The evaluator has one device: the same partitions (hence the same
     # checkpointed weights) on CPU:0.
     model = build_model(
