@@ -161,3 +161,100 @@ def test_export_from_a_missing_checkpoint_names_it(tmp_path):
         export.export_checkpoint(
             str(tmp_path / "none"), digits.build_model, str(tmp_path / "e")
         )
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+
+
+def _launch(args, timeout=600):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    return subprocess.run(
+        [sys.executable, TRAIN, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _load_in_a_plain_process(tmp_path, export_dir, checkpoint_export_dir, x):
+    np.save(tmp_path / "x.npy", x)
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _LOADER,
+            str(export_dir),
+            str(checkpoint_export_dir),
+            str(tmp_path / "x.npy"),
+            str(tmp_path / "out.npz"),
+        ],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return np.load(tmp_path / "out.npz")
+
+
+@pytest.mark.slow
+def test_export_dir_flag_exports_the_trained_model(tmp_path):
+    from models import blobs
+
+    model_dir, export_dir = tmp_path / "run", tmp_path / "export"
+    proc = _launch(
+        [
+            "--model=models.blobs:spec",
+            "--num_workers=2",
+            "--num_ps=2",
+            "--partitioner=fixed",
+            "--epochs=1",
+            "--steps_per_epoch=40",
+            f"--model_dir={model_dir}",
+            f"--export_dir={export_dir}",
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"exported: {export_dir}/saved_model {export_dir}/model.keras" in proc.stdout
+    # The last checkpoint holds the final weights: exported again with no cluster.
+    export.export_checkpoint(str(model_dir), blobs.build_model, str(tmp_path / "ckpt"))
+    _, (x_test, y_test) = blobs.load_data()
+    out = _load_in_a_plain_process(tmp_path, export_dir, tmp_path / "ckpt", x_test)
+    np.testing.assert_array_equal(out["served"], out["keras"])
+    assert np.mean(out["keras"].argmax(axis=1) == y_test) >= 0.9
+    weights = sorted(k for k in out.files if k.startswith("w"))
+    assert len(weights) == 4  # Two Dense layers, each kernel joined whole.
+    for k in weights:
+        assert out[k].tobytes() == out["c" + k[1:]].tobytes()
+
+
+def test_export_dir_rules(tmp_path):
+    export.check_export_dir(str(tmp_path / "new" / "export"))
+    export.check_export_dir(str(tmp_path))  # Empty.
+    (tmp_path / "saved_model").mkdir()
+    (tmp_path / "saved_model" / "saved_model.pb").write_bytes(b"")
+    (tmp_path / "model.keras").write_bytes(b"")
+    export.check_export_dir(str(tmp_path))  # An earlier export: replaced.
+    with pytest.raises(ValueError, match=r"must not be the `model_dir`"):
+        export.check_export_dir(str(tmp_path), model_dir=str(tmp_path))
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"also holds notes.txt.*nothing was deleted"):
+        export.check_export_dir(str(tmp_path))
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match=r"must be a directory.*\(a file\)"):
+        export.check_export_dir(str(tmp_path / "notes.txt"))
+
+
+def test_export_dir_with_a_users_file_is_refused_before_any_cluster(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    proc = _launch(["--model=models.blobs:spec", f"--export_dir={tmp_path}"], 300)
+    assert proc.returncode != 0
+    assert "also holds notes.txt" in proc.stderr, proc.stderr[-2000:]
+    assert "local cluster" not in proc.stdout
+    assert (tmp_path / "notes.txt").read_text() == "mine"

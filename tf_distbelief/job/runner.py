@@ -16,7 +16,7 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import adagrad, cluster, downpour, training
+from tf_distbelief import adagrad, cluster, downpour, export, training
 from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.job.config import JobConfig
@@ -150,6 +150,7 @@ def train(config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=print) 
             print_fn(f"downpour replica {worker}: {stats}")
     if test_accuracy is not None:
         print_fn(f"test accuracy: {test_accuracy:.4f}")
+    _export(config, spec, model, print_fn)
     return {
         "test_accuracy": test_accuracy,
         "epochs": result.epochs,
@@ -186,6 +187,7 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
     )
     test_accuracy = training.accuracy(model, *test_data)
     print_fn(f"test accuracy: {test_accuracy:.4f}")
+    _export(config, spec, model, print_fn)
     return {
         "test_accuracy": test_accuracy,
         "iterations": result.num_iters,
@@ -193,6 +195,19 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
         "train_secs": train_secs,
         "stats": stats,
     }
+
+
+def _export(config: JobConfig, spec: ModelSpec, model, print_fn) -> None:
+    """`export.export_model` into `config.export_dir`, if set (on the chief)."""
+    if not config.export_dir:
+        return
+    # A plain copy on one device: the same partitions on CPU:0 for a
+    # model-parallel spec (as the evaluator builds it).
+    devices = ["/device:CPU:0"] * config.devices_per_replica
+    paths = export.export_model(
+        model, lambda: build_model(config, spec, devices), config.export_dir
+    )
+    print_fn(f"exported: {paths.saved_model} {paths.keras_file}")
 
 
 def evaluate_checkpoints(config: JobConfig, spec: ModelSpec, print_fn=print) -> None:
@@ -253,6 +268,8 @@ def run(config: JobConfig, spec: ModelSpec, print_fn=print) -> dict | None:
     config.validate()
     check_spec(config, spec)
     resolver = cluster.resolve_cluster()
+    if config.export_dir and (resolver is None or resolver.task_type == "chief"):
+        export.check_export_dir(config.export_dir, config.model_dir)
     if resolver is None:
         with cluster.LocalCluster(
             config.num_workers,
