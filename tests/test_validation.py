@@ -187,6 +187,8 @@ def test_an_infinite_validation_dataset_needs_validation_steps():
         validation.ExactValidation(ds, validation_steps=0)
     with pytest.raises(ValueError, match=r"`validation_data` must be a finite"):
         validation.ExactValidation("data.csv")
+    with pytest.raises(ValueError, match=r"`timeout_secs` must be > 0"):
+        validation.ExactValidation(ds, validation_steps=3, timeout_secs=0)
 
 
 def test_exact_validation_without_a_cluster_matches_evaluate():

@@ -41,6 +41,11 @@ import tf_keras
 _COMPILE_ARGS = ("metrics", "loss_weights", "weighted_metrics")
 
 
+# One evaluation's bound: an hour, far above any validation set this job
+# evaluates on its coordinator, yet a hang ends with an error naming it.
+DEFAULT_TIMEOUT_SECS = 3600.0
+
+
 class InfiniteValidationDataError(ValueError):
     """`validation_data` is an infinite dataset and `validation_steps` is None."""
 
@@ -126,12 +131,14 @@ class ExactValidation(tf_keras.callbacks.Callback):
         the arrays). An infinite dataset needs it.
       batch_size: examples per forward pass for arrays (default 32, as
         tf_keras).
+      timeout_secs: the longest one evaluation may take, > 0 (a dataset of
+        unknown size may never end); then `TimeoutError`.
 
     Raises:
       InfiniteValidationDataError: an infinite dataset without
         `validation_steps`.
-      ValueError: a bad `validation_data`, `validation_freq` or
-        `validation_steps`.
+      ValueError: a bad `validation_data`, `validation_freq`,
+        `validation_steps` or `timeout_secs`.
     """
 
     def __init__(
@@ -140,6 +147,7 @@ class ExactValidation(tf_keras.callbacks.Callback):
         validation_freq: int | Collection[int] = 1,
         validation_steps: int | None = None,
         batch_size: int | None = None,
+        timeout_secs: float = DEFAULT_TIMEOUT_SECS,
     ):
         super().__init__()
         self._x, self._y, self._sample_weight = _unpack(validation_data)
@@ -164,6 +172,11 @@ class ExactValidation(tf_keras.callbacks.Callback):
                 "Pass the finite dataset (without `.repeat()`), or set "
                 "`validation_steps` to the batches to evaluate."
             )
+        if not timeout_secs > 0:
+            raise ValueError(
+                f"Argument `timeout_secs` must be > 0. Received: {timeout_secs!r}"
+            )
+        self.timeout_secs = timeout_secs
         self.validation_freq = validation_freq
         self.validation_steps = validation_steps
         self.batch_size = batch_size
@@ -202,11 +215,16 @@ class ExactValidation(tf_keras.callbacks.Callback):
             except BaseException as e:  # Re-raised on the caller's thread.
                 result["error"] = e
 
-        thread = threading.Thread(target=run, name="tfdb-exact-validation")
+        thread = threading.Thread(target=run, name="tfdb-exact-validation", daemon=True)
         thread.start()
-        # Bounded by the validation set: a finite dataset or `validation_steps`
-        # (an infinite dataset without it is refused in `__init__`).
-        thread.join()
+        thread.join(self.timeout_secs)
+        if thread.is_alive():
+            raise TimeoutError(
+                f"Exact validation did not finish within timeout_secs="
+                f"{self.timeout_secs}: the validation set is larger than that "
+                "allows, or a dataset of unknown size never ends. Raise "
+                "`timeout_secs` or set `validation_steps`."
+            )
         if "error" in result:
             raise result["error"]
         return {name: float(value) for name, value in result["logs"].items()}
