@@ -106,8 +106,9 @@ def train(config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=print) 
       print_fn: where progress lines go.
 
     Returns:
-      `{"test_accuracy": float, "epochs": int, "initial_epoch": int,
-      "history": [...], "train_secs": float}`.
+      `{"test_accuracy": float or None (no test arrays), "epochs": int,
+      "initial_epoch": int, "history": [...], "train_secs": float}`; with
+      `config.export_dir`, the model is exported there first.
     """
     num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
     # Connected first: a task that cannot be reached fails the job at once.
