@@ -132,6 +132,12 @@ def define_flags() -> None:
         lower_bound=1,
     )
     flags.DEFINE_string("model_dir", None, "Checkpoints (resume) and TensorBoard logs.")
+    flags.DEFINE_string(
+        "export_dir",
+        d.export_dir,
+        "At the end of training the chief writes a SavedModel (serving_default) "
+        "and a .keras file here (new, empty, or an earlier export, replaced).",
+    )
     flags.DEFINE_integer(
         "checkpoint_every_steps",
         d.checkpoint_every_steps,

@@ -13,6 +13,8 @@ NumPy references, L-BFGS and partition math) import without TensorFlow.
 * `model_parallel`: one replica split across devices (section 3).
 * `training`, `job`: `Model.fit` with progress, checkpoints and resume; the
   training job that `launch/train.py` runs.
+* `data`, `validation`, `export`: training data from files, each worker its
+  own; exact validation on the coordinator; export for serving.
 """
 
 from tf_distbelief import _lazy
@@ -28,6 +30,8 @@ __all__, __getattr__, __dir__ = _lazy.exports(
         "DownpourConfig": "downpour.config",
         "DownpourMetrics": "downpour.keras",
         "DownpourTrainer": "downpour.keras",
+        "ExactValidation": "validation",
+        "FileInput": "data",
         "Keras3Error": "strategy",
         "LocalCluster": "cluster.local",
         "SandblasterConfig": "sandblaster.config",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 
@@ -96,14 +97,75 @@ def _restore_into(plain: tf_keras.Model, checkpoint_path: str) -> None:
         ) from None
 
 
+def check_export_dir(export_dir: str, model_dir: str | None = None) -> None:
+    """Checks, before any cluster starts, that `export_dir` can take an export.
+
+    Allowed: a new path, an empty directory, or a directory holding only an
+    earlier export (`saved_model/` with its `saved_model.pb`, `model.keras`),
+    which the new export replaces. Anything else there is a user's file: the
+    export is refused rather than mixed in, and nothing is deleted.
+
+    Args:
+      export_dir: where the export will go.
+      model_dir: the job's `model_dir`, which `export_dir` must not be.
+
+    Raises:
+      ValueError: naming `export_dir`, the rule and the fix.
+    """
+    path = os.path.abspath(export_dir)
+    if model_dir and path == os.path.abspath(model_dir):
+        raise ValueError(
+            "`export_dir` must not be the `model_dir` (checkpoints and logs): "
+            f"choose another directory, e.g. {os.path.join(path, 'export')!r}. "
+            f"Received: {export_dir!r}"
+        )
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(
+            f"`export_dir` must be a directory. Received: {export_dir!r} (a file)"
+        )
+    if os.path.isdir(path):
+        others = sorted(set(os.listdir(path)) - {SAVED_MODEL_SUBDIR, KERAS_FILE})
+        saved = os.path.join(path, SAVED_MODEL_SUBDIR)
+        if os.path.isdir(saved) and not os.path.isfile(
+            os.path.join(saved, "saved_model.pb")
+        ):
+            others.insert(0, f"{SAVED_MODEL_SUBDIR}/ (not a SavedModel)")
+        if others:
+            raise ValueError(
+                "`export_dir` must be new, empty, or hold only an earlier export "
+                f"({SAVED_MODEL_SUBDIR}/, {KERAS_FILE}); {export_dir!r} also holds "
+                f"{', '.join(others[:5])}{' ...' if len(others) > 5 else ''}. "
+                "Choose another directory (nothing was deleted)."
+            )
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
+        raise ValueError(
+            f"`export_dir` {export_dir!r} cannot be written: {parent!r} is not a "
+            "writable directory."
+        )
+
+
 def _save(plain: tf_keras.Model, export_dir: str) -> ExportPaths:
+    """Saves both formats into a new folder, then moves them into place."""
     os.makedirs(export_dir, exist_ok=True)
     paths = ExportPaths(
         saved_model=os.path.join(export_dir, SAVED_MODEL_SUBDIR),
         keras_file=os.path.join(export_dir, KERAS_FILE),
     )
-    plain.save(paths.saved_model, save_format="tf", include_optimizer=False)
-    plain.save(paths.keras_file)  # The plain copy has no optimizer.
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=export_dir) as tmp:
+        plain.save(
+            os.path.join(tmp, SAVED_MODEL_SUBDIR),
+            save_format="tf",
+            include_optimizer=False,
+        )
+        plain.save(os.path.join(tmp, KERAS_FILE))  # The plain copy has no optimizer.
+        # An earlier export is replaced whole, never mixed with this one.
+        if os.path.isdir(paths.saved_model):
+            shutil.rmtree(paths.saved_model)
+        os.replace(os.path.join(tmp, SAVED_MODEL_SUBDIR), paths.saved_model)
+        os.replace(os.path.join(tmp, KERAS_FILE), paths.keras_file)
     return paths
 
 

@@ -19,6 +19,7 @@ import tf_keras
 
 from tf_distbelief import console, resume
 from tf_distbelief import nonfinite as nonfinite_lib
+from tf_distbelief import validation
 from tf_distbelief.progress import Progress  # noqa: F401  (training.Progress)
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -176,6 +177,9 @@ def fit(
     print_fn=console.echo,
     checkpoint_every_steps: int = 0,
     nonfinite: str = "raise",
+    validation_data=None,
+    validation_freq=1,
+    validation_steps: int | None = None,
 ) -> FitResult:
     """Runs `model.fit` with progress, checkpoints, exact resume and a NaN guard.
 
@@ -210,6 +214,9 @@ def fit(
       checkpoint_every_steps: steps between checkpoints besides each epoch
         end, >= 0 (0: epoch ends only); needs `model_dir`.
       nonfinite: `raise` or `skip` (`tf_distbelief.nonfinite.MODES`).
+      validation_data, validation_freq, validation_steps: as `Model.fit`'s,
+        evaluated exactly on the coordinator (`validation.ExactValidation`,
+        first among the callbacks); `val_*` figures reach every callback.
 
     Returns:
       A `FitResult`.
@@ -256,6 +263,13 @@ def fit(
     )
     # The caller's callbacks first, so that logs they add are printed.
     all_callbacks = list(callbacks)
+    if validation_data is not None:
+        all_callbacks.insert(
+            0,
+            validation.ExactValidation(
+                validation_data, validation_freq, validation_steps
+            ),
+        )
     guard = None
     if getattr(model, "downpour", None) is None:
         # Downpour applies its pushes outside the optimizer's apply path.

@@ -42,6 +42,8 @@ class JobConfig:
       partitioner: one of `strategy.PARTITIONERS` (`strategy.make_partitioner`).
       shard_bytes: the shard size of `min_size` and `max_size`, > 0.
       model_dir: checkpoints and TensorBoard logs, or None.
+      export_dir: where the chief exports the trained model at the end
+        (`export.export_model`: a SavedModel and a `.keras` file), or None.
       checkpoint_every_steps: steps between checkpoints besides each epoch
         end, >= 0 (0: epoch ends only); a failure loses at most this many
         steps. Needs `model_dir`.
@@ -84,6 +86,7 @@ class JobConfig:
     partitioner: str = "min_size"
     shard_bytes: int = strategy_lib.DEFAULT_MIN_SHARD_BYTES
     model_dir: str | None = None
+    export_dir: str | None = None
     checkpoint_every_steps: int = 0
     nonfinite: str = "raise"
     log_every_steps: int = 100

@@ -16,7 +16,7 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import adagrad, cluster, console, downpour, evaluation, training
+from tf_distbelief import adagrad, cluster, console, downpour, evaluation, export, training
 from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.job.config import JobConfig
@@ -29,11 +29,16 @@ def check_spec(config: JobConfig, spec: ModelSpec) -> None:
     Raises:
       TypeError: `spec` is not a `ModelSpec`.
       ValueError: `config.devices_per_replica > 1` and `spec` has no
-        model-parallel version.
+        model-parallel version, or `optimizer=lbfgs` and no `load_data`.
     """
     if not isinstance(spec, ModelSpec):
         raise TypeError(
             f"Argument `spec` must be a tf_distbelief ModelSpec. Received: {spec!r}"
+        )
+    if config.optimizer == "lbfgs" and spec.load_data is None:
+        raise ValueError(
+            "`optimizer=lbfgs` (Sandblaster, full batch) trains on `load_data`'s "
+            f"arrays; ModelSpec {spec.name!r} has only `dataset_fn`."
         )
     if config.devices_per_replica > 1 and not spec.model_parallel:
         raise ValueError(
@@ -103,8 +108,9 @@ def train(
       print_fn: where progress lines go.
 
     Returns:
-      `{"test_accuracy": float, "epochs": int, "initial_epoch": int,
-      "history": [...], "train_secs": float}`.
+      `{"test_accuracy": float or None (no test arrays), "epochs": int,
+      "initial_epoch": int, "history": [...], "train_secs": float}`; with
+      `config.export_dir`, the model is exported there first.
     """
     num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
     # Connected first: a task that cannot be reached fails the job at once.
@@ -113,10 +119,15 @@ def train(
         strategy_lib.make_partitioner(config.partitioner, num_ps, config.shard_bytes),
         connect_timeout_secs=config.connect_timeout_secs,
     )
-    (x_train, y_train), (x_test, y_test) = spec.load_data()
     if config.optimizer == "lbfgs":
-        return _train_sandblaster(
-            config, spec, strategy, (x_train, y_train), (x_test, y_test), print_fn
+        return _train_sandblaster(config, spec, strategy, *spec.load_data(), print_fn)
+    if spec.dataset_fn is not None:
+        data = spec.dataset_fn(config.batch_size, config.seed)
+        test = spec.test_arrays()
+    else:
+        (x_train, y_train), test = spec.load_data()
+        data = training.dataset_creator(
+            x_train, y_train, config.batch_size, config.seed
         )
     model = compile_model(config, strategy, spec)
     downpour_on = config.downpour is not None
@@ -124,7 +135,7 @@ def train(
     start = time.monotonic()
     result = training.fit(
         model,
-        training.dataset_creator(x_train, y_train, config.batch_size, config.seed),
+        data,
         epochs=config.epochs,
         steps_per_epoch=config.steps_per_epoch,
         batch_size=config.batch_size,
@@ -136,11 +147,13 @@ def train(
         nonfinite=config.nonfinite,
     )
     train_secs = time.monotonic() - start
-    test_accuracy = training.accuracy(model, x_test, y_test)
+    test_accuracy = training.accuracy(model, *test) if test is not None else None
     if downpour_on:
         for worker, stats in enumerate(model.downpour.stats()):
             print_fn(f"downpour replica {worker}: {stats}")
-    print_fn(f"test accuracy: {test_accuracy:.4f}")
+    if test_accuracy is not None:
+        print_fn(f"test accuracy: {test_accuracy:.4f}")
+    _export(config, spec, model, print_fn)
     return {
         "test_accuracy": test_accuracy,
         "epochs": result.epochs,
@@ -177,6 +190,7 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
     )
     test_accuracy = training.accuracy(model, *test_data)
     print_fn(f"test accuracy: {test_accuracy:.4f}")
+    _export(config, spec, model, print_fn)
     return {
         "test_accuracy": test_accuracy,
         "iterations": result.num_iters,
@@ -184,6 +198,19 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
         "train_secs": train_secs,
         "stats": stats,
     }
+
+
+def _export(config: JobConfig, spec: ModelSpec, model, print_fn) -> None:
+    """`export.export_model` into `config.export_dir`, if set (on the chief)."""
+    if not config.export_dir:
+        return
+    # A plain copy on one device: the same partitions on CPU:0 for a
+    # model-parallel spec (as the evaluator builds it).
+    devices = ["/device:CPU:0"] * config.devices_per_replica
+    paths = export.export_model(
+        model, lambda: build_model(config, spec, devices), config.export_dir
+    )
+    print_fn(f"exported: {paths.saved_model} {paths.keras_file}")
 
 
 def evaluate_checkpoints(
@@ -206,7 +233,13 @@ def evaluate_checkpoints(
     """
     if not config.model_dir:
         raise ValueError("The `evaluator` task needs `model_dir` (checkpoints).")
-    _, (x_test, y_test) = spec.load_data()
+    test = spec.test_arrays()
+    if test is None:
+        raise ValueError(
+            f"The `evaluator` task needs test arrays: ModelSpec {spec.name!r} has "
+            "neither `eval_data` nor `load_data`."
+        )
+    x_test, y_test = test
     # The evaluator has one device: the same partitions (hence the same
     # checkpointed weights) on CPU:0.
     model = build_model(
@@ -260,6 +293,8 @@ def run(config: JobConfig, spec: ModelSpec, print_fn=console.echo) -> dict | Non
     config.validate()
     check_spec(config, spec)
     resolver = cluster.resolve_cluster()
+    if config.export_dir and (resolver is None or resolver.task_type == "chief"):
+        export.check_export_dir(config.export_dir, config.model_dir)
     if resolver is None:
         with cluster.LocalCluster(
             config.num_workers,

@@ -25,6 +25,7 @@ def sparse_categorical_crossentropy():
 
 
 ArrayPair = tuple[np.ndarray, np.ndarray]
+_REQUIRED = ("build_model", "loss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,27 +41,49 @@ class ModelSpec:
       load_data: `() -> ((x_train, y_train), (x_test, y_test))`, NumPy arrays
         with one example per row of `x` (`[num_examples, ...]`) and integer
         class labels `y` (`[num_examples]`). Called on the chief and the
-        evaluator only, never on ps or worker tasks.
+        evaluator only, never on ps or worker tasks. Optional with
+        `dataset_fn`.
       loss: `() -> tf_keras loss`, a new loss object per call (default: sparse
         categorical cross-entropy on logits).
       metrics: the metrics `Model.compile` takes (default: accuracy).
       model_parallel: True when `build_model` accepts a list of devices.
+      dataset_fn: `(batch_size, seed) -> DatasetCreator`, the training data
+        when they are not `load_data`'s arrays, e.g. a
+        `tf_distbelief.data.FileInput` (TFRecord or CSV files, each worker
+        reading its own). Called on the chief.
+      eval_data: `() -> (x_test, y_test)`, the test arrays (default:
+        `load_data`'s), e.g. `FileInput(...).read_arrays`.
     """
 
     name: str
     build_model: Callable[[Sequence[str] | None], Any]
-    load_data: Callable[[], tuple[ArrayPair, ArrayPair]]
+    load_data: Callable[[], tuple[ArrayPair, ArrayPair]] | None = None
     loss: Callable[[], Any] = sparse_categorical_crossentropy
     metrics: tuple = ("accuracy",)
     model_parallel: bool = False
+    dataset_fn: Callable[[int, int | None], Any] | None = None
+    eval_data: Callable[[], ArrayPair] | None = None
 
     def __post_init__(self):
-        for field in ("build_model", "load_data", "loss"):
-            if not callable(getattr(self, field)):
+        for field in ("build_model", "load_data", "loss", "dataset_fn", "eval_data"):
+            value = getattr(self, field)
+            if not callable(value) and (value is not None or field in _REQUIRED):
                 raise TypeError(
-                    f"`ModelSpec.{field}` must be callable. Received: "
-                    f"{getattr(self, field)!r}"
+                    f"`ModelSpec.{field}` must be callable. Received: {value!r}"
                 )
+        if self.load_data is None and self.dataset_fn is None:
+            raise ValueError(
+                f"ModelSpec {self.name!r} has no training data: give `load_data` "
+                "(arrays) or `dataset_fn` (e.g. tf_distbelief.data.FileInput)."
+            )
+
+    def test_arrays(self) -> ArrayPair | None:
+        """`(x_test, y_test)` from `eval_data` or `load_data`, or None."""
+        if self.eval_data is not None:
+            return self.eval_data()
+        if self.load_data is not None:
+            return self.load_data()[1]
+        return None
 
 
 def load_spec(reference: str) -> ModelSpec:
