@@ -17,9 +17,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import console, resume
+from tf_distbelief import console, resume, validation
 from tf_distbelief import nonfinite as nonfinite_lib
-from tf_distbelief import validation
 from tf_distbelief.progress import Progress  # noqa: F401  (training.Progress)
 
 CHECKPOINT_SUBDIR = "checkpoints"

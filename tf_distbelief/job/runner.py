@@ -16,7 +16,15 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import adagrad, cluster, console, downpour, evaluation, export, training
+from tf_distbelief import (
+    adagrad,
+    cluster,
+    console,
+    downpour,
+    evaluation,
+    export,
+    training,
+)
 from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.job.config import JobConfig
