@@ -135,7 +135,7 @@ def test_val_loss_is_exact_and_reaches_callbacks(local_cluster, data, tmp_path):
     for path in glob.glob(str(tmp_path / "tensorboard" / "events.*")):
         for event in tf.compat.v1.train.summary_iterator(path):
             tags.update(v.tag for v in event.summary.value)
-    assert {"val_loss", "val_accuracy", "loss"} <= tags
+    assert {"epoch/val_loss", "epoch/val_accuracy", "epoch/loss"} <= tags
 
 
 @pytest.mark.slow
