@@ -115,7 +115,7 @@ def test_pure_modules_import_no_tensorflow():
     code = (
         "import sys\n"
         "from tf_distbelief.sandblaster import (\n"
-        "    config, lbfgs, line_search, schedule, vector_ops)\n"
+        "    config, lbfgs, lbfgs_state, line_search, schedule, vector_ops)\n"
         "print(sorted(m for m in ('tensorflow', 'tf_keras') if m in sys.modules))\n"
     )
     proc = subprocess.run(
