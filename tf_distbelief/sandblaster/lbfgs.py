@@ -13,7 +13,10 @@ scalars. This module is that coordinator loop with the storage abstracted away:
 * `wolfe_line_search` finds a step satisfying the strong Wolfe conditions on a
   scalar function (Nocedal & Wright, Algorithms 3.5 and 3.6; defined in
   `sandblaster.line_search`, re-exported).
-* `minimize` is the driver (Nocedal & Wright, Algorithm 7.5).
+* `minimize` is the driver (Nocedal & Wright, Algorithm 7.5). Its state
+  between iterations is an `LbfgsState` (`sandblaster.lbfgs_state`,
+  re-exported): handed to a `callback` after every iteration, taken back as
+  `initial_state` to resume a run exactly.
 
 The memory of L-BFGS, the number of `(s, y)` pairs kept, is `m` here, Nocedal &
 Wright's symbol; the Sandblaster layers above call it `history`
