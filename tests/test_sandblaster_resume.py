@@ -211,15 +211,19 @@ def _latest_iteration(directory):
 
 
 @pytest.mark.slow
-def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(tmp_path):
+def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(
+    local_cluster, tmp_path
+):
     """`train.py --optimizer=lbfgs --model_dir=D`, SIGKILL of the chief, rerun.
 
-    The digits model is float32 (its objective is computed in float32 on the
+    The uninterrupted reference runs the same job in this process (`job.train`
+    on the shared cluster, 2 workers and 2 ps as `train.py` starts). The
+    digits model is float32 (its objective is computed in float32 at the
     float64 parameter vector) and evaluated deterministically, so the rerun's
-    final parameter vector and loss history, read from the last checkpoints,
-    equal the uninterrupted run's to 1e-9.
+    final parameter vector, loss and step histories, read from the last
+    checkpoints, equal the reference's to 1e-9.
     """
-    total = 24
+    total = 16
     args = [
         "--model=digits",
         "--optimizer=lbfgs",
@@ -229,7 +233,17 @@ def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(tmp_path):
         "--num_ps=2",
     ]
     straight_dir, killed_dir = str(tmp_path / "straight"), str(tmp_path / "killed")
-    test_launch._train_ok([*args, f"--model_dir={straight_dir}"])
+    config = job.JobConfig(
+        optimizer="lbfgs",
+        model_dir=straight_dir,
+        sandblaster=config_lib.SandblasterConfig(max_iters=total, portions=8),
+    )
+    job.train(
+        config,
+        models.spec("digits"),
+        local_cluster.resolver_for(num_workers=2, num_ps=2),
+        print_fn=lambda line: None,
+    )
 
     marker = uuid.uuid4().hex
     chief = subprocess.Popen(
