@@ -100,6 +100,10 @@ def test_readme_main_job_trains_digits_and_leaves_no_process():
         ("--learning_rate=nan", r"flag --learning_rate=nan: --learning_rate must be"),
         ("--local_optimizer=adam", r"flag --local_optimizer=adam: value should be"),
         (
+            "--lbfgs_checkpoint_every_iters=0",
+            r"flag --lbfgs_checkpoint_every_iters=0: 0 is not a positive integer",
+        ),
+        (
             "--adagrad_accumulator=mean",
             r"--adagrad_accumulator.*are Downpour settings: add --downpour",
         ),
