@@ -79,6 +79,9 @@ def describe_model(variables) -> list[str]:
     Args:
       variables: the model's trainable weights in flat-vector order
         (`flat_params.FlatLayout.variables`).
+
+    Returns:
+      `["dense/kernel:0 (64, 10) float32", ...]`, one string per weight.
     """
     return [f"{v.name} {tuple(v.shape)} {v.dtype.name}" for v in variables]
 

@@ -73,8 +73,15 @@ class LbfgsState(Generic[Vector]):
         return len(self.rho_history)
 
     def copy(self, ops: vector_ops.VectorOps) -> LbfgsState:
-        """A deep copy: new vectors from `ops`, new lists (an in-memory
-        checkpoint; `callback` hands out the live state)."""
+        """A deep copy: an in-memory checkpoint (`callback` hands out the live
+        state).
+
+        Args:
+          ops: the backend that owns the vectors; makes the copies.
+
+        Returns:
+          An `LbfgsState` with new vectors and new lists, equal to this one.
+        """
         scalars = {
             name: list(value) if isinstance(value, list) else value
             for name, value in self.scalars().items()
