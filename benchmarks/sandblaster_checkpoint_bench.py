@@ -6,6 +6,8 @@ then writing the L-BFGS state (iterate, gradient, `(s, y)` history) to a
 `model_dir` every iteration and every `--every` iterations
 (`SandblasterConfig.checkpoint_every_iters`), and prints one table: seconds
 per iteration, the ratio to no checkpoints, and the size of one checkpoint.
+The run without checkpoints comes first and again last: the two show how much
+the machine's speed drifted meanwhile.
 
 Usage:
   python benchmarks/sandblaster_checkpoint_bench.py --iters=10 --every=5
@@ -22,7 +24,7 @@ import glob
 import tempfile
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from benchmarks import sandblaster_bench
 
@@ -38,7 +40,11 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
+    import tensorflow as tf
     import tf_keras
+
+    logging.set_verbosity(logging.WARNING)
+    tf.get_logger().setLevel("WARNING")
 
     from tf_distbelief import cluster
     from tf_distbelief import strategy as strategy_lib
@@ -55,6 +61,7 @@ def main(argv):
             ("no checkpoints", None),
             ("every iteration", 1),
             (f"every {FLAGS.every} iterations", FLAGS.every),
+            ("no checkpoints, again", None),
         ]:
             model = sandblaster_bench.build_model(FLAGS.features, FLAGS.hidden, 0)
             config = config_lib.SandblasterConfig(
