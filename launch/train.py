@@ -278,6 +278,13 @@ def define_flags() -> None:
         "Sandblaster: copies of the last portions go to idle workers.",
     )
     flags.DEFINE_integer(
+        "lbfgs_checkpoint_every_iters",
+        sb.checkpoint_every_iters,
+        "Sandblaster: with --model_dir, checkpoint the L-BFGS state every so many "
+        "iterations; a rerun with the same --model_dir resumes at the last one.",
+        lower_bound=1,
+    )
+    flags.DEFINE_integer(
         "devices_per_replica",
         d.devices_per_replica,
         "Model parallelism (section 3): split each replica over this many devices "
@@ -317,6 +324,7 @@ _SANDBLASTER_FLAGS = {
     "max_iters": "lbfgs_max_iters",
     "portions": "portions",
     "backup_tasks": "backup_tasks",
+    "checkpoint_every_iters": "lbfgs_checkpoint_every_iters",
 }
 
 

@@ -147,6 +147,10 @@ def test_readme_main_job_streams_its_progress_and_leaves_no_process():
         ("--local_optimizer=adam", r"flag --local_optimizer=adam: value should be"),
         ("--gpus_per_worker=-1", r"flag --gpus_per_worker=-1: -1 is not a non-neg"),
         (
+            "--lbfgs_checkpoint_every_iters=0",
+            r"flag --lbfgs_checkpoint_every_iters=0: 0 is not a positive integer",
+        ),
+        (
             "--adagrad_accumulator=mean",
             r"--adagrad_accumulator.*are Downpour settings: add --downpour",
         ),

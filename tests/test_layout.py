@@ -18,6 +18,7 @@ PURE_MODULES = [
     "tf_distbelief.adagrad.rule",
     "tf_distbelief.downpour.schedule",
     "tf_distbelief.sandblaster.lbfgs",
+    "tf_distbelief.sandblaster.lbfgs_state",
     "tf_distbelief.sandblaster.schedule",
     "tf_distbelief.model_parallel.partition_math",
     "tf_distbelief.cluster.gpus",

@@ -387,3 +387,156 @@ def test_numpy_vector_ops_rejects_bad_input():
         lbfgs.NumpyVectorOps(np.int32)
     with pytest.raises(ValueError, match=r"`array` must be 1-D.* Received shape"):
         lbfgs.NumpyVectorOps().from_numpy(np.zeros((2, 3)))
+
+
+# ---------------------------------------------------------------------- resume
+
+
+def _run_with_snapshots(fun, x0, max_iters, **kwargs):
+    """An uninterrupted run, and a deep copy of its state after every iteration."""
+    ops = lbfgs.NumpyVectorOps()
+    snapshots = {}
+
+    def keep(state):
+        snapshots[state.num_iters] = state.copy(ops)
+
+    result = lbfgs.minimize(
+        fun, x0, ops, max_iters=max_iters, record_iterates=True, callback=keep, **kwargs
+    )
+    return result, snapshots
+
+
+@pytest.mark.parametrize("stop_at", [1, 2, 3, 7, 20])
+def test_resumed_run_equals_uninterrupted(stop_at):
+    """Resumed from the state after iteration k, a run repeats the rest exactly.
+
+    m=3 on Rosenbrock: the history is full and evicting from iteration 3 on.
+    """
+    args = {"m": 3, "gtol": 0.0, "ftol": 0.0}
+    full, snapshots = _run_with_snapshots(rosenbrock, np.array([-1.2, 1.0]), 25, **args)
+    assert sorted(snapshots) == list(range(1, 26)) and full.num_iters == 25
+    start = snapshots[stop_at]
+    evals_before, pairs_before = start.num_evals, start.num_pairs
+    objective = CountingObjective(rosenbrock)
+    resumed = lbfgs.minimize(
+        objective,
+        None,
+        lbfgs.NumpyVectorOps(),
+        max_iters=25,
+        record_iterates=True,
+        initial_state=start,  # Taken over: `start` is the run's state now.
+        **args,
+    )
+    # NumPy is deterministic: the same operations give the same bits.
+    np.testing.assert_array_equal(
+        resumed.iterate_history, full.iterate_history[stop_at:]
+    )
+    np.testing.assert_array_equal(resumed.x, full.x)
+    assert resumed.loss_history == full.loss_history
+    assert resumed.step_history == full.step_history
+    assert (resumed.num_iters, resumed.num_evals) == (25, full.num_evals)
+    assert resumed.message == full.message == "reached `max_iters`=25"
+    # No evaluation at the restored iterate: the state carries loss and gradient.
+    assert len(objective.points) == full.num_evals - evals_before
+    assert pairs_before == min(stop_at, 3)
+    assert resumed.state is start
+
+
+def test_resume_counts_max_iters_over_both_runs():
+    """`result.state` goes on: 10 + 15 iterations are those of one 25-iteration run."""
+    ops = lbfgs.NumpyVectorOps()
+    args = {"m": 4, "gtol": 0.0, "ftol": 0.0, "record_iterates": True}
+    full = lbfgs.minimize(rosenbrock, np.array([-1.2, 1.0]), ops, max_iters=25, **args)
+    first = lbfgs.minimize(rosenbrock, np.array([-1.2, 1.0]), ops, max_iters=10, **args)
+    second = lbfgs.minimize(
+        rosenbrock, None, ops, max_iters=25, initial_state=first.state, **args
+    )
+    np.testing.assert_array_equal(
+        first.iterate_history + second.iterate_history[1:], full.iterate_history
+    )
+    assert second.num_iters == 25
+    # A rerun asking for no more iterations than done evaluates nothing.
+    objective = CountingObjective(rosenbrock)
+    again = lbfgs.minimize(
+        objective, None, ops, max_iters=25, initial_state=second.state, **args
+    )
+    assert again.num_iters == 25 and objective.points == []
+
+
+def test_resume_of_a_converged_run_stops_at_once():
+    """The `ftol` rule reads the state's last two losses, so it holds after a resume."""
+    ops = lbfgs.NumpyVectorOps()
+    done = lbfgs.minimize(rosenbrock, np.array([-1.2, 1.0]), ops, m=5)
+    assert done.converged and "ftol" in done.message
+    objective = CountingObjective(rosenbrock)
+    again = lbfgs.minimize(objective, None, ops, m=5, initial_state=done.state)
+    assert (again.converged, again.message) == (True, done.message)
+    assert (again.num_iters, again.num_evals) == (done.num_iters, done.num_evals)
+    assert objective.points == []
+
+
+def test_state_round_trips_through_numbers():
+    """What a checkpoint holds (vectors as arrays, `scalars()`) rebuilds the state."""
+    full, snapshots = _run_with_snapshots(rosenbrock, np.array([-1.2, 1.0]), 12, m=3)
+    state = snapshots[6]
+    rebuilt = lbfgs.LbfgsState(
+        x=np.array(state.x),
+        grad=np.array(state.grad),
+        s_history=[np.array(v) for v in state.s_history],
+        y_history=[np.array(v) for v in state.y_history],
+        **state.scalars(),
+    )
+    resumed = lbfgs.minimize(
+        rosenbrock,
+        None,
+        lbfgs.NumpyVectorOps(),
+        m=3,
+        max_iters=12,
+        record_iterates=True,
+        initial_state=rebuilt,
+    )
+    np.testing.assert_array_equal(resumed.iterate_history, full.iterate_history[6:])
+    assert set(state.scalars()) == {
+        "rho_history",
+        "gamma",
+        "loss",
+        "grad_norm",
+        "num_iters",
+        "num_evals",
+        "num_skipped_pairs",
+        "loss_history",
+        "step_history",
+    }
+
+
+def test_bad_initial_state_is_an_error_naming_the_field():
+    ops = lbfgs.NumpyVectorOps()
+    _, snapshots = _run_with_snapshots(rosenbrock, np.array([-1.2, 1.0]), 5, m=4)
+    state = snapshots[5]
+    assert state.num_pairs == 4
+    with pytest.raises(
+        ValueError, match=r"`rho_history` .* 4 pairs, more than .*`m`=3"
+    ):
+        lbfgs.minimize(rosenbrock, None, ops, m=3, initial_state=state.copy(ops))
+    bad = state.copy(ops)
+    bad.loss = math.nan
+    with pytest.raises(
+        ValueError, match=r"Field `loss` of `initial_state` must be finite"
+    ):
+        lbfgs.minimize(rosenbrock, None, ops, m=4, initial_state=bad)
+    bad = state.copy(ops)
+    bad.loss_history.pop()
+    with pytest.raises(
+        ValueError, match=r"`loss_history` .* `num_iters` \+ 1 .* 5 for"
+    ):
+        lbfgs.minimize(rosenbrock, None, ops, m=4, initial_state=bad)
+    bad = state.copy(ops)
+    bad.y_history.pop()
+    with pytest.raises(ValueError, match=r"same length. Received lengths: \(4, 3, 4\)"):
+        lbfgs.minimize(rosenbrock, None, ops, m=4, initial_state=bad)
+    with pytest.raises(TypeError, match=r"`initial_state` must be an `LbfgsState`"):
+        lbfgs.minimize(rosenbrock, None, ops, initial_state={"x": 1})
+    with pytest.raises(ValueError, match=r"`x0` is required unless `initial_state`"):
+        lbfgs.minimize(rosenbrock, None, ops)
+    with pytest.raises(TypeError, match=r"`callback` must be callable or None"):
+        lbfgs.minimize(rosenbrock, np.zeros(2), ops, callback="save")

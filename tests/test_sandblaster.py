@@ -94,6 +94,11 @@ def test_slot_pool_lends_each_slot_once():
             r"Argument `history` must be an int. Received: 2.5",
         ),
         (
+            {"checkpoint_every_iters": 0},
+            ValueError,
+            r"Argument `checkpoint_every_iters` must be >= 1. Received: 0",
+        ),
+        (
             {"backup_tasks": 1},
             TypeError,
             r"Argument `backup_tasks` must be a bool. Received: 1",
@@ -108,6 +113,7 @@ def test_config_errors_name_field_rule_and_value(fields, error, message):
 def test_config_defaults():
     config = config_lib.SandblasterConfig()
     assert (config.history, config.max_iters, config.portions) == (10, 100, 32)
+    assert config.checkpoint_every_iters == 1
     assert config.backup_tasks
 
 
@@ -115,7 +121,7 @@ def test_pure_modules_import_no_tensorflow():
     code = (
         "import sys\n"
         "from tf_distbelief.sandblaster import (\n"
-        "    config, lbfgs, line_search, schedule, vector_ops)\n"
+        "    config, lbfgs, lbfgs_state, line_search, schedule, vector_ops)\n"
         "print(sorted(m for m in ('tensorflow', 'tf_keras') if m in sys.modules))\n"
     )
     proc = subprocess.run(

@@ -186,7 +186,8 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
         config.sandblaster,
     )
     start = time.monotonic()
-    result = trainer.fit()
+    # A rerun with the same `model_dir` resumes at the last L-BFGS checkpoint.
+    result = trainer.fit(model_dir=config.model_dir, print_fn=print_fn)
     train_secs = time.monotonic() - start
     stats = trainer.stats
     print_fn(

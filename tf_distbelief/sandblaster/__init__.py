@@ -2,6 +2,8 @@
 
 * `lbfgs`: L-BFGS (two-loop recursion, driver) against an abstract `VectorOps`
   (pure, no TensorFlow).
+* `lbfgs_state`: `LbfgsState`, what L-BFGS carries between iterations and
+  resumes from (pure).
 * `vector_ops`: the `VectorOps` interface and its NumPy backend (pure).
 * `line_search`: the strong Wolfe line search (pure).
 * `config`: `SandblasterConfig`, the settings of a run (pure).
@@ -11,6 +13,7 @@
 * `portion`: the scheduled function that evaluates one work portion.
 * `objective`: `SandblasterObjective`, the objective evaluated in portions.
 * `trainer`: `SandblasterTrainer`, L-BFGS on the cluster for a Keras model.
+* `checkpoint`: `LbfgsCheckpointer`, the L-BFGS state in checkpoints (resume).
 """
 
 from tf_distbelief import _lazy

@@ -40,6 +40,12 @@ class SandblasterConfig:
       backup_tasks: near the end of an evaluation, copy the portions still
         running onto idle workers and take whichever copy finishes first
         (default True).
+      checkpoint_every_iters: with a `model_dir`, write the L-BFGS state
+        (iterate, gradient, `(s, y)` history, counters) every so many
+        iterations, >= 1, and at the end; a rerun resumes from the last one
+        (`sandblaster.checkpoint`). Each checkpoint writes `2 * history + 2`
+        parameter-sized vectors from the ps tasks; the default 1 loses no
+        iteration to a chief loss.
 
     Raises:
       TypeError: a field of the wrong type.
@@ -50,9 +56,10 @@ class SandblasterConfig:
     max_iters: int = 100
     portions: int = 32
     backup_tasks: bool = True
+    checkpoint_every_iters: int = 1
 
     def __post_init__(self):
-        for name in ("history", "max_iters", "portions"):
+        for name in ("history", "max_iters", "portions", "checkpoint_every_iters"):
             _checks.check_int(name, getattr(self, name), 1, ">= 1")
         if not isinstance(self.backup_tasks, bool):
             raise TypeError(

@@ -13,7 +13,10 @@ scalars. This module is that coordinator loop with the storage abstracted away:
 * `wolfe_line_search` finds a step satisfying the strong Wolfe conditions on a
   scalar function (Nocedal & Wright, Algorithms 3.5 and 3.6; defined in
   `sandblaster.line_search`, re-exported).
-* `minimize` is the driver (Nocedal & Wright, Algorithm 7.5).
+* `minimize` is the driver (Nocedal & Wright, Algorithm 7.5). Its state
+  between iterations is an `LbfgsState` (`sandblaster.lbfgs_state`,
+  re-exported): handed to a `callback` after every iteration, taken back as
+  `initial_state` to resume a run exactly.
 
 The memory of L-BFGS, the number of `(s, y)` pairs kept, is `m` here, Nocedal &
 Wright's symbol; the Sandblaster layers above call it `history`
@@ -39,10 +42,11 @@ from typing import Generic
 
 import numpy as np
 
-from tf_distbelief.sandblaster import _checks, line_search, vector_ops
+from tf_distbelief.sandblaster import _checks, lbfgs_state, line_search, vector_ops
 
 __all__ = [
     "LbfgsResult",
+    "LbfgsState",
     "LineSearchResult",
     "NumpyVectorOps",
     "VectorOps",
@@ -57,6 +61,7 @@ Vector = vector_ops.Vector
 VectorOps = vector_ops.VectorOps
 NumpyVectorOps = vector_ops.NumpyVectorOps
 LineSearchResult = line_search.LineSearchResult
+LbfgsState = lbfgs_state.LbfgsState
 wolfe_line_search = line_search.wolfe_line_search
 
 # A pair (s, y) enters the history only if s·y > _CURVATURE_EPS * |s| * |y|, i.e.
@@ -142,7 +147,10 @@ class LbfgsResult(Generic[Vector]):
       loss_history: losses at `x0, x_1, ..., x`, `num_iters + 1` floats.
       step_history: accepted line-search steps, `num_iters` floats.
       iterate_history: `x0, x_1, ..., x` as 1-D NumPy arrays if `minimize` was
-        called with `record_iterates=True`, else empty.
+        called with `record_iterates=True`, else empty; from a resumed run, the
+        iterates from the resumed one on.
+      state: the final `LbfgsState` (its `x` is `x`); pass it as
+        `initial_state` to go on.
     """
 
     x: Vector
@@ -156,11 +164,12 @@ class LbfgsResult(Generic[Vector]):
     loss_history: list[float]
     step_history: list[float]
     iterate_history: list[np.ndarray]
+    state: LbfgsState | None = None
 
 
 def minimize(
     fun_and_grad: Callable[[Vector], tuple[float, Vector]],
-    x0: Vector,
+    x0: Vector | None,
     ops: VectorOps[Vector],
     m: int = 10,
     max_iters: int = 100,
@@ -170,6 +179,8 @@ def minimize(
     c2: float = 0.9,
     max_line_search_evals: int = 25,
     record_iterates: bool = False,
+    initial_state: LbfgsState | None = None,
+    callback: Callable[[LbfgsState], None] | None = None,
 ) -> LbfgsResult[Vector]:
     """Minimises a smooth function by L-BFGS with a strong Wolfe line search.
 
@@ -192,7 +203,11 @@ def minimize(
     The run stops when `|g| <= gtol`, when
     `(f_k - f_{k+1}) / max(|f_k|, |f_{k+1}|, 1) <= ftol` (SciPy's L-BFGS-B rule and
     default, 1e7 times float64 epsilon), after `max_iters` steps, or when the line
-    search finds no step with sufficient decrease.
+    search finds no step with sufficient decrease. Each rule reads only the
+    `LbfgsState` (the `ftol` rule the last two entries of its `loss_history`),
+    so a run resumed from the state after iteration `k` (`initial_state`)
+    computes the same iterates, and stops where, as one that never stopped;
+    `max_iters` counts the iterations of both runs together.
 
     The backend holds `2 m + 7` vectors; the algorithm itself holds only floats.
 
@@ -201,7 +216,8 @@ def minimize(
         float and the gradient as a backend vector. `minimize` copies `grad` before
         the next call, so the callback may reuse one gradient buffer. A non-finite
         loss or gradient marks `x` as outside the domain.
-      x0: starting point; not modified.
+      x0: starting point; not modified. Ignored (may be None) with
+        `initial_state`.
       ops: the vector backend that owns `x0` and the gradients.
       m: the memory, the number of `(s, y)` pairs kept (Sandblaster's
         `history`). Nocedal & Wright suggest 3 to 20.
@@ -213,6 +229,13 @@ def minimize(
       max_line_search_evals: most loss evaluations per line search.
       record_iterates: if True, keep every iterate as a NumPy array in
         `iterate_history` (moves whole vectors; for tests).
+      initial_state: if given, the run goes on from this `LbfgsState` (one that
+        `callback` or `LbfgsResult.state` handed out, or one restored from a
+        checkpoint) instead of evaluating `x0`; its vectors are taken over and
+        overwritten.
+      callback: called with the `LbfgsState` after every iteration (to write a
+        checkpoint, say). The state is live: read it, and copy what must
+        outlive the call; changing it changes the run.
 
     Returns:
       An `LbfgsResult`.
@@ -220,8 +243,9 @@ def minimize(
     Raises:
       TypeError: if `ops` is not a `VectorOps`, `fun_and_grad` is not callable, or
         an integer argument is not an int.
-      ValueError: on an argument out of range, or a non-finite loss or gradient at
-        `x0`.
+      ValueError: on an argument out of range, a non-finite loss or gradient at
+        `x0`, or an `initial_state` that `lbfgs_state.check_state` rejects (more
+        pairs than `m`, say).
     """
     if not isinstance(ops, VectorOps):
         raise TypeError(
@@ -238,6 +262,134 @@ def minimize(
     _checks.check_nonnegative("ftol", ftol)
     _checks.check_wolfe_constants(c1, c2)
 
+    if callback is not None and not callable(callback):
+        raise TypeError(
+            f"Argument `callback` must be callable or None. Received: {callback!r}"
+        )
+    if initial_state is None:
+        state = _start(fun_and_grad, x0, ops)
+    else:
+        lbfgs_state.check_state(initial_state, m)
+        state = initial_state
+
+    d, x_trial, g_trial = (ops.zeros_like(state.x) for _ in range(3))
+    s_new, y_new = ops.zeros_like(state.x), ops.zeros_like(state.x)
+    iterate_history = [ops.to_numpy(state.x)] if record_iterates else []
+    last_trial_step = math.nan
+
+    def phi(t: float) -> tuple[float, float]:
+        nonlocal last_trial_step
+        last_trial_step = t
+        ops.assign(state.x, x_trial)
+        ops.axpy(t, d, x_trial)
+        trial_loss, trial_grad = fun_and_grad(x_trial)
+        ops.assign(trial_grad, g_trial)
+        return float(trial_loss), ops.dot(g_trial, d)
+
+    converged, message = False, f"reached `max_iters`={max_iters}"
+    while True:
+        # Every stopping rule reads only `state`, so a run resumed from the
+        # state after any iteration stops where an uninterrupted one does.
+        if state.num_iters > 0:
+            previous_loss, loss = state.loss_history[-2:]
+            if (previous_loss - loss) <= ftol * max(abs(previous_loss), abs(loss), 1.0):
+                converged, message = True, "relative loss decrease <= `ftol`"
+                break
+        if state.grad_norm <= gtol:
+            converged = True
+            message = f"gradient norm {state.grad_norm:.3g} <= `gtol`"
+            break
+        if state.num_iters >= max_iters:
+            break
+        s_history, y_history = state.s_history, state.y_history
+        rho_history = state.rho_history
+        dphi0 = math.nan
+        if s_history:
+            two_loop_recursion(
+                ops, state.grad, s_history, y_history, rho_history, state.gamma, d
+            )
+            ops.scale(-1.0, d)
+            dphi0 = ops.dot(state.grad, d)
+        if not dphi0 < 0.0:
+            # No history yet, or rounding made -H g fail to be a descent direction:
+            # restart from steepest descent with an empty history.
+            s_history.clear()
+            y_history.clear()
+            rho_history.clear()
+            ops.assign(state.grad, d)
+            ops.scale(-1.0, d)
+            dphi0 = -state.grad_norm * state.grad_norm
+        step0 = 1.0 if s_history else min(1.0, 1.0 / state.grad_norm)
+
+        search = wolfe_line_search(
+            phi, state.loss, dphi0, step0, c1, c2, max_line_search_evals
+        )
+        state.num_evals += search.num_evals
+        if search.step <= 0.0:
+            message = "line search found no step with sufficient decrease"
+            break
+        if search.step != last_trial_step:
+            # The search fell back to an earlier trial: recompute its point and
+            # gradient.
+            phi(search.step)
+            state.num_evals += 1
+
+        ops.assign(x_trial, s_new)
+        ops.axpy(-1.0, state.x, s_new)
+        ops.assign(g_trial, y_new)
+        ops.axpy(-1.0, state.grad, y_new)
+        sy, yy, ss = ops.dot(s_new, y_new), ops.dot(y_new, y_new), ops.dot(s_new, s_new)
+        if sy > _CURVATURE_EPS * math.sqrt(ss * yy):
+            if len(s_history) == m:
+                s_new_next, y_new_next = s_history.pop(0), y_history.pop(0)
+                rho_history.pop(0)
+            else:
+                s_new_next, y_new_next = (
+                    ops.zeros_like(state.x),
+                    ops.zeros_like(state.x),
+                )
+            s_history.append(s_new)
+            y_history.append(y_new)
+            rho_history.append(1.0 / sy)
+            s_new, y_new = s_new_next, y_new_next
+            state.gamma = sy / yy
+        else:
+            state.num_skipped_pairs += 1
+
+        state.x, x_trial = x_trial, state.x
+        state.grad, g_trial = g_trial, state.grad
+        state.loss = search.phi
+        state.grad_norm = math.sqrt(ops.dot(state.grad, state.grad))
+        state.num_iters += 1
+        state.loss_history.append(state.loss)
+        state.step_history.append(search.step)
+        if record_iterates:
+            iterate_history.append(ops.to_numpy(state.x))
+        if callback is not None:
+            callback(state)
+
+    return LbfgsResult(
+        x=state.x,
+        loss=state.loss,
+        grad_norm=state.grad_norm,
+        num_iters=state.num_iters,
+        num_evals=state.num_evals,
+        num_skipped_pairs=state.num_skipped_pairs,
+        converged=converged,
+        message=message,
+        loss_history=list(state.loss_history),
+        step_history=list(state.step_history),
+        iterate_history=iterate_history,
+        state=state,
+    )
+
+
+def _start(fun_and_grad, x0, ops: VectorOps) -> LbfgsState:
+    """The state at `x0`: one evaluation, an empty history."""
+    if x0 is None:
+        raise ValueError(
+            "Argument `x0` is required unless `initial_state` is given. Received: None"
+        )
     x = ops.copy(x0)
     loss, grad = fun_and_grad(x)
     loss = float(loss)
@@ -248,108 +400,18 @@ def minimize(
             "Argument `x0` must be a point where `fun_and_grad` is finite. Received "
             f"loss {loss!r} and squared gradient norm {grad_norm_sq!r}"
         )
-    grad_norm = math.sqrt(grad_norm_sq)
-    num_evals = 1
-
-    d, x_trial, g_trial = ops.zeros_like(x), ops.zeros_like(x), ops.zeros_like(x)
-    s_new, y_new = ops.zeros_like(x), ops.zeros_like(x)
-    s_history: list = []
-    y_history: list = []
-    rho_history: list[float] = []
-    gamma = 1.0
-    num_skipped_pairs = 0
-    loss_history, step_history = [loss], []
-    iterate_history = [ops.to_numpy(x)] if record_iterates else []
-    last_trial_step = math.nan
-
-    def phi(t: float) -> tuple[float, float]:
-        nonlocal last_trial_step
-        last_trial_step = t
-        ops.assign(x, x_trial)
-        ops.axpy(t, d, x_trial)
-        trial_loss, trial_grad = fun_and_grad(x_trial)
-        ops.assign(trial_grad, g_trial)
-        return float(trial_loss), ops.dot(g_trial, d)
-
-    num_iters = 0
-    converged, message = False, f"reached `max_iters`={max_iters}"
-    while True:
-        if grad_norm <= gtol:
-            converged, message = True, f"gradient norm {grad_norm:.3g} <= `gtol`"
-            break
-        if num_iters >= max_iters:
-            break
-        dphi0 = math.nan
-        if s_history:
-            two_loop_recursion(ops, g, s_history, y_history, rho_history, gamma, d)
-            ops.scale(-1.0, d)
-            dphi0 = ops.dot(g, d)
-        if not dphi0 < 0.0:
-            # No history yet, or rounding made -H g fail to be a descent direction:
-            # restart from steepest descent with an empty history.
-            s_history.clear()
-            y_history.clear()
-            rho_history.clear()
-            ops.assign(g, d)
-            ops.scale(-1.0, d)
-            dphi0 = -grad_norm * grad_norm
-        step0 = 1.0 if s_history else min(1.0, 1.0 / grad_norm)
-
-        search = wolfe_line_search(
-            phi, loss, dphi0, step0, c1, c2, max_line_search_evals
-        )
-        num_evals += search.num_evals
-        if search.step <= 0.0:
-            message = "line search found no step with sufficient decrease"
-            break
-        if search.step != last_trial_step:
-            # The search fell back to an earlier trial: recompute its point and
-            # gradient.
-            phi(search.step)
-            num_evals += 1
-
-        ops.assign(x_trial, s_new)
-        ops.axpy(-1.0, x, s_new)
-        ops.assign(g_trial, y_new)
-        ops.axpy(-1.0, g, y_new)
-        sy, yy, ss = ops.dot(s_new, y_new), ops.dot(y_new, y_new), ops.dot(s_new, s_new)
-        if sy > _CURVATURE_EPS * math.sqrt(ss * yy):
-            if len(s_history) == m:
-                s_new_next, y_new_next = s_history.pop(0), y_history.pop(0)
-                rho_history.pop(0)
-            else:
-                s_new_next, y_new_next = ops.zeros_like(x), ops.zeros_like(x)
-            s_history.append(s_new)
-            y_history.append(y_new)
-            rho_history.append(1.0 / sy)
-            s_new, y_new = s_new_next, y_new_next
-            gamma = sy / yy
-        else:
-            num_skipped_pairs += 1
-
-        previous_loss, loss = loss, search.phi
-        x, x_trial = x_trial, x
-        g, g_trial = g_trial, g
-        grad_norm = math.sqrt(ops.dot(g, g))
-        num_iters += 1
-        loss_history.append(loss)
-        step_history.append(search.step)
-        if record_iterates:
-            iterate_history.append(ops.to_numpy(x))
-        if (previous_loss - loss) <= ftol * max(abs(previous_loss), abs(loss), 1.0):
-            converged, message = True, "relative loss decrease <= `ftol`"
-            break
-
-    return LbfgsResult(
+    return LbfgsState(
         x=x,
+        grad=g,
+        s_history=[],
+        y_history=[],
+        rho_history=[],
+        gamma=1.0,
         loss=loss,
-        grad_norm=grad_norm,
-        num_iters=num_iters,
-        num_evals=num_evals,
-        num_skipped_pairs=num_skipped_pairs,
-        converged=converged,
-        message=message,
-        loss_history=loss_history,
-        step_history=step_history,
-        iterate_history=iterate_history,
+        grad_norm=math.sqrt(grad_norm_sq),
+        num_iters=0,
+        num_evals=1,
+        num_skipped_pairs=0,
+        loss_history=[loss],
+        step_history=[],
     )

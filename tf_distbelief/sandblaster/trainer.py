@@ -13,11 +13,14 @@ part of what a trainer hands out (`trainer.objective`, `trainer.stats`).
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tf_keras
 
+from tf_distbelief.sandblaster import checkpoint as checkpoint_lib
 from tf_distbelief.sandblaster import config as config_lib
 from tf_distbelief.sandblaster import lbfgs
 from tf_distbelief.sandblaster import objective as objective_lib
@@ -143,31 +146,67 @@ class SandblasterTrainer:
         gtol: float = 1e-5,
         ftol: float = 2.220446049250313e-09,
         record_iterates: bool = False,
+        model_dir: str | None = None,
+        print_fn: Callable[[str], None] = print,
     ) -> lbfgs.LbfgsResult:
         """Runs L-BFGS from the model's weights; leaves the result in the model.
+
+        With `model_dir`, the L-BFGS state is checkpointed in
+        `model_dir/sandblaster` every `config.checkpoint_every_iters`
+        iterations and at the end, and a run that finds a checkpoint there
+        resumes from it instead of the model's weights (it prints which): its
+        iterates are those of a run that never stopped, and `max_iters` counts
+        the iterations of all runs together, so a rerun after a chief loss
+        ends where an uninterrupted run ends (`sandblaster.checkpoint`).
 
         Args:
           max_iters: most L-BFGS iterations; None means `config.max_iters`.
           gtol, ftol, record_iterates: see `lbfgs.minimize` (the defaults are
             SciPy L-BFGS-B's stopping rules).
+          model_dir: where checkpoints go and are resumed from; None writes
+            none.
+          print_fn: where the line naming the checkpoint resumed from goes.
 
         Returns:
           The `lbfgs.LbfgsResult`; its `x` is a `PsVector` on the ps.
+
+        Raises:
+          resume.RestoreError: the latest checkpoint in `model_dir` was written
+            for another model or `history`, or does not restore exactly.
+          nonfinite.NonFiniteError: a state to checkpoint holds NaN or inf.
         """
         if max_iters is None:
             max_iters = self.config.max_iters
         ops, layout = self.objective.ops, self.objective.layout
-        x0 = ops.from_numpy(layout.read())
+        checkpointer, state = None, None
+        if model_dir:
+            checkpointer = checkpoint_lib.LbfgsCheckpointer(
+                ops,
+                os.path.join(model_dir, checkpoint_lib.CHECKPOINT_SUBDIR),
+                history=self.config.history,
+                model=checkpoint_lib.describe_model(layout.variables),
+                every_iters=self.config.checkpoint_every_iters,
+            )
+            state = checkpointer.restore(like=self.objective.grad)
+            if state is not None:
+                print_fn(
+                    f"Resumed L-BFGS from {checkpointer.latest_checkpoint} at "
+                    f"iteration {state.num_iters} (loss {state.loss:.6g})"
+                )
         result = lbfgs.minimize(
             self.objective,
-            x0,
+            None if state else ops.from_numpy(layout.read()),
             ops,
             m=self.config.history,
             max_iters=max_iters,
             gtol=gtol,
             ftol=ftol,
             record_iterates=record_iterates,
+            initial_state=state,
+            callback=checkpointer.save if checkpointer else None,
         )
+        if checkpointer:
+            checkpointer.save(result.state, force=True)
         layout.write(ops.to_numpy(result.x))
         # Late backup losers still hold gradient slots; let them finish so the
         # counters are final and nothing runs after `fit` returns.

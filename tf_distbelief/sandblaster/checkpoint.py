@@ -1,0 +1,352 @@
+"""Checkpoints of a Sandblaster L-BFGS run: resume exactly after a chief loss.
+
+Sandblaster L-BFGS (Dean et al. 2012, section 4.2) keeps its iterate, the
+gradient there and the `(s, y)` history as vectors on the ps tasks
+(`ps_vectors`); the coordinator holds python numbers only. `LbfgsCheckpointer`
+writes all of it, an `lbfgs.LbfgsState`, with `tf.train.Checkpoint` and
+`tf.train.CheckpointManager` after every `every_iters`-th iteration, and
+restores the latest: a rerun with the same directory goes on from there and
+computes the iterates an uninterrupted run computes.
+
+Each vector is saved through its shard variables, wrapped in a
+`ShardedVariable` (TensorFlow's partitioned variable), so every ps task writes
+its own slices (no vector passes through the coordinator) and the checkpoint
+holds each vector whole: a run with another number of ps tasks restores it
+into its own shards. Checkpoint keys:
+
+| key | value |
+| --- | --- |
+| `x`, `grad` | the iterate and the gradient there, `[n]` float64 |
+| `s_history/i`, `y_history/i` | pair `i` of the history, oldest first, `[n]` float64 |
+| `rho_history` | `1 / s_i·y_i`, `[num_pairs]` float64 |
+| `gamma`, `loss`, `grad_norm` | `[]` float64 |
+| `num_iters`, `num_evals`, `num_skipped_pairs` | `[]` int64 |
+| `loss_history`, `step_history` | `[num_iters + 1]`, `[num_iters]` float64 |
+| `history` | the run's memory `m`, `[]` int64 |
+| `model` | one line per model weight, `"name shape dtype"`, `[num_weights]` string |
+
+Writes are atomic (the manager points at a checkpoint only once it is whole);
+a state holding NaN or inf is never written; the manager deletes only its own
+`ckpt-N` files.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_distbelief import _tf_internals, nonfinite, resume
+from tf_distbelief.sandblaster import _checks, lbfgs_state, ps_vectors
+
+__all__ = ["CHECKPOINT_SUBDIR", "LbfgsCheckpointer", "describe_model"]
+
+# Under `model_dir`; apart from `training.fit`'s `checkpoints`, whose keys are
+# a Keras model's.
+CHECKPOINT_SUBDIR = "sandblaster"
+# Checkpoints kept; the manager only ever deletes its own `ckpt-N` files.
+MAX_CHECKPOINTS_TO_KEEP = 3
+
+_FLOATS = ("gamma", "loss", "grad_norm")
+_INTS = ("num_iters", "num_evals", "num_skipped_pairs")
+_FLOAT_LISTS = ("rho_history", "loss_history", "step_history")
+_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+class _QuietSaverRetracing(logging.Filter):
+    """Drops TensorFlow's warning that its checkpoint writer was traced again.
+
+    The state's lists grow (`loss_history` by one entry an iteration, the
+    history up to `m` pairs), so TensorFlow's saver function is traced anew at
+    every write and warns after the fifth; that is expected here, and only
+    that warning is dropped.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("MultiDeviceSaver" in message and "retracing" in message)
+
+
+_QUIET = _QuietSaverRetracing()
+
+
+def describe_model(variables) -> list[str]:
+    """One line per weight, `"name shape dtype"`: what a checkpoint was made for.
+
+    Args:
+      variables: the model's trainable weights in flat-vector order
+        (`flat_params.FlatLayout.variables`).
+
+    Returns:
+      `["dense/kernel:0 (64, 10) float32", ...]`, one string per weight.
+    """
+    return [f"{v.name} {tuple(v.shape)} {v.dtype.name}" for v in variables]
+
+
+def _shape_and_dtype(line: str) -> str:
+    # Keras numbers layer names by creation order in a process (`dense_1`), so
+    # a rebuilt model may be named otherwise: only shapes and dtypes must match.
+    return line.split(" ", 1)[1]
+
+
+class LbfgsCheckpointer:
+    """Writes an L-BFGS run's state every `every_iters` iterations; restores it.
+
+    Example, around `lbfgs.minimize` on `ps_vectors.PsVectorOps`:
+
+    ```python
+    checkpointer = checkpoint.LbfgsCheckpointer(
+        ops, os.path.join(model_dir, checkpoint.CHECKPOINT_SUBDIR), history=10,
+        model=checkpoint.describe_model(layout.variables))
+    state = checkpointer.restore(like=grad)          # None: no checkpoint yet
+    result = lbfgs.minimize(fun_and_grad, None if state else x0, ops, m=10,
+                            initial_state=state, callback=checkpointer.save)
+    checkpointer.save(result.state, force=True)      # the final state
+    ```
+
+    Args:
+      ops: the `ps_vectors.PsVectorOps` that owns the run's vectors.
+      directory: where the checkpoints go (made if missing).
+      history: the run's memory `m` (`SandblasterConfig.history`); a checkpoint
+        of another memory is refused.
+      model: `describe_model` of the model the vector holds; a checkpoint of
+        another model (shapes or dtypes) is refused.
+      every_iters: iterations between checkpoints, >= 1.
+      max_to_keep: checkpoints kept, >= 1.
+
+    Attributes:
+      saved_iters: the iteration of the last checkpoint written or restored,
+        None before either.
+
+    Raises:
+      TypeError, ValueError: a bad argument.
+    """
+
+    def __init__(
+        self,
+        ops: ps_vectors.PsVectorOps,
+        directory: str,
+        history: int,
+        model: Sequence[str],
+        every_iters: int = 1,
+        max_to_keep: int = MAX_CHECKPOINTS_TO_KEEP,
+    ):
+        if not isinstance(ops, ps_vectors.PsVectorOps):
+            raise TypeError(
+                "Argument `ops` must be a `ps_vectors.PsVectorOps`. Received: "
+                f"{type(ops).__name__}"
+            )
+        if not isinstance(directory, str) or not directory:
+            raise ValueError(
+                "Argument `directory` must be a non-empty path. Received: "
+                f"{directory!r}"
+            )
+        _checks.check_int("history", history, 1)
+        _checks.check_int("every_iters", every_iters, 1)
+        _checks.check_int("max_to_keep", max_to_keep, 1)
+        self.ops = ops
+        self.directory = directory
+        self.history = int(history)
+        self.model = list(model)
+        self.every_iters = int(every_iters)
+        self.saved_iters: int | None = None
+        self._root = tf.train.Checkpoint()
+        self._manager = tf.train.CheckpointManager(
+            self._root, directory, max_to_keep=max_to_keep
+        )
+        # One ShardedVariable per vector, made once: TensorFlow allows a
+        # variable in one ShardedVariable only.
+        self._sharded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The path of the newest checkpoint in `directory`, or None."""
+        return self._manager.latest_checkpoint
+
+    def _as_sharded(self, vector: ps_vectors.PsVector):
+        sharded = self._sharded.get(vector)
+        if sharded is None:
+            sharded = _tf_internals.ShardedVariable(list(vector.shards), name="lbfgs")
+            self._sharded[vector] = sharded
+        return sharded
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, state: lbfgs_state.LbfgsState, force: bool = False) -> str | None:
+        """Writes `state` if its iteration is a multiple of `every_iters`.
+
+        The `callback` of `lbfgs.minimize`. Nothing is written twice for one
+        iteration.
+
+        Args:
+          state: the run's state after an iteration.
+          force: write whatever the iteration (the final state of a run).
+
+        Returns:
+          The checkpoint's path, or None if nothing was written.
+
+        Raises:
+          nonfinite.NonFiniteError: naming the iteration and each vector or
+            number of `state` that holds NaN or inf; nothing is written and
+            the earlier checkpoints are kept.
+        """
+        k = state.num_iters
+        if k == self.saved_iters or not (force or k % self.every_iters == 0):
+            return None
+        vectors = _vectors(state)
+        bad = [
+            name
+            for name, v in vectors.items()
+            if nonfinite.nonfinite_variables(v.shards)
+        ]
+        scalars = state.scalars()
+        bad += [
+            name
+            for name, value in scalars.items()
+            if not np.all(np.isfinite(np.asarray(value, np.float64)))
+        ]
+        if bad:
+            latest = self.latest_checkpoint
+            raise nonfinite.NonFiniteError(
+                f"Refusing to write an L-BFGS checkpoint at iteration {k}: "
+                f"{', '.join(bad)} hold NaN or inf. Nothing was written"
+                + (f"; the last checkpoint, {latest}, is kept." if latest else "."),
+                k,
+                bad,
+            )
+        root = self._root
+        root.x = self._as_sharded(state.x)
+        root.grad = self._as_sharded(state.grad)
+        root.s_history = [self._as_sharded(v) for v in state.s_history]
+        root.y_history = [self._as_sharded(v) for v in state.y_history]
+        for name in _FLOATS + _FLOAT_LISTS:
+            setattr(root, name, tf.Variable(np.asarray(scalars[name], np.float64)))
+        for name in _INTS:
+            setattr(root, name, tf.Variable(np.int64(scalars[name])))
+        root.history = tf.Variable(np.int64(self.history))
+        root.model = tf.Variable(self.model, dtype=tf.string)
+        tf_logger = tf.get_logger()
+        tf_logger.addFilter(_QUIET)
+        try:
+            path = self._manager.save(checkpoint_number=k)
+        finally:
+            tf_logger.removeFilter(_QUIET)
+        self.saved_iters = k
+        return path
+
+    # --------------------------------------------------------------- restore
+
+    def restore(
+        self, like: ps_vectors.PsVector, path: str | None = None
+    ) -> lbfgs_state.LbfgsState | None:
+        """The state in checkpoint `path` (default: the latest), or None if none.
+
+        The vectors are made like `like` (same shards on the same ps tasks)
+        and filled on the ps tasks from the checkpoint, whatever the number of
+        ps tasks that wrote it.
+
+        Args:
+          like: a vector of the run, laid out as the restored ones must be.
+          path: a checkpoint; None means `latest_checkpoint`.
+
+        Returns:
+          The `lbfgs.LbfgsState` to pass to `lbfgs.minimize` as
+          `initial_state`, or None when `path` is None and there is no
+          checkpoint.
+
+        Raises:
+          resume.RestoreError: the checkpoint was written for another model
+            (naming the weight whose shape or dtype differs), another memory
+            `history`, or does not restore exactly (naming each variable:
+            missing, another shape or dtype, a value with no variable). Nothing
+            of the run is changed.
+        """
+        path = path or self.latest_checkpoint
+        if path is None:
+            return None
+        reader = tf.train.load_checkpoint(path)
+        shapes = reader.get_variable_to_shape_map()
+        self._check_made_for_this_run(path, reader, shapes)
+        num_pairs = _num_pairs(shapes)
+        objects = {
+            "x": self.ops.zeros_like(like),
+            "grad": self.ops.zeros_like(like),
+            "s_history": [self.ops.zeros_like(like) for _ in range(num_pairs)],
+            "y_history": [self.ops.zeros_like(like) for _ in range(num_pairs)],
+        }
+        numbers = {}
+        for name in _FLOATS + _FLOAT_LISTS:
+            key = name + _VALUE
+            shape = shapes.get(key, [])
+            numbers[name] = tf.Variable(tf.zeros(shape, tf.float64))
+        for name in _INTS:
+            numbers[name] = tf.Variable(np.int64(0))
+        numbers["history"] = tf.Variable(np.int64(0))
+        numbers["model"] = tf.Variable([""] * len(self.model), dtype=tf.string)
+        sharded = {
+            name: (
+                [self._as_sharded(v) for v in value]
+                if isinstance(value, list)
+                else self._as_sharded(value)
+            )
+            for name, value in objects.items()
+        }
+        resume.restore(tf.train.Checkpoint(**sharded, **numbers), path)
+        values = {name: v.numpy() for name, v in numbers.items()}
+        state = lbfgs_state.LbfgsState(
+            x=objects["x"],
+            grad=objects["grad"],
+            s_history=objects["s_history"],
+            y_history=objects["y_history"],
+            **{name: float(values[name]) for name in _FLOATS},
+            **{name: [float(v) for v in values[name]] for name in _FLOAT_LISTS},
+            **{name: int(values[name]) for name in _INTS},
+        )
+        lbfgs_state.check_state(state, self.history)
+        self.saved_iters = state.num_iters
+        return state
+
+    def _check_made_for_this_run(self, path, reader, shapes) -> None:
+        problems = []
+        if "history" + _VALUE in shapes:
+            saved = int(reader.get_tensor("history" + _VALUE))
+            if saved != self.history:
+                problems.append(
+                    f"`history`: {saved} (s, y) pairs in the checkpoint, "
+                    f"{self.history} here (the L-BFGS memory must match: "
+                    f"--lbfgs_history={saved}, or another --model_dir)"
+                )
+        if "model" + _VALUE in shapes:
+            saved = [b.decode() for b in reader.get_tensor("model" + _VALUE)]
+            if len(saved) != len(self.model):
+                problems.append(
+                    f"`model`: {len(saved)} weights in the checkpoint, "
+                    f"{len(self.model)} here"
+                )
+            for i, (there, here) in enumerate(zip(saved, self.model)):
+                if _shape_and_dtype(there) != _shape_and_dtype(here):
+                    problems.append(
+                        f"weight {i}: `{there}` in the checkpoint, `{here}` here"
+                    )
+        if problems:
+            raise resume.RestoreError(
+                f"The L-BFGS checkpoint {path} was written for another run "
+                f"({len(problems)} mismatches): " + "; ".join(problems[:20])
+            )
+
+
+def _vectors(state: lbfgs_state.LbfgsState) -> dict:
+    vectors = {"x": state.x, "grad": state.grad}
+    for i, (s, y) in enumerate(zip(state.s_history, state.y_history)):
+        vectors[f"s_history/{i}"] = s
+        vectors[f"y_history/{i}"] = y
+    return vectors
+
+
+def _num_pairs(shapes: dict) -> int:
+    """Pairs in a checkpoint: its `rho_history` length (0 if it has none)."""
+    shape = shapes.get("rho_history" + _VALUE)
+    return int(shape[0]) if shape else 0
