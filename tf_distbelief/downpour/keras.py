@@ -276,7 +276,9 @@ class DownpourMetrics(tf_keras.callbacks.Callback):
     * `replica{i}/steps`: steps replica i ran in the epoch;
     * `bytes_fetched_per_step`, `bytes_pushed_per_step`: parameter bytes moved
       per step over all replicas (tensor sizes; `benchmarks/downpour_bench.py`
-      checks them against socket counters).
+      checks them against socket counters);
+    * `nonfinite_pushes`: pushes dropped for a NaN or inf in the epoch
+      (`nonfinite="skip"`, `push_guard`).
 
     Put it before the callback that prints or writes the logs.
 
@@ -295,8 +297,9 @@ class DownpourMetrics(tf_keras.callbacks.Callback):
         now = self.downpour.stats()
         last = self._last or [ReplicaStats() for _ in now]
         self._last = now
-        steps = fetched = pushed = 0
+        steps = fetched = pushed = nonfinite = 0
         for i, (a, b) in enumerate(zip(now, last)):
+            nonfinite += a.nonfinite_pushes - b.nonfinite_pushes
             d_steps, d_pushes = a.steps - b.steps, a.pushes - b.pushes
             d_dropped = a.dropped_pushes - b.dropped_pushes
             stale = a.staleness_sum - b.staleness_sum
@@ -309,3 +312,4 @@ class DownpourMetrics(tf_keras.callbacks.Callback):
             logs.pop(key, None)
         logs["bytes_fetched_per_step"] = fetched / max(steps, 1)
         logs["bytes_pushed_per_step"] = pushed / max(steps, 1)
+        logs["nonfinite_pushes"] = nonfinite

@@ -28,7 +28,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import _tf_internals, substitution
-from tf_distbelief.downpour import base, schedule
+from tf_distbelief.downpour import base, push_guard, schedule
 from tf_distbelief.downpour import variables as downpour_variables
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.dense import DenseVariables
@@ -44,6 +44,7 @@ _STAT_NAMES = (
     "fetches",
     "pushes",
     "dropped_pushes",
+    "nonfinite_pushes",
     "staleness_sum",
     "max_staleness_seen",
     "row_bytes_fetched",
@@ -144,9 +145,16 @@ class Downpour:
             self.warm_steps = tf.Variable(
                 0, dtype=tf.int64, trainable=False, name="downpour/warm_steps"
             )
+            # On the ps, int64: pushes refused for a NaN or inf (`push_guard`).
+            self.nonfinite_skipped = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="downpour/nonfinite_skipped"
+            )
+        self.nonfinite = "raise"  # Or "skip": see `push_guard.install`.
+        self.guard = push_guard.Guard(self)
         self._exchange = Exchange(
             optimizer, config, self.variables, self._order, self._dense, self._rows
         )
+        self._exchange.guard_context = self.guard
 
     @property
     def _caches(self) -> list[tf.Variable]:
@@ -170,6 +178,8 @@ class Downpour:
             refetch=self._refetch.handle,
             stats={name: v.handle for name, v in self._stats.items()},
             count=self.update_count.get().handle,
+            skipped=self.nonfinite_skipped.get().handle,
+            worker=tf.distribute.coordinator.experimental_get_current_worker_index(),
         )
 
     def _cached_values(self, h: base.Handles, after: list, active=None):
@@ -294,11 +304,11 @@ class Downpour:
             if cfg.n_push == 1 and active is None:
                 pushed = ((grads[0], None), (grads[1], None))
                 staleness, applied, rows_pushed = self._exchange.push(
-                    h, pushed, zero_accumulators=False, pack=False
+                    h, pushed, zero_accumulators=False, pack=False, step=t + 1
                 )
             else:
                 staleness, applied, rows_pushed = self._exchange.push_if(
-                    h, gated(schedule.is_push_step(t, cfg.n_push))
+                    h, gated(schedule.is_push_step(t, cfg.n_push)), step=t + 1
                 )
         with tf.control_dependencies([staleness]):
             counted = if_active(
@@ -412,7 +422,7 @@ class Downpour:
                 # The segment's last step, `t + size - 1`, may end with a push.
                 last_t = t + size - 1
                 pred = schedule.is_push_step(last_t, cfg.n_push)
-                staleness, _, _ = self._exchange.push_if(h, pred)
+                staleness, _, _ = self._exchange.push_if(h, pred, step=last_t + 1)
             return base.after([staleness], done + size)
 
         (done,) = tf.while_loop(
