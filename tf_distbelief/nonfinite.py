@@ -34,7 +34,7 @@ import weakref
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals
+from tf_distbelief import _tf_internals, exactly_once
 
 MODES = ("raise", "skip")
 # Marks the assertion a failed check raises on the worker, so that the error
@@ -124,7 +124,19 @@ class Guard:
             with tf.control_dependencies(deps):
                 return tf.identity(iterations)
 
-        return tf.cond(all_finite, update, refuse)
+        token = exactly_once.current()
+        if token is None:
+            return tf.cond(all_finite, update, refuse)
+        # A retried step whose update was applied already: nothing more.
+        tokens = exactly_once.tokens_for(self._optimizer)
+        return exactly_once.gate(
+            token,
+            tokens,
+            all_finite,
+            update,
+            refuse,
+            lambda: tf.identity(iterations),
+        )
 
 
 def _values(gradient):

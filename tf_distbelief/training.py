@@ -18,8 +18,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
+from tf_distbelief import exactly_once, resume
 from tf_distbelief import nonfinite as nonfinite_lib
-from tf_distbelief import resume
 from tf_distbelief.downpour import push_guard
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -327,6 +327,7 @@ def fit(
         guard = nonfinite_lib.install(model, nonfinite)
     else:  # Downpour applies pushes outside the optimizer's apply: its own guard.
         guard = push_guard.install(model, nonfinite)
+    exactly_once.install(model)  # No step applied twice after a worker loss.
     skipped_before = guard.skipped_steps()
     all_callbacks.append(_CountSkipped(guard, print_fn))
     all_callbacks.append(progress)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals
+from tf_distbelief import _tf_internals, exactly_once
 from tf_distbelief.adagrad import optimizer as adagrad
 from tf_distbelief.downpour import base, push_guard, schedule
 from tf_distbelief.downpour.config import DownpourConfig
@@ -55,6 +55,9 @@ class Exchange:
         # What the non-finite guard does with a refused push: `replica.Downpour`
         # (its `nonfinite` mode, read when the step is traced).
         self.guard_context = None
+        # The optimizer's `exactly_once.StepTokens`: each push is gated by the
+        # token of the step that ends it, when one is in scope.
+        self.tokens = None
 
     def fetch_ops(self, h: base.Handles) -> list:
         """A fetch's bookkeeping: `seen`, `refetch`, the count, stale rows."""
@@ -198,7 +201,21 @@ class Exchange:
                 )
                 return base.after([applied], staleness), applied
 
-        staleness, applied = tf.cond(tf.reduce_all(tf.stack(flags)), apply_push, refuse)
+        finite = tf.reduce_all(tf.stack(flags))
+        token = exactly_once.current()
+        if token is None or self.tokens is None:
+            staleness, applied = tf.cond(finite, apply_push, refuse)
+        else:
+            # A retried step whose push was applied already pushes nothing;
+            # its sums restart, as after a push dropped for staleness.
+            staleness, applied = exactly_once.gate(
+                token,
+                self.tokens,
+                finite,
+                apply_push,
+                refuse,
+                lambda: (tf.constant(-1, int64), tf.constant(False)),
+            )
         with tf.control_dependencies([applied, staleness]):
             most = base.read(h.stats["max_staleness_seen"], int64)
             ops = [

@@ -121,7 +121,9 @@ def _make_segment_train_function(model, downpour: Downpour):
     scheduled `tf.function` runs `steps_per_execution` steps. The model's
     train counter (a ps variable) grows once per scheduled function, by the
     steps it ran, rather than at every step; the function returns the model's
-    metric results, which `fit` reads again at each epoch end.
+    metric results, which `fit` reads again at each epoch end. Each push is
+    gated by its step's `exactly_once` token, so that a function retried after
+    a worker loss does not push a step's update twice.
     """
 
     def make_train_function(force=False):
@@ -129,12 +131,13 @@ def _make_segment_train_function(model, downpour: Downpour):
             return model.train_function
 
         @tf.function(reduce_retracing=True)
-        def train_function(iterator, steps_per_execution):
+        def train_function(iterator, steps_per_execution, first_token):
             done = downpour.run_steps(
                 iterator,
                 steps_per_execution,
                 lambda data: _forward(model, data),
                 lambda data, y_pred: _update_metrics(model, data, y_pred),
+                first_token=first_token,
             )
             counter = _tf_internals.train_counter(model)
             with tf.control_dependencies(
@@ -143,11 +146,21 @@ def _make_segment_train_function(model, downpour: Downpour):
                 return tf.nest.map_structure(tf.identity, model.get_metrics_result())
 
         coordinator = _tf_internals.cluster_coordinator(model)
+        spe = _tf_internals.steps_per_execution(model)
+
+        def schedule(iterator):
+            # Tokens fixed now: a retry on another worker gets the same ones.
+            steps = int(spe.numpy())
+            first = downpour.tokens.take(steps)
+            args = (
+                iterator,
+                tf.constant(steps, tf.int64),
+                tf.constant(first, tf.int64),
+            )
+            return coordinator.schedule(train_function, args=args)
+
         model.train_tf_function = train_function
-        model.train_function = lambda iterator: coordinator.schedule(
-            train_function,
-            args=(iterator, _tf_internals.steps_per_execution(model).value()),
-        )
+        model.train_function = schedule
         return model.train_function
 
     return make_train_function

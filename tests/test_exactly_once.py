@@ -1,0 +1,80 @@
+"""Exactly-once step accounting (issue 10): a worker lost mid-step is retried
+by the ClusterCoordinator, and no step is applied twice."""
+
+import signal
+
+import numpy as np
+import pytest
+import tf_keras
+
+import models
+from models import digits
+from tests.helpers import wait_for_worker_recovery
+from tf_distbelief import job, training
+from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.downpour import DownpourConfig
+
+STEPS = 300
+KILLS = 8
+
+
+class _KillAndRestart(tf_keras.callbacks.Callback):
+    """SIGKILLs worker 1 and restarts it, `KILLS` times spread over the run."""
+
+    def __init__(self, local_cluster, every_steps):
+        super().__init__()
+        # Allowed as a batch hook under parameter-server training: it reads
+        # no batch logs.
+        self._supports_tf_logs = True
+        self.local_cluster = local_cluster
+        self.every_steps = every_steps
+        self.kills = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.kills < KILLS and (batch + 1) % self.every_steps == 0:
+            self.local_cluster.kill("worker", 1, signal.SIGKILL)
+            self.kills += 1
+            self.local_cluster.restart("worker", 1)
+
+
+def _model(local_cluster, downpour):
+    config = job.JobConfig(
+        num_workers=2,
+        num_ps=1,
+        steps_per_execution=1,
+        downpour=downpour,
+    )
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(2, 1))
+    return job.compile_model(config, strategy, models.spec("digits"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "downpour",
+    [None, DownpourConfig(n_fetch=1, n_push=1)],
+    ids=["stock", "downpour"],
+)
+def test_worker_kills_never_apply_a_step_twice(local_cluster, downpour):
+    (x, y), _ = digits.load_data()
+    model = _model(local_cluster, downpour)
+    killer = _KillAndRestart(local_cluster, STEPS // (KILLS + 1))
+    try:
+        training.fit(
+            model,
+            training.dataset_creator(x, y, 32),
+            epochs=1,
+            steps_per_epoch=STEPS,
+            batch_size=32,
+            callbacks=[killer],
+            print_fn=lambda _: None,
+        )
+    finally:
+        if local_cluster.processes[("worker", 1)].poll() is not None:
+            local_cluster.restart("worker", 1)
+        wait_for_worker_recovery(model.distribute_strategy)
+    assert killer.kills == KILLS
+    assert int(model.optimizer.iterations.numpy()) == STEPS
+    if downpour is not None:
+        # Every step pushes once (n_push=1): the ps counts each step's push.
+        assert int(model.downpour.update_count.numpy()) == STEPS
+    assert np.all([np.isfinite(w.numpy()).all() for w in model.weights])
