@@ -2,6 +2,7 @@
 by the ClusterCoordinator, and no step is applied twice."""
 
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -14,27 +15,42 @@ from tf_distbelief import job, training
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import DownpourConfig
 
-STEPS = 300
-KILLS = 8
+# Enough steps that worker 1 is killed mid-step KILLS times: each restart
+# takes ~5 s, during which worker 0 trains alone.
+STEPS = 3000
+KILLS = 4
 
 
 class _KillAndRestart(tf_keras.callbacks.Callback):
-    """SIGKILLs worker 1 and restarts it, `KILLS` times spread over the run."""
+    """SIGKILLs worker 1 and restarts it, `KILLS` times while steps run.
 
-    def __init__(self, local_cluster, every_steps):
+    A thread, so that each kill lands at a random point of a step in flight
+    on worker 1 (fit schedules far ahead of the workers).
+    """
+
+    def __init__(self, local_cluster):
         super().__init__()
-        # Allowed as a batch hook under parameter-server training: it reads
-        # no batch logs.
-        self._supports_tf_logs = True
         self.local_cluster = local_cluster
-        self.every_steps = every_steps
         self.kills = 0
+        self._done = threading.Event()
 
-    def on_train_batch_end(self, batch, logs=None):
-        if self.kills < KILLS and (batch + 1) % self.every_steps == 0:
+    def _run(self):
+        for _ in range(KILLS):
+            # Worker 1 back and stepping again.
+            wait_for_worker_recovery(self.model.distribute_strategy)
+            if self._done.wait(1.0):
+                return
             self.local_cluster.kill("worker", 1, signal.SIGKILL)
             self.kills += 1
             self.local_cluster.restart("worker", 1)
+
+    def on_train_begin(self, logs=None):
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def on_train_end(self, logs=None):
+        self._done.set()
+        self._thread.join()
 
 
 def _model(local_cluster, downpour):
@@ -57,7 +73,7 @@ def _model(local_cluster, downpour):
 def test_worker_kills_never_apply_a_step_twice(local_cluster, downpour):
     (x, y), _ = digits.load_data()
     model = _model(local_cluster, downpour)
-    killer = _KillAndRestart(local_cluster, STEPS // (KILLS + 1))
+    killer = _KillAndRestart(local_cluster)
     try:
         training.fit(
             model,

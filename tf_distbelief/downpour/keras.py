@@ -9,6 +9,19 @@ were created under a `DistBeliefStrategy` with `variables.enable` in effect:
   `ClusterCoordinator`;
 * `DownpourMetrics` adds each epoch's staleness and bytes moved to the logs.
 
+Resume (`training.fit(model_dir=...)`): a checkpoint holds the ps state,
+every variable, every optimizer slot and the iteration count, which restore
+bit for bit. A replica's own state lives on its worker
+(`per_worker_variable=True`) and starts afresh on a resume, as on a worker
+restart: its cache (its first step fetches), its gradient sums not yet pushed
+(at most `n_push - 1` steps of its gradients, dropped as a stale push would
+be), its step counter (the cadence restarts with a fetch) and its counters
+(`stats`), and its local AdaGrad accumulator (back at the initial value:
+larger local steps for a while, as for a new replica). With checkpoints at
+steps that are multiples of `n_fetch` and `n_push` and one worker, nothing is
+pending at a checkpoint, and with a local SGD step a resumed run equals an
+uninterrupted one exactly (`tests/test_downpour_resume.py`).
+
 Example with `fit`:
   ```
   strategy = tfdb.DistBeliefStrategy(resolver)
