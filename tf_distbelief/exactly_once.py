@@ -163,20 +163,24 @@ def gate(token, tokens: StepTokens, ready, apply_fn, refuse_fn, duplicate_fn):
       token: the step token, an int64 scalar.
       tokens: the `StepTokens`.
       ready: a bool scalar (e.g. every gradient finite).
-      apply_fn: the update; its outputs come back once the token is written.
-      refuse_fn: run for a fresh token when not `ready`, same outputs;
-        `mark_refused` writes the token after it too.
-      duplicate_fn: run for a token already applied, same outputs.
+      apply_fn: the update: returns `(outputs, after)`, where `after` lists
+        tensors on the ps that the token write follows (the update done).
+        Only ps tensors: a write that waited for the worker would not run if
+        the worker were lost after the update, and the retry would apply it
+        again.
+      refuse_fn: run for a fresh token when not `ready` (a step refused and
+        counted, which a retry must not count again): `(outputs, after)` too.
+      duplicate_fn: run for a token already applied: the same `outputs`.
 
     Returns:
-      The outputs of the branch taken.
+      The outputs of the branch taken (after the token write, if any).
     """
     fresh = tokens.fresh(token)
 
     def marked(fn):
         def branch():
-            outputs = fn()
-            with tf.control_dependencies(tf.nest.flatten(outputs)):
+            outputs, after = fn()
+            with tf.control_dependencies(after):
                 written = tokens.mark(token)
             with tf.control_dependencies([written]):
                 return tf.nest.map_structure(tf.identity, outputs)

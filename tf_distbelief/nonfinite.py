@@ -129,12 +129,17 @@ class Guard:
             return tf.cond(all_finite, update, refuse)
         # A retried step whose update was applied already: nothing more.
         tokens = exactly_once.tokens_for(self._optimizer)
+
+        def update_marked():
+            done = update()  # `iterations` advanced on its ps task.
+            return done, [done]
+
         return exactly_once.gate(
             token,
             tokens,
             all_finite,
-            update,
-            refuse,
+            update_marked,
+            lambda: (refuse(), []),
             lambda: tf.identity(iterations),
         )
 

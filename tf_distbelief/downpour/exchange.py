@@ -153,7 +153,8 @@ class Exchange:
                     (self.rows, h.rows, zero_accumulators),
                 ],
             )
-            return base.after(ops, tf.constant(-1, int64)), base.after(ops, False)
+            outputs = base.after(ops, tf.constant(-1, int64)), base.after(ops, False)
+            return outputs, []
 
         if self.config.max_staleness is None:
 
@@ -172,7 +173,8 @@ class Exchange:
                     base.add(h.stats["pushes"], one),
                     base.add(h.stats["row_bytes_pushed"], row_bytes),
                 ]
-                return base.after(ops, staleness), base.after(ops, True)
+                outputs = base.after(ops, staleness), base.after(ops, True)
+                return outputs, [count]  # `count`: on the ps, after the push.
 
         else:
 
@@ -180,9 +182,11 @@ class Exchange:
                 staleness = base.read(h.count, int64) - base.read(h.seen, int64)
 
                 def apply_fresh():
-                    self._apply(pushed, pack)
+                    arrived = self._apply(pushed, pack)
+                    with tf.control_dependencies(arrived[:1]):
+                        increment = base.add(h.count, one)
                     ops = [
-                        base.add(h.count, one),
+                        increment,
                         base.add(h.seen, one),
                         base.add(h.stats["pushes"], one),
                         base.add(h.stats["row_bytes_pushed"], row_bytes),
@@ -199,12 +203,16 @@ class Exchange:
                 applied = tf.cond(
                     staleness <= self.config.max_staleness, apply_fresh, drop_push
                 )
-                return base.after([applied], staleness), applied
+                # A dropped push is marked too: its retry would be as stale.
+                outputs = base.after([applied], staleness), applied
+                return outputs, [base.read(h.count, int64)]
 
         finite = tf.reduce_all(tf.stack(flags))
         token = exactly_once.current()
         if token is None or self.tokens is None:
-            staleness, applied = tf.cond(finite, apply_push, refuse)
+            staleness, applied = tf.cond(
+                finite, lambda: apply_push()[0], lambda: refuse()[0]
+            )
         else:
             # A retried step whose push was applied already pushes nothing;
             # its sums restart, as after a push dropped for staleness.
