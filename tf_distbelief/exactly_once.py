@@ -14,9 +14,13 @@ closure's arguments). On the ps, next to the optimizer's `iterations`, a
 ring of `SLOTS` int64 entries holds the tokens applied, each at `token %
 SLOTS`. A step's update runs only if its token is not there, and writes it
 there; the check, the update and the write run in the ps's part of the
-function, after its inputs arrived, so a worker lost after sending them
-cannot stop them halfway, and the retry comes only after the coordinator has
-seen the loss. The optimizer's `iterations` then counts applied steps only.
+function and the write waits for ps-side tensors only (`gate`), so a worker
+lost after sending the step's gradients cannot stop them halfway, and the
+retry comes only after the coordinator has seen the loss. The optimizer's
+`iterations` then counts applied steps only; a step refused for a NaN or inf
+(`nonfinite="skip"`) is marked too, so its retry is not counted again. A
+Downpour replica whose retried push is dropped restarts its sums, as after a
+push dropped for staleness.
 
 Where it applies (each through `scope`, read when the step is traced):
 
