@@ -150,8 +150,9 @@ def define_flags() -> None:
         "nonfinite",
         d.nonfinite,
         job.NONFINITE_MODES,
-        "A step whose gradients hold NaN or inf is never applied to the ps: "
-        "raise stops the job naming the step; skip skips it and counts it.",
+        "A step (with --downpour, a push) whose gradients hold NaN or inf is "
+        "never applied to the ps: raise stops the job naming the step; skip "
+        "skips it and counts it.",
     )
     flags.register_multi_flags_validator(
         ["checkpoint_every_steps", "model_dir"],

@@ -151,6 +151,62 @@ def test_gradient_and_squares_match_numpy():
     )
 
 
+@pytest.mark.parametrize("steps", [1, 4])
+@pytest.mark.parametrize("index_dtype", [tf.int32, tf.int64])
+def test_repeated_rows_are_summed_first(steps, index_dtype):
+    """Rows at a repeated index are one gradient, their sum: a += (sum g)^2 / steps."""
+    value = np.arange(8.0).reshape(4, 2)
+    rows = np.array([[1.0, 1.0], [1.0, 3.0], [0.5, -2.0]])
+    indices = [1, 3, 1]
+    table = tf.Variable(value, name="table")
+    opt = adagrad.Adagrad(0.3, initial_accumulator_value=0.1, epsilon=1e-7)
+    opt.build([table])
+    grad = tf.IndexedSlices(tf.constant(rows), tf.constant(indices, index_dtype))
+    opt.apply_summed_gradient(grad, table, steps)
+    dense = np.zeros_like(value)
+    np.add.at(dense, indices, rows)  # The dense gradient the rows stand for.
+    scale = np.sqrt(steps)
+    accumulator = np.full_like(value, 0.1)
+    accumulator[[1, 3]] += (dense[[1, 3]] / scale) ** 2
+    want = value.copy()
+    want[[1, 3]] -= (
+        0.3 * scale * (dense[[1, 3]] / scale) / (np.sqrt(accumulator[[1, 3]]) + 1e-7)
+    )
+    np.testing.assert_array_equal(opt._accumulators[0].numpy(), accumulator)
+    # The op orders its float math its own way: ulps apart, not bits.
+    np.testing.assert_allclose(table.numpy(), want, rtol=1e-15, atol=0)
+    if steps == 1:  # The issue's figures: indices [1, 1] of 1.0 give 4.1, not 2.1.
+        twice = tf.IndexedSlices(
+            tf.constant([[1.0, 1.0]] * 2, tf.float64), tf.constant([1, 1])
+        )
+        opt.update_step(twice, table)
+        assert opt._accumulators[0].numpy()[1, 0] == accumulator[1, 0] + 4.0
+
+
+def test_repeated_rows_with_squares_match_numpy():
+    """A push's `G` and `S` with a repeated index: a += sum S; w -= lr sum G / ..."""
+    value = np.arange(8.0).reshape(4, 2)
+    g = np.array([[1.0, 2.0], [3.0, -1.0], [0.5, 0.5]])
+    s = g * g
+    indices = [2, 0, 2]
+    table = tf.Variable(value, name="table")
+    opt = adagrad.Adagrad(0.3, initial_accumulator_value=0.1, epsilon=1e-7)
+    opt.build([table])
+    opt.apply_gradient_and_squares(
+        tf.IndexedSlices(tf.constant(g), tf.constant(indices)),
+        tf.IndexedSlices(tf.constant(s), tf.constant(indices)),
+        table,
+    )
+    dense_g, dense_s = np.zeros_like(value), np.full_like(value, 0.1)
+    np.add.at(dense_g, indices, g)
+    np.add.at(dense_s, indices, s)
+    want = value.copy()
+    want[[0, 2]] -= 0.3 * dense_g[[0, 2]] / (np.sqrt(dense_s[[0, 2]]) + 1e-7)
+    np.testing.assert_array_equal(opt._accumulators[0].numpy(), dense_s)
+    # The op orders its float math its own way: ulps apart, not bits.
+    np.testing.assert_allclose(table.numpy(), want, rtol=1e-15, atol=0)
+
+
 @pytest.mark.parametrize("steps", [0, -1, 2.0, True])
 def test_summed_gradient_steps_must_be_a_positive_int(steps):
     var = tf.Variable(np.ones(3), name="w")

@@ -109,6 +109,22 @@ def steps_per_execution(model: tf_keras.Model) -> tf.Variable:
     return model._steps_per_execution  # noqa: SLF001
 
 
+def reduce_per_replica(model: tf_keras.Model, outputs):
+    """A step's outputs reduced over replicas, as tf_keras `fit`'s step does.
+
+    `exactly_once` rebuilds tf_keras's scheduled train function (to give each
+    step a token) and must return what tf_keras's returns. Public route
+    checked: none; `Model.make_train_function` keeps its step function local.
+    """
+    from tf_keras.src.engine import training as keras_training
+
+    return keras_training.reduce_per_replica(
+        outputs,
+        model.distribute_strategy,
+        reduction=model.distribute_reduction_method,
+    )
+
+
 def busy_coordinator_threads() -> list[str]:
     """Names of `ClusterCoordinator` threads with work in flight.
 
@@ -297,6 +313,10 @@ def check() -> None:
             "_cluster_coordinator" in _source_names(tf_keras.Model),
         ),
         (
+            "tf_keras training.reduce_per_replica",
+            callable(getattr(_keras_training(), "reduce_per_replica", None)),
+        ),
+        (
             "tf_keras Model._steps_per_execution",
             "_steps_per_execution" in _source_names(tf_keras.Model),
         ),
@@ -315,6 +335,12 @@ def check() -> None:
         f"TensorFlow internals that tf_distbelief relies on changed shape in "
         f"{versions}: {', '.join(missing)}. See tf_distbelief/_tf_internals.py."
     )
+
+
+def _keras_training():
+    from tf_keras.src.engine import training as keras_training
+
+    return keras_training
 
 
 def _source_names(cls: type) -> set[str]:

@@ -19,13 +19,12 @@ Cost per step: one `is_finite` and one `reduce_all` per gradient (a pass over
 the gradient's values on the worker, beside the backward pass that made them;
 for an embedding only its looked-up rows), a `stack`/`reduce_all` over one
 boolean per variable, and the `tf.cond`; no extra RPC while gradients are
-finite (the step number is read only when a check fails).
+finite (the step number is read only when a check fails). Downpour's pushes
+have their own check, push by push (`tf_distbelief.downpour.push_guard`).
 
 What it does not cover: an update that overflows although its gradient was
 finite (say `learning_rate=1e30`) reaches the ps, and the next step's
-gradients are then non-finite and stop (or are skipped); Downpour's pushes
-apply the optimizer variable by variable outside this path (the checkpoint
-check still applies).
+gradients are then non-finite and stop (or are skipped).
 """
 
 from __future__ import annotations
@@ -35,12 +34,14 @@ import weakref
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals
+from tf_distbelief import _tf_internals, exactly_once
 
 MODES = ("raise", "skip")
 # Marks the assertion a failed check raises on the worker, so that the error
 # the coordinator re-raises can be told apart from any other.
 _MARKER = "tf_distbelief non-finite gradient at step"
+# The same for a Downpour push (`downpour.push_guard`).
+PUSH_MARKER = "tf_distbelief non-finite push at step"
 _GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -123,7 +124,24 @@ class Guard:
             with tf.control_dependencies(deps):
                 return tf.identity(iterations)
 
-        return tf.cond(all_finite, update, refuse)
+        token = exactly_once.current()
+        if token is None:
+            return tf.cond(all_finite, update, refuse)
+        # A retried step whose update was applied already: nothing more.
+        tokens = exactly_once.tokens_for(self._optimizer)
+
+        def update_marked():
+            done = update()  # `iterations` advanced on its ps task.
+            return done, [done]
+
+        return exactly_once.gate(
+            token,
+            tokens,
+            all_finite,
+            update_marked,
+            lambda: (refuse(), []),
+            lambda: tf.identity(iterations),
+        )
 
 
 def _values(gradient):
@@ -177,8 +195,26 @@ def error_from(error: Exception) -> NonFiniteError | None:
     `InvalidArgumentError`; the coordinator re-raises it from `fit`.
     """
     message = str(getattr(error, "message", error))
+    if not isinstance(error, tf.errors.InvalidArgumentError):
+        return None
+    push = re.search(
+        re.escape(PUSH_MARKER) + r"\] \[(\d+)\] \[(.*?)\] \[worker\] \[(\d+)\]",
+        message,
+    )
+    if push:
+        step, worker = int(push.group(1)), int(push.group(3))
+        names = re.findall(r'"([^"]*)"', push.group(2)) or push.group(2).split()
+        return NonFiniteError(
+            f"Non-finite push (NaN or inf) from worker {worker} at its step "
+            f"{step} for {', '.join(names)}: the push was not applied and "
+            "training stopped (`nonfinite=raise`); no ps variable holds it. "
+            "Lower the learning rate, or pass `nonfinite=skip` "
+            "(--nonfinite=skip) to drop such pushes.",
+            step,
+            names,
+        )
     found = re.search(re.escape(_MARKER) + r"\] \[(\d+)\] \[(.*?)\]", message)
-    if not isinstance(error, tf.errors.InvalidArgumentError) or not found:
+    if not found:
         return None
     step = int(found.group(1))
     names = re.findall(r'"([^"]*)"', found.group(2)) or found.group(2).split()

@@ -17,8 +17,9 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import console, resume, validation
+from tf_distbelief import console, exactly_once, resume, validation
 from tf_distbelief import nonfinite as nonfinite_lib
+from tf_distbelief.downpour import push_guard
 from tf_distbelief.progress import Progress  # noqa: F401  (training.Progress)
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -127,8 +128,9 @@ class _CountSkipped(tf_keras.callbacks.Callback):
             logs["nonfinite_skipped"] = skipped
         if skipped > self._reported:
             self._reported = skipped
+            unit = getattr(self._guard, "unit", "steps")  # Downpour: pushes.
             self._print_fn(
-                f"nonfinite: {skipped} steps skipped so far (a NaN or inf "
+                f"nonfinite: {skipped} {unit} skipped so far (a NaN or inf "
                 "gradient; --nonfinite=skip)"
             )
 
@@ -145,7 +147,7 @@ class FitResult:
       initial_step: steps already done when this run started.
       steps: steps done at the end (`epochs * steps_per_epoch` once finished).
       nonfinite_skipped: steps whose update was skipped for a NaN or inf
-        gradient in this run (`nonfinite="skip"`).
+        gradient in this run (`nonfinite="skip"`); Downpour: pushes.
     """
 
     initial_epoch: int
@@ -194,8 +196,8 @@ def fit(
     hold the ps values (the coordinator reads them from the ps tasks) and are
     never written with a NaN or inf in them.
 
-    A step whose gradients hold a NaN or inf is never applied (stock
-    parameter-server training; see `nonfinite` for Downpour): with
+    A step whose gradients hold a NaN or inf is never applied (Downpour: a
+    push, `downpour.push_guard`): with
     `nonfinite="raise"` the run stops with `NonFiniteError` naming the step
     and the variables, with `"skip"` the step is skipped and counted.
 
@@ -269,12 +271,13 @@ def fit(
                 validation_data, validation_freq, validation_steps
             ),
         )
-    guard = None
     if getattr(model, "downpour", None) is None:
-        # Downpour applies its pushes outside the optimizer's apply path.
         guard = nonfinite_lib.install(model, nonfinite)
-        skipped_before = guard.skipped_steps()
-        all_callbacks.append(_CountSkipped(guard, print_fn))
+    else:  # Downpour applies pushes outside the optimizer's apply: its own guard.
+        guard = push_guard.install(model, nonfinite)
+    exactly_once.install(model)  # No step applied twice after a worker loss.
+    skipped_before = guard.skipped_steps()
+    all_callbacks.append(_CountSkipped(guard, print_fn))
     all_callbacks.append(progress)
     initial_step = 0
     manager = None
@@ -350,7 +353,7 @@ def fit(
         checkpoint_path=manager.latest_checkpoint if manager else None,
         initial_step=initial_step,
         steps=max(initial_step, progress.steps_done),
-        nonfinite_skipped=(guard.skipped_steps() - skipped_before) if guard else 0,
+        nonfinite_skipped=guard.skipped_steps() - skipped_before,
     )
 
 

@@ -26,8 +26,8 @@ def apply_adagrad(var, accum, gradient, lr, epsilon, update_slots: bool = True):
     """One fused AdaGrad op on a variable and its accumulator (resource handles).
 
     `ResourceApplyAdagradV2`, or `ResourceSparseApplyAdagradV2` on the rows of
-    an `IndexedSlices` gradient (unique indices: a repeated row would be
-    updated once per repeat): `a <- a + g^2` (with `update_slots`; False reads
+    an `IndexedSlices` gradient, its repeated rows summed first
+    (`deduplicate`): `a <- a + g^2` (with `update_slots`; False reads
     the accumulator as it is), then `w <- w - lr * g / (sqrt(a) + epsilon)`,
     the rule of `adagrad.rule.adagrad_update`. The ps AdaGrad (`Adagrad`) and
     Downpour's local step on a replica's cache both run it; the op runs on
@@ -37,7 +37,7 @@ def apply_adagrad(var, accum, gradient, lr, epsilon, update_slots: bool = True):
       var: the variable's resource handle.
       accum: the accumulator's resource handle, same shape and dtype.
       gradient: `g`, a tensor of the variable's shape, or `tf.IndexedSlices`
-        of its rows.
+        of its rows (an index may repeat: its rows are summed).
       lr: the learning rate, a scalar tensor of the variable's dtype.
       epsilon: a scalar tensor of the variable's dtype.
       update_slots: grow the accumulator by `g^2` first.
@@ -46,6 +46,7 @@ def apply_adagrad(var, accum, gradient, lr, epsilon, update_slots: bool = True):
       The op.
     """
     if isinstance(gradient, tf.IndexedSlices):
+        gradient = deduplicate(gradient)
         return tf.raw_ops.ResourceSparseApplyAdagradV2(
             var=var,
             accum=accum,
@@ -65,6 +66,27 @@ def apply_adagrad(var, accum, gradient, lr, epsilon, update_slots: bool = True):
         use_locking=False,
         update_slots=update_slots,
     )
+
+
+def deduplicate(gradient: tf.IndexedSlices) -> tf.IndexedSlices:
+    """`gradient` with the rows of each repeated index summed into one.
+
+    The sparse AdaGrad op grows the accumulator once per row it is given: rows
+    `g1, g2` at one index would add `g1^2 + g2^2` instead of the `(g1 + g2)^2`
+    of the dense gradient they stand for. tf_keras sums them the same way
+    before its sparse updates (`Optimizer._deduplicate_sparse_grad`).
+
+    Args:
+      gradient: `tf.IndexedSlices`, `values` of shape `[n, *row_shape]` and
+        `indices` of shape `[n]` (int32 or int64).
+
+    Returns:
+      `tf.IndexedSlices` with unique `indices` (in order of first appearance)
+      and the summed `values`, same dtypes and `dense_shape`.
+    """
+    unique, position = tf.unique(gradient.indices)
+    summed = tf.math.unsorted_segment_sum(gradient.values, position, tf.size(unique))
+    return tf.IndexedSlices(summed, unique, gradient.dense_shape)
 
 
 class Adagrad(tf_keras.optimizers.Adagrad):
@@ -193,8 +215,10 @@ class Adagrad(tf_keras.optimizers.Adagrad):
 
         Args:
           gradient: `G`, a tensor of the variable's shape and dtype, or
-            `tf.IndexedSlices` of its rows (unique row indices).
-          squares: `S`, of the same kind, shape and row indices as `gradient`.
+            `tf.IndexedSlices` of its rows (a repeated index: its rows are
+            summed, `deduplicate`).
+          squares: `S`, of the same kind as `gradient`: a repeated index adds
+            each of its rows (a sum of squares sums).
           variable: a variable this optimizer was built with.
         """
         accumulator = self._accumulator(variable)

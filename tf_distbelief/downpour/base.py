@@ -203,6 +203,8 @@ class Handles(NamedTuple):
     refetch: tf.Tensor  # Per-worker: 1 after a dropped push.
     stats: dict  # Per-worker int64 counters, by `ReplicaStats` field name.
     count: tf.Tensor  # On the ps: pushes applied.
+    skipped: tf.Tensor  # On the ps: pushes refused for a NaN or inf.
+    worker: tf.Tensor  # The running worker's index (int64), for errors.
 
 
 class KindOrder:
@@ -394,6 +396,31 @@ class VariableKind(abc.ABC):
                 base = self._read(kh.local_accs[j], j, rows)
                 ops.append(self._write(kh.squares[j], rows, base))
             ops += self._restart_rows(kh, j)
+        return ops
+
+    def repair_local_accumulators(self, kh: KindHandles, restore_base: bool) -> list:
+        """Ops that take the NaN of a refused push out of the local accumulators.
+
+        Args:
+          kh: the kind's handles.
+          restore_base: with `PushedSquares.LOCAL`, set each local AdaGrad
+            accumulator back to its value at the last push (the base of the
+            pushed squares, kept while the push restarts the accumulators).
+            Otherwise, or without that base, its non-finite entries go back
+            to the initial accumulator value.
+        """
+        ops = []
+        for j, acc in enumerate(kh.local_accs):
+            if acc is None:
+                continue
+            dtype = self.variables[j].dtype
+            if restore_base and self.plan.squares is PushedSquares.LOCAL:
+                ops.append(assign(acc, read(kh.squares[j], dtype)))
+            else:
+                value = read(acc, dtype)
+                start = tf.cast(self.plan.initial_accumulator, dtype)
+                fixed = tf.where(tf.math.is_finite(value), value, start)
+                ops.append(assign(acc, fixed))
         return ops
 
 

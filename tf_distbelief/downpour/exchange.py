@@ -5,7 +5,8 @@ replica's cache and records the ps update count it accounts for; a push sends
 the gradients summed since the last push (and their squares, see
 `base.PushedSquares`), unless too stale (`DownpourConfig.max_staleness`),
 applies the user's tf_keras optimizer to them on each variable's ps shard,
-and counts the update on the ps. The variables of each kind move as that kind
+and counts the update on the ps; a push with a NaN or inf is never applied
+(`push_guard`). The variables of each kind move as that kind
 says (`dense.DenseVariables`, `row_sparse.RowSparseVariables`); both run in
 `tf.cond` branches, so that a step without them sends nothing.
 """
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals
+from tf_distbelief import _tf_internals, exactly_once
 from tf_distbelief.adagrad import optimizer as adagrad
-from tf_distbelief.downpour import base, schedule
+from tf_distbelief.downpour import base, push_guard, schedule
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.dense import DenseVariables
 from tf_distbelief.downpour.row_sparse import RowSparseVariables
@@ -51,6 +52,12 @@ class Exchange:
         self.order = order
         self.dense = dense
         self.rows = rows
+        # What the non-finite guard does with a refused push: `replica.Downpour`
+        # (its `nonfinite` mode, read when the step is traced).
+        self.guard_context = None
+        # The optimizer's `exactly_once.StepTokens`: each push is gated by the
+        # token of the step that ends it, when one is in scope.
+        self.tokens = None
 
     def fetch_ops(self, h: base.Handles) -> list:
         """A fetch's bookkeeping: `seen`, `refetch`, the count, stale rows."""
@@ -75,12 +82,12 @@ class Exchange:
 
         return tf.cond(pred, fetch, lambda: tf.constant(False))
 
-    def push_if(self, h: base.Handles, pred: tf.Tensor):
+    def push_if(self, h: base.Handles, pred: tf.Tensor, step=None):
         """A push of the accumulators when `pred`, in a `tf.cond` (`push`)."""
 
         def push():
             pushed = (self.dense.accumulated(h.dense), self.rows.accumulated(h.rows))
-            return self.push(h, pushed, zero_accumulators=True, pack=True)
+            return self.push(h, pushed, zero_accumulators=True, pack=True, step=step)
 
         def no_push():
             int64 = tf.int64
@@ -88,8 +95,15 @@ class Exchange:
 
         return tf.cond(pred, push, no_push)
 
-    def push(self, h: base.Handles, pushed, zero_accumulators: bool, pack: bool):
-        """Pushes `pushed` unless too stale.
+    def push(
+        self,
+        h: base.Handles,
+        pushed,
+        zero_accumulators: bool,
+        pack: bool,
+        step=None,
+    ):
+        """Pushes `pushed` unless too stale or not finite.
 
         Args:
           h: the handles.
@@ -97,11 +111,15 @@ class Exchange:
             row-sparse (`base.VariableKind.accumulated`).
           zero_accumulators: restart the accumulators after the push.
           pack: pack the dense variables by group (`dense.DenseVariables`).
+          step: the replica's local step the push ends (1-based), an int64
+            scalar, for the non-finite guard's error; None reads the step
+            counter.
 
         Returns:
           `(staleness, applied, row_bytes)`, scalars: int64, bool, int64;
           `row_bytes` is what the push sent of row-sparse variables
-          (`RowSparseVariables.bytes_pushed`), 0 if dropped.
+          (`RowSparseVariables.bytes_pushed`), 0 if dropped. A push refused
+          for a NaN or inf (`push_guard`) has staleness -1, as no push.
 
         Staleness is the number of pushes by other replicas between this
         replica's fetch and its push. Without `max_staleness` it is read back
@@ -111,51 +129,106 @@ class Exchange:
         `max_staleness` it is read before the push, which then waits for it.
         """
         int64, one = tf.int64, tf.constant(1, tf.int64)
-        (dense_grads, _), (row_grads, _) = pushed
+        (dense_grads, dense_squares), (row_grads, row_squares) = pushed
         row_bytes = self.rows.bytes_pushed(row_grads)
+        squares = None
+        if dense_squares is not None:
+            squares = self.order.merge(dense_squares, row_squares)
+        flags = push_guard.finite_flags(
+            self.order.merge(dense_grads, row_grads), squares
+        )
+        if step is None:
+            step = base.read(h.stats["steps"], int64) + 1
+        guard = self.guard_context
+
+        def refuse():
+            ops = push_guard.refuse_ops(
+                guard.mode,
+                h,
+                self.variables,
+                flags,
+                step,
+                [
+                    (self.dense, h.dense, zero_accumulators),
+                    (self.rows, h.rows, zero_accumulators),
+                ],
+            )
+            outputs = base.after(ops, tf.constant(-1, int64)), base.after(ops, False)
+            return outputs, []
+
         if self.config.max_staleness is None:
-            arrived = self._apply(pushed, pack)
-            # Counted once the push has reached the ps, not before: a control
-            # edge on a tensor already there costs no message (one per ps
-            # task otherwise).
-            with tf.control_dependencies(arrived[:1]):
-                increment = base.add(h.count, one)
-            with tf.control_dependencies([increment]):
-                count = base.read(h.count, int64)
-            staleness = count - one - base.read(h.seen, int64)
-            ops = [
-                base.add(h.seen, one),
-                base.add(h.stats["pushes"], one),
-                base.add(h.stats["row_bytes_pushed"], row_bytes),
-            ]
-            applied = base.after(ops, True)
-        else:
-            staleness = base.read(h.count, int64) - base.read(h.seen, int64)
 
             def apply_push():
-                self._apply(pushed, pack)
+                arrived = self._apply(pushed, pack)
+                # Counted once the push has reached the ps, not before: a
+                # control edge on a tensor already there costs no message (one
+                # per ps task otherwise).
+                with tf.control_dependencies(arrived[:1]):
+                    increment = base.add(h.count, one)
+                with tf.control_dependencies([increment]):
+                    count = base.read(h.count, int64)
+                staleness = count - one - base.read(h.seen, int64)
                 ops = [
-                    base.add(h.count, one),
                     base.add(h.seen, one),
                     base.add(h.stats["pushes"], one),
                     base.add(h.stats["row_bytes_pushed"], row_bytes),
                 ]
-                return base.after(ops, True)
+                outputs = base.after(ops, staleness), base.after(ops, True)
+                return outputs, [count]  # `count`: on the ps, after the push.
 
-            def drop_push():
-                ops = [
-                    base.assign(h.refetch, one),
-                    base.add(h.stats["dropped_pushes"], one),
-                ]
-                return base.after(ops, False)
+        else:
 
-            applied = tf.cond(
-                staleness <= self.config.max_staleness, apply_push, drop_push
+            def apply_push():
+                staleness = base.read(h.count, int64) - base.read(h.seen, int64)
+
+                def apply_fresh():
+                    arrived = self._apply(pushed, pack)
+                    with tf.control_dependencies(arrived[:1]):
+                        increment = base.add(h.count, one)
+                    ops = [
+                        increment,
+                        base.add(h.seen, one),
+                        base.add(h.stats["pushes"], one),
+                        base.add(h.stats["row_bytes_pushed"], row_bytes),
+                    ]
+                    return base.after(ops, True)
+
+                def drop_push():
+                    ops = [
+                        base.assign(h.refetch, one),
+                        base.add(h.stats["dropped_pushes"], one),
+                    ]
+                    return base.after(ops, False)
+
+                applied = tf.cond(
+                    staleness <= self.config.max_staleness, apply_fresh, drop_push
+                )
+                # A dropped push is marked too: its retry would be as stale.
+                outputs = base.after([applied], staleness), applied
+                return outputs, [base.read(h.count, int64)]
+
+        finite = tf.reduce_all(tf.stack(flags))
+        token = exactly_once.current()
+        if token is None or self.tokens is None:
+            staleness, applied = tf.cond(
+                finite, lambda: apply_push()[0], lambda: refuse()[0]
             )
-        with tf.control_dependencies([applied]):
+        else:
+            # A retried step whose push was applied already pushes nothing;
+            # its sums restart, as after a push dropped for staleness.
+            staleness, applied = exactly_once.gate(
+                token,
+                self.tokens,
+                finite,
+                apply_push,
+                refuse,
+                lambda: (tf.constant(-1, int64), tf.constant(False)),
+            )
+        with tf.control_dependencies([applied, staleness]):
             most = base.read(h.stats["max_staleness_seen"], int64)
             ops = [
-                base.add(h.stats["staleness_sum"], staleness),
+                # A refused push (-1) adds nothing.
+                base.add(h.stats["staleness_sum"], tf.maximum(staleness, 0)),
                 base.assign(h.stats["max_staleness_seen"], tf.maximum(staleness, most)),
             ]
             if zero_accumulators:

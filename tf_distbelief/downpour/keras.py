@@ -9,6 +9,19 @@ were created under a `DistBeliefStrategy` with `variables.enable` in effect:
   `ClusterCoordinator`;
 * `DownpourMetrics` adds each epoch's staleness and bytes moved to the logs.
 
+Resume (`training.fit(model_dir=...)`): a checkpoint holds the ps state,
+every variable, every optimizer slot and the iteration count, which restore
+bit for bit. A replica's own state lives on its worker
+(`per_worker_variable=True`) and starts afresh on a resume, as on a worker
+restart: its cache (its first step fetches), its gradient sums not yet pushed
+(at most `n_push - 1` steps of its gradients, dropped as a stale push would
+be), its step counter (the cadence restarts with a fetch) and its counters
+(`stats`), and its local AdaGrad accumulator (back at the initial value:
+larger local steps for a while, as for a new replica). With checkpoints at
+steps that are multiples of `n_fetch` and `n_push` and one worker, nothing is
+pending at a checkpoint, and with a local SGD step a resumed run equals an
+uninterrupted one exactly (`tests/test_downpour_resume.py`).
+
 Example with `fit`:
   ```
   strategy = tfdb.DistBeliefStrategy(resolver)
@@ -121,7 +134,9 @@ def _make_segment_train_function(model, downpour: Downpour):
     scheduled `tf.function` runs `steps_per_execution` steps. The model's
     train counter (a ps variable) grows once per scheduled function, by the
     steps it ran, rather than at every step; the function returns the model's
-    metric results, which `fit` reads again at each epoch end.
+    metric results, which `fit` reads again at each epoch end. Each push is
+    gated by its step's `exactly_once` token, so that a function retried after
+    a worker loss does not push a step's update twice.
     """
 
     def make_train_function(force=False):
@@ -129,12 +144,13 @@ def _make_segment_train_function(model, downpour: Downpour):
             return model.train_function
 
         @tf.function(reduce_retracing=True)
-        def train_function(iterator, steps_per_execution):
+        def train_function(iterator, steps_per_execution, first_token):
             done = downpour.run_steps(
                 iterator,
                 steps_per_execution,
                 lambda data: _forward(model, data),
                 lambda data, y_pred: _update_metrics(model, data, y_pred),
+                first_token=first_token,
             )
             counter = _tf_internals.train_counter(model)
             with tf.control_dependencies(
@@ -143,11 +159,21 @@ def _make_segment_train_function(model, downpour: Downpour):
                 return tf.nest.map_structure(tf.identity, model.get_metrics_result())
 
         coordinator = _tf_internals.cluster_coordinator(model)
+        spe = _tf_internals.steps_per_execution(model)
+
+        def schedule(iterator):
+            # Tokens fixed now: a retry on another worker gets the same ones.
+            steps = int(spe.numpy())
+            first = downpour.tokens.take(steps)
+            args = (
+                iterator,
+                tf.constant(steps, tf.int64),
+                tf.constant(first, tf.int64),
+            )
+            return coordinator.schedule(train_function, args=args)
+
         model.train_tf_function = train_function
-        model.train_function = lambda iterator: coordinator.schedule(
-            train_function,
-            args=(iterator, _tf_internals.steps_per_execution(model).value()),
-        )
+        model.train_function = schedule
         return model.train_function
 
     return make_train_function
@@ -276,7 +302,9 @@ class DownpourMetrics(tf_keras.callbacks.Callback):
     * `replica{i}/steps`: steps replica i ran in the epoch;
     * `bytes_fetched_per_step`, `bytes_pushed_per_step`: parameter bytes moved
       per step over all replicas (tensor sizes; `benchmarks/downpour_bench.py`
-      checks them against socket counters).
+      checks them against socket counters);
+    * `nonfinite_pushes`: pushes dropped for a NaN or inf in the epoch
+      (`nonfinite="skip"`, `push_guard`).
 
     Put it before the callback that prints or writes the logs.
 
@@ -312,12 +340,14 @@ def interval_figures(
 
     Returns:
       `{"replica{i}/steps", "replica{i}/staleness", "bytes_fetched_per_step",
-      "bytes_pushed_per_step"}` over the interval (see `DownpourMetrics`).
+      "bytes_pushed_per_step", "nonfinite_pushes"}` over the interval (see
+      `DownpourMetrics`).
     """
     last = list(last) or [ReplicaStats() for _ in now]
     figures: dict[str, float] = {}
-    steps = fetched = pushed = 0
+    steps = fetched = pushed = nonfinite = 0
     for i, (a, b) in enumerate(zip(now, last)):
+        nonfinite += a.nonfinite_pushes - b.nonfinite_pushes
         d_steps, d_pushes = a.steps - b.steps, a.pushes - b.pushes
         d_dropped = a.dropped_pushes - b.dropped_pushes
         stale = a.staleness_sum - b.staleness_sum
@@ -328,4 +358,5 @@ def interval_figures(
         pushed += a.bytes_pushed - b.bytes_pushed
     figures["bytes_fetched_per_step"] = fetched / max(steps, 1)
     figures["bytes_pushed_per_step"] = pushed / max(steps, 1)
+    figures["nonfinite_pushes"] = nonfinite
     return figures

@@ -21,14 +21,15 @@ The Keras side (`install`, `DownpourTrainer`, `DownpourMetrics`) is `keras`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import _tf_internals, substitution
-from tf_distbelief.downpour import base, schedule
+from tf_distbelief import _tf_internals, exactly_once, substitution
+from tf_distbelief.downpour import base, push_guard, schedule
 from tf_distbelief.downpour import variables as downpour_variables
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.dense import DenseVariables
@@ -39,15 +40,12 @@ from tf_distbelief.downpour.schedule import ReplicaStats
 
 __all__ = ["Downpour"]
 
-_STAT_NAMES = (
-    "steps",
-    "fetches",
-    "pushes",
-    "dropped_pushes",
-    "staleness_sum",
-    "max_staleness_seen",
-    "row_bytes_fetched",
-    "row_bytes_pushed",
+# The per-worker counters: `ReplicaStats`' fields but the two byte totals,
+# which `stats` derives.
+_STAT_NAMES = tuple(
+    f.name
+    for f in dataclasses.fields(ReplicaStats)
+    if f.name not in ("bytes_fetched", "bytes_pushed")
 )
 
 
@@ -136,17 +134,19 @@ class Downpour:
                 name: base.per_worker(f"downpour/{name}", [], tf.int64)
                 for name in _STAT_NAMES
             }
-            # On the ps, int64 scalars: pushes applied, and replica 0's steps
-            # during the warm start.
-            self.update_count = tf.Variable(
-                0, dtype=tf.int64, trainable=False, name="downpour/update_count"
+            # On the ps, int64 scalars: pushes applied, replica 0's steps
+            # during the warm start, pushes refused for a NaN or inf.
+            self.update_count, self.warm_steps, self.nonfinite_skipped = (
+                tf.Variable(0, dtype=tf.int64, trainable=False, name=f"downpour/{n}")
+                for n in ("update_count", "warm_steps", "nonfinite_skipped")
             )
-            self.warm_steps = tf.Variable(
-                0, dtype=tf.int64, trainable=False, name="downpour/warm_steps"
-            )
+        self.nonfinite = "raise"  # Or "skip": see `push_guard.install`.
+        self.guard = push_guard.Guard(self)
+        self.tokens = exactly_once.tokens_for(optimizer, strategy)
         self._exchange = Exchange(
             optimizer, config, self.variables, self._order, self._dense, self._rows
         )
+        self._exchange.guard_context, self._exchange.tokens = self.guard, self.tokens
 
     @property
     def _caches(self) -> list[tf.Variable]:
@@ -170,6 +170,8 @@ class Downpour:
             refetch=self._refetch.handle,
             stats={name: v.handle for name, v in self._stats.items()},
             count=self.update_count.get().handle,
+            skipped=self.nonfinite_skipped.get().handle,
+            worker=tf.distribute.coordinator.experimental_get_current_worker_index(),
         )
 
     def _cached_values(self, h: base.Handles, after: list, active=None):
@@ -294,11 +296,11 @@ class Downpour:
             if cfg.n_push == 1 and active is None:
                 pushed = ((grads[0], None), (grads[1], None))
                 staleness, applied, rows_pushed = self._exchange.push(
-                    h, pushed, zero_accumulators=False, pack=False
+                    h, pushed, zero_accumulators=False, pack=False, step=t + 1
                 )
             else:
                 staleness, applied, rows_pushed = self._exchange.push_if(
-                    h, gated(schedule.is_push_step(t, cfg.n_push))
+                    h, gated(schedule.is_push_step(t, cfg.n_push)), step=t + 1
                 )
         with tf.control_dependencies([staleness]):
             counted = if_active(
@@ -322,6 +324,7 @@ class Downpour:
         num_steps: tf.Tensor | int,
         forward_fn: Callable[[Any], tuple[tf.Tensor, Any]],
         last_step_fn: Callable[[Any, Any], None] | None = None,
+        first_token: tf.Tensor | None = None,
     ) -> tf.Tensor:
         """Runs `num_steps` local steps on the running worker, in segments.
 
@@ -349,6 +352,8 @@ class Downpour:
           forward_fn: `data -> (loss, outputs)`, as for `step` with the batch.
           last_step_fn: optional `(data, outputs) -> None`, called (traced) for
             the last step of each segment, e.g. to update metrics.
+          first_token: None, or the `exactly_once` token of the first step
+            (int64): the push ending step `i` is gated by `first_token + i`.
 
         Returns:
           The steps run, an int64 scalar (`num_steps`).
@@ -412,7 +417,9 @@ class Downpour:
                 # The segment's last step, `t + size - 1`, may end with a push.
                 last_t = t + size - 1
                 pred = schedule.is_push_step(last_t, cfg.n_push)
-                staleness, _, _ = self._exchange.push_if(h, pred)
+                token = None if first_token is None else first_token + done + size - 1
+                with exactly_once.scope(token):
+                    staleness, _, _ = self._exchange.push_if(h, pred, step=last_t + 1)
             return base.after([staleness], done + size)
 
         (done,) = tf.while_loop(

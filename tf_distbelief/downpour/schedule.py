@@ -190,6 +190,8 @@ class ReplicaStats:
       fetches: fetches done.
       pushes: pushes applied on the ps.
       dropped_pushes: pushes dropped for exceeding `max_staleness`.
+      nonfinite_pushes: pushes dropped for a NaN or inf (`nonfinite="skip"`,
+        `tf_distbelief.downpour.push_guard`).
       staleness_sum: sum of the staleness of all pushes (applied or dropped).
       max_staleness_seen: the largest staleness of a push.
       bytes_fetched: parameter bytes fetched (`fetches` times the size of the
@@ -208,6 +210,7 @@ class ReplicaStats:
     fetches: int = 0
     pushes: int = 0
     dropped_pushes: int = 0
+    nonfinite_pushes: int = 0
     staleness_sum: int = 0
     max_staleness_seen: int = 0
     bytes_fetched: int = 0

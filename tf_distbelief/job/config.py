@@ -47,9 +47,9 @@ class JobConfig:
       checkpoint_every_steps: steps between checkpoints besides each epoch
         end, >= 0 (0: epoch ends only); a failure loses at most this many
         steps. Needs `model_dir`.
-      nonfinite: a step with a NaN or inf gradient is never applied; `raise`
-        stops the job naming the step, `skip` skips and counts it
-        (`nonfinite.MODES`).
+      nonfinite: a step (Downpour: a push) with a NaN or inf gradient is
+        never applied; `raise` stops the job naming the step, `skip` skips
+        and counts it (`nonfinite.MODES`).
       log_every_steps: progress lines every so many steps; 0 per epoch only.
       seed: model initialisation and data seed.
       chief_gone_secs: a ps/worker task exits once the chief has been gone this

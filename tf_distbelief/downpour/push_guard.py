@@ -1,0 +1,144 @@
+"""Downpour's non-finite guard: a push with a NaN or inf never reaches the ps.
+
+Dean et al. 2012, section 4.1, pushes a replica's summed gradients to the ps
+shards; one NaN in a push would spread to every replica at its next fetch.
+`Exchange.push` checks each push on the worker, before anything is sent
+(`finite_flags`: every pushed gradient, and its squares when they go along),
+and applies it only when all are finite. Otherwise (`tf_distbelief.nonfinite`
+modes):
+
+* `raise`: the scheduled function fails with an assertion naming the step, the
+  worker and the variables; `tf_distbelief.nonfinite.error_from` turns it into
+  a `NonFiniteError` (as `training.fit` does);
+* `skip`: the push is dropped and counted (`ReplicaStats.nonfinite_pushes` on
+  the replica, `Downpour.nonfinite_skipped` on the ps); the replica restarts
+  from the ps as after a push dropped for staleness: its accumulators restart
+  at 0, its next step fetches (the cache may hold the NaN of its local steps),
+  and its local AdaGrad accumulator goes back to its value at the last push
+  (with pushed squares, which keep that value) or else has its non-finite
+  entries reset to the initial accumulator value.
+
+Cost: one `is_finite` pass over each push on the worker (not over each step),
+and a `tf.cond`; no extra message while pushes are finite.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_distbelief import nonfinite
+from tf_distbelief.downpour import base
+
+__all__ = ["Guard", "finite_flags", "install", "refuse_ops"]
+
+
+def finite_flags(grads: list, squares: list | None) -> list[tf.Tensor]:
+    """Per pushed variable, a bool scalar: its gradient (and squares) finite.
+
+    Args:
+      grads: the pushed gradients, tensors or `tf.IndexedSlices`, one per
+        variable.
+      squares: the pushed squares, the same kinds, or None.
+
+    Returns:
+      One bool scalar per variable, computed where the gradients are (the
+      worker).
+    """
+    flags = []
+    for j, g in enumerate(grads):
+        parts = [g] if squares is None else [g, squares[j]]
+        checks = [tf.reduce_all(tf.math.is_finite(_values(p))) for p in parts]
+        flags.append(tf.reduce_all(tf.stack(checks)))
+    return flags
+
+
+def _values(x):
+    return x.values if isinstance(x, tf.IndexedSlices) else x
+
+
+def refuse_ops(
+    mode: str, h: base.Handles, variables: list, flags: list, step, kinds
+) -> list:
+    """The ops of a push refused for a NaN or inf (see the module docstring).
+
+    Args:
+      mode: `raise` or `skip` (`nonfinite.MODES`).
+      h: the scheduled function's handles.
+      variables: the pushed variables (shards), in `flags` order.
+      flags: `finite_flags` of the push.
+      step: the replica's local step the push ends (1-based), an int64 scalar.
+      kinds: `(VariableKind, KindHandles, restore_base)` per kind; with
+        `restore_base` the local accumulator goes back to its pushed-squares
+        base.
+
+    Returns:
+      The ops; with `raise`, one that fails.
+    """
+    if mode == "raise":
+        names = tf.constant([v.name for v in variables])
+        bad = tf.boolean_mask(names, tf.logical_not(tf.stack(flags)))
+        return [
+            tf.debugging.Assert(
+                False,
+                [nonfinite.PUSH_MARKER, step, bad, "worker", h.worker],
+                summarize=len(variables) + 1,
+            )
+        ]
+    one = tf.constant(1, tf.int64)
+    ops = [
+        base.assign(h.refetch, one),
+        base.add(h.stats["nonfinite_pushes"], one),
+        base.add(h.skipped, one),
+    ]
+    for kind, kh, restore_base in kinds:
+        ops += kind.repair_local_accumulators(kh, restore_base)
+    return ops
+
+
+class Guard:
+    """What `training.fit` reads of Downpour's guard (as of `nonfinite.Guard`).
+
+    Args:
+      downpour: the `replica.Downpour`.
+
+    Attributes:
+      mode: `raise` or `skip`.
+      unit: what is skipped, `pushes`.
+    """
+
+    unit = "pushes"
+
+    def __init__(self, downpour):
+        self._downpour = downpour
+
+    @property
+    def mode(self) -> str:
+        return self._downpour.nonfinite
+
+    def skipped_steps(self) -> int:
+        """Pushes skipped so far by every replica (reads the ps counter)."""
+        return int(self._downpour.nonfinite_skipped.numpy())
+
+
+def install(model, mode: str) -> Guard:
+    """Sets what a push of `model.downpour` with a NaN or inf does.
+
+    A new mode makes `fit` trace its train function anew (the mode is read
+    when it is traced).
+
+    Args:
+      model: a tf_keras model with Downpour installed (`model.downpour`).
+      mode: `raise` or `skip` (`tf_distbelief.nonfinite.MODES`).
+
+    Returns:
+      The `Guard` (`mode`, `skipped_steps()`: pushes skipped so far).
+
+    Raises:
+      ValueError: `mode` is not one of the modes.
+    """
+    nonfinite.check_mode(mode)
+    downpour = model.downpour
+    if mode != downpour.nonfinite:
+        downpour.nonfinite = mode
+        model.train_function = None
+    return downpour.guard
