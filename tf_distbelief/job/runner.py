@@ -16,7 +16,7 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import adagrad, cluster, downpour, training
+from tf_distbelief import adagrad, cluster, downpour, recovery, training
 from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.job.config import JobConfig
@@ -94,6 +94,10 @@ def compile_model(config: JobConfig, strategy, spec: ModelSpec) -> tf_keras.Mode
 def train(config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=print) -> dict:
     """Trains on the cluster `cluster_resolver` describes, from the chief.
 
+    A lost ps task is recovered from the last checkpoint in `model_dir`
+    (`recovery.run_with_ps_recovery`: each attempt connects a new strategy
+    and builds the model anew).
+
     Args:
       config: a validated `JobConfig`.
       spec: the model and its data.
@@ -102,8 +106,24 @@ def train(config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=print) 
 
     Returns:
       `{"test_accuracy": float, "epochs": int, "initial_epoch": int,
-      "history": [...], "train_secs": float}`.
+      "history": [...], "train_secs": float, "ps_recoveries": int}`.
+
+    Raises:
+      recovery.PsLostError: a ps task was lost and could not be recovered.
     """
+    return recovery.run_with_ps_recovery(
+        lambda callbacks: _train_attempt(
+            config, spec, cluster_resolver, print_fn, callbacks
+        ),
+        cluster_resolver.cluster_spec().as_dict()["ps"],
+        config.model_dir,
+        config.ps_recovery_secs,
+        print_fn,
+    )
+
+
+def _train_attempt(config, spec, cluster_resolver, print_fn, more_callbacks) -> dict:
+    """One attempt of `train`: a new strategy and model, resumed from `model_dir`."""
     num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
     # Connected first: a task that cannot be reached fails the job at once.
     strategy = strategy_lib.DistBeliefStrategy(
@@ -119,6 +139,7 @@ def train(config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=print) 
     model = compile_model(config, strategy, spec)
     downpour_on = config.downpour is not None
     callbacks = [downpour.DownpourMetrics(model.downpour)] if downpour_on else []
+    callbacks += more_callbacks
     start = time.monotonic()
     result = training.fit(
         model,
@@ -241,6 +262,8 @@ def run(config: JobConfig, spec: ModelSpec, print_fn=print) -> dict | None:
             config.num_workers,
             config.num_ps,
             cpu_devices_per_worker=config.devices_per_replica,
+            restart_lost_tasks=True,
+            report=print_fn,
         ) as local:
             print_fn(
                 f"local cluster: {config.num_workers} workers, {config.num_ps} ps "
