@@ -142,11 +142,7 @@ def lost_ps_tasks(error: BaseException, ps_addresses: Sequence[str]) -> dict:
     named = {int(a or b) for a, b in _TASK_RE.findall(text)}
     lost = {}
     for index, address in enumerate(ps_addresses):
-        if (
-            index in named
-            or address in text
-            or not server_lib.is_listening(address)
-        ):
+        if index in named or address in text or not server_lib.is_listening(address):
             lost[f"/job:ps/task:{index}"] = address
     return lost
 
@@ -155,9 +151,7 @@ def _names(tasks: Mapping[str, str]) -> str:
     return ", ".join(f"{task} at {address}" for task, address in tasks.items())
 
 
-def wait_for_ps(
-    tasks: Mapping[str, str], timeout_secs: float, print_fn=print
-) -> float:
+def wait_for_ps(tasks: Mapping[str, str], timeout_secs: float, print_fn=print) -> float:
     """Waits until every task of `tasks` accepts connections again.
 
     Args:

@@ -103,8 +103,10 @@ class LocalCluster:
                 raise ValueError(
                     f"Argument `{name}` must be a positive integer. Received: {value!r}"
                 )
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or (
-            max_restarts < 0
+        if (
+            isinstance(max_restarts, bool)
+            or not isinstance(max_restarts, int)
+            or (max_restarts < 0)
         ):
             raise ValueError(
                 "Argument `max_restarts` must be an integer >= 0. Received: "
@@ -246,16 +248,18 @@ class LocalCluster:
                         self._stopping.set()
                         return
                     self.restarts.append((job, index))
-                    self._report(
-                        f"local cluster: {job}:{index} at {address} exited (code "
-                        f"{proc.returncode}); restarting it on the same address "
-                        f"(restart {len(self.restarts)} of at most "
-                        f"{self.max_restarts})"
-                    )
+                    code, start = proc.returncode, time.monotonic()
                     try:
                         self._restart_locked(job, index)
                     except config_lib.ClusterStartError as e:
                         self._report(f"local cluster: restart failed: {e}")
+                        continue
+                    self._report(
+                        f"local cluster: {job}:{index} at {address} exited (code "
+                        f"{code}); restarted on the same address, serving after "
+                        f"{time.monotonic() - start:.1f} s (restart "
+                        f"{len(self.restarts)} of at most {self.max_restarts})"
+                    )
 
     def resolver_for(self, num_workers: int | None = None, num_ps: int | None = None):
         """Returns a chief resolver for the first `num_workers` workers and `num_ps` ps.
