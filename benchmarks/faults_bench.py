@@ -211,11 +211,16 @@ def _run(args, folder, fault, index, kill_step):
     return row
 
 
-def _cell(value):
+def _cell(row, column):
+    value = row.get(column)
     if value is None:
         return "-"
-    if isinstance(value, float):
-        return f"{value:.4f}" if value < 1 else f"{value:.1f}"
+    if column == "acc":
+        return f"{value:.4f}"
+    if column == "d acc":
+        return f"{value:+.2f}"
+    if column == "completed":
+        return "yes" if value else "no"
     return str(value)
 
 
@@ -277,7 +282,7 @@ def main(argv):
     print(f"| {' | '.join(columns)} |")
     print(f"|{'---|' * len(columns)}")
     for row in rows:
-        print(f"| {' | '.join(_cell(row.get(c)) for c in columns)} |")
+        print(f"| {' | '.join(_cell(row, c) for c in columns)} |")
     print()
     completed = sum(r["completed"] for r in rows)
     print(f"completed runs: {completed} of {len(rows)}; unfaulted accuracy {reference}")

@@ -235,3 +235,66 @@ def test_ps_recovery_secs_is_validated(value):
 def test_local_cluster_max_restarts_is_validated():
     with pytest.raises(ValueError, match=r"`max_restarts` must be an integer >= 0"):
         local_lib.LocalCluster(max_restarts=-1)
+
+
+def test_a_ps_lost_again_and_again_without_a_new_checkpoint_ends_the_job(tmp_path):
+    tf.train.Checkpoint(v=tf.Variable(1.0)).save(str(tmp_path / "checkpoints" / "ckpt"))
+    lines, calls = [], []
+    with socket.socket() as listening:  # The task "serves again" at once.
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        up = f"127.0.0.1:{listening.getsockname()[1]}"
+
+        def attempt(callbacks):
+            calls.append(callbacks)
+            raise _unavailable("from remote target /job:ps/replica:0/task:0")
+
+        with pytest.raises(
+            recovery.PsLostError,
+            match=rf"Lost /job:ps/task:0 at {up} again: 4 ps losses in a row with "
+            r"no checkpoint after ckpt-1 \(step 1\) \(at most 3\)",
+        ):
+            recovery.run_with_ps_recovery(
+                attempt, [up], str(tmp_path), 5.0, lines.append
+            )
+    assert len(calls) == 1 + recovery.MAX_RECOVERIES_WITHOUT_PROGRESS
+    recovered = [line for line in lines if line.startswith("ps recovery ")]
+    assert len(recovered) == 3
+    for i, line in enumerate(recovered, 1):
+        assert re.fullmatch(
+            rf"ps recovery {i}: serving again after [0-9.]+ s; restoring every ps "
+            r"variable and slot from ckpt-1 \(step 1\)",
+            line,
+        )
+
+
+@pytest.mark.slow
+def test_local_cluster_restarts_a_lost_task_at_most_max_restarts_times():
+    lines = []
+
+    def wait_for_lines(count):
+        deadline = time.monotonic() + 120
+        while len(lines) < count:
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.1)
+
+    with local_lib.LocalCluster(
+        num_workers=1, num_ps=1, restart_lost_tasks=True, max_restarts=1,
+        report=lines.append,
+    ) as cluster:  # fmt: skip
+        address = cluster.jobs["ps"][0]
+        cluster.kill("ps", 0)
+        wait_for_lines(1)
+        cluster.kill("ps", 0)  # The restarted process.
+        wait_for_lines(2)
+        time.sleep(1)
+        assert cluster.processes[("ps", 0)].poll() == -9  # Left down.
+    assert re.fullmatch(
+        rf"local cluster: ps:0 at {address} exited \(code -9\); restarted on the "
+        r"same address, serving after [0-9.]+ s \(restart 1 of at most 1\)",
+        lines[0],
+    )
+    assert lines[1:] == [
+        f"local cluster: ps:0 at {address} exited (code -9); not restarted: 1 "
+        "restarts done (`max_restarts`)"
+    ]
