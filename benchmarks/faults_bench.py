@@ -24,8 +24,8 @@ checkpoint file's bytes (`recovery.VerifyRestored`; a difference would fail
 the run).
 
 Usage:
-  python benchmarks/faults_bench.py                 # 12 runs, 25-40 min on 2 cores
-  python benchmarks/faults_bench.py --runs=3 --quick  # one of each fault, fewer steps
+  python benchmarks/faults_bench.py                   # 12 runs, about 17 min
+  python benchmarks/faults_bench.py --runs=3 --quick  # 1 fault of each kind, 4-9 min
 """
 
 from __future__ import annotations

@@ -83,6 +83,12 @@ def latest_checkpoint(model_dir: str | None) -> str | None:
     Looks in `model_dir/checkpoints` (`training.fit`) first, then in
     `model_dir` and its direct subfolders (any `tf.train.CheckpointManager`
     folder, e.g. another training method's), the newest of those.
+
+    Args:
+      model_dir: the job's `model_dir`, or None.
+
+    Returns:
+      A checkpoint prefix (`.../ckpt-40`), or None when there is none.
     """
     if not model_dir:
         return None
@@ -192,7 +198,8 @@ class VerifyRestored(tf_keras.callbacks.Callback):
     back from the ps tasks (a `ShardedVariable` whole) and compares its bytes
     with the checkpoint file's (`tf.train.load_checkpoint`). It prints one line
     with the count, or raises naming each variable that differs. Nothing is
-    checked when no checkpoint was restored.
+    checked when no checkpoint was restored. The cost is one read of every
+    value, as a checkpoint's write, once per resumed run.
 
     Args:
       model_dir: the job's `model_dir`.
