@@ -180,6 +180,10 @@ def test_lost_ps_tasks_names_the_task_by_name_address_or_silence():
             "/job:ps/task:0": down,  # Not listening.
             "/job:ps/task:1": up,  # Named by its address.
         }
+        try:  # Wrapped by code that handled it.
+            raise RuntimeError("a vector op failed") from by_name
+        except RuntimeError as wrapped:
+            assert recovery.lost_ps_tasks(wrapped, [up]) == {"/job:ps/task:0": up}
         # Not an unavailable task, or no ps named and every ps up: not a ps loss.
         assert recovery.lost_ps_tasks(ValueError("/job:ps/task:0"), [down]) == {}
         worker = _unavailable("from remote target /job:worker/replica:0/task:1")

@@ -114,10 +114,23 @@ def describe_checkpoint(path: str) -> str:
 
 
 def _original(error: BaseException) -> BaseException:
-    # The coordinator wraps a closure's error (`ClosureInputError`,
-    # `ClosureAbortedError`) and keeps it as `original_exception`.
-    while getattr(error, "original_exception", None) is not None:
-        error = error.original_exception
+    """The TensorFlow error under `error`, or `error` itself.
+
+    The coordinator wraps a closure's error (`ClosureInputError`,
+    `ClosureAbortedError`) and keeps it as `original_exception`; our own
+    errors raised while handling one keep it as `__cause__` or `__context__`.
+    """
+    seen = set()
+    while id(error) not in seen and not isinstance(error, tf.errors.OpError):
+        seen.add(id(error))
+        inner = (
+            getattr(error, "original_exception", None)
+            or error.__cause__
+            or error.__context__
+        )
+        if inner is None:
+            break
+        error = inner
     return error
 
 
