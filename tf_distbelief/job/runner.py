@@ -115,7 +115,7 @@ def train(config: JobConfig, spec: ModelSpec, cluster_resolver, print_fn=print) 
         lambda callbacks: _train_attempt(
             config, spec, cluster_resolver, print_fn, callbacks
         ),
-        cluster_resolver.cluster_spec().as_dict()["ps"],
+        cluster_resolver.cluster_spec().job_tasks("ps"),
         config.model_dir,
         config.ps_recovery_secs,
         print_fn,
