@@ -200,6 +200,16 @@ def define_flags() -> None:
         "connections within this many seconds.",
         lower_bound=1e-3,
     )
+    flags.DEFINE_float(
+        "ps_recovery_secs",
+        d.ps_recovery_secs,
+        "A ps task lost during training is waited for this many seconds to "
+        "serve again (the local cluster restarts it), then every ps value is "
+        "restored from the last checkpoint in --model_dir and training goes "
+        "on; 0: no recovery. Needs --model_dir and a checkpoint "
+        "(--checkpoint_every_steps).",
+        lower_bound=0.0,
+    )
     flags.DEFINE_bool(
         "downpour",
         False,
@@ -317,6 +327,7 @@ _FLOAT_FLAGS = (
     "epsilon",
     "chief_gone_secs",
     "connect_timeout_secs",
+    "ps_recovery_secs",
     "local_learning_rate",
 )
 # `SandblasterConfig` field -> its flag.

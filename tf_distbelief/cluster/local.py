@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import portpicker
 from absl import logging
@@ -31,6 +31,12 @@ DEFAULT_START_TIMEOUT_SECS = 120.0
 # SIGTERM ends a TF server in about 2 s; after this we SIGKILL.
 _TERMINATE_GRACE_SECS = 10.0
 _POLL_SECS = 0.1
+# How often the supervisor looks for exited tasks; a lost task is down for
+# this plus its start-up (4-5 s).
+_SUPERVISE_POLL_SECS = 0.2
+# Restarts over the life of one local cluster: a task that keeps dying is a
+# fault restarts will not fix.
+DEFAULT_MAX_RESTARTS = 10
 
 
 class LocalCluster:
@@ -67,6 +73,16 @@ class LocalCluster:
         chief's unless TensorFlow already uses a GPU in this process.
       visible_gpus: the GPU ids to share out; None finds them
         (`gpus.visible_gpus`: `CUDA_VISIBLE_DEVICES`, else `nvidia-smi -L`).
+      restart_lost_tasks: a supervisor thread restarts a ps or worker task that
+        exited, on its same address, as an orchestrator would (a Kubernetes
+        TFJob's restart policy): the coordinator reconnects a restarted worker
+        by itself, and recovers a restarted ps from the last checkpoint
+        (`tf_distbelief.recovery`). Off by default: fault-tolerance tests
+        restart tasks themselves (`restart`).
+      max_restarts: restarts the supervisor does at most, over all tasks;
+        then a lost task stays down (the chief's bounded waits name it).
+      report: where the supervisor's line per restart goes (default
+        `absl.logging.warning`).
 
     Raises:
       ValueError: a count is not a positive integer.
@@ -85,6 +101,9 @@ class LocalCluster:
         ports: Mapping[str, list[int]] | None = None,
         gpus_per_worker: int | None = None,
         visible_gpus: list[str] | None = None,
+        restart_lost_tasks: bool = False,
+        max_restarts: int = DEFAULT_MAX_RESTARTS,
+        report: Callable[[str], None] | None = None,
     ):
         for name, value in (
             ("num_workers", num_workers),
@@ -95,6 +114,15 @@ class LocalCluster:
                 raise ValueError(
                     f"Argument `{name}` must be a positive integer. Received: {value!r}"
                 )
+        if (
+            isinstance(max_restarts, bool)
+            or not isinstance(max_restarts, int)
+            or (max_restarts < 0)
+        ):
+            raise ValueError(
+                "Argument `max_restarts` must be an integer >= 0. Received: "
+                f"{max_restarts!r}"
+            )
         if not start_timeout_secs > 0:
             raise ValueError(
                 "Argument `start_timeout_secs` must be positive. Received: "
@@ -123,6 +151,15 @@ class LocalCluster:
         self.jobs: dict[str, list[str]] = {}
         self.processes: dict[tuple[str, int], subprocess.Popen] = {}
         self.resolver = None
+        self.restart_lost_tasks = restart_lost_tasks
+        self.max_restarts = max_restarts
+        self.restarts: list[tuple[str, int]] = []
+        self._report = report or logging.warning
+        # Held while a task is being (re)started or the cluster stopped: the
+        # supervisor and `restart`/`stop` never act on one process together.
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     def _spawn(self, job: str, index: int) -> subprocess.Popen:
         tf_config = json.dumps(
@@ -210,7 +247,45 @@ class LocalCluster:
             {job: dict(enumerate(a)) for job, a in self.jobs.items()}, "chief", 0
         )
         isolation.warn_if_exposed(self.jobs)
+        if self.restart_lost_tasks:
+            self._stopping.clear()
+            self._supervisor = threading.Thread(
+                target=self._supervise, name="LocalClusterSupervisor", daemon=True
+            )
+            self._supervisor.start()
         return self
+
+    def _supervise(self) -> None:
+        """Restarts each ps or worker task that exited (see the class docstring)."""
+        while not self._stopping.wait(_SUPERVISE_POLL_SECS):
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                for (job, index), proc in sorted(self.processes.items()):
+                    if proc.poll() is None:
+                        continue
+                    address = self.jobs[job][index]
+                    if len(self.restarts) >= self.max_restarts:
+                        self._report(
+                            f"local cluster: {job}:{index} at {address} exited "
+                            f"(code {proc.returncode}); not restarted: "
+                            f"{self.max_restarts} restarts done (`max_restarts`)"
+                        )
+                        self._stopping.set()
+                        return
+                    self.restarts.append((job, index))
+                    code, start = proc.returncode, time.monotonic()
+                    try:
+                        self._restart_locked(job, index)
+                    except config_lib.ClusterStartError as e:
+                        self._report(f"local cluster: restart failed: {e}")
+                        continue
+                    self._report(
+                        f"local cluster: {job}:{index} at {address} exited (code "
+                        f"{code}); restarted on the same address, serving after "
+                        f"{time.monotonic() - start:.1f} s (restart "
+                        f"{len(self.restarts)} of at most {self.max_restarts})"
+                    )
 
     def resolver_for(self, num_workers: int | None = None, num_ps: int | None = None):
         """Returns a chief resolver for the first `num_workers` workers and `num_ps` ps.
@@ -253,10 +328,14 @@ class LocalCluster:
         A restarted worker rejoins the coordinator within seconds (TensorFlow
         reconnects to the same address).
         """
+        with self._lock:
+            self._restart_locked(job, index)
+
+    def _restart_locked(self, job: str, index: int) -> None:
         proc = self.processes[(job, index)]
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.wait()
         self.processes[(job, index)] = self._spawn(job, index)
         self._wait_listening({(job, index): self.processes[(job, index)]})
 
@@ -300,6 +379,11 @@ class LocalCluster:
         does not log a gRPC error per function and task.
         """
         _LIVE_CLUSTERS.discard(self)
+        self._stopping.set()
+        supervisor = self._supervisor
+        if supervisor is not None and supervisor is not threading.current_thread():
+            # At most one task restart in progress (`start_timeout_secs`).
+            supervisor.join(self.start_timeout_secs + _TERMINATE_GRACE_SECS)
         if "tensorflow" in sys.modules and self.jobs:
             from tf_distbelief import _tf_internals
 

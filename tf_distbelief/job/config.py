@@ -13,6 +13,7 @@ import dataclasses
 from tf_distbelief import console
 from tf_distbelief import downpour as downpour_lib
 from tf_distbelief import nonfinite as nonfinite_lib
+from tf_distbelief import recovery as recovery_lib
 from tf_distbelief import sandblaster as sandblaster_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import connect as connect_lib
@@ -57,6 +58,10 @@ class JobConfig:
       connect_timeout_secs: the chief fails, naming the tasks, when a ps or
         worker task does not accept connections within this many seconds (> 0;
         a local cluster's tasks already listen when it connects).
+      ps_recovery_secs: a ps task lost during training is waited for this
+        many seconds to serve again, then every ps variable and slot is
+        restored from the last checkpoint in `model_dir` and training goes on
+        (`recovery`); >= 0, 0 turns recovery off.
       downpour: a `DownpourConfig` to train with Downpour SGD (section 4.1: a
         parameter cache per worker), or None (default) for TensorFlow's stock
         parameter-server training.
@@ -93,6 +98,7 @@ class JobConfig:
     seed: int = 0
     chief_gone_secs: float | None = None
     connect_timeout_secs: float = connect_lib.DEFAULT_CONNECT_TIMEOUT_SECS
+    ps_recovery_secs: float = recovery_lib.DEFAULT_PS_RECOVERY_SECS
     downpour: downpour_lib.DownpourConfig | None = None
     sandblaster: sandblaster_lib.SandblasterConfig = dataclasses.field(
         default_factory=lambda: sandblaster_lib.SandblasterConfig()
@@ -141,6 +147,11 @@ class JobConfig:
             raise ValueError(
                 "`connect_timeout_secs` must be > 0. Received: "
                 f"{self.connect_timeout_secs!r}"
+            )
+        if not 0 <= self.ps_recovery_secs < float("inf"):
+            raise ValueError(
+                "`ps_recovery_secs` must be a finite number >= 0 (0: no "
+                f"recovery). Received: {self.ps_recovery_secs!r}"
             )
         if not self.learning_rate > 0:
             raise ValueError(

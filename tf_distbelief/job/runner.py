@@ -23,6 +23,7 @@ from tf_distbelief import (
     downpour,
     evaluation,
     export,
+    recovery,
     training,
 )
 from tf_distbelief import model_parallel as model_parallel_lib
@@ -109,6 +110,10 @@ def train(
 ) -> dict:
     """Trains on the cluster `cluster_resolver` describes, from the chief.
 
+    A lost ps task is recovered from the last checkpoint in `model_dir`
+    (`recovery.run_with_ps_recovery`: each attempt connects a new strategy
+    and builds the model anew).
+
     Args:
       config: a validated `JobConfig`.
       spec: the model and its data.
@@ -117,9 +122,26 @@ def train(
 
     Returns:
       `{"test_accuracy": float or None (no test arrays), "epochs": int,
-      "initial_epoch": int, "history": [...], "train_secs": float}`; with
-      `config.export_dir`, the model is exported there first.
+      "initial_epoch": int, "history": [...], "train_secs": float,
+      "ps_recoveries": int}`; with `config.export_dir`, the model is
+      exported there first.
+
+    Raises:
+      recovery.PsLostError: a ps task was lost and could not be recovered.
     """
+    return recovery.run_with_ps_recovery(
+        lambda callbacks: _train_attempt(
+            config, spec, cluster_resolver, print_fn, callbacks
+        ),
+        cluster_resolver.cluster_spec().job_tasks("ps"),
+        config.model_dir,
+        config.ps_recovery_secs,
+        print_fn,
+    )
+
+
+def _train_attempt(config, spec, cluster_resolver, print_fn, more_callbacks) -> dict:
+    """One attempt of `train`: a new strategy and model, resumed from `model_dir`."""
     num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
     # Connected first: a task that cannot be reached fails the job at once.
     strategy = strategy_lib.DistBeliefStrategy(
@@ -140,6 +162,7 @@ def train(
     model = compile_model(config, strategy, spec)
     downpour_on = config.downpour is not None
     callbacks = [downpour.DownpourMetrics(model.downpour)] if downpour_on else []
+    callbacks += more_callbacks
     start = time.monotonic()
     result = training.fit(
         model,
@@ -310,6 +333,8 @@ def run(config: JobConfig, spec: ModelSpec, print_fn=console.echo) -> dict | Non
             config.num_ps,
             cpu_devices_per_worker=config.devices_per_replica,
             gpus_per_worker=config.gpus_per_worker,
+            restart_lost_tasks=True,
+            report=print_fn,
         ) as local:
             print_fn(
                 f"local cluster: {config.num_workers} workers, {config.num_ps} ps "
