@@ -61,17 +61,16 @@ def test_starting_line_reads_the_cluster_size_before_tensorflow(tmp_path):
     flagfile.write_text("--num_workers=4\n--model=digits\n")
     line = console.starting_line
     assert line(["train.py"], {}, 2, 2) == (
-        "starting local cluster: 2 workers, 2 ps (loading TensorFlow)"
+        "loading TensorFlow (local job: 2 workers, 2 ps)"
     )
     assert line(["train.py", f"--flagfile={flagfile}", "--num_ps=1"], {}, 2, 2) == (
-        "starting local cluster: 4 workers, 1 ps (loading TensorFlow)"
+        "loading TensorFlow (local job: 4 workers, 1 ps)"
     )
-    assert line(["train.py", "--num_ps=x"], {}, 2, 2) == (
-        "starting local cluster (loading TensorFlow)"
-    )
+    for bad in ("--num_ps=x", "--num_workers=0"):  # Named at the full parse.
+        assert line(["train.py", bad], {}, 2, 2) == "loading TensorFlow (local job)"
     tf_config = '{"cluster": {}, "task": {"type": "ps", "index": 1}}'
     assert line(["train.py"], {"TF_CONFIG": tf_config}, 2, 2) == (
-        "starting task ps:1 of the TF_CONFIG cluster (loading TensorFlow)"
+        "loading TensorFlow (TF_CONFIG task ps:1)"
     )
 
 

@@ -106,9 +106,7 @@ def test_readme_main_job_streams_its_progress_and_leaves_no_process():
     try:
         lines = [proc.stdout.readline()]
         # Before TensorFlow loads (tens of seconds on a loaded machine).
-        assert lines[0] == (
-            "starting local cluster: 2 workers, 2 ps (loading TensorFlow)\n"
-        )
+        assert lines[0] == ("loading TensorFlow (local job: 2 workers, 2 ps)\n")
         while not lines[-1].startswith("epoch 1/5:") and lines[-1]:
             lines.append(proc.stdout.readline())
         # The first epoch's line, read while the job still runs (4 epochs to go).

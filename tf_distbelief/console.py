@@ -105,8 +105,9 @@ def starting_line(
       default_num_workers, default_num_ps: the flags' defaults.
 
     Returns:
-      `starting local cluster: 2 workers, 2 ps (loading TensorFlow)` or
-      `starting task worker:1 of the TF_CONFIG cluster (loading TensorFlow)`.
+      `loading TensorFlow (local job: 2 workers, 2 ps)` or
+      `loading TensorFlow (TF_CONFIG task worker:1)`. It claims nothing
+      started: a bad flag still fails after it, before any task starts.
     """
     from absl import flags
 
@@ -115,19 +116,21 @@ def starting_line(
             task = json.loads(environ["TF_CONFIG"]).get("task", {})
             name = f"task {task.get('type')}:{task.get('index', 0)}"
         except (ValueError, AttributeError):
-            name = "a task"  # Validated, with a named error, once loaded.
-        return f"starting {name} of the TF_CONFIG cluster (loading TensorFlow)"
+            name = "task (unreadable)"  # Validated, with a named error, once loaded.
+        return f"loading TensorFlow (TF_CONFIG {name})"
     early = flags.FlagValues()
-    flags.DEFINE_integer("num_workers", default_num_workers, "", flag_values=early)
-    flags.DEFINE_integer("num_ps", default_num_ps, "", flag_values=early)
+    flags.DEFINE_integer(
+        "num_workers", default_num_workers, "", lower_bound=1, flag_values=early
+    )
+    flags.DEFINE_integer("num_ps", default_num_ps, "", lower_bound=1, flag_values=early)
     try:
         early(list(argv), known_only=True)
     except (flags.Error, OSError):
         # A bad value fails, named, at the full parse.
-        return "starting local cluster (loading TensorFlow)"
+        return "loading TensorFlow (local job)"
     return (
-        f"starting local cluster: {early.num_workers} workers, {early.num_ps} ps "
-        "(loading TensorFlow)"
+        f"loading TensorFlow (local job: {early.num_workers} workers, "
+        f"{early.num_ps} ps)"
     )
 
 
