@@ -206,7 +206,7 @@ def test_a_user_module_trains_on_its_own_tfrecord_files(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"epoch 2: steps {steps}" in proc.stdout, proc.stdout[-2000:]
+    assert f"epoch 2/2: steps {steps}/{steps}" in proc.stdout, proc.stdout[-2000:]
     checkpoint = tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
     reads = tf.train.load_variable(checkpoint, "model/reads/.ATTRIBUTES/VARIABLE_VALUE")
     assert reads.shape == (2, 96)

@@ -195,8 +195,7 @@ def test_killed_chief_leaves_no_process():
     marker = uuid.uuid4().hex
     script = textwrap.dedent("""
         import time
-        from tests.helpers import tensorboard_scalars
-from tf_distbelief import cluster
+        from tf_distbelief import cluster
         cluster.LocalCluster(num_workers=2, num_ps=1).start()
         print("up", flush=True)
         time.sleep(600)
