@@ -19,8 +19,12 @@ import uuid
 import pytest
 import tensorflow as tf
 
+import models
+from tests.test_sandblaster_resume import _VALUE, _latest_iteration, _relative_errors
 from tf_distbelief import job, recovery
 from tf_distbelief.cluster import local as local_lib
+from tf_distbelief.sandblaster import checkpoint as sandblaster_checkpoint
+from tf_distbelief.sandblaster import config as sandblaster_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -137,6 +141,80 @@ def test_ps_killed_after_the_second_checkpoint_is_recovered(tmp_path, extra):
     epochs = 10 if extra else 5
     assert re.search(rf"^epoch {epochs}: steps {epochs * 100} ", out, re.M), out
     assert _accuracy(out) >= 0.95
+
+
+@pytest.mark.slow
+def test_ps_killed_during_sandblaster_resumes_to_the_uninterrupted_result(
+    local_cluster, tmp_path
+):
+    """`train.py --optimizer=lbfgs --model_dir=D`, ps 0 SIGKILLed after the
+    L-BFGS checkpoint of iteration 3: the chief recovers in the same process,
+    resumes from that checkpoint and ends where an uninterrupted run ends (the
+    reference runs the same job in this process, as
+    tests/test_sandblaster_resume.py's chief-loss test does)."""
+    total = 8
+    straight_dir = str(tmp_path / "straight")
+    job.train(
+        job.JobConfig(
+            optimizer="lbfgs",
+            model_dir=straight_dir,
+            sandblaster=sandblaster_config.SandblasterConfig(
+                max_iters=total, portions=8
+            ),
+        ),
+        models.spec("digits"),
+        local_cluster.resolver_for(num_workers=2, num_ps=2),
+        print_fn=lambda line: None,
+    )
+    marker = uuid.uuid4().hex
+    checkpoints = str(tmp_path / "model" / sandblaster_checkpoint.CHECKPOINT_SUBDIR)
+    proc = _launch(
+        [
+            "--model=digits",
+            "--optimizer=lbfgs",
+            "--portions=8",
+            f"--lbfgs_max_iters={total}",
+            "--num_workers=2",
+            "--num_ps=2",
+            f"--model_dir={tmp_path / 'model'}",
+        ],
+        marker,
+        tmp_path,
+    )
+    code, out, err = _kill_ps0_when(
+        proc, marker, tmp_path, lambda: _latest_iteration(checkpoints) >= 3
+    )
+    assert code == 0, err[-3000:]
+    lost = re.search(r"^ps task lost: /job:ps/task:0 at 127\.0\.0\.1:(\d+) ", out, re.M)
+    assert lost, out
+    assert re.search(
+        rf"^local cluster: ps:0 at 127\.0\.0\.1:{lost[1]} exited \(code -9\); "
+        "restarted on the same address, serving after",
+        out,
+        re.M,
+    )
+    recovered = re.search(
+        r"^ps recovery 1: serving again after [0-9.]+ s; restoring every ps "
+        r"variable and slot from ckpt-(\d+) \(iteration \1\)$",
+        out,
+        re.M,
+    )
+    assert recovered and 3 <= int(recovered[1]) < total, out
+    assert re.search(
+        rf"^Resumed L-BFGS from .*ckpt-{recovered[1]} at iteration {recovered[1]} ",
+        out,
+        re.M,
+    ), out
+    assert re.search(rf"^lbfgs: {total} iterations", out, re.M), out
+    want = tf.train.load_checkpoint(
+        tf.train.latest_checkpoint(os.path.join(straight_dir, "sandblaster"))
+    )
+    got = tf.train.load_checkpoint(tf.train.latest_checkpoint(checkpoints))
+    assert got.get_tensor("num_iters" + _VALUE) == total
+    for key in ("x", "loss_history", "step_history"):
+        a, b = got.get_tensor(key + _VALUE), want.get_tensor(key + _VALUE)
+        assert a.shape == b.shape, key
+        assert _relative_errors([a], [b])[0] <= 1e-9, key
 
 
 @pytest.mark.slow

@@ -51,6 +51,7 @@ import tf_keras
 
 from tf_distbelief import resume
 from tf_distbelief.cluster import server as server_lib
+from tf_distbelief.sandblaster import checkpoint as sandblaster_checkpoint
 
 # A real cluster's orchestrator reschedules a pod in seconds to minutes (an
 # image pull, a node drain); a local task restarts in 4-5 s.
@@ -107,10 +108,16 @@ def latest_checkpoint(model_dir: str | None) -> str | None:
 
 
 def describe_checkpoint(path: str) -> str:
-    """`ckpt-40 (step 40)` for `.../ckpt-40`: checkpoints are numbered by step."""
+    """`ckpt-40 (step 40)` for `.../ckpt-40`: checkpoints are numbered by step.
+
+    Sandblaster's (`model_dir/sandblaster/ckpt-3`) are numbered by L-BFGS
+    iteration: `ckpt-3 (iteration 3)`.
+    """
     name = os.path.basename(path)
     number = name.rpartition("-")[2]
-    return f"{name} (step {number})" if number.isdigit() else name
+    folder = os.path.basename(os.path.dirname(path))
+    unit = "iteration" if folder == sandblaster_checkpoint.CHECKPOINT_SUBDIR else "step"
+    return f"{name} ({unit} {number})" if number.isdigit() else name
 
 
 def _original(error: BaseException) -> BaseException:
