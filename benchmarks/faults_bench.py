@@ -10,12 +10,12 @@ reruns the same command with the same `--model_dir`, as a user would). The
 step of the fault is drawn uniformly between the second checkpoint and 80% of
 the run (before the first checkpoint a lost ps is an error by design: nothing
 to restore); the kill comes when the chief's progress line reports that step
-scheduled. One unfaulted run of the same command gives the reference accuracy.
+finished. One unfaulted run of the same command gives the reference accuracy.
 
-Columns: `at step` the last step the chief reported scheduled before the kill;
+Columns: `at step` the last step the chief reported finished before the kill;
 `restored` the checkpoint training resumed from; `steps redone` the steps
-between the two (an upper bound of the work lost: scheduled steps may not
-have finished); `recover s` from the kill to the restored values checked on
+between the two (the work lost, up to the steps that finished after the
+last progress line); `recover s` from the kill to the restored values checked on
 the ps (ps, chief: the rerun's start-up included) or to the restarted worker
 serving (the coordinator then reconnects it within seconds); `acc` test
 accuracy and `d acc` its difference to the unfaulted run, in points;
@@ -168,7 +168,7 @@ def _run(args, folder, fault, index, kill_step):
         found = [
             int(m[1])
             for _, line in job.poll_lines()
-            if (m := re.match(r"^step (\d+) scheduled", line))
+            if (m := re.match(r"^step (\d+)/\d+: ", line))
         ]
         at_step = max(found, default=0)
         ckpts = os.path.join(model_dir, "checkpoints", "checkpoint")

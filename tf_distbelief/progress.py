@@ -171,8 +171,17 @@ class Progress(tf_keras.callbacks.Callback):
                 logging.info("Progress: could not read the step counter: %s", e)
 
     def _replica_stats(self):
+        """Downpour's per-replica counters, or None (no Downpour, or a worker
+        being replaced: its counters are gone with it; the figures of the next
+        interval then count from the run's start)."""
         downpour = getattr(self.model, "downpour", None)
-        return downpour.stats() if downpour is not None else None
+        if downpour is None:
+            return None
+        try:
+            return downpour.stats()
+        except (tf.errors.CancelledError, tf.errors.UnavailableError) as e:
+            logging.info("Progress: could not read Downpour's counters: %s", e)
+            return None
 
     def _log_interval(self, finished, step):
         now = time.monotonic()
