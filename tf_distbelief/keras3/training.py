@@ -10,6 +10,7 @@ reach the workers. Keras 3's own `Model.fit` cannot do this (README: Keras 3).
 
 from __future__ import annotations
 
+import re
 import time
 
 import keras
@@ -160,6 +161,7 @@ def fit(
     verbose: int = 0,
     print_fn=print,
     seed: int | None = None,
+    ps_weights: variables_lib.PsWeights | None = None,
 ) -> keras.callbacks.History:
     """Trains a Keras 3 model by stock asynchronous SGD with AdaGrad on the ps.
 
@@ -206,6 +208,10 @@ def fit(
       print_fn: where that line goes.
       seed: shuffle seed of the `x, y` pipeline; None shuffles each worker
         differently.
+      ps_weights: the `PsWeights` of an earlier `fit` of this model on this
+        strategy (`history.ps_weights`), to train on with their AdaGrad
+        accumulators; None creates them from the model's current weights
+        (accumulators at `initial_accumulator_value`).
 
     Returns:
       A `keras.callbacks.History` (`history.history["loss"]`, ...); its
@@ -232,9 +238,13 @@ def fit(
         metric.reset_state()
     metric_inits = [[np.asarray(v.numpy()) for v in m.variables] for m in metrics]
 
-    weights = variables_lib.PsWeights(
-        strategy, model, adagrad.initial_accumulator_value
-    )
+    if ps_weights is None:
+        weights = variables_lib.PsWeights(
+            strategy, model, adagrad.initial_accumulator_value
+        )
+    else:
+        weights = ps_weights
+        weights.check_model(model)
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
     if dataset is None:
         x_arr, y_arr = np.asarray(x), np.asarray(y)
@@ -273,9 +283,11 @@ def fit(
         except tf.errors.InvalidArgumentError as error:
             if _NONFINITE_TAG not in str(error):
                 raise
+            found = re.search(re.escape(_NONFINITE_TAG) + r"(\S+)", str(error))
             raise FloatingPointError(
-                f"Epoch {epoch + 1}: a step's gradient held NaN or inf; no ps "
-                f"variable took it. {error.message}"
+                f"Epoch {epoch + 1}: a step's gradient of weight `{found.group(1)}` "
+                "held NaN or inf; no ps variable took that step. Check the data "
+                "and lower the learning rate."
             ) from error
         fetched = coordinator.fetch(results)
         logs = _logs([f[0] for f in fetched], [f[1] for f in fetched], metrics, metric_inits)

@@ -114,6 +114,16 @@ class PsWeights:
             [np.asarray(tf.convert_to_tensor(v)) for v in self.non_trainable],
         )
 
+    def check_model(self, model) -> None:
+        """Raises ValueError unless `model` has the weights these were made from."""
+        paths = [v.path for v in model.trainable_variables]
+        if paths != self.paths:
+            raise ValueError(
+                f"Argument `model` must have the weights the ps variables were "
+                f"made from ({self.model_name!r}: {self.paths}). Received: "
+                f"{model.name!r} with {paths}"
+            )
+
     def write_to_model(self, model) -> None:
         """Copies the ps values into `model`'s own Keras 3 variables (exactly).
 
@@ -123,13 +133,7 @@ class PsWeights:
         Raises:
           ValueError: `model` has other weights than those the ps hold.
         """
-        paths = [v.path for v in model.trainable_variables]
-        if paths != self.paths:
-            raise ValueError(
-                f"Argument `model` must have the weights the ps variables were "
-                f"made from ({self.model_name!r}: {self.paths}). Received: "
-                f"{model.name!r} with {paths}"
-            )
+        self.check_model(model)
         trainable, non_trainable = self.numpy()
         for keras_variable, value in zip(model.trainable_variables, trainable):
             keras_variable.assign(value)
