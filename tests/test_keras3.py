@@ -1,6 +1,7 @@
 """Keras 3 models trained on the ps (issue 13): `tf_distbelief.keras3`."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -10,9 +11,10 @@ import pytest
 import tensorflow as tf
 
 from models import digits
-from tf_distbelief import keras3
+from tf_distbelief import job, keras3
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.adagrad import rule
+from tf_distbelief.keras3 import job as keras3_job
 from tf_distbelief.keras3 import variables as variables_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +76,10 @@ def test_fit_rejects_bad_arguments_before_any_variable(kwargs, match):
 def test_fit_rejects_a_tf_keras_model():
     with pytest.raises(TypeError, match=r"`model` must be a Keras 3 `keras.Model`"):
         keras3.fit(
-            digits.build_model(), np.zeros((4, 64)), np.zeros(4), strategy=None,
+            digits.build_model(),
+            np.zeros((4, 64)),
+            np.zeros(4),
+            strategy=None,
             steps_per_epoch=1,
         )
 
@@ -84,7 +89,8 @@ def _softmax_regression(seed=3):
         [
             keras.Input(shape=(6,)),
             keras.layers.Dense(
-                4, kernel_initializer=keras.initializers.GlorotUniform(seed),
+                4,
+                kernel_initializer=keras.initializers.GlorotUniform(seed),
                 bias_initializer=keras.initializers.RandomNormal(seed=seed),
             ),
         ]
@@ -118,8 +124,13 @@ def test_ps_adagrad_matches_the_numpy_reference_and_shards(local_cluster):
     # One full batch per step, one step per epoch: the 3 steps run in order.
     data = tf.data.Dataset.from_tensors((x, y))
     history = keras3.fit(
-        model, dataset=data, strategy=strategy, epochs=3, steps_per_epoch=1,
-        loss=LOSS, optimizer=opt,
+        model,
+        dataset=data,
+        strategy=strategy,
+        epochs=3,
+        steps_per_epoch=1,
+        loss=LOSS,
+        optimizer=opt,
     )
     weights = history.ps_weights
     for variable, slots in zip(weights.trainable, weights.accumulators):
@@ -139,20 +150,36 @@ def test_ps_adagrad_matches_the_numpy_reference_and_shards(local_cluster):
     # refused before any ps variable changes.
     before = weights.numpy()
     bad = tf.data.Dataset.from_tensors((np.full_like(x, np.nan), y))
-    with pytest.raises(FloatingPointError, match=r"Epoch 1: a step's gradient of weight `sequential\w*/dense\w*/kernel` held NaN or inf"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"Epoch 1: a step's gradient of weight "
+        r"`sequential\w*/dense\w*/kernel` held NaN or inf",
+    ):
         keras3.fit(
-            model, dataset=bad, strategy=strategy, steps_per_epoch=1, loss=LOSS,
-            optimizer=opt, ps_weights=weights,
+            model,
+            dataset=bad,
+            strategy=strategy,
+            steps_per_epoch=1,
+            loss=LOSS,
+            optimizer=opt,
+            ps_weights=weights,
         )
     after = weights.numpy()
     for old, new in zip(before[0] + before[1], after[0] + after[1]):
         np.testing.assert_array_equal(old, new)
     keras3.fit(
-        model, dataset=data, strategy=strategy, steps_per_epoch=1, loss=LOSS,
-        optimizer=opt, ps_weights=weights,
+        model,
+        dataset=data,
+        strategy=strategy,
+        steps_per_epoch=1,
+        loss=LOSS,
+        optimizer=opt,
+        ps_weights=weights,
     )
     w, b, _, _ = _numpy_steps(w0, b0, x.astype(np.float64), y, opt, 4)
-    np.testing.assert_allclose(model.trainable_variables[0].numpy(), w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        model.trainable_variables[0].numpy(), w, rtol=1e-5, atol=1e-6
+    )
 
 
 class _EpochLogs(keras.callbacks.Callback):
@@ -186,8 +213,16 @@ def test_digits_trains_to_95_percent_and_saves_as_keras(local_cluster, tmp_path)
     initial = model.trainable_variables[0].numpy().copy()
     epoch_logs = _EpochLogs()
     history = keras3.fit(
-        model, x_train, y_train, strategy=strategy, epochs=5, steps_per_epoch=100,
-        batch_size=32, loss=LOSS, metrics=["accuracy"], callbacks=[epoch_logs],
+        model,
+        x_train,
+        y_train,
+        strategy=strategy,
+        epochs=5,
+        steps_per_epoch=100,
+        batch_size=32,
+        loss=LOSS,
+        metrics=["accuracy"],
+        callbacks=[epoch_logs],
         validation_data=(x_test, y_test),
     )
     assert isinstance(history, keras.callbacks.History)
@@ -215,8 +250,82 @@ def test_digits_trains_to_95_percent_and_saves_as_keras(local_cluster, tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     subprocess.run(
-        [sys.executable, "-c", _LOAD_AND_PREDICT, path, str(tmp_path / "x.npy"),
-         str(tmp_path / "p.npy")],
-        check=True, env=env, cwd=str(tmp_path), timeout=300,
+        [
+            sys.executable,
+            "-c",
+            _LOAD_AND_PREDICT,
+            path,
+            str(tmp_path / "x.npy"),
+            str(tmp_path / "p.npy"),
+        ],
+        check=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=300,
     )
     np.testing.assert_array_equal(np.load(tmp_path / "p.npy"), predictions)
+
+
+def test_training_imports_no_tf_keras():
+    code = (
+        "import sys, tf_distbelief.keras3 as k; k.fit, k.Adagrad, k.PsWeights; "
+        "assert 'tf_keras' not in sys.modules, 'tf_keras imported'"
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("optimizer", "sgd", r"`optimizer` must be 'adagrad' with Keras 3.*'sgd'"),
+        ("model_dir", "/tmp/x", r"`model_dir` must be None with Keras 3"),
+        ("devices_per_replica", 2, r"`devices_per_replica` must be 1 with Keras 3"),
+    ],
+)
+def test_keras3_job_refuses_what_it_lacks_before_any_server(field, value, match):
+    config = job.JobConfig(**{field: value})
+    with pytest.raises(ValueError, match=match):
+        keras3_job.check_config(config)
+
+
+def test_keras3_job_refuses_downpour():
+    from tf_distbelief import downpour
+
+    config = job.JobConfig(downpour=downpour.DownpourConfig())
+    with pytest.raises(ValueError, match=r"`downpour` must be None with Keras 3"):
+        keras3_job.check_config(config)
+
+
+def test_only_models_with_a_keras3_builder_take_keras_3():
+    import models
+
+    spec = models.spec("digits", keras=3)
+    assert isinstance(spec.build_model(None), keras.Model)
+    with pytest.raises(ValueError, match=r"`model` must be one of digits with Keras 3"):
+        models.spec("speech", keras=3)
+
+
+@pytest.mark.slow
+def test_launch_keras_3_trains_digits_and_exports_a_keras_file(tmp_path):
+    from tests.test_launch import _accuracy, _train_ok
+
+    export_dir = str(tmp_path / "export")
+    output = _train_ok(
+        [
+            "--keras=3",
+            "--model=digits",
+            "--num_workers=2",
+            "--num_ps=2",
+            "--partitioner=fixed",
+            f"--export_dir={export_dir}",
+        ]
+    )
+    assert re.search(r"^epoch 5/5: loss [0-9.]+ accuracy [0-9.]+", output, re.M)
+    assert _accuracy(output) >= 0.95
+    model = keras.models.load_model(os.path.join(export_dir, "model.keras"))
+    _, (x_test, y_test) = digits.load_data()
+    predicted = model.predict(x_test, verbose=0).argmax(1)
+    assert float(np.mean(predicted == y_test)) == pytest.approx(
+        _accuracy(output), abs=1e-4
+    )

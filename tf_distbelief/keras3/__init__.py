@@ -1,4 +1,4 @@
-"""Keras 3 models (TensorFlow backend) trained on the parameter servers, without tf_keras.
+"""Keras 3 models (TensorFlow backend) trained on the ps, without tf_keras.
 
 Keras 3 has no parameter-server training, and its `Model.fit` cannot run
 through a `ClusterCoordinator` (README: Keras 3). This package trains a Keras 3

@@ -52,9 +52,13 @@ def _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size):
         ("batch_size", batch_size),
     ):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"Argument `{name}` must be an int >= 1. Received: {value!r}")
+            raise ValueError(
+                f"Argument `{name}` must be an int >= 1. Received: {value!r}"
+            )
         if value < 1:
-            raise ValueError(f"Argument `{name}` must be an int >= 1. Received: {value!r}")
+            raise ValueError(
+                f"Argument `{name}` must be an int >= 1. Received: {value!r}"
+            )
     if (dataset is None) == (x is None):
         raise ValueError(
             "Pass either `x` and `y` (NumPy arrays) or `dataset` (a batched "
@@ -68,13 +72,14 @@ def _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size):
         )
 
 
-def _make_step(model, weights, loss_fn, metrics, metric_inits, adagrad):
-    """The scheduled training step: `iterator -> (loss, metric state deltas)`."""
+def _make_step(model, weights, loss_fn, metrics, metric_inits, adagrad, steps):
+    """The scheduled function: `steps` training steps in a row on one worker.
+
+    Returns `iterator -> (losses [steps], metric state deltas summed)`.
+    """
     shards = [variables_lib.shards_of(v) for v in weights.trainable]
 
-    @tf.function
-    def step(iterator):
-        x, y = next(iterator)
+    def one_step(x, y):
         with tf.GradientTape() as tape:
             trainable = [variables_lib.read(v) for v in weights.trainable]
             non_trainable = [variables_lib.read(v) for v in weights.non_trainable]
@@ -102,7 +107,9 @@ def _make_step(model, weights, loss_fn, metrics, metric_inits, adagrad):
                 checked.append((shard, slot, grad))
         # Every gradient is checked before any update: a step whose gradients
         # are not all finite changes no ps variable.
-        gates = [g.values if isinstance(g, tf.IndexedSlices) else g for *_, g in checked]
+        gates = [
+            g.values if isinstance(g, tf.IndexedSlices) else g for *_, g in checked
+        ]
         updates = []
         with tf.control_dependencies(gates):
             for shard, slot, grad in checked:
@@ -113,14 +120,31 @@ def _make_step(model, weights, loss_fn, metrics, metric_inits, adagrad):
         for metric, init in zip(metrics, metric_inits):
             state = metric.stateless_update_state(init, y, y_pred)
             deltas.append([s - i for s, i in zip(state, init)])
+        return loss, deltas, updates
+
+    @tf.function
+    def step(iterator):
+        losses, summed, updates = [], None, []
+        # Unrolled: each step reads the ps values after the step before it
+        # updated them (`steps_per_execution` of tf_keras).
+        for _ in range(steps):
+            with tf.control_dependencies(updates):
+                x, y = next(iterator)
+                loss, deltas, updates = one_step(x, y)
+            losses.append(loss)
+            summed = (
+                deltas
+                if summed is None
+                else tf.nest.map_structure(tf.add, summed, deltas)
+            )
         with tf.control_dependencies(updates):
-            return tf.identity(loss), deltas
+            return tf.stack(losses), tf.nest.map_structure(tf.identity, summed)
 
     return step
 
 
 def _logs(losses, deltas_per_step, metrics, metric_inits) -> dict:
-    logs = {"loss": float(np.mean(losses))}
+    logs = {"loss": float(np.mean(np.concatenate(losses)))}
     for k, (metric, init) in enumerate(zip(metrics, metric_inits)):
         state = [
             i + sum(np.asarray(d[k][j]) for d in deltas_per_step)
@@ -152,6 +176,7 @@ def fit(
     batch_size: int = 32,
     epochs: int = 1,
     steps_per_epoch: int,
+    steps_per_execution: int = 1,
     loss=None,
     metrics=("accuracy",),
     optimizer=None,
@@ -191,7 +216,10 @@ def fit(
         repeated here and copied to every worker.
       batch_size: examples per step (per worker), with `x, y`.
       epochs: the epoch to train to (Keras: `initial_epoch` counts).
-      steps_per_epoch: steps per epoch over all workers.
+      steps_per_epoch: steps per epoch over all workers, a multiple of
+        `steps_per_execution`.
+      steps_per_execution: steps in one scheduled function (one worker, in a
+        row, each on the ps values the one before it left), >= 1.
       loss: a Keras 3 loss, its name or a function `(y_true, y_pred) ->
         scalar`; None takes the loss given to `model.compile`. Losses the
         model adds (regularizers) are added.
@@ -225,6 +253,17 @@ def fit(
         weight); that step changed no ps variable.
     """
     _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size)
+    if (
+        isinstance(steps_per_execution, bool)
+        or not isinstance(steps_per_execution, (int, np.integer))
+        or steps_per_execution < 1
+        or steps_per_epoch % steps_per_execution
+    ):
+        raise ValueError(
+            "Argument `steps_per_execution` must be an int >= 1 that divides "
+            f"`steps_per_epoch` ({steps_per_epoch}). Received: "
+            f"{steps_per_execution!r}"
+        )
     adagrad = optimizer_lib.Adagrad.from_optimizer(optimizer)
     loss = loss if loss is not None else getattr(model, "loss", None)
     if loss is None:
@@ -258,7 +297,9 @@ def fit(
     else:
         per_worker = coordinator.create_per_worker_dataset(dataset.repeat())
     iterator = iter(per_worker)
-    step = _make_step(model, weights, loss_fn, metrics, metric_inits, adagrad)
+    step = _make_step(
+        model, weights, loss_fn, metrics, metric_inits, adagrad, steps_per_execution
+    )
 
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
@@ -276,7 +317,7 @@ def fit(
         start = time.monotonic()
         results = [
             coordinator.schedule(step, args=(iterator,))
-            for _ in range(steps_per_epoch)
+            for _ in range(steps_per_epoch // steps_per_execution)
         ]
         try:
             coordinator.join()
@@ -290,7 +331,9 @@ def fit(
                 "and lower the learning rate."
             ) from error
         fetched = coordinator.fetch(results)
-        logs = _logs([f[0] for f in fetched], [f[1] for f in fetched], metrics, metric_inits)
+        logs = _logs(
+            [f[0] for f in fetched], [f[1] for f in fetched], metrics, metric_inits
+        )
         weights.write_to_model(model)
         if validation_data is not None:
             logs.update(

@@ -78,8 +78,7 @@ class PsWeights:
                 self._create(v, trainable=True) for v in model.trainable_variables
             ]
             self.non_trainable = [
-                self._create(v, trainable=False)
-                for v in model.non_trainable_variables
+                self._create(v, trainable=False) for v in model.non_trainable_variables
             ]
             self.accumulators = []
             for variable in self.trainable:
