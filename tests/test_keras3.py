@@ -329,3 +329,99 @@ def test_launch_keras_3_trains_digits_and_exports_a_keras_file(tmp_path):
     assert float(np.mean(predicted == y_test)) == pytest.approx(
         _accuracy(output), abs=1e-4
     )
+
+
+# --- Downpour ---------------------------------------------------------------
+
+
+def _keras3_softmax_model(params):
+    from tests import test_downpour as tdp
+
+    kernel, bias = params
+    return keras.Sequential(
+        [
+            keras.Input(shape=(tdp.NUM_FEATURES,), dtype="float64"),
+            keras.layers.Dense(
+                tdp.NUM_CLASSES,
+                dtype="float64",
+                kernel_initializer=keras.initializers.Constant(kernel),
+                bias_initializer=keras.initializers.Constant(bias),
+            ),
+        ]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "partitioner, local_optimizer, local_learning_rate, adagrad_accumulator",
+    [
+        (None, "adagrad", None, "squares"),
+        (FIXED2, "sgd", 0.05, "mean"),
+    ],
+    ids=["whole", "sharded"],
+)
+def test_downpour_matches_the_numpy_reference(
+    local_cluster,
+    partitioner,
+    local_optimizer,
+    local_learning_rate,
+    adagrad_accumulator,
+):
+    """The same run as tests/test_downpour.py's, with a Keras 3 model."""
+    from tests import test_downpour as tdp
+    from tf_distbelief.downpour import schedule
+
+    x, y, params = tdp._softmax_data()
+    config = schedule.DownpourConfig(
+        3,
+        2,
+        local_learning_rate=local_learning_rate,
+        local_optimizer=local_optimizer,
+        adagrad_accumulator=adagrad_accumulator,
+    )
+    strategy = strategy_lib.DistBeliefStrategy(
+        local_cluster.resolver_for(1, 2), partitioner
+    )
+    model = _keras3_softmax_model(params)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(tdp.BATCH_SIZE)
+    history = keras3.fit(
+        model,
+        dataset=data,
+        strategy=strategy,
+        steps_per_epoch=tdp.STEPS,
+        loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, dtype="float64"
+        ),
+        optimizer=keras3.Adagrad(tdp.LEARNING_RATE),
+        downpour=config,
+    )
+    got, _ = history.ps_weights.numpy()
+    for got_value, want in zip(got, tdp._simulate(params, x, y, config)):
+        np.testing.assert_allclose(got_value, want, rtol=0, atol=1e-6)
+    (stats,) = history.downpour.stats()
+    assert (stats.steps, stats.fetches, stats.pushes) == (12, 4, 6)
+
+
+@pytest.mark.slow
+def test_downpour_digits_two_workers_reach_95_percent(local_cluster):
+    from tf_distbelief.downpour import schedule
+
+    (x_train, y_train), (x_test, y_test) = digits.load_data()
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(2, 2), FIXED2)
+    model = digits.build_keras3_model(seed=0)
+    history = keras3.fit(
+        model,
+        x_train,
+        y_train,
+        strategy=strategy,
+        epochs=10,
+        steps_per_epoch=100,
+        loss=LOSS,
+        optimizer=keras3.Adagrad(0.2),
+        downpour=schedule.DownpourConfig(4, 4),
+    )
+    accuracy = float(np.mean(model.predict(x_test, verbose=0).argmax(1) == y_test))
+    assert accuracy >= 0.95, accuracy
+    stats = history.downpour.stats()
+    assert sum(s.steps for s in stats) == 1000
+    assert all(s.pushes == s.steps // 4 for s in stats)

@@ -187,6 +187,7 @@ def fit(
     print_fn=print,
     seed: int | None = None,
     ps_weights: variables_lib.PsWeights | None = None,
+    downpour=None,
 ) -> keras.callbacks.History:
     """Trains a Keras 3 model by stock asynchronous SGD with AdaGrad on the ps.
 
@@ -240,6 +241,11 @@ def fit(
         strategy (`history.ps_weights`), to train on with their AdaGrad
         accumulators; None creates them from the model's current weights
         (accumulators at `initial_accumulator_value`).
+      downpour: None (stock asynchronous training), or a `DownpourConfig`:
+        Downpour SGD with each worker's cache (`keras3.downpour`); needs
+        `steps_per_execution=1`, a model without non-trainable weights, and
+        `strategy` a `DistBeliefStrategy`. `history.downpour.stats()` gives
+        each replica's counters.
 
     Returns:
       A `keras.callbacks.History` (`history.history["loss"]`, ...); its
@@ -277,9 +283,24 @@ def fit(
         metric.reset_state()
     metric_inits = [[np.asarray(v.numpy()) for v in m.variables] for m in metrics]
 
+    if downpour is not None:
+        from tf_distbelief import downpour as downpour_lib
+
+        if steps_per_execution != 1 or model.non_trainable_variables or ps_weights:
+            raise ValueError(
+                "Argument `downpour` needs `steps_per_execution=1`, a model "
+                "without non-trainable weights and no `ps_weights`. Received: "
+                f"steps_per_execution={steps_per_execution}, non-trainable "
+                f"{[v.path for v in model.non_trainable_variables]}, "
+                f"ps_weights={ps_weights!r}"
+            )
+        downpour_lib.enable(strategy)
     if ps_weights is None:
         weights = variables_lib.PsWeights(
-            strategy, model, adagrad.initial_accumulator_value
+            strategy,
+            model,
+            adagrad.initial_accumulator_value,
+            accumulators=downpour is None,
         )
     else:
         weights = ps_weights
@@ -297,9 +318,16 @@ def fit(
     else:
         per_worker = coordinator.create_per_worker_dataset(dataset.repeat())
     iterator = iter(per_worker)
-    step = _make_step(
-        model, weights, loss_fn, metrics, metric_inits, adagrad, steps_per_execution
-    )
+    if downpour is None:
+        step = _make_step(
+            model, weights, loss_fn, metrics, metric_inits, adagrad, steps_per_execution
+        )
+    else:
+        from tf_distbelief.keras3 import downpour as keras3_downpour
+
+        step, history_downpour = keras3_downpour.make_step(
+            strategy, model, weights, loss_fn, metrics, metric_inits, adagrad, downpour
+        )
 
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
@@ -350,4 +378,5 @@ def fit(
             break
     callback_list.on_train_end(logs)
     history.ps_weights = weights
+    history.downpour = history_downpour if downpour is not None else None
     return history

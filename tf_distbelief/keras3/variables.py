@@ -52,19 +52,27 @@ class PsWeights:
       strategy: a `DistBeliefStrategy` (or any ParameterServerStrategy).
       model: a built Keras 3 model (its variables exist).
       initial_accumulator_value: `a_0` of the accumulators, a float >= 0.
+      accumulators: False creates none (Downpour's optimizer keeps its own).
 
     Attributes:
       trainable: ps variables in the order of `model.trainable_variables`.
       non_trainable: ps variables in the order of
         `model.non_trainable_variables`.
       accumulators: per trainable variable, the list of its shards'
-        accumulators (`tf.Variable`s on their ps tasks).
+        accumulators (`tf.Variable`s on their ps tasks); empty without
+        `accumulators`.
 
     Raises:
       ValueError: the model is not built (has no variables yet).
     """
 
-    def __init__(self, strategy, model, initial_accumulator_value: float = 0.1):
+    def __init__(
+        self,
+        strategy,
+        model,
+        initial_accumulator_value: float = 0.1,
+        accumulators: bool = True,
+    ):
         if not model.built or not model.variables:
             raise ValueError(
                 f"Argument `model` must be a built Keras 3 model (its weights "
@@ -81,7 +89,7 @@ class PsWeights:
                 self._create(v, trainable=False) for v in model.non_trainable_variables
             ]
             self.accumulators = []
-            for variable in self.trainable:
+            for variable in self.trainable if accumulators else ():
                 slots = []
                 for shard in shards_of(variable):
                     with strategy.extended.colocate_vars_with(shard):
