@@ -281,6 +281,7 @@ def test_training_imports_no_tf_keras():
         ("optimizer", "sgd", r"`optimizer` must be 'adagrad' with Keras 3.*'sgd'"),
         ("model_dir", "/tmp/x", r"`model_dir` must be None with Keras 3"),
         ("devices_per_replica", 2, r"`devices_per_replica` must be 1 with Keras 3"),
+        ("nonfinite", "skip", r"`nonfinite` must be 'raise' with Keras 3"),
     ],
 )
 def test_keras3_job_refuses_what_it_lacks_before_any_server(field, value, match):
@@ -289,12 +290,10 @@ def test_keras3_job_refuses_what_it_lacks_before_any_server(field, value, match)
         keras3_job.check_config(config)
 
 
-def test_keras3_job_refuses_downpour():
+def test_keras3_job_takes_downpour():
     from tf_distbelief import downpour
 
-    config = job.JobConfig(downpour=downpour.DownpourConfig())
-    with pytest.raises(ValueError, match=r"`downpour` must be None with Keras 3"):
-        keras3_job.check_config(config)
+    keras3_job.check_config(job.JobConfig(downpour=downpour.DownpourConfig(4, 4)))
 
 
 def test_only_models_with_a_keras3_builder_take_keras_3():

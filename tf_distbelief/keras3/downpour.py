@@ -42,10 +42,14 @@ def make_step(
       `(step, downpour)`: `step(iterator) -> (losses [1], metric state
       deltas)` to schedule, and the `Downpour` state (`.stats()`).
     """
-    optimizer = tf_keras_adagrad.Adagrad(
-        adagrad.learning_rate, adagrad.initial_accumulator_value, adagrad.epsilon
-    )
-    downpour = replica_lib.Downpour(strategy, weights.trainable, optimizer, config)
+    with strategy.scope():  # Its iteration counter and slots live on the ps.
+        optimizer = tf_keras_adagrad.Adagrad(
+            adagrad.learning_rate, adagrad.initial_accumulator_value, adagrad.epsilon
+        )
+    # The shards, as tf_keras lists a sharded weight's: the optimizer keeps
+    # one accumulator per shard, which Downpour's exchange pushes to.
+    shards = [s for v in weights.trainable for s in variables_lib.shards_of(v)]
+    downpour = replica_lib.Downpour(strategy, shards, optimizer, config)
 
     @tf.function
     def step(iterator):

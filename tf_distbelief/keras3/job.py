@@ -28,7 +28,6 @@ KERAS_FILE = "model.keras"
 # value and why.
 _UNSUPPORTED = (
     ("optimizer", "adagrad", "AdaGrad on the ps is the Keras 3 path's optimizer"),
-    ("downpour", None, "Downpour for Keras 3 is not built (README: Keras 3)"),
     ("model_dir", None, "the Keras 3 path writes no checkpoints"),
     ("checkpoint_every_steps", 0, "the Keras 3 path writes no checkpoints"),
     ("devices_per_replica", 1, "no model-parallel Keras 3 layers"),
@@ -98,11 +97,13 @@ def train(
         batch_size=config.batch_size,
         epochs=config.epochs,
         steps_per_epoch=config.steps_per_epoch,
-        steps_per_execution=config.steps_per_execution,
+        # Downpour runs one local step per scheduled function (`keras3.fit`).
+        steps_per_execution=1 if config.downpour else config.steps_per_execution,
         loss=_loss(spec),
         optimizer=optimizer_lib.Adagrad(
             config.learning_rate, config.initial_accumulator_value, config.epsilon
         ),
+        downpour=config.downpour,
         verbose=1,
         print_fn=print_fn,
         seed=config.seed,
@@ -110,6 +111,9 @@ def train(
     train_secs = time.monotonic() - start
     predictions = model.predict(x_test, batch_size=256, verbose=0)
     test_accuracy = float(np.mean(predictions.argmax(-1) == y_test))
+    if history.downpour is not None:
+        for worker, stats in enumerate(history.downpour.stats()):
+            print_fn(f"downpour replica {worker}: {stats}")
     print_fn(f"test accuracy: {test_accuracy:.4f}")
     keras_file = None
     if config.export_dir:
