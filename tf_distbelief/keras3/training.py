@@ -17,6 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_distbelief import console
 from tf_distbelief.keras3 import optimizer as optimizer_lib
 from tf_distbelief.keras3 import variables as variables_lib
 
@@ -184,7 +185,7 @@ def fit(
     validation_data=None,
     initial_epoch: int = 0,
     verbose: int = 0,
-    print_fn=print,
+    print_fn=console.echo,
     seed: int | None = None,
     ps_weights: variables_lib.PsWeights | None = None,
     downpour=None,
