@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tf_keras  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 import tf_distbelief as tfdb  # noqa: E402
 from models import speech  # noqa: E402
@@ -108,6 +108,7 @@ def _keras3_round(strategy, x, y):
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)
     (x, y), _ = speech.load_data(num_train=4096, num_test=16, num_classes=FLAGS.classes)
     rounds = {"tf_keras": [], "keras3": []}
     with tfdb.LocalCluster(FLAGS.num_workers, FLAGS.num_ps) as local:
@@ -132,8 +133,9 @@ def main(argv):
                 f"| {name} | {rate[name]:.0f} | {rate[name] / rate['tf_keras']:.2f} |",
                 flush=True,
             )
-        sys.stdout.flush()
-        os._exit(0)
+    # TensorFlow's teardown would try to reach the cluster just ended.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
