@@ -18,6 +18,9 @@ setuptools.setup(
         "tensorflow>=2.21,<2.22",
         # Keras 2: the Keras that keeps parameter-server `fit` in TF 2.21.
         "tf-keras>=2.21,<2.22",
+        # Keras 3 models (`tf_distbelief.keras3`: `stateless_call`, stateless
+        # metrics); TensorFlow 2.21 depends on it too.
+        "keras>=3.0,<4",
         "numpy>=1.26",
         "absl-py>=2.0",
         # Handwritten digits, shipped inside the package (no download).

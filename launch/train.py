@@ -69,6 +69,13 @@ def define_flags() -> None:
         "`package.module:function`",
     )
     flags.DEFINE_enum(
+        "keras",
+        "2",
+        ["2", "3"],
+        "2: a tf_keras model, tf_keras Model.fit; 3: a Keras 3 model "
+        "(`import keras`), trained by tf_distbelief.keras3.fit (README: Keras 3).",
+    )
+    flags.DEFINE_enum(
         "optimizer",
         d.optimizer,
         job.OPTIMIZERS,
@@ -348,6 +355,7 @@ def model_spec():
             seed=FLAGS.seed,
             speech_hidden_units=FLAGS.speech_hidden_units,
             speech_classes=FLAGS.speech_classes,
+            keras=int(FLAGS.keras),
         )
     return job.load_spec(FLAGS.model)
 
@@ -378,7 +386,12 @@ def main(argv):
         # would bury the progress lines.
         logging.set_verbosity(logging.WARNING)
     spec = model_spec()
-    job.main(config, spec)
+    if FLAGS.keras == "3":
+        from tf_distbelief.keras3 import job as keras3_job
+
+        job.main(config, spec, run=keras3_job.run)
+    else:
+        job.main(config, spec)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,18 @@ from tf_distbelief.job import spec as spec_lib
 MODELS = {"digits": digits, "speech": speech, "embedding": embedding}
 # Models with a model-parallel version (`models.model_parallel`).
 MODEL_PARALLEL = ("digits", "speech")
+# Models with a Keras 3 builder (`launch/train.py --keras=3`).
+KERAS3 = {"digits": digits.build_keras3_model}
 
-__all__ = ["MODELS", "MODEL_PARALLEL", "digits", "embedding", "speech", "spec"]
+__all__ = [
+    "KERAS3",
+    "MODELS",
+    "MODEL_PARALLEL",
+    "digits",
+    "embedding",
+    "speech",
+    "spec",
+]
 
 
 def _build(name, seed, speech_hidden_units, speech_classes, devices):
@@ -47,6 +57,7 @@ def spec(
     seed: int = 0,
     speech_hidden_units: int = 256,
     speech_classes: int = speech.PAPER_NUM_CLASSES,
+    keras: int = 2,
 ) -> spec_lib.ModelSpec:
     """Returns the `ModelSpec` of demo model `name`.
 
@@ -56,6 +67,8 @@ def spec(
       speech_hidden_units: `speech` only: width of the hidden layers (the
         paper: 2560).
       speech_classes: `speech` only: softmax width (the paper: 8192).
+      keras: 2 (tf_keras) or 3: `build_model(None)` returns a built Keras 3
+        model, for `tf_distbelief.keras3` (the models in `KERAS3`).
 
     Returns:
       A `ModelSpec`; `build_model(devices)` gives the model-parallel version
@@ -63,11 +76,22 @@ def spec(
       `MODEL_PARALLEL`.
 
     Raises:
-      ValueError: `name` is not one of `MODELS`.
+      ValueError: `name` is not one of `MODELS`, or has no Keras 3 builder.
     """
     if name not in MODELS:
         raise ValueError(
             f"`model` must be one of {', '.join(MODELS)}. Received: {name!r}"
+        )
+    if keras == 3:
+        if name not in KERAS3:
+            raise ValueError(
+                f"`model` must be one of {', '.join(KERAS3)} with Keras 3 "
+                f"(`--keras=3`). Received: {name!r}"
+            )
+        return spec_lib.ModelSpec(
+            name=name,
+            build_model=lambda devices: KERAS3[name](seed=seed),
+            load_data=functools.partial(_load, name, seed, speech_classes),
         )
     return spec_lib.ModelSpec(
         name=name,

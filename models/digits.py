@@ -62,3 +62,32 @@ def build_model(hidden_units: int = 64, seed: int = 0) -> tf_keras.Model:
         ],
         name="digits_mlp",
     )
+
+
+def build_keras3_model(hidden_units: int = 64, seed: int = 0):
+    """`build_model`'s MLP built with Keras 3 (`import keras`, TensorFlow backend).
+
+    For `tf_distbelief.keras3.fit` (`launch/train.py --keras=3`); build it
+    outside the strategy's scope.
+
+    Args:
+      hidden_units: width of the hidden layer.
+      seed: initializer seed.
+
+    Returns:
+      A built Keras 3 `Sequential` mapping `[batch, 64]` float32 to
+      `[batch, 10]` logits.
+    """
+    import keras
+
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential(
+        [
+            keras.Input(shape=(NUM_FEATURES,)),
+            keras.layers.Dense(
+                hidden_units, activation="relu", kernel_initializer=init(seed)
+            ),
+            keras.layers.Dense(NUM_CLASSES, kernel_initializer=init(seed + 1)),
+        ],
+        name="digits_mlp",
+    )

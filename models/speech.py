@@ -89,3 +89,30 @@ def build_model(hidden_units=256, num_classes=PAPER_NUM_CLASSES, seed=0):
         tf_keras.layers.Dense(num_classes, kernel_initializer=init(seed + 99))
     )
     return tf_keras.Sequential(layers, name="speech_mlp")
+
+
+def build_keras3_model(hidden_units=256, num_classes=PAPER_NUM_CLASSES, seed=0):
+    """`build_model`'s MLP built with Keras 3 (`import keras`, TensorFlow backend).
+
+    Args:
+      hidden_units: width of each hidden layer (2560 in the paper).
+      num_classes: softmax width (8192 in the paper).
+      seed: initializer seed.
+
+    Returns:
+      A built Keras 3 `Sequential` mapping `[batch, 440]` float32 to
+      `[batch, num_classes]` logits.
+    """
+    import keras
+
+    check_positive(hidden_units=hidden_units, num_classes=num_classes)
+    init = keras.initializers.GlorotUniform
+    layers = [keras.Input(shape=(NUM_FEATURES,))]
+    for i in range(NUM_HIDDEN_LAYERS):
+        layers.append(
+            keras.layers.Dense(
+                hidden_units, activation="sigmoid", kernel_initializer=init(seed + i)
+            )
+        )
+    layers.append(keras.layers.Dense(num_classes, kernel_initializer=init(seed + 99)))
+    return keras.Sequential(layers, name="speech_mlp")

@@ -11,6 +11,7 @@ NumPy references, L-BFGS and partition math) import without TensorFlow.
 * `downpour`: Downpour SGD (section 4.1).
 * `sandblaster`: Sandblaster L-BFGS (section 4.2).
 * `model_parallel`: one replica split across devices (section 3).
+* `keras3`: Keras 3 models on the same ps and strategy (`keras3.fit`).
 * `training`, `job`: `Model.fit` with progress, checkpoints and resume; the
   training job that `launch/train.py` runs.
 * `data`, `validation`, `export`: training data from files, each worker its

@@ -35,7 +35,9 @@ KERAS3_MESSAGE = (
     "(`tf.keras` / `keras` in TensorFlow 2.21): Keras 3 has no parameter-server "
     "training. Build the model with tf_keras (Keras 2): `import tf_keras` and use "
     "`tf_keras.Sequential`, `tf_keras.layers`, ... (or set TF_USE_LEGACY_KERAS=1 "
-    "before importing TensorFlow)."
+    "before importing TensorFlow); or build the Keras 3 model outside the "
+    "strategy's scope and train it with `tf_distbelief.keras3.fit(model, ..., "
+    "strategy=strategy)`."
 )
 
 

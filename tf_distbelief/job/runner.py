@@ -363,7 +363,7 @@ def run(config: JobConfig, spec: ModelSpec, print_fn=console.echo) -> dict | Non
     return train(config, spec, resolver, print_fn)
 
 
-def main(config: JobConfig, spec: ModelSpec) -> None:
+def main(config: JobConfig, spec: ModelSpec, run=run) -> None:
     """Runs `run(config, spec)` for a launch script, then ends the process at once.
 
     TensorFlow's interpreter teardown tries to remove functions from the cluster
@@ -373,6 +373,7 @@ def main(config: JobConfig, spec: ModelSpec) -> None:
     Args:
       config: the job.
       spec: the model and its data.
+      run: the job, `run` (tf_keras) or `tf_distbelief.keras3.job.run`.
     """
     run(config, spec)
     sys.stdout.flush()

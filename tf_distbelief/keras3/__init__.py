@@ -1,0 +1,28 @@
+"""Keras 3 models (TensorFlow backend) trained on the ps, without tf_keras.
+
+Keras 3 has no parameter-server training, and its `Model.fit` cannot run
+through a `ClusterCoordinator` (README: Keras 3). This package trains a Keras 3
+model with the same cluster, `DistBeliefStrategy`, ps sharding and AdaGrad as
+the tf_keras path:
+
+* `variables`: `PsWeights`, a ps variable (sharded by the strategy's
+  partitioner) for each weight of the model, with AdaGrad accumulators on the
+  same shards; the trained values go back into the model's own variables.
+* `optimizer`: `Adagrad`, the hyperparameters of AdaGrad on the ps (the fused
+  op of `tf_distbelief.adagrad.ops`; no tf_keras).
+* `training`: `fit(model, x, y, ...)`, stock asynchronous training: each step
+  is a function scheduled on a worker that calls `model.stateless_call` on the
+  ps values. Keras 3 callbacks and a `keras.callbacks.History`.
+* `job`: the training job of `launch/train.py --keras=3`.
+"""
+
+from tf_distbelief import _lazy
+
+__all__, __getattr__, __dir__ = _lazy.exports(
+    __name__,
+    {
+        "Adagrad": "optimizer",
+        "PsWeights": "variables",
+        "fit": "training",
+    },
+)

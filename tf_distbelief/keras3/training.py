@@ -1,0 +1,383 @@
+"""`fit`: stock asynchronous training of a Keras 3 model on the ps (section 4).
+
+Each step is a `tf.function` that `ClusterCoordinator.schedule` sends to a free
+worker (Dean et al. 2012, section 4.1, with `n_fetch = n_push = 1`): it reads
+the ps values (`PsWeights`), calls `model.stateless_call` on them, takes the
+gradient with `tf.GradientTape` and applies AdaGrad on each ps shard with the
+fused op. The Keras 3 model itself stays on the coordinator; only traced ops
+reach the workers. Keras 3's own `Model.fit` cannot do this (README: Keras 3).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_distbelief import console
+from tf_distbelief.keras3 import optimizer as optimizer_lib
+from tf_distbelief.keras3 import variables as variables_lib
+
+# Tag of the `check_numerics` ops, to tell a non-finite gradient from other errors.
+_NONFINITE_TAG = "tf_distbelief.keras3: non-finite gradient of "
+
+
+def _metric(metric, y) -> keras.metrics.Metric:
+    """A Keras 3 `Metric` for `metric` (a Metric, a name or a function)."""
+    if isinstance(metric, keras.metrics.Metric):
+        return metric
+    if metric in ("accuracy", "acc"):
+        # As Keras 3's `compile` resolves it for integer class labels.
+        if y is not None and np.issubdtype(np.asarray(y).dtype, np.integer):
+            return keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+        return keras.metrics.CategoricalAccuracy(name="accuracy")
+    fn = keras.metrics.get(metric)
+    if isinstance(fn, keras.metrics.Metric):
+        return fn
+    name = metric if isinstance(metric, str) else getattr(fn, "__name__", "metric")
+    return keras.metrics.MeanMetricWrapper(fn, name=name)
+
+
+def _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "Argument `model` must be a Keras 3 `keras.Model` (tf_keras models "
+            f"train with `tf_distbelief.training.fit`). Received: {type(model)!r}"
+        )
+    for name, value in (
+        ("epochs", epochs),
+        ("steps_per_epoch", steps_per_epoch),
+        ("batch_size", batch_size),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(
+                f"Argument `{name}` must be an int >= 1. Received: {value!r}"
+            )
+        if value < 1:
+            raise ValueError(
+                f"Argument `{name}` must be an int >= 1. Received: {value!r}"
+            )
+    if (dataset is None) == (x is None):
+        raise ValueError(
+            "Pass either `x` and `y` (NumPy arrays) or `dataset` (a batched "
+            "`tf.data.Dataset` of `(x, y)`). Received: "
+            f"x={'set' if x is not None else None}, dataset={dataset!r}"
+        )
+    if x is not None and (y is None or len(x) != len(y)):
+        raise ValueError(
+            "Arguments `x` and `y` must have one label per example. Received: "
+            f"{len(x)} examples and {None if y is None else len(y)} labels"
+        )
+
+
+def _make_step(model, weights, loss_fn, metrics, metric_inits, adagrad, steps):
+    """The scheduled function: `steps` training steps in a row on one worker.
+
+    Returns `iterator -> (losses [steps], metric state deltas summed)`.
+    """
+    shards = [variables_lib.shards_of(v) for v in weights.trainable]
+
+    def one_step(x, y):
+        with tf.GradientTape() as tape:
+            trainable = [variables_lib.read(v) for v in weights.trainable]
+            non_trainable = [variables_lib.read(v) for v in weights.non_trainable]
+            y_pred, new_non_trainable, losses = model.stateless_call(
+                trainable, non_trainable, x, training=True, return_losses=True
+            )
+            loss = loss_fn(y, y_pred)
+            total = tf.add_n([loss, *losses]) if losses else loss
+        grads = iter(tape.gradient(total, [s for group in shards for s in group]))
+        checked = []  # (shard, accumulator, gradient checked to be finite)
+        for path, group, slots in zip(weights.paths, shards, weights.accumulators):
+            for shard, slot in zip(group, slots):
+                grad = next(grads)
+                if grad is None:
+                    continue
+                message = _NONFINITE_TAG + path
+                if isinstance(grad, tf.IndexedSlices):
+                    grad = tf.IndexedSlices(
+                        tf.debugging.check_numerics(grad.values, message),
+                        grad.indices,
+                        grad.dense_shape,
+                    )
+                else:
+                    grad = tf.debugging.check_numerics(grad, message)
+                checked.append((shard, slot, grad))
+        # Every gradient is checked before any update: a step whose gradients
+        # are not all finite changes no ps variable.
+        gates = [
+            g.values if isinstance(g, tf.IndexedSlices) else g for *_, g in checked
+        ]
+        updates = []
+        with tf.control_dependencies(gates):
+            for shard, slot, grad in checked:
+                updates.append(adagrad.apply(shard, slot, grad))
+            for variable, value in zip(weights.non_trainable, new_non_trainable):
+                updates.append(variable.assign(value, read_value=False))
+        deltas = []
+        for metric, init in zip(metrics, metric_inits):
+            state = metric.stateless_update_state(init, y, y_pred)
+            deltas.append([s - i for s, i in zip(state, init)])
+        return loss, deltas, updates
+
+    @tf.function
+    def step(iterator):
+        losses, summed, updates = [], None, []
+        # Unrolled: each step reads the ps values after the step before it
+        # updated them (`steps_per_execution` of tf_keras).
+        for _ in range(steps):
+            with tf.control_dependencies(updates):
+                x, y = next(iterator)
+                loss, deltas, updates = one_step(x, y)
+            losses.append(loss)
+            summed = (
+                deltas
+                if summed is None
+                else tf.nest.map_structure(tf.add, summed, deltas)
+            )
+        with tf.control_dependencies(updates):
+            return tf.stack(losses), tf.nest.map_structure(tf.identity, summed)
+
+    return step
+
+
+def _logs(losses, deltas_per_step, metrics, metric_inits) -> dict:
+    logs = {"loss": float(np.mean(np.concatenate(losses)))}
+    for k, (metric, init) in enumerate(zip(metrics, metric_inits)):
+        state = [
+            i + sum(np.asarray(d[k][j]) for d in deltas_per_step)
+            for j, i in enumerate(init)
+        ]
+        logs[metric.name] = float(metric.stateless_result(state))
+    return logs
+
+
+def _validation_logs(model, loss_fn, metrics, validation_data, batch_size) -> dict:
+    x_val, y_val = validation_data
+    y_pred = model.predict(x_val, batch_size=max(batch_size, 256), verbose=0)
+    logs = {"val_loss": float(loss_fn(y_val, y_pred))}
+    for metric in metrics:
+        metric.reset_state()
+        metric.update_state(y_val, y_pred)
+        logs[f"val_{metric.name}"] = float(metric.result())
+        metric.reset_state()
+    return logs
+
+
+def fit(
+    model,
+    x=None,
+    y=None,
+    *,
+    strategy,
+    dataset=None,
+    batch_size: int = 32,
+    epochs: int = 1,
+    steps_per_epoch: int,
+    steps_per_execution: int = 1,
+    loss=None,
+    metrics=("accuracy",),
+    optimizer=None,
+    callbacks=None,
+    validation_data=None,
+    initial_epoch: int = 0,
+    verbose: int = 0,
+    print_fn=console.echo,
+    seed: int | None = None,
+    ps_weights: variables_lib.PsWeights | None = None,
+    downpour=None,
+) -> keras.callbacks.History:
+    """Trains a Keras 3 model by stock asynchronous SGD with AdaGrad on the ps.
+
+    `keras.Model.fit`'s arguments and callbacks, for a model built outside
+    the strategy's scope. `PsWeights` puts each weight on the ps (sharded by
+    the strategy's partitioner); every step is scheduled on a free worker
+    through `ClusterCoordinator`, reads the ps values, computes the gradient
+    with `model.stateless_call` and applies AdaGrad
+    (`tf_distbelief.adagrad.rule`) on each ps shard; workers never wait for
+    each other (Dean et al. 2012, section 4.1, with `n_fetch = n_push = 1`).
+    At each epoch end the ps values are copied into the model's own variables
+    before the callbacks' `on_epoch_end`, so `model.save("m.keras")` and
+    `keras.callbacks.ModelCheckpoint` save the trained weights. Callbacks get
+    `on_train_begin/end` and `on_epoch_begin/end` (logs: `loss`, each
+    metric, `val_*`); batch hooks are not called (steps run asynchronously).
+    `model.stop_training = True` (e.g. `EarlyStopping`) ends after the epoch.
+
+    Args:
+      model: a built Keras 3 `keras.Model` (TensorFlow backend), mapping
+        `[batch, ...]` features to predictions, e.g. `[batch, classes]` logits.
+      x: features, `[num_examples, ...]` NumPy array (with `y`; else `dataset`).
+        Each worker reads it shuffled and repeated, in batches of
+        `batch_size`; it is embedded in the step's graph (keep it under 2 GB).
+      y: labels, `[num_examples, ...]`.
+      strategy: the `DistBeliefStrategy` (or any ParameterServerStrategy).
+      dataset: instead of `x, y`: a batched `tf.data.Dataset` of `(x, y)`,
+        repeated here and copied to every worker.
+      batch_size: examples per step (per worker), with `x, y`.
+      epochs: the epoch to train to (Keras: `initial_epoch` counts).
+      steps_per_epoch: steps per epoch over all workers, a multiple of
+        `steps_per_execution`.
+      steps_per_execution: steps in one scheduled function (one worker, in a
+        row, each on the ps values the one before it left), >= 1.
+      loss: a Keras 3 loss, its name or a function `(y_true, y_pred) ->
+        scalar`; None takes the loss given to `model.compile`. Losses the
+        model adds (regularizers) are added.
+      metrics: Keras 3 metrics or names (`"accuracy"` on integer labels is
+        `SparseCategoricalAccuracy`) whose state adds up over steps (means,
+        sums, confusion counts).
+      optimizer: None (AdaGrad with `tf_distbelief.Adagrad`'s defaults), an
+        `Adagrad` or a `tf_distbelief.Adagrad`; see `Adagrad.from_optimizer`.
+      callbacks: Keras 3 callbacks.
+      validation_data: `(x_val, y_val)` NumPy arrays, evaluated on the
+        coordinator with the epoch's trained weights.
+      initial_epoch: the epoch to start at.
+      verbose: 1 prints one line per epoch with `print_fn`.
+      print_fn: where that line goes.
+      seed: shuffle seed of the `x, y` pipeline; None shuffles each worker
+        differently.
+      ps_weights: the `PsWeights` of an earlier `fit` of this model on this
+        strategy (`history.ps_weights`), to train on with their AdaGrad
+        accumulators; None creates them from the model's current weights
+        (accumulators at `initial_accumulator_value`).
+      downpour: None (stock asynchronous training), or a `DownpourConfig`:
+        Downpour SGD with each worker's cache (`keras3.downpour`); needs
+        `steps_per_execution=1`, a model without non-trainable weights, and
+        `strategy` a `DistBeliefStrategy`. `history.downpour.stats()` gives
+        each replica's counters.
+
+    Returns:
+      A `keras.callbacks.History` (`history.history["loss"]`, ...); its
+      `ps_weights` attribute holds the `PsWeights`.
+
+    Raises:
+      TypeError: `model` is not a Keras 3 model.
+      ValueError: bad arguments (named), an unbuilt model, a model without a
+        loss, or an optimizer other than AdaGrad; before anything is created.
+      FloatingPointError: a step's gradient held NaN or inf (named by
+        weight); that step changed no ps variable.
+    """
+    _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size)
+    if (
+        isinstance(steps_per_execution, bool)
+        or not isinstance(steps_per_execution, (int, np.integer))
+        or steps_per_execution < 1
+        or steps_per_epoch % steps_per_execution
+    ):
+        raise ValueError(
+            "Argument `steps_per_execution` must be an int >= 1 that divides "
+            f"`steps_per_epoch` ({steps_per_epoch}). Received: "
+            f"{steps_per_execution!r}"
+        )
+    adagrad = optimizer_lib.Adagrad.from_optimizer(optimizer)
+    loss = loss if loss is not None else getattr(model, "loss", None)
+    if loss is None:
+        raise ValueError(
+            "Argument `loss` must be a Keras 3 loss, its name or a function, or "
+            "the model compiled with one. Received: None"
+        )
+    loss_fn = keras.losses.get(loss) if isinstance(loss, str) else loss
+    metrics = [_metric(m, y) for m in (metrics or ())]
+    for metric in metrics:
+        metric.reset_state()
+    metric_inits = [[np.asarray(v.numpy()) for v in m.variables] for m in metrics]
+
+    if downpour is not None:
+        from tf_distbelief import downpour as downpour_lib
+
+        if steps_per_execution != 1 or model.non_trainable_variables or ps_weights:
+            raise ValueError(
+                "Argument `downpour` needs `steps_per_execution=1`, a model "
+                "without non-trainable weights and no `ps_weights`. Received: "
+                f"steps_per_execution={steps_per_execution}, non-trainable "
+                f"{[v.path for v in model.non_trainable_variables]}, "
+                f"ps_weights={ps_weights!r}"
+            )
+        downpour_lib.enable(strategy)
+    if ps_weights is None:
+        weights = variables_lib.PsWeights(
+            strategy,
+            model,
+            adagrad.initial_accumulator_value,
+            accumulators=downpour is None,
+        )
+    else:
+        weights = ps_weights
+        weights.check_model(model)
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    if dataset is None:
+        x_arr, y_arr = np.asarray(x), np.asarray(y)
+
+        def dataset_fn():
+            data = tf.data.Dataset.from_tensor_slices((x_arr, y_arr))
+            data = data.shuffle(len(x_arr), seed=seed, reshuffle_each_iteration=True)
+            return data.repeat().batch(batch_size).prefetch(2)
+
+        per_worker = coordinator.create_per_worker_dataset(dataset_fn)
+    else:
+        per_worker = coordinator.create_per_worker_dataset(dataset.repeat())
+    iterator = iter(per_worker)
+    if downpour is None:
+        step = _make_step(
+            model, weights, loss_fn, metrics, metric_inits, adagrad, steps_per_execution
+        )
+    else:
+        from tf_distbelief.keras3 import downpour as keras3_downpour
+
+        step, history_downpour = keras3_downpour.make_step(
+            strategy, model, weights, loss_fn, metrics, metric_inits, adagrad, downpour
+        )
+
+    history = keras.callbacks.History()
+    callback_list = keras.callbacks.CallbackList(
+        [*(callbacks or ()), history],
+        model=model,
+        epochs=epochs,
+        steps=steps_per_epoch,
+        verbose=verbose,
+    )
+    model.stop_training = False
+    callback_list.on_train_begin()
+    logs = {}
+    for epoch in range(initial_epoch, epochs):
+        callback_list.on_epoch_begin(epoch)
+        start = time.monotonic()
+        results = [
+            coordinator.schedule(step, args=(iterator,))
+            for _ in range(steps_per_epoch // steps_per_execution)
+        ]
+        try:
+            coordinator.join()
+        except tf.errors.InvalidArgumentError as error:
+            if _NONFINITE_TAG not in str(error):
+                raise
+            found = re.search(re.escape(_NONFINITE_TAG) + r"(\S+)", str(error))
+            raise FloatingPointError(
+                f"Epoch {epoch + 1}: a step's gradient of weight `{found.group(1)}` "
+                "held NaN or inf; no ps variable took that step. Check the data "
+                "and lower the learning rate."
+            ) from error
+        fetched = coordinator.fetch(results)
+        logs = _logs(
+            [f[0] for f in fetched], [f[1] for f in fetched], metrics, metric_inits
+        )
+        weights.write_to_model(model)
+        if validation_data is not None:
+            logs.update(
+                _validation_logs(model, loss_fn, metrics, validation_data, batch_size)
+            )
+        if verbose:
+            values = " ".join(f"{k} {v:.4f}" for k, v in logs.items())
+            print_fn(
+                f"epoch {epoch + 1}/{epochs}: {values} "
+                f"({time.monotonic() - start:.1f} s)"
+            )
+        callback_list.on_epoch_end(epoch, logs)
+        if model.stop_training:
+            break
+    callback_list.on_train_end(logs)
+    history.ps_weights = weights
+    history.downpour = history_downpour if downpour is not None else None
+    return history

@@ -1,0 +1,148 @@
+"""`PsWeights`: the ps variables that hold a Keras 3 model's weights.
+
+Keras 3 variables are not `tf.Variable`s and cannot be created under a
+ParameterServerStrategy (Keras 3 has no parameter-server support), so the
+model keeps its own variables on the coordinator and `PsWeights` creates a
+`tf.Variable` on the ps for each of them, under `DistBeliefStrategy.scope()`:
+the strategy's partitioner splits it into a `ShardedVariable` as it does a
+tf_keras weight. A scheduled step reads these values and passes them to
+`model.stateless_call`; at the end `write_to_model` copies them into the
+model's own variables.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+
+def shards_of(variable) -> list:
+    """The per-ps `tf.Variable`s of a ps variable (one when it is whole)."""
+    return list(getattr(variable, "variables", [variable]))
+
+
+def read(variable) -> tf.Tensor:
+    """The value of a ps variable, its shards concatenated along axis 0.
+
+    Inside a `tf.GradientTape` each shard's read is recorded, so the gradient
+    of a loss comes back per shard.
+    """
+    shards = shards_of(variable)
+    if len(shards) == 1:
+        return shards[0].value()
+    return tf.concat([s.value() for s in shards], axis=0)
+
+
+def _ps_name(keras_variable) -> str:
+    # `dense/kernel`: a TensorFlow variable name may not hold every character
+    # of a Keras 3 path.
+    return keras_variable.path.replace("/", "_").replace(":", "_")
+
+
+class PsWeights:
+    """ps variables for each weight of a built Keras 3 model, with AdaGrad slots.
+
+    Each `tf.Variable` is created under `strategy.scope()` from the Keras 3
+    variable's current value, so the strategy's partitioner shards it
+    (`ShardedVariable`, split along axis 0). Each trainable shard gets an
+    AdaGrad accumulator of its shape on its ps task (`colocate_vars_with`),
+    filled with `initial_accumulator_value`, as tf_keras optimizer slots are.
+
+    Args:
+      strategy: a `DistBeliefStrategy` (or any ParameterServerStrategy).
+      model: a built Keras 3 model (its variables exist).
+      initial_accumulator_value: `a_0` of the accumulators, a float >= 0.
+      accumulators: False creates none (Downpour's optimizer keeps its own).
+
+    Attributes:
+      trainable: ps variables in the order of `model.trainable_variables`.
+      non_trainable: ps variables in the order of
+        `model.non_trainable_variables`.
+      accumulators: per trainable variable, the list of its shards'
+        accumulators (`tf.Variable`s on their ps tasks); empty without
+        `accumulators`.
+
+    Raises:
+      ValueError: the model is not built (has no variables yet).
+    """
+
+    def __init__(
+        self,
+        strategy,
+        model,
+        initial_accumulator_value: float = 0.1,
+        accumulators: bool = True,
+    ):
+        if not model.built or not model.variables:
+            raise ValueError(
+                f"Argument `model` must be a built Keras 3 model (its weights "
+                f"exist): give it a `keras.Input` or call it on a batch first. "
+                f"Received: {model.name!r}, built={model.built}"
+            )
+        self.model_name = model.name
+        self.paths = [v.path for v in model.trainable_variables]
+        with strategy.scope():
+            self.trainable = [
+                self._create(v, trainable=True) for v in model.trainable_variables
+            ]
+            self.non_trainable = [
+                self._create(v, trainable=False) for v in model.non_trainable_variables
+            ]
+            self.accumulators = []
+            for variable in self.trainable if accumulators else ():
+                slots = []
+                for shard in shards_of(variable):
+                    with strategy.extended.colocate_vars_with(shard):
+                        slots.append(
+                            tf.Variable(
+                                tf.fill(
+                                    shard.shape,
+                                    tf.constant(initial_accumulator_value, shard.dtype),
+                                ),
+                                name=shard.name.split(":")[0] + "_accumulator",
+                                trainable=False,
+                            )
+                        )
+                self.accumulators.append(slots)
+
+    @staticmethod
+    def _create(keras_variable, trainable: bool):
+        return tf.Variable(
+            np.asarray(keras_variable.numpy()),
+            name=_ps_name(keras_variable),
+            dtype=keras_variable.dtype,
+            trainable=trainable,
+        )
+
+    def numpy(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """`(trainable, non_trainable)` values read from the ps, NumPy arrays."""
+        return (
+            [np.asarray(tf.convert_to_tensor(v)) for v in self.trainable],
+            [np.asarray(tf.convert_to_tensor(v)) for v in self.non_trainable],
+        )
+
+    def check_model(self, model) -> None:
+        """Raises ValueError unless `model` has the weights these were made from."""
+        paths = [v.path for v in model.trainable_variables]
+        if paths != self.paths:
+            raise ValueError(
+                f"Argument `model` must have the weights the ps variables were "
+                f"made from ({self.model_name!r}: {self.paths}). Received: "
+                f"{model.name!r} with {paths}"
+            )
+
+    def write_to_model(self, model) -> None:
+        """Copies the ps values into `model`'s own Keras 3 variables (exactly).
+
+        Args:
+          model: the Keras 3 model these weights were made from.
+
+        Raises:
+          ValueError: `model` has other weights than those the ps hold.
+        """
+        self.check_model(model)
+        trainable, non_trainable = self.numpy()
+        for keras_variable, value in zip(model.trainable_variables, trainable):
+            keras_variable.assign(value)
+        for keras_variable, value in zip(model.non_trainable_variables, non_trainable):
+            keras_variable.assign(value)
