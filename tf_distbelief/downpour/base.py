@@ -265,6 +265,24 @@ class VariableKind(abc.ABC):
             plan.local_optimizer == "adagrad",
         )
 
+    def worker_variables(self) -> dict[str, tf.Variable]:
+        """The kind's per-worker variables by name, `what/variable` (a
+        replica's state, which `replica_state` checkpoints)."""
+        named = {}
+        for what, kept in self._worker_lists():
+            for v, x in zip(self.variables, kept):
+                if x is not None:
+                    named[f"{what}/{slug(v.name)}"] = x
+        return named
+
+    def _worker_lists(self) -> list[tuple[str, list]]:
+        return [
+            ("cache", self.caches),
+            ("accumulator", self.accumulators),
+            ("squares", self.squares),
+            ("local_accumulator", self.local_accumulators),
+        ]
+
     def handles(self) -> KindHandles:
         """The handles; take them at the top of the scheduled function."""
         return KindHandles(

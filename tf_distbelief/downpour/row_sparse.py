@@ -86,6 +86,12 @@ class RowSparseVariables(base.VariableKind):
             )
         )
 
+    def _worker_lists(self):
+        return super()._worker_lists() + [
+            ("valid", self.valid),
+            ("touched", self.touched),
+        ]
+
     def _read(self, handle, j, rows):
         return base.gather(handle, rows, self.variables[j].dtype)
 
