@@ -207,3 +207,37 @@ def test_replica_state_of_another_local_optimizer_is_an_error_naming_it(
     _fit(_model(strategy, "adagrad"), 1, str(tmp_path))
     with pytest.raises(resume.RestoreError, match="local_accumulator"):
         _fit(_model(strategy, "sgd"), 2, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_fewer_workers_get_their_replicas_back_and_drop_the_rest(
+    local_cluster, tmp_path
+):
+    def strategy_of(num_workers):
+        strategy = strategy_lib.DistBeliefStrategy(
+            local_cluster.resolver_for(num_workers, 2),
+            tf.distribute.experimental.partitioners.FixedShardsPartitioner(2),
+        )
+        downpour.enable(strategy)
+        return strategy
+
+    _fit(_model(strategy_of(2), "adagrad", 3, 2), 1, str(tmp_path))
+    latest = tf.train.latest_checkpoint(str(tmp_path / training.CHECKPOINT_SUBDIR))
+    reader = tf.train.load_checkpoint(latest)
+    lines = []
+    restored = _model(strategy_of(1), "adagrad", 3, 2)
+    _fit(restored, 1, str(tmp_path), lines=lines)
+    assert any(
+        "holds the state of 2 Downpour replicas; this run has 1 workers: "
+        "replicas 0..0 get theirs back, the state of replicas 1..1 is dropped" in line
+        for line in lines
+    ), lines
+    workers = _worker_state(restored)
+    for name, value in workers.items():
+        key = "downpour/replicas/0/values/" + name.replace("/", ".S")
+        np.testing.assert_array_equal(
+            value, reader.get_tensor(key + "/.ATTRIBUTES/VARIABLE_VALUE"), name
+        )
+    assert (
+        reader.get_tensor("downpour/replicas/1/saved/.ATTRIBUTES/VARIABLE_VALUE") == 1
+    )
