@@ -42,7 +42,19 @@ at their initial values, so it rebuilds from the ps (its next step fetches)
 and its unpushed gradients are dropped.
 
 Coordinator memory and checkpoint size: one copy of each replica's state, up
-to 4 copies of the model per replica (`Downpour`, "Worker memory").
+to 4 copies of the model per replica (`Downpour`, "Worker memory"); a
+row-sparse table's cache is saved whole. Each save reads them from the
+workers (bytes: that size, over the network).
+
+With a custom loop (`keras.DownpourTrainer`):
+  ```
+  replicas = replica_state.ReplicaState(trainer.downpour)
+  checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
+                                   downpour=replicas)
+  trainer.join(); replicas.capture(); checkpoint.save(prefix)
+  # Resuming: restore first, then each replica's state to its worker.
+  checkpoint.restore(path); replicas.write_back(replicas)
+  ```
 """
 
 from __future__ import annotations
