@@ -265,23 +265,23 @@ class VariableKind(abc.ABC):
             plan.local_optimizer == "adagrad",
         )
 
+    kind = "kind"  # Prefixes the keys of `worker_variables`.
+
     def worker_variables(self) -> dict[str, tf.Variable]:
-        """The kind's per-worker variables by name, `what/variable` (a
-        replica's state, which `replica_state` checkpoints)."""
-        named = {}
-        for what, kept in self._worker_lists():
-            for v, x in zip(self.variables, kept):
-                if x is not None:
-                    named[f"{what}/{slug(v.name)}"] = x
-        return named
+        """The per-worker variables (`replica_state` checkpoints them) by
+        `kind/what/j`, `j` the variable's position in `variables` (layer
+        names, `dense_1`, differ between two builds of one model)."""
+        return {
+            f"{self.kind}/{what}/{j}": x
+            for what, kept in self._worker_lists()
+            for j, x in enumerate(kept)
+            if x is not None
+        }
 
     def _worker_lists(self) -> list[tuple[str, list]]:
-        return [
-            ("cache", self.caches),
-            ("accumulator", self.accumulators),
-            ("squares", self.squares),
-            ("local_accumulator", self.local_accumulators),
-        ]
+        names = ("cache", "accumulator", "squares", "local_accumulator")
+        kept = (self.caches, self.accumulators, self.squares, self.local_accumulators)
+        return list(zip(names, kept))
 
     def handles(self) -> KindHandles:
         """The handles; take them at the top of the scheduled function."""

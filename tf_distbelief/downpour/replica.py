@@ -425,7 +425,7 @@ class Downpour:
         return done
 
     def worker_variables(self) -> dict[str, tf.Variable]:
-        """Every per-worker variable (a replica's state) by name."""
+        """Every per-worker variable (a replica's state) by key (position)."""
         named = {"seen": self._seen, "refetch": self._refetch}
         named.update({f"stats/{n}": v for n, v in self._stats.items()})
         return named | self._dense.worker_variables() | self._rows.worker_variables()

@@ -10,8 +10,9 @@ saves only the coordinator's copy of such a variable, its initial value.
 
 `ReplicaState` is a `tf.Module` that `training.fit` puts in its checkpoint as
 `downpour`: per replica (worker index `i`), a coordinator-side copy of each
-of those variables (`replicas/<i>/values/<name>`) and `saved` (1: the copy is
-the replica's state, 0: the replica starts fresh), with the ps variables
+of those variables (`replicas/<i>/values/<key>`, keyed by position, e.g.
+`dense/local_accumulator/0`: `Downpour.worker_variables`) and `saved` (1: the
+copy is the replica's state, 0: the replica starts fresh), with the ps variables
 `update_count` (staleness) and `warm_steps` (the warm start). Before each
 save, `capture` reads every worker's variables into the copies (remote eager
 reads, after the coordinator's `join`); after a restore, `write_back` writes
@@ -65,6 +66,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_distbelief import _tf_internals
+from tf_distbelief.downpour import base
 from tf_distbelief.downpour.replica import Downpour
 
 __all__ = ["WAIT_SECS", "ReplicaState", "for_model", "saved_replicas"]
@@ -87,22 +89,33 @@ def saved_replicas(keys) -> int | None:
     return max(found) + 1 if found else None
 
 
-class _Replica(tf.Module):
-    """One replica's copies: `values` by name, `saved` (int64 scalar, 1/0)."""
+def _described(downpour: Downpour, key: str) -> str:
+    """`key` of `Downpour.worker_variables` with its ps variable's name, for
+    errors: `dense/cache/0` is `dense/cache/0/logits/kernel/part_0`."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] not in ("dense", "rows"):
+        return key
+    rows = parts[0] == "rows"
+    kind = [v for v, r in zip(downpour.variables, downpour.row_sparse) if r == rows]
+    return f"{key}/{base.slug(kind[int(parts[2])].name)}"
 
-    def __init__(self, index: int, named: dict):
+
+class _Replica(tf.Module):
+    """One replica's copies: `values` by key, `saved` (int64 scalar, 1/0)."""
+
+    def __init__(self, index: int, downpour: Downpour):
         super().__init__(name=f"replica{index}")
         with tf.init_scope():
             self.saved = tf.Variable(
                 0, dtype=tf.int64, trainable=False, name=f"downpour/replica{index}"
             )
             self.values = {
-                name: tf.Variable(
+                key: tf.Variable(
                     tf.zeros(v.shape, v.dtype),
                     trainable=False,
-                    name=f"downpour/replica{index}/{name}",
+                    name=f"downpour/replica{index}/{_described(downpour, key)}",
                 )
-                for name, v in named.items()
+                for key, v in downpour.worker_variables().items()
             }
 
 
@@ -130,7 +143,7 @@ class ReplicaState(tf.Module):
         self._downpour = downpour
         self.update_count = downpour.update_count
         self.warm_steps = downpour.warm_steps
-        self.replicas = [_Replica(i, self._named) for i in range(num_replicas)]
+        self.replicas = [_Replica(i, downpour) for i in range(num_replicas)]
 
     @property
     def _named(self) -> dict:

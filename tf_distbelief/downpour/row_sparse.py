@@ -63,6 +63,8 @@ class RowSparseVariables(base.VariableKind):
       row_bytes: bytes of one row of each variable.
     """
 
+    kind = "rows"
+
     def __init__(self, variables: list, plan: base.Plan):
         super().__init__(variables, plan)
         self.row_bytes = [v.shape[1:].num_elements() * v.dtype.size for v in variables]
