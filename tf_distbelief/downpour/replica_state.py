@@ -107,7 +107,9 @@ class _Replica(tf.Module):
         super().__init__(name=f"replica{index}")
         with tf.init_scope():
             self.saved = tf.Variable(
-                0, dtype=tf.int64, trainable=False, name=f"downpour/replica{index}"
+                tf.constant(0, tf.int64),
+                trainable=False,
+                name=f"downpour/replica{index}/saved",
             )
             self.values = {
                 key: tf.Variable(
