@@ -172,7 +172,12 @@ class Progress(tf_keras.callbacks.Callback):
 
     def _replica_stats(self):
         downpour = getattr(self.model, "downpour", None)
-        return downpour.stats() if downpour is not None else None
+        try:
+            return downpour.stats() if downpour is not None else None
+        except (tf.errors.CancelledError, tf.errors.UnavailableError):
+            # A worker lost right now (its counters' copy aborted until it is
+            # back): no reading this time, rather than ending the run.
+            return None
 
     def _log_interval(self, finished, step):
         now = time.monotonic()

@@ -319,7 +319,10 @@ class DownpourMetrics(tf_keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         # Counters restored by a resume count earlier runs' steps.
-        self._last = self.downpour.stats()
+        try:
+            self._last = self.downpour.stats()
+        except (tf.errors.CancelledError, tf.errors.UnavailableError):
+            pass  # A worker lost right now: figures from the last reading.
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
