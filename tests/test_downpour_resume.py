@@ -1,13 +1,13 @@
-"""Downpour resume (issue 10): what of a replica's state a resume keeps.
+"""Downpour resume (issue 10): a replica's own state survives a resume.
 
-A replica's cache, its gradient sums and its counters live on its worker
-(`per_worker_variable=True`) and are not in a checkpoint (`downpour.keras`,
-"Resume"). With 1 worker, a fixed batch, and checkpoints at the replica's
-push boundaries (steps a multiple of `n_fetch` and `n_push`), nothing is
-pending at a checkpoint, so a resumed run equals an uninterrupted one bit for
-bit: the ps variables, the ps AdaGrad accumulators, the iteration count. The
-test takes a local SGD step: a local AdaGrad step's accumulator restarts at
-its initial value on a resume (the module docstring of `downpour.keras`).
+A replica's cache, its gradient sums, its local AdaGrad accumulator, its step
+counter and its counters live on its worker (`per_worker_variable=True`);
+`training.fit` checkpoints them per replica (`downpour.replica_state`) and
+writes them back to the workers on a resume. With 1 worker and a fixed batch
+a resumed run equals an uninterrupted one bit for bit, at a push boundary and
+between pushes: the ps variables, the ps AdaGrad accumulators, the iteration
+count, and every per-worker variable (caches, pending sums, local AdaGrad
+accumulators, step counters).
 """
 
 import numpy as np
@@ -16,8 +16,9 @@ import tensorflow as tf
 import tf_keras
 
 import tf_distbelief as tfdb
-from tf_distbelief import downpour, training
+from tf_distbelief import downpour, resume, training
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.downpour import replica_state
 
 FEATURES, CLASSES, BATCH = 4, 3, 8
 X = np.linspace(-1.0, 1.0, BATCH * FEATURES, dtype=np.float32).reshape(BATCH, -1)
@@ -36,7 +37,7 @@ def strategy(local_cluster):
     return strategy
 
 
-def _model(strategy, local_optimizer):
+def _model(strategy, local_optimizer, n_fetch=N, n_push=N):
     with strategy.scope():
         model = tf_keras.Sequential(
             [
@@ -54,13 +55,13 @@ def _model(strategy, local_optimizer):
             steps_per_execution=1,
         )
         config = downpour.DownpourConfig(
-            n_fetch=N, n_push=N, local_optimizer=local_optimizer
+            n_fetch=n_fetch, n_push=n_push, local_optimizer=local_optimizer
         )
         model.downpour = downpour.install(model, config)
     return model
 
 
-def _fit(model, epochs, model_dir=None):
+def _fit(model, epochs, model_dir=None, steps_per_epoch=STEPS_PER_EPOCH, lines=None):
     data = tf_keras.utils.experimental.DatasetCreator(
         lambda _: tf.data.Dataset.from_tensors((X, Y)).repeat()
     )
@@ -68,10 +69,10 @@ def _fit(model, epochs, model_dir=None):
         model,
         data,
         epochs=epochs,
-        steps_per_epoch=STEPS_PER_EPOCH,
+        steps_per_epoch=steps_per_epoch,
         batch_size=BATCH,
         model_dir=model_dir,
-        print_fn=lambda _: None,
+        print_fn=(lambda _: None) if lines is None else lines.append,
     )
 
 
@@ -97,3 +98,148 @@ def test_resume_at_a_push_boundary_equals_an_uninterrupted_run(strategy, tmp_pat
     assert got_iterations == want_iterations == 2 * STEPS_PER_EPOCH // N
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
+
+
+def _worker_state(model):
+    """Worker 0's value of every per-worker Downpour variable, by name."""
+    return {
+        name: v.read_all()[0].numpy()
+        for name, v in model.downpour.worker_variables().items()
+    }
+
+
+def _assert_same_state(got_model, want_model):
+    got, got_iterations = _state(got_model)
+    want, want_iterations = _state(want_model)
+    assert got_iterations == want_iterations
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    got_workers, want_workers = _worker_state(got_model), _worker_state(want_model)
+    assert sorted(got_workers) == sorted(want_workers)
+    for name in want_workers:
+        np.testing.assert_array_equal(got_workers[name], want_workers[name], name)
+    assert int(got_model.downpour.update_count.numpy()) == int(
+        want_model.downpour.update_count.numpy()
+    )
+
+
+def test_saved_replicas_counts_the_replicas_in_checkpoint_keys():
+    prefix = "downpour/replicas"
+    keys = [
+        "step/.ATTRIBUTES/VARIABLE_VALUE",
+        f"{prefix}/0/saved/.ATTRIBUTES/VARIABLE_VALUE",
+        f"{prefix}/2/saved/.ATTRIBUTES/VARIABLE_VALUE",
+        f"{prefix}/2/values/seen/.ATTRIBUTES/VARIABLE_VALUE",
+    ]
+    assert replica_state.saved_replicas(keys) == 3
+    assert replica_state.saved_replicas(keys[:1]) is None
+
+
+@pytest.mark.slow
+def test_resume_between_pushes_with_local_adagrad_equals_an_uninterrupted_run(
+    strategy, tmp_path
+):
+    # n_fetch=3, n_push=2, a checkpoint at step 5: one step's gradient not
+    # yet pushed, a cache fetched 2 steps before, the local AdaGrad
+    # accumulator grown over 5 steps.
+    spe, config = 5, dict(n_fetch=3, n_push=2)
+    first = _model(strategy, "adagrad", **config)
+    _fit(first, 1, str(tmp_path), steps_per_epoch=spe)
+    at_checkpoint = _worker_state(first)
+    assert at_checkpoint["stats/steps"] == spe
+    assert np.any(at_checkpoint["dense/accumulator/0"] != 0)
+
+    # A resume with nothing left to train writes the state back only.
+    lines = []
+    restored = _model(strategy, "adagrad", **config)
+    _fit(restored, 1, str(tmp_path), steps_per_epoch=spe, lines=lines)
+    assert not any("start fresh" in line for line in lines), lines
+    _assert_same_state(restored, first)
+
+    resumed = _model(strategy, "adagrad", **config)
+    result = _fit(resumed, 2, str(tmp_path), steps_per_epoch=spe)
+    assert result.initial_step == spe
+    uninterrupted = _model(strategy, "adagrad", **config)
+    _fit(uninterrupted, 2, steps_per_epoch=spe)
+    _assert_same_state(resumed, uninterrupted)
+    assert _worker_state(resumed)["stats/steps"] == 2 * spe
+    assert int(resumed.optimizer.iterations.numpy()) == 2 * spe // 2
+
+
+@pytest.mark.slow
+def test_checkpoint_without_replica_state_starts_replicas_fresh(strategy, tmp_path):
+    # A checkpoint as written before the replica state was saved.
+    first = _model(strategy, "adagrad")
+    _fit(first, 1)
+    step = tf.Variable(STEPS_PER_EPOCH, dtype=tf.int64)
+    epoch = tf.Variable(1, dtype=tf.int64)
+    tf.train.CheckpointManager(
+        tf.train.Checkpoint(
+            model=first, optimizer=first.optimizer, epoch=epoch, step=step
+        ),
+        str(tmp_path / training.CHECKPOINT_SUBDIR),
+        max_to_keep=1,
+    ).save(checkpoint_number=STEPS_PER_EPOCH)
+    lines = []
+    restored = _model(strategy, "adagrad")
+    _fit(restored, 1, str(tmp_path), lines=lines)
+    assert any(
+        "holds no Downpour replica state" in line and "starts fresh" in line
+        for line in lines
+    ), lines
+    got, got_iterations = _state(restored)
+    want, want_iterations = _state(first)
+    assert got_iterations == want_iterations
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    workers = _worker_state(restored)
+    assert workers["stats/steps"] == 0 and workers["seen"] == 0
+    np.testing.assert_array_equal(
+        workers["dense/local_accumulator/0"],
+        np.full((FEATURES // 2, CLASSES), 0.1, np.float32),
+    )
+
+
+@pytest.mark.slow
+def test_replica_state_of_another_local_optimizer_is_an_error_naming_it(
+    strategy, tmp_path
+):
+    _fit(_model(strategy, "adagrad"), 1, str(tmp_path))
+    with pytest.raises(
+        resume.RestoreError, match="local_accumulator.S0: a value with no variable"
+    ):
+        _fit(_model(strategy, "sgd"), 2, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_fewer_workers_get_their_replicas_back_and_drop_the_rest(
+    local_cluster, tmp_path
+):
+    def strategy_of(num_workers):
+        strategy = strategy_lib.DistBeliefStrategy(
+            local_cluster.resolver_for(num_workers, 2),
+            tf.distribute.experimental.partitioners.FixedShardsPartitioner(2),
+        )
+        downpour.enable(strategy)
+        return strategy
+
+    _fit(_model(strategy_of(2), "adagrad", 3, 2), 1, str(tmp_path))
+    latest = tf.train.latest_checkpoint(str(tmp_path / training.CHECKPOINT_SUBDIR))
+    reader = tf.train.load_checkpoint(latest)
+    lines = []
+    restored = _model(strategy_of(1), "adagrad", 3, 2)
+    _fit(restored, 1, str(tmp_path), lines=lines)
+    assert any(
+        "holds the state of 2 Downpour replicas; this run has 1 workers: "
+        "replicas 0..0 get theirs back, the state of replicas 1..1 is dropped" in line
+        for line in lines
+    ), lines
+    workers = _worker_state(restored)
+    for name, value in workers.items():
+        key = "downpour/replicas/0/values/" + name.replace("/", ".S")
+        np.testing.assert_array_equal(
+            value, reader.get_tensor(key + "/.ATTRIBUTES/VARIABLE_VALUE"), name
+        )
+    assert (
+        reader.get_tensor("downpour/replicas/1/saved/.ATTRIBUTES/VARIABLE_VALUE") == 1
+    )

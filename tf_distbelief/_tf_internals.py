@@ -60,6 +60,29 @@ def per_worker_values_exist(variable) -> bool:
     return variable._per_worker_vars is not None  # noqa: SLF001
 
 
+def worker_variable(variable, index: int, timeout_secs: float):
+    """Worker `index`'s own variable of a `per_worker_variable=True` variable.
+
+    Creates the per-worker copies first if no function was scheduled yet (as
+    the first one would), then waits up to `timeout_secs` for worker
+    `index`'s. The result is a variable whose handle lives on that worker:
+    eager `assign` and `read_value` on the coordinator run there (what
+    `downpour.replica_state` checkpoints and restores). Public route checked:
+    `PerWorkerVariable.read_all` copies values to the coordinator (no handle
+    to write through) and waits without a bound.
+
+    Returns:
+      The worker's variable, or None when it is not there within
+      `timeout_secs` (the worker lost, its copy not yet rebuilt) or its
+      creation failed.
+    """
+    variable._maybe_create_per_worker_vars()  # noqa: SLF001
+    remote = variable._per_worker_vars._values[index]  # noqa: SLF001
+    if not remote._status_available_event.wait(timeout_secs):  # noqa: SLF001
+        return None
+    return remote._values  # noqa: SLF001  (None when aborted or failed)
+
+
 def clip_gradients(optimizer, grads: list) -> list:
     """Applies a tf_keras optimizer's `clipnorm`/`clipvalue` settings to `grads`.
 
@@ -292,6 +315,15 @@ def check() -> None:
             "_per_worker_vars" in PerWorkerVariable.__init__.__code__.co_names,
         ),
         (
+            "PerWorkerVariable._maybe_create_per_worker_vars",
+            callable(getattr(PerWorkerVariable, "_maybe_create_per_worker_vars", None)),
+        ),
+        (
+            "RemoteValueImpl._status_available_event, _values",
+            {"_status_available_event", "_values"}
+            <= set(_remote_value_impl().__init__.__code__.co_names),
+        ),
+        (
             "tf_keras Optimizer._clip_gradients",
             callable(getattr(tf_keras.optimizers.Optimizer, "_clip_gradients", None)),
         ),
@@ -335,6 +367,12 @@ def check() -> None:
         f"TensorFlow internals that tf_distbelief relies on changed shape in "
         f"{versions}: {', '.join(missing)}. See tf_distbelief/_tf_internals.py."
     )
+
+
+def _remote_value_impl():
+    from tensorflow.python.distribute.coordinator import values
+
+    return values.RemoteValueImpl
 
 
 def _keras_training():

@@ -107,7 +107,7 @@ _OWN_KEYS = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter" + _VALUE_SUFFIX)
 def _escape(name: str) -> str:
     # How TensorFlow escapes a name in a checkpoint key
     # (`trackable_utils.escape_local_name`).
-    return name.replace(".", "..").replace("/", "./")
+    return name.replace(".", "..").replace("/", ".S")
 
 
 def _walk(root, children, key=id):
@@ -280,10 +280,15 @@ class Checkpointer(tf_keras.callbacks.Callback):
       epoch: the `int64` variable it holds as the epochs finished.
       steps_per_epoch: steps per epoch, >= 1.
       every_steps: steps between checkpoints; 0 saves at epoch ends only.
+      before_save: None, or a callable run after the checks, before each
+        write (e.g. `downpour.replica_state.ReplicaState.capture`).
     """
 
-    def __init__(self, manager, step, epoch, steps_per_epoch, every_steps=0):
+    def __init__(
+        self, manager, step, epoch, steps_per_epoch, every_steps=0, before_save=None
+    ):
         super().__init__()
+        self.before_save = before_save
         # Batch hooks under parameter-server training are allowed only for
         # callbacks that take remote logs; this one never reads them.
         self._supports_tf_logs = True
@@ -329,6 +334,8 @@ class Checkpointer(tf_keras.callbacks.Callback):
                 self.done,
                 bad,
             )
+        if self.before_save is not None:
+            self.before_save()
         self.step.assign(self.done)
         self.epoch.assign(self.done // self.steps_per_epoch)
         path = self.manager.save(checkpoint_number=self.done)

@@ -19,7 +19,7 @@ import tf_keras
 
 from tf_distbelief import console, exactly_once, resume, validation
 from tf_distbelief import nonfinite as nonfinite_lib
-from tf_distbelief.downpour import push_guard
+from tf_distbelief.downpour import push_guard, replica_state
 from tf_distbelief.progress import Progress  # noqa: F401  (training.Progress)
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -284,9 +284,15 @@ def fit(
     if model_dir:
         step_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
+        replicas = replica_state.for_model(model)  # Downpour's per-worker state.
+        extra = {} if replicas is None else {"downpour": replicas}
         manager = tf.train.CheckpointManager(
             tf.train.Checkpoint(
-                model=model, optimizer=model.optimizer, epoch=epoch_var, step=step_var
+                model=model,
+                optimizer=model.optimizer,
+                epoch=epoch_var,
+                step=step_var,
+                **extra,
             ),
             os.path.join(model_dir, CHECKPOINT_SUBDIR),
             max_to_keep=MAX_CHECKPOINTS_TO_KEEP,
@@ -299,7 +305,13 @@ def fit(
             tracked = dict(model=model, optimizer=model.optimizer, epoch=epoch_var)
             if "step/.ATTRIBUTES/VARIABLE_VALUE" in keys:
                 tracked["step"] = step_var
+            restored = None if replicas is None else replicas.restoring(keys)
+            if restored is not None:  # Shaped as the checkpoint's replicas.
+                tracked["downpour"] = restored
             resume.restore(tf.train.Checkpoint(**tracked), latest)
+            if replicas is not None:  # Each replica's state to its worker.
+                for line in replicas.write_back(restored):
+                    print_fn(line)
             if "step" not in tracked:
                 step_var.assign(epoch_var * steps_per_epoch)
             initial_step = int(step_var.numpy())
@@ -310,7 +322,12 @@ def fit(
             )
         all_callbacks.append(
             resume.Checkpointer(
-                manager, step_var, epoch_var, steps_per_epoch, checkpoint_every_steps
+                manager,
+                step_var,
+                epoch_var,
+                steps_per_epoch,
+                checkpoint_every_steps,
+                before_save=None if replicas is None else replicas.capture,
             )
         )
     progress.steps_done = initial_step

@@ -6,6 +6,7 @@
 * `base`, `dense`, `row_sparse`: a replica's per-worker state and ops, per
   variable kind (dense variables, tables read by rows).
 * `replica`: `Downpour`, the replica's step on the cluster.
+* `replica_state`: `ReplicaState`, each replica's own state in checkpoints.
 * `keras`: `install` on a compiled tf_keras model, `DownpourTrainer`,
   `DownpourMetrics`.
 """
@@ -19,6 +20,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
         "DownpourConfig": "config",
         "DownpourMetrics": "keras",
         "DownpourTrainer": "keras",
+        "ReplicaState": "replica_state",
         "ReplicaStats": "schedule",
         "RowSparseReadError": "variables",
         "embedding_tables": "keras",

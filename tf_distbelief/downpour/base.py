@@ -265,6 +265,24 @@ class VariableKind(abc.ABC):
             plan.local_optimizer == "adagrad",
         )
 
+    kind = "kind"  # Prefixes the keys of `worker_variables`.
+
+    def worker_variables(self) -> dict[str, tf.Variable]:
+        """The per-worker variables (`replica_state` checkpoints them) by
+        `kind/what/j`, `j` the variable's position in `variables` (layer
+        names, `dense_1`, differ between two builds of one model)."""
+        return {
+            f"{self.kind}/{what}/{j}": x
+            for what, kept in self._worker_lists()
+            for j, x in enumerate(kept)
+            if x is not None
+        }
+
+    def _worker_lists(self) -> list[tuple[str, list]]:
+        names = ("cache", "accumulator", "squares", "local_accumulator")
+        kept = (self.caches, self.accumulators, self.squares, self.local_accumulators)
+        return list(zip(names, kept))
+
     def handles(self) -> KindHandles:
         """The handles; take them at the top of the scheduled function."""
         return KindHandles(

@@ -40,6 +40,8 @@ class DenseVariables(base.VariableKind):
         gradients alone) moves.
     """
 
+    kind = "dense"
+
     def __init__(self, variables: list, plan: base.Plan):
         super().__init__(variables, plan)
         self.nbytes = sum(v.shape.num_elements() * v.dtype.size for v in variables)

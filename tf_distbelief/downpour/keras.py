@@ -10,17 +10,17 @@ were created under a `DistBeliefStrategy` with `variables.enable` in effect:
 * `DownpourMetrics` adds each epoch's staleness and bytes moved to the logs.
 
 Resume (`training.fit(model_dir=...)`): a checkpoint holds the ps state,
-every variable, every optimizer slot and the iteration count, which restore
-bit for bit. A replica's own state lives on its worker
-(`per_worker_variable=True`) and starts afresh on a resume, as on a worker
-restart: its cache (its first step fetches), its gradient sums not yet pushed
-(at most `n_push - 1` steps of its gradients, dropped as a stale push would
-be), its step counter (the cadence restarts with a fetch) and its counters
-(`stats`), and its local AdaGrad accumulator (back at the initial value:
-larger local steps for a while, as for a new replica). With checkpoints at
-steps that are multiples of `n_fetch` and `n_push` and one worker, nothing is
-pending at a checkpoint, and with a local SGD step a resumed run equals an
-uninterrupted one exactly (`tests/test_downpour_resume.py`).
+every variable, every optimizer slot, the iteration count and the step, and
+each replica's own state, which lives on its worker
+(`per_worker_variable=True`): its cache, its gradient sums not yet pushed, its
+local AdaGrad accumulator, its step counter (the fetch and push cadence) and
+its counters (`stats`), with the ps update count (staleness). A resume
+restores all of it bit for bit, replica `i`'s state to worker `i`
+(`replica_state`), so that with the same workers a resumed run equals an
+uninterrupted one exactly at any step (1 worker and fixed data:
+`tests/test_downpour_resume.py`). The rules for a checkpoint without that
+state, another number of workers, and a worker restarted mid-run (it starts
+fresh from the ps) are in `replica_state`.
 
 Example with `fit`:
   ```
@@ -317,10 +317,20 @@ class DownpourMetrics(tf_keras.callbacks.Callback):
         self.downpour = downpour
         self._last: list[ReplicaStats] = []
 
+    def on_train_begin(self, logs=None):
+        # Counters restored by a resume count earlier runs' steps.
+        try:
+            self._last = self.downpour.stats()
+        except (tf.errors.CancelledError, tf.errors.UnavailableError):
+            pass  # A worker lost right now: figures from the last reading.
+
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
             return
-        now = self.downpour.stats()
+        try:
+            now = self.downpour.stats()
+        except (tf.errors.CancelledError, tf.errors.UnavailableError):
+            return  # A worker lost right now: this epoch's figures are left out.
         figures = interval_figures(now, self._last)
         self._last = now
         for key in ("staleness", "bytes_fetched", "bytes_pushed"):

@@ -7,15 +7,14 @@ parameter-server cluster:
 * every ps variable is a `variables.DownpourVariable`, which reads as the
   replica's cache during the forward pass (`tf_distbelief.substitution`);
 * each worker keeps its caches, accumulators and counters in
-  `per_worker_variable=True` variables, so the cadence is counted by the worker
-  that runs the step; each variable kind has its handler, `dense` and
-  `row_sparse` (`base.VariableKind`), and `exchange` fetches and pushes;
-* the ps keeps an update counter (one per push), for staleness;
+  `per_worker_variable=True` variables (the cadence is counted by the worker
+  that runs the step; checkpointed by `replica_state`); each variable kind has
+  its handler, `dense` and `row_sparse` (`base.VariableKind`), and `exchange`
+  fetches and pushes; the ps keeps an update counter (one per push);
 * under `fit` with `n_fetch, n_push > 1`, the local steps between two ps
   exchanges run in a loop with no ps op at all (`Downpour.run_steps`): a ps op
-  in a step, even in a branch not taken, costs messages at every step.
-
-The Keras side (`install`, `DownpourTrainer`, `DownpourMetrics`) is `keras`.
+  in a step, even in a branch not taken, costs messages at every step. The
+  Keras side (`install`, `DownpourTrainer`, `DownpourMetrics`) is `keras`.
 """
 
 from __future__ import annotations
@@ -73,7 +72,8 @@ class Downpour:
     Attributes:
       variables: the trained variables, shards in place of sharded ones.
       row_sparse: per variable, True where it is row-sparse.
-      update_count: on the ps, an int64 scalar: pushes applied.
+      update_count, warm_steps: on the ps, int64 scalars: pushes applied,
+        replica 0's steps during the warm start.
 
     Raises:
       TypeError: a variable was not created with `enable(strategy)` in effect,
@@ -81,16 +81,15 @@ class Downpour:
         other than variables.
       ValueError: a `row_sparse` variable is not among `variables`, or is a
         scalar; or `config.local_learning_rate` is None with a local AdaGrad
-        step and an optimizer whose learning rate is a schedule.
-
-    A step that reads a row-sparse variable whole raises
-    `variables.RowSparseReadError` (a RuntimeError) naming it.
+        step and an optimizer whose learning rate is a schedule. A step that
+        reads a row-sparse variable whole raises `RowSparseReadError`.
 
     Worker memory, per replica: the cache and the gradient accumulator, plus
     the local AdaGrad accumulator (`config.local_optimizer == "adagrad"`) and,
-    when pushes send the squared gradients (`base.PushedSquares`), that
-    accumulator's value at the last push (with a local SGD step, a sum of
-    squared gradients instead): up to 4 copies of the model. The local step
+    when pushes send the squared gradients (`base.PushedSquares`), its value
+    at the last push (local SGD: a sum of squared gradients instead): up to 4
+    copies of the model (`worker_variables`; a checkpoint holds them per
+    replica, `replica_state`). The local step
     size is `config.local_learning_rate_for` the optimizer's learning rate;
     the local AdaGrad takes the optimizer's `initial_accumulator_value` and
     `epsilon` (0.1 and 1e-7 for an optimizer without them).
@@ -134,8 +133,7 @@ class Downpour:
                 name: base.per_worker(f"downpour/{name}", [], tf.int64)
                 for name in _STAT_NAMES
             }
-            # On the ps, int64 scalars: pushes applied, replica 0's steps
-            # during the warm start, pushes refused for a NaN or inf.
+            # On the ps: those two, and pushes refused for a NaN or inf.
             self.update_count, self.warm_steps, self.nonfinite_skipped = (
                 tf.Variable(0, dtype=tf.int64, trainable=False, name=f"downpour/{n}")
                 for n in ("update_count", "warm_steps", "nonfinite_skipped")
@@ -149,8 +147,7 @@ class Downpour:
         self._exchange.guard_context, self._exchange.tokens = self.guard, self.tokens
 
     @property
-    def _caches(self) -> list[tf.Variable]:
-        """The per-worker caches, one per variable."""
+    def _caches(self) -> list[tf.Variable]:  # One per variable.
         return self._order.merge(self._dense.caches, self._rows.caches)
 
     @property
@@ -426,6 +423,12 @@ class Downpour:
             lambda done: done < num_steps, segment, [tf.constant(0, int64)]
         )
         return done
+
+    def worker_variables(self) -> dict[str, tf.Variable]:
+        """Every per-worker variable (a replica's state) by key (position)."""
+        named = {"seen": self._seen, "refetch": self._refetch}
+        named.update({f"stats/{n}": v for n, v in self._stats.items()})
+        return named | self._dense.worker_variables() | self._rows.worker_variables()
 
     def stats(self) -> list[ReplicaStats]:
         """Reads every replica's counters (blocking). Index = worker index."""

@@ -63,6 +63,8 @@ class RowSparseVariables(base.VariableKind):
       row_bytes: bytes of one row of each variable.
     """
 
+    kind = "rows"
+
     def __init__(self, variables: list, plan: base.Plan):
         super().__init__(variables, plan)
         self.row_bytes = [v.shape[1:].num_elements() * v.dtype.size for v in variables]
@@ -85,6 +87,12 @@ class RowSparseVariables(base.VariableKind):
                 touched=[x.handle for x in self.touched],
             )
         )
+
+    def _worker_lists(self):
+        return super()._worker_lists() + [
+            ("valid", self.valid),
+            ("touched", self.touched),
+        ]
 
     def _read(self, handle, j, rows):
         return base.gather(handle, rows, self.variables[j].dtype)
