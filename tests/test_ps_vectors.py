@@ -10,7 +10,7 @@ import sklearn.datasets
 import tensorflow as tf
 
 from tf_distbelief import strategy as strategy_lib
-from tf_distbelief.sandblaster import lbfgs, ps_vectors
+from tf_distbelief.sandblaster import lbfgs, ps_batched, ps_vectors
 
 _NUM_WORKERS = 1
 _NUM_PS = 3
@@ -283,11 +283,16 @@ def test_round_trips_per_iteration(strategy):
     one direction update (`combine`) on the ps, plus two per line-search
     evaluation (`combine`: the trial point; `gram`: its gradient's copy and
     slope). The two-loop on vectors makes `4 p + 12 + 4 e` calls with `p`
-    pairs and `e` evaluations; the history fills in the first `m` iterations
-    (two `zeros_like` each)."""
+    pairs and `e` evaluations, and allocates a new pair's storage (two
+    `zeros_like`) in each of the first `m` iterations, where the vector-free
+    run allocates all `2 m` at the start (with `minimize`'s 5 work vectors)."""
     problem, m = digits_problem(), 3
-    per_iteration = {}
+    per_iteration, traces = {}, {}
     for two_loop in ("vector_free", "vectors"):
+        traces[two_loop] = [
+            f.experimental_get_tracing_count()
+            for f in (ps_batched.combine, ps_batched.gram)
+        ]
         ops = ps_vectors.PsVectorOps(strategy, num_shards=3)
         x0 = ops.from_numpy(np.zeros(65 * 10))
         fun_and_grad = worker_fun_and_grad(problem, ops, x0)
@@ -318,10 +323,21 @@ def test_round_trips_per_iteration(strategy):
         )
         assert result.num_iters == 8
         per_iteration[two_loop] = rows
+    # Vector-free: each call's signature is the same whatever the number of
+    # pairs (the history fills in iterations 1 to 3), so `tf.function` traced
+    # each operation at most once: `combine` for the direction and the trial
+    # point, `gram` for the first matrix, the new pair and the slope.
+    after = [
+        f.experimental_get_tracing_count()
+        for f in (ps_batched.combine, ps_batched.gram)
+    ]
+    new_traces = [b - a for a, b in zip(traces["vector_free"], traces["vectors"])]
+    assert new_traces[0] <= 2 and new_traces[1] <= 3, new_traces
+    assert after == traces["vectors"]  # The two-loop on vectors uses neither.
     for k, (calls, evals, _) in enumerate(per_iteration["vector_free"]):
         expected = {"combine": 1 + evals, "gram": 1 + evals}
-        if k < m:
-            expected["zeros_like"] = 7 if k == 0 else 2
+        if k == 0:
+            expected["zeros_like"] = 2 * m + 5
         assert calls == expected, (k, calls, evals)
     for k, (calls, evals, pairs) in enumerate(per_iteration["vectors"]):
         allocations = calls.pop("zeros_like", 0)

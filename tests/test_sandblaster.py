@@ -453,14 +453,14 @@ def test_vectors_on_ps_and_coordinator_moves_only_scalars(local_cluster, monkeyp
     # evaluation one `combine` (trial point), one `assign` (the objective's
     # copy of it) and one `gram` (slope). At the start one `dot` (|g|) and one
     # `gram` (the first matrix), and copies of the start point and gradient;
-    # 5 work vectors and 2 per new pair.
+    # 5 work vectors and the storage of all `2 * history` vectors at once.
     searched = result.num_evals - 1
     assert dict(objective.ops.round_trips) == {
         "gram": 1 + 5 + searched,
         "combine": 5 + searched,
         "assign": result.num_evals + 2,
         "dot": 1,
-        "zeros_like": 2 + 5 + 2 * 5,
+        "zeros_like": 2 + 5 + 2 * 10,
         "from_numpy": 1,
         "to_numpy": 1,
     }

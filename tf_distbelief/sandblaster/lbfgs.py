@@ -45,12 +45,7 @@ from typing import Generic
 
 import numpy as np
 
-from tf_distbelief.sandblaster import (
-    _checks,
-    lbfgs_state,
-    line_search,
-    vector_ops,
-)
+from tf_distbelief.sandblaster import _checks, lbfgs_state, line_search, vector_ops
 from tf_distbelief.sandblaster import two_loop as two_loop_lib
 
 __all__ = [
@@ -240,7 +235,7 @@ def minimize(
     else:
         lbfgs_state.check_state(initial_state, m)
         state = initial_state
-    vector_work = two_loop_lib.make(two_loop, ops, state)
+    vector_work = two_loop_lib.make(two_loop, ops, state, m)
 
     d, x_trial, g_trial = (ops.zeros_like(state.x) for _ in range(3))
     s_new, y_new = ops.zeros_like(state.x), ops.zeros_like(state.x)
@@ -295,10 +290,8 @@ def minimize(
                 s_new_next, y_new_next = s_history.pop(0), y_history.pop(0)
                 rho_history.pop(0)
             else:
-                s_new_next, y_new_next = (
-                    ops.zeros_like(state.x),
-                    ops.zeros_like(state.x),
-                )
+                s_new_next = vector_work.storage(state)
+                y_new_next = vector_work.storage(state)
             s_history.append(s_new)
             y_history.append(y_new)
             rho_history.append(1.0 / sy)

@@ -17,8 +17,9 @@ pair. This module does that vector work in one of two ways (`TWO_LOOPS`):
   the backend forms `d` from the `2p+1` coefficients in one call
   (`VectorOps.combine`). Each step adds only the `3 (2p + 3)` dot products of
   the new `s`, `y` and `g` (`VectorOps.gram`, one call that also forms `s` and
-  `y`). So an iteration costs 2 round trips plus 2 per line-search
-  evaluation (form the trial point; copy its gradient and read `g·d`).
+  `y`; `O(m)` of them, never the whole matrix again). So an iteration costs
+  2 round trips plus 2 per line-search evaluation (form the trial point;
+  copy its gradient and read `g·d`).
 
 Both give the same iterates up to rounding: the recursion is the same
 arithmetic on the same numbers, only summed in another order.
@@ -256,6 +257,10 @@ class VectorTwoLoop:
         ops.axpy(-1.0, state.grad, y_new)
         return ops.dot(s_new, y_new), ops.dot(y_new, y_new), ops.dot(s_new, s_new)
 
+    def storage(self, state) -> Vector:
+        """A new vector for a new pair (`zeros_like`)."""
+        return self.ops.zeros_like(state.x)
+
     def stepped(self, state, keep_pair: bool, evict: bool) -> float:
         """After `state` took the step: returns `|g|^2` at the new iterate."""
         return self.ops.dot(state.grad, state.grad)
@@ -270,13 +275,29 @@ class VectorFreeTwoLoop:
     per line-search evaluation one `combine` (trial point) and one `gram`
     (gradient copy and slope), and one `gram` (new pair and its dot products).
 
+    Every call but the first `gram` names the same vectors in the same
+    pattern whatever the number of pairs `p`, so a backend that compiles per
+    signature (`tf.function` in `ps_vectors`, which also keys on which
+    arguments are the same variable) traces each operation once, not once per
+    `p` while the history fills. To that end it holds the storage of the
+    `2 (m - p)` pairs not made yet (`storage` hands it out; a reset history
+    gives it back) and pads every call with it: the direction's `2p+1`
+    vectors to `2m+1` with zero coefficients (adding `0 * v` changes no bit
+    of a finite sum), the new pair's `2p+3` columns to `2m+3` (the extra dot
+    products are dropped).
+
     Args:
       ops: the run's backend.
       state: the run's state.
+      m: the run's memory.
     """
 
-    def __init__(self, ops: VectorOps, state: lbfgs_state.LbfgsState):
+    def __init__(self, ops: VectorOps, state: lbfgs_state.LbfgsState, m: int):
         self.ops = ops
+        self.m = m
+        self._spares = [
+            ops.zeros_like(state.x) for _ in range(2 * (m - state.num_pairs))
+        ]
         if state.gram is None:
             vectors = basis(state)
             full = ops.gram(vectors, vectors)
@@ -293,11 +314,16 @@ class VectorFreeTwoLoop:
             )
             dphi0 = -float(state.gram[-1] @ coefficients)
         if not dphi0 < 0.0:
+            self._spares += [*state.s_history, *state.y_history]
             _reset(state)
             state.gram = state.gram[-1:, -1:]
             coefficients = np.ones(1)
             dphi0 = -state.grad_norm * state.grad_norm
-        self.ops.combine((-coefficients).tolist(), basis(state), d)
+        self.ops.combine(
+            (-coefficients).tolist() + [0.0] * len(self._spares),
+            basis(state) + self._spares,
+            d,
+        )
         return dphi0
 
     def trial_point(self, state, step: float, d: Vector, out: Vector) -> None:
@@ -312,22 +338,25 @@ class VectorFreeTwoLoop:
         """Sets `s_new <- x_trial - x`, `y_new <- g_trial - g`; returns
         `(s·y, y·y, s·s)`. One `gram` call, which also reads every new dot
         product of the next basis."""
-        rows = [s_new, y_new, g_trial]
+        rows, p, m = [s_new, y_new, g_trial], state.num_pairs, self.m
         self._new_rows = self.ops.gram(
             rows,
-            [*state.s_history, *state.y_history, *rows],
+            [*state.s_history, *state.y_history, *self._spares, *rows],
             [
                 ([1.0, -1.0], [x_trial, state.x], s_new),
                 ([1.0, -1.0], [g_trial, state.grad], y_new),
             ],
+        )[:, [*range(2 * p), 2 * m, 2 * m + 1, 2 * m + 2]]
+        rows = self._new_rows  # Rows s, y, g; columns ..., s (2p), y (2p+1), g.
+        return (
+            float(rows[0, 2 * p + 1]),
+            float(rows[1, 2 * p + 1]),
+            float(rows[0, 2 * p]),
         )
-        p = state.num_pairs
-        sy, yy, ss = (
-            self._new_rows[0, 2 * p + 1],
-            self._new_rows[1, 2 * p + 1],
-            (self._new_rows[0, 2 * p]),
-        )
-        return float(sy), float(yy), float(ss)
+
+    def storage(self, state) -> Vector:
+        """A vector for a new pair: one of the spares (no call)."""
+        return self._spares.pop()
 
     def stepped(self, state, keep_pair: bool, evict: bool) -> float:
         """After `state` took the step: updates `state.gram`, returns `|g|^2`."""
@@ -335,8 +364,14 @@ class VectorFreeTwoLoop:
         return float(state.gram[-1, -1])
 
 
-def make(two_loop: str, ops: VectorOps, state: lbfgs_state.LbfgsState):
+def make(two_loop: str, ops: VectorOps, state: lbfgs_state.LbfgsState, m: int):
     """The `VectorTwoLoop` or `VectorFreeTwoLoop` that `two_loop` names.
+
+    Args:
+      two_loop: one of `TWO_LOOPS`.
+      ops: the run's backend.
+      state: the run's state.
+      m: the run's memory.
 
     Raises:
       ValueError: `two_loop` is not in `TWO_LOOPS`.
@@ -344,7 +379,7 @@ def make(two_loop: str, ops: VectorOps, state: lbfgs_state.LbfgsState):
     if two_loop == "vectors":
         return VectorTwoLoop(ops, state)
     if two_loop == "vector_free":
-        return VectorFreeTwoLoop(ops, state)
+        return VectorFreeTwoLoop(ops, state, m)
     raise ValueError(
         f"Argument `two_loop` must be one of {TWO_LOOPS}. Received: {two_loop!r}"
     )
