@@ -23,6 +23,13 @@ machines, and SciPy gets one core too.
 The problem: a tanh MLP (`--features` -> `--hidden` -> 10, float32) on
 `--examples` synthetic examples labelled by a random teacher network.
 
+A second table splits one no-straggler evaluation into phases
+(`benchmarks/sandblaster_phases.py`: the copy of x, scheduling, waiting for
+the workers, gradient accumulation on the ps, the coordinator's own Python),
+with a parameter fetch and no-op portions timed alone. `--phases_only` prints
+only that table. The L-BFGS run uses `--two_loop` (vector-free by default) and
+reports the round trips to the ps its vector work made per iteration.
+
 With `--out_dir` (default `benchmarks/results/`) it also writes
 `sandblaster.csv` (the table), `sandblaster_loss.csv` (loss against time of
 both optimizers), `sandblaster_batch.png` (batch seconds with and without the
@@ -50,7 +57,7 @@ import numpy as np
 import scipy.optimize
 from absl import app, flags
 
-from benchmarks import plots
+from benchmarks import plots, sandblaster_phases
 
 
 def define_flags():
@@ -70,6 +77,13 @@ def define_flags():
     flags.DEFINE_integer("num_workers", 2, "Workers.", lower_bound=2)
     flags.DEFINE_integer("num_ps", 2, "Parameter-server tasks.", lower_bound=1)
     flags.DEFINE_integer("seed", 0, "Data and initialisation seed.")
+    flags.DEFINE_enum(
+        "two_loop",
+        "vector_free",
+        ["vector_free", "vectors"],
+        "L-BFGS two-loop recursion: vector-free (Chen et al. 2014) or on vectors.",
+    )
+    flags.DEFINE_bool("phases_only", False, "Print only the phases of one evaluation.")
     flags.DEFINE_string(
         "out_dir", plots.DEFAULT_OUT_DIR, "CSV and PNG output folder ('' for none)."
     )
@@ -109,7 +123,11 @@ def batch_secs(objective, x_vector, batches):
 
 
 def scipy_run(model, loss_fn, x, y, target_iters):
-    """L-BFGS-B in this process; returns `(loss per iteration, secs per iteration)`."""
+    """L-BFGS-B in this process.
+
+    Returns:
+      `(loss per iteration, secs per iteration, evaluations)`.
+    """
     import tensorflow as tf
 
     from tf_distbelief.sandblaster import flat_params
@@ -138,7 +156,7 @@ def scipy_run(model, loss_fn, x, y, target_iters):
         losses.append(float(intermediate_result.fun))
         times.append(time.monotonic() - start)
 
-    scipy.optimize.minimize(
+    result = scipy.optimize.minimize(
         numpy_fun,
         x0,
         jac=True,
@@ -146,7 +164,7 @@ def scipy_run(model, loss_fn, x, y, target_iters):
         callback=callback,
         options={"maxiter": target_iters, "gtol": 0.0, "ftol": 0.0},
     )
-    return losses, times
+    return losses, times, result.nfev
 
 
 def first_at_or_below(values, target):
@@ -190,8 +208,23 @@ def main(argv):
         baseline = None
         for name, kwargs in settings:
             model, obj = objective(**kwargs)
-            secs = batch_secs(obj, obj.ops.from_numpy(obj.layout.read()), FLAGS.batches)
+            x_vector = obj.ops.from_numpy(obj.layout.read())
+            secs = batch_secs(obj, x_vector, FLAGS.batches)
             obj.join()
+            if baseline is None:
+                phases = sandblaster_phases.evaluation_phases(
+                    obj, x_vector, FLAGS.batches
+                )
+                _print_table(
+                    f"One evaluation, no straggler ({FLAGS.examples} examples, "
+                    f"{FLAGS.portions} portions, {FLAGS.num_workers} workers, "
+                    f"{FLAGS.num_ps} ps; mean of {FLAGS.batches}):",
+                    ["phase", "secs per evaluation", "share"],
+                    phases,
+                )
+                if FLAGS.phases_only:
+                    obj.close()
+                    return
             baseline = baseline or secs
             batch_times.append((name, secs))
             s = obj.stats
@@ -214,7 +247,7 @@ def main(argv):
 
         # Convergence: SciPy first (it defines the target), then Sandblaster.
         model = build_model(FLAGS.features, FLAGS.hidden, FLAGS.seed)
-        scipy_losses, scipy_secs = scipy_run(
+        scipy_losses, scipy_secs, scipy_evals = scipy_run(
             model, loss_fn.call, x, y, FLAGS.target_iters
         )
         target = scipy_losses[-1]
@@ -227,21 +260,30 @@ def main(argv):
             eval_log.append((time.monotonic() - start, loss))
             return loss, grad
 
+        x0 = obj.ops.from_numpy(obj.layout.read())
+        obj.ops.round_trips.clear()
         result = lbfgs.minimize(
             logged,
-            obj.ops.from_numpy(obj.layout.read()),
+            x0,
             obj.ops,
             m=10,
             max_iters=FLAGS.max_iters,
             gtol=0.0,
             ftol=0.0,
+            two_loop=FLAGS.two_loop,
         )
+        # The objective's own copy of x (one `assign` per evaluation) is
+        # evaluation work, not the L-BFGS vector work.
+        vector_trips = sum(obj.ops.round_trips.values()) - result.num_evals
         iters = first_at_or_below(result.loss_history, target)
         evals = first_at_or_below([loss for _, loss in eval_log], target)
         sb_secs = eval_log[evals][0] if evals is not None else float("nan")
         rows.append(
             [
-                f"Sandblaster L-BFGS ({FLAGS.num_workers} workers), to target",
+                f"Sandblaster L-BFGS ({FLAGS.num_workers} workers, {FLAGS.two_loop}; "
+                f"{vector_trips / max(result.num_iters, 1):.1f} ps round trips/iter, "
+                f"{result.num_evals / max(result.num_iters, 1):.2f} evals/iter), "
+                "to target",
                 f"{np.median(obj.stats.evaluation_secs):.3f}",
                 "",
                 "",
@@ -256,7 +298,9 @@ def main(argv):
         per_iter = scipy_secs[-1] / max(1, len(scipy_secs) - 1)
         rows.append(
             [
-                "SciPy L-BFGS-B (1 process, 1 core), to target",
+                "SciPy L-BFGS-B (1 process, 1 core; "
+                f"{scipy_evals / max(len(scipy_losses) - 1, 1):.2f} evals/iter), "
+                "to target",
                 f"{per_iter:.3f} (per iter)",
                 "",
                 "",
@@ -284,9 +328,7 @@ def main(argv):
         "iters to target",
         "secs to target",
     ]
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, ["-" * w for w in widths], *rows]:
-        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |")
+    _print_table("", header, rows)
     if FLAGS.out_dir:
         curves = {
             f"Sandblaster L-BFGS ({FLAGS.num_workers} workers)": (
@@ -296,6 +338,17 @@ def main(argv):
             "SciPy L-BFGS-B (1 core)": (scipy_secs, scipy_losses),
         }
         _write_outputs(FLAGS.out_dir, header, rows, batch_times, curves, target)
+
+
+def _print_table(title, header, rows):
+    if title:
+        print(f"\n{title}\n", flush=True)
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, ["-" * w for w in widths], *rows]:
+        print(
+            "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |",
+            flush=True,
+        )
 
 
 def _write_outputs(out_dir, header, rows, batch_times, curves, target):

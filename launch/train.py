@@ -302,6 +302,15 @@ def define_flags() -> None:
         "iterations; a rerun with the same --model_dir resumes at the last one.",
         lower_bound=1,
     )
+    flags.DEFINE_enum(
+        "lbfgs_two_loop",
+        sb.two_loop,
+        list(sandblaster.TWO_LOOPS),
+        "Sandblaster: vector_free: the two-loop recursion on the dot products "
+        "of the history (Chen et al. 2014), 2 round trips to the ps per "
+        "iteration plus 2 per evaluation; vectors: on the vectors, about "
+        "4 * history + 12 round trips.",
+    )
     flags.DEFINE_integer(
         "devices_per_replica",
         d.devices_per_replica,
@@ -344,6 +353,7 @@ _SANDBLASTER_FLAGS = {
     "portions": "portions",
     "backup_tasks": "backup_tasks",
     "checkpoint_every_iters": "lbfgs_checkpoint_every_iters",
+    "two_loop": "lbfgs_two_loop",
 }
 
 

@@ -149,6 +149,10 @@ def test_readme_main_job_streams_its_progress_and_leaves_no_process():
             r"flag --lbfgs_checkpoint_every_iters=0: 0 is not a positive integer",
         ),
         (
+            "--lbfgs_two_loop=dense",
+            r"flag --lbfgs_two_loop=dense: value should be one of <vector_free\|vec",
+        ),
+        (
             "--adagrad_accumulator=mean",
             r"--adagrad_accumulator.*are Downpour settings: add --downpour",
         ),

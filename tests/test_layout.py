@@ -20,6 +20,8 @@ PURE_MODULES = [
     "tf_distbelief.sandblaster.lbfgs",
     "tf_distbelief.sandblaster.lbfgs_state",
     "tf_distbelief.sandblaster.schedule",
+    "tf_distbelief.sandblaster.two_loop",
+    "tf_distbelief.sandblaster.vector_ops",
     "tf_distbelief.model_parallel.partition_math",
     "tf_distbelief.cluster.gpus",
     # The launch script's first line and start-up filter, before TensorFlow.

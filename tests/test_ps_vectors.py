@@ -1,5 +1,6 @@
 """Tests for `sandblaster.ps_vectors` on the shared local cluster (1 worker, 3 ps)."""
 
+import collections
 import time
 
 import numpy as np
@@ -9,7 +10,7 @@ import sklearn.datasets
 import tensorflow as tf
 
 from tf_distbelief import strategy as strategy_lib
-from tf_distbelief.sandblaster import lbfgs, ps_vectors
+from tf_distbelief.sandblaster import lbfgs, ps_batched, ps_vectors
 
 _NUM_WORKERS = 1
 _NUM_PS = 3
@@ -73,6 +74,30 @@ def test_vector_ops_match_numpy(strategy, size, num_shards):
     np.testing.assert_array_equal(ops.to_numpy(zeros), np.zeros(size))
 
 
+@pytest.mark.parametrize("size,num_shards", [(7, 1), (7, 2), (7, 3), (2, 3)])
+def test_combine_and_gram_match_numpy(strategy, size, num_shards):
+    """Vector-free L-BFGS's two batched operations, each one call."""
+    ops = ps_vectors.PsVectorOps(strategy, num_shards=num_shards)
+    rng = np.random.default_rng(size * 10 + num_shards)
+    a, b, c = rng.normal(size=(3, size))
+    x, y, z = (ops.from_numpy(v) for v in (a, b, c))
+    out = ops.zeros_like(x)
+    ops.round_trips.clear()
+
+    ops.combine([2.0, -0.5, 3.0], [x, y, z], out)
+    expected = 2.0 * a + -0.5 * b + 3.0 * c  # Summed in order, as on each shard.
+    np.testing.assert_allclose(ops.to_numpy(out), expected, rtol=1e-15)
+    # `z <- x - y` first, then the dot products read the new `z`.
+    matrix = ops.gram([z, x], [x, y, z, out], [([1.0, -1.0], [x, y], z)])
+    assert ops.round_trips == {"combine": 1, "gram": 1, "to_numpy": 1}
+    np.testing.assert_array_equal(ops.to_numpy(z), a - b)
+    reference = np.array([a - b, a]) @ np.array([a, b, a - b, expected]).T
+    np.testing.assert_allclose(matrix, reference, rtol=1e-13)
+    assert matrix.shape == (2, 4) and matrix.dtype == np.float64
+    with pytest.raises(ValueError, match=r"same shard sizes"):
+        ops.gram([x], [ops.from_numpy(np.zeros(size + 1))])
+
+
 def test_shard_sizes_follow_strategy_div_layout(strategy):
     """Same layout as the strategy's own FixedShardsPartitioner(3)."""
     with strategy.scope():
@@ -102,13 +127,20 @@ def test_operations_run_on_ps_devices_and_return_only_scalars(strategy):
             assert op.device, f"{name}: {op.type} has no device pin"
             pinned_to.setdefault(op.device, []).append(op.type)
             if op.device == ops.coordinator_device:
-                # Only the sum of the partial dot products runs on the coordinator.
+                # Only the sum of the partial dot products runs on the coordinator:
+                # scalars, or `gram`'s `[2, 2]` blocks.
                 assert op.type == "AddN", name
-                assert all(t.shape.rank == 0 for t in op.inputs), name
+                shape = [] if name != "gram" else [2, 2]
+                assert all(t.shape.as_list() == shape for t in op.inputs), name
+            if name == "gram" and op.type == "MatMul":
+                # One matmul per shard, on the shard's ps task.
+                assert op.device in ops.ps_devices, op.device
         assert set(pinned_to) - {ops.coordinator_device} == set(ops.ps_devices), name
         outputs = graph.outputs
         if name == "dot":
             assert [t.shape.rank for t in outputs] == [0]
+        elif name == "gram":
+            assert [t.shape.as_list() for t in outputs] == [[2, 2]]
         else:
             assert all(t.dtype == tf.resource or t.shape.rank == 0 for t in outputs), (
                 name
@@ -189,10 +221,14 @@ _LBFGS_ARGS = {
 
 @pytest.fixture(scope="module")
 def numpy_run():
+    """The reference: NumPy, the two-loop recursion on vectors (as before
+    vector-free L-BFGS)."""
     problem = digits_problem()
     ops = lbfgs.NumpyVectorOps()
     x0 = np.zeros(65 * 10)
-    result = lbfgs.minimize(numpy_fun_and_grad(problem), x0, ops, **_LBFGS_ARGS)
+    result = lbfgs.minimize(
+        numpy_fun_and_grad(problem), x0, ops, two_loop="vectors", **_LBFGS_ARGS
+    )
     optimum = scipy.optimize.minimize(
         numpy_fun_and_grad(problem), x0, jac=True, method="L-BFGS-B"
     )
@@ -211,27 +247,103 @@ def assert_same_run(result, reference):
         assert np.linalg.norm(a - b) <= 1e-9 * np.linalg.norm(b), f"iterate {k}"
 
 
-# About 5 s per run on 2 cores; num_shards=2 stays in the quick tier.
+# About 5 s per run on 2 cores; vector-free on 2 shards stays in the quick tier.
 @pytest.mark.parametrize(
-    "num_shards",
+    "two_loop, num_shards",
     [
-        pytest.param(1, marks=pytest.mark.slow),
-        2,
-        pytest.param(3, marks=pytest.mark.slow),
+        pytest.param("vector_free", 1, marks=pytest.mark.slow),
+        ("vector_free", 2),
+        pytest.param("vector_free", 3, marks=pytest.mark.slow),
+        pytest.param("vectors", 1, marks=pytest.mark.slow),
+        pytest.param("vectors", 2, marks=pytest.mark.slow),
+        pytest.param("vectors", 3, marks=pytest.mark.slow),
     ],
 )
-def test_distributed_lbfgs_matches_numpy(strategy, numpy_run, num_shards):
+def test_distributed_lbfgs_matches_numpy(strategy, numpy_run, two_loop, num_shards):
+    """Vector-free on the ps shards: the iterates of the two-loop on vectors."""
     problem = digits_problem()
     ops = ps_vectors.PsVectorOps(strategy, num_shards=num_shards)
     x0 = ops.from_numpy(np.zeros(65 * 10))
     start = time.monotonic()
     result = lbfgs.minimize(
-        worker_fun_and_grad(problem, ops, x0), x0, ops, **_LBFGS_ARGS
+        worker_fun_and_grad(problem, ops, x0),
+        x0,
+        ops,
+        two_loop=two_loop,
+        **_LBFGS_ARGS,
     )
     elapsed_secs = time.monotonic() - start
     assert_same_run(result, numpy_run)
     assert result.x.devices == tuple(ps_device(i) for i in range(num_shards))
     assert elapsed_secs < 60
+
+
+def test_round_trips_per_iteration(strategy):
+    """Vector-free, each iteration makes one dot-product reduction (`gram`) and
+    one direction update (`combine`) on the ps, plus two per line-search
+    evaluation (`combine`: the trial point; `gram`: its gradient's copy and
+    slope). The two-loop on vectors makes `4 p + 12 + 4 e` calls with `p`
+    pairs and `e` evaluations, and allocates a new pair's storage (two
+    `zeros_like`) in each of the first `m` iterations, where the vector-free
+    run allocates all `2 m` at the start (with `minimize`'s 5 work vectors)."""
+    problem, m = digits_problem(), 3
+    per_iteration, traces = {}, {}
+    for two_loop in ("vector_free", "vectors"):
+        traces[two_loop] = [
+            f.experimental_get_tracing_count()
+            for f in (ps_batched.combine, ps_batched.gram)
+        ]
+        ops = ps_vectors.PsVectorOps(strategy, num_shards=3)
+        x0 = ops.from_numpy(np.zeros(65 * 10))
+        fun_and_grad = worker_fun_and_grad(problem, ops, x0)
+        start = lbfgs.minimize(fun_and_grad, x0, ops, m=m, max_iters=0)
+        rows, last = [], {}
+
+        def callback(state, ops=ops, rows=rows, last=last):
+            calls = ops.round_trips - last["calls"]
+            rows.append((calls, state.num_evals - last["evals"], last["pairs"]))
+            last.update(calls=collections.Counter(ops.round_trips))
+            last.update(evals=state.num_evals, pairs=state.num_pairs)
+
+        if two_loop == "vectors":
+            start.state.gram = None
+        last.update(calls=collections.Counter(), evals=1, pairs=0)
+        ops.round_trips.clear()
+        result = lbfgs.minimize(
+            fun_and_grad,
+            None,
+            ops,
+            m=m,
+            max_iters=8,
+            gtol=0,
+            ftol=0,
+            initial_state=start.state,
+            callback=callback,
+            two_loop=two_loop,
+        )
+        assert result.num_iters == 8
+        per_iteration[two_loop] = rows
+    # Vector-free: each call's signature is the same whatever the number of
+    # pairs (the history fills in iterations 1 to 3), so `tf.function` traced
+    # each operation at most once: `combine` for the direction and the trial
+    # point, `gram` for the first matrix, the new pair and the slope.
+    after = [
+        f.experimental_get_tracing_count()
+        for f in (ps_batched.combine, ps_batched.gram)
+    ]
+    new_traces = [b - a for a, b in zip(traces["vector_free"], traces["vectors"])]
+    assert new_traces[0] <= 2 and new_traces[1] <= 3, new_traces
+    assert after == traces["vectors"]  # The two-loop on vectors uses neither.
+    for k, (calls, evals, _) in enumerate(per_iteration["vector_free"]):
+        expected = {"combine": 1 + evals, "gram": 1 + evals}
+        if k == 0:
+            expected["zeros_like"] = 2 * m + 5
+        assert calls == expected, (k, calls, evals)
+    for k, (calls, evals, pairs) in enumerate(per_iteration["vectors"]):
+        allocations = calls.pop("zeros_like", 0)
+        assert allocations == (7 if k == 0 else 2 if k < m else 0), k
+        expected = 4 * pairs + 12 + 4 * evals if pairs else 10 + 4 * evals
+        assert sum(calls.values()) == expected, (k, calls, evals, pairs)
 
 
 @pytest.mark.slow

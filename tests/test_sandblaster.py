@@ -103,6 +103,12 @@ def test_slot_pool_lends_each_slot_once():
             TypeError,
             r"Argument `backup_tasks` must be a bool. Received: 1",
         ),
+        (
+            {"two_loop": "dense"},
+            ValueError,
+            r"Argument `two_loop` must be one of \('vector_free', 'vectors'\). "
+            r"Received: 'dense'",
+        ),
     ],
 )
 def test_config_errors_name_field_rule_and_value(fields, error, message):
@@ -115,13 +121,15 @@ def test_config_defaults():
     assert (config.history, config.max_iters, config.portions) == (10, 100, 32)
     assert config.checkpoint_every_iters == 1
     assert config.backup_tasks
+    assert config.two_loop == "vector_free"
 
 
 def test_pure_modules_import_no_tensorflow():
     code = (
         "import sys\n"
         "from tf_distbelief.sandblaster import (\n"
-        "    config, lbfgs, lbfgs_state, line_search, schedule, vector_ops)\n"
+        "    config, lbfgs, lbfgs_state, line_search, schedule, two_loop,\n"
+        "    vector_ops)\n"
         "print(sorted(m for m in ('tensorflow', 'tf_keras') if m in sys.modules))\n"
     )
     proc = subprocess.run(
@@ -234,9 +242,13 @@ LBFGS_ARGS = {"m": 10, "max_iters": 200, "record_iterates": True}
 
 @pytest.fixture(scope="module")
 def numpy_reference():
+    """NumPy, with the two-loop recursion on vectors: the trainer's default
+    (vector-free) must repeat its iterates."""
     x, y = _digits_train()
     fun = numpy_fun_and_grad(x, y, EQUAL_PORTIONS)
-    result = lbfgs.minimize(fun, np.zeros(650), lbfgs.NumpyVectorOps(), **LBFGS_ARGS)
+    result = lbfgs.minimize(
+        fun, np.zeros(650), lbfgs.NumpyVectorOps(), two_loop="vectors", **LBFGS_ARGS
+    )
     optimum = scipy.optimize.minimize(fun, np.zeros(650), jac=True, method="L-BFGS-B")
     assert result.converged and optimum.success
     return result, optimum
@@ -432,9 +444,26 @@ def test_vectors_on_ps_and_coordinator_moves_only_scalars(local_cluster, monkeyp
             return _original(self, *args)
 
         monkeypatch.setattr(ps_vectors.PsVectorOps, name, counted)
+    objective.ops.round_trips.clear()
     result = trainer.fit(max_iters=5)
     assert result.num_iters == 5
     assert moved == ["from_numpy", "to_numpy"]
+    # Vector-free L-BFGS (the default): per iteration one `gram` (the new
+    # pair's dot products) and one `combine` (the direction); per line-search
+    # evaluation one `combine` (trial point), one `assign` (the objective's
+    # copy of it) and one `gram` (slope). At the start one `dot` (|g|) and one
+    # `gram` (the first matrix), and copies of the start point and gradient;
+    # 5 work vectors and the storage of all `2 * history` vectors at once.
+    searched = result.num_evals - 1
+    assert dict(objective.ops.round_trips) == {
+        "gram": 1 + 5 + searched,
+        "combine": 5 + searched,
+        "assign": result.num_evals + 2,
+        "dot": 1,
+        "zeros_like": 2 + 5 + 2 * 10,
+        "from_numpy": 1,
+        "to_numpy": 1,
+    }
     trainer.objective.close()
 
 

@@ -120,6 +120,10 @@ def test_resumed_trainer_equals_uninterrupted(local_cluster, tmp_path):
     )
     assert reader.get_tensor("num_iters" + _VALUE) == total
     assert reader.get_tensor("rho_history" + _VALUE).shape == (history,)
+    # Vector-free (the default): the dot products of the history and the
+    # gradient are saved, so a resumed run reads the very bits.
+    np.testing.assert_array_equal(reader.get_tensor("gram" + _VALUE), rest.state.gram)
+    assert rest.state.gram.shape == (2 * history + 1, 2 * history + 1)
 
     # A rerun that asks for no more iterations evaluates nothing.
     lines.clear()
@@ -127,6 +131,7 @@ def test_resumed_trainer_equals_uninterrupted(local_cluster, tmp_path):
     done = again.fit(max_iters=total, model_dir=model_dir, print_fn=lines.append)
     assert f"at iteration {total}" in lines[0]
     assert done.num_iters == total and again.stats.evaluations == 0
+    np.testing.assert_array_equal(done.state.gram, rest.state.gram)
     np.testing.assert_array_equal(_weights(again), _weights(resumed))
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
@@ -169,6 +174,53 @@ def test_resumed_trainer_equals_uninterrupted(local_cluster, tmp_path):
         checkpointer.save(state)
     assert tf.train.latest_checkpoint(str(directory)) == latest
     again.objective.close()
+
+
+@pytest.mark.slow
+def test_vector_free_resumes_a_checkpoint_of_the_two_loop_on_vectors(
+    local_cluster, tmp_path
+):
+    """A checkpoint without `gram` (written by `two_loop="vectors"`, or before
+    vector-free L-BFGS): the vector-free run rebuilds the dot products from
+    the restored vectors with one `gram` call. Rebuilt by a matmul of another
+    shape, they may differ from the incremental ones in the last bits, which
+    L-BFGS here carries as rounding: 1e-9 holds."""
+    total, stop_at, history = 10, 4, 3
+    x, y = _digits_train()
+
+    def trainer(two_loop):
+        config = config_lib.SandblasterConfig(
+            history=history, portions=EQUAL_PORTIONS, two_loop=two_loop
+        )
+        return sandblaster.SandblasterTrainer(
+            _strategy(local_cluster, 2, 2), _logistic_model(), CE, x, y, config
+        )
+
+    straight = trainer("vector_free")
+    reference = straight.fit(max_iters=total, record_iterates=True)
+    straight.objective.close()
+    first = trainer("vectors")
+    part = first.fit(max_iters=stop_at, record_iterates=True, model_dir=str(tmp_path))
+    first.objective.close()
+    reader = tf.train.load_checkpoint(
+        tf.train.latest_checkpoint(str(tmp_path / "sandblaster"))
+    )
+    assert "gram" + _VALUE not in reader.get_variable_to_shape_map()
+
+    resumed = trainer("vector_free")
+    ops = resumed.objective.ops
+    ops.round_trips.clear()
+    rest = resumed.fit(
+        max_iters=total, record_iterates=True, model_dir=str(tmp_path), print_fn=len
+    )
+    evaluations = rest.num_evals - part.num_evals
+    # The rebuild, then one per iteration and one per evaluation.
+    assert ops.round_trips["gram"] == 1 + (total - stop_at) + evaluations
+    iterates = part.iterate_history + rest.iterate_history[1:]
+    errors = _relative_errors(iterates, reference.iterate_history)
+    assert len(errors) == total + 1 and max(errors) <= 1e-9, errors
+    assert rest.num_evals == reference.num_evals
+    resumed.objective.close()
 
 
 def test_job_path_resumes_and_ends_at_the_requested_iteration(local_cluster, tmp_path):

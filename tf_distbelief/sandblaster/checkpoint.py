@@ -22,6 +22,7 @@ into its own shards. Checkpoint keys:
 | `gamma`, `loss`, `grad_norm` | `[]` float64 |
 | `num_iters`, `num_evals`, `num_skipped_pairs` | `[]` int64 |
 | `loss_history`, `step_history` | `[num_iters + 1]`, `[num_iters]` float64 |
+| `gram` | vector-free runs: `LbfgsState.gram`, `[2p+1, 2p+1]` float64 |
 | `history` | the run's memory `m`, `[]` int64 |
 | `model` | one line per model weight, `"name shape dtype"`, `[num_weights]` string |
 
@@ -208,6 +209,8 @@ class LbfgsCheckpointer:
             for name, value in scalars.items()
             if not np.all(np.isfinite(np.asarray(value, np.float64)))
         ]
+        if state.gram is not None and not np.all(np.isfinite(state.gram)):
+            bad.append("gram")
         if bad:
             latest = self.latest_checkpoint
             raise nonfinite.NonFiniteError(
@@ -226,6 +229,12 @@ class LbfgsCheckpointer:
             setattr(root, name, tf.Variable(np.asarray(scalars[name], np.float64)))
         for name in _INTS:
             setattr(root, name, tf.Variable(np.int64(scalars[name])))
+        if state.gram is not None:
+            # Saved, not rebuilt on restore: the resumed run reads the very
+            # bits an uninterrupted one would.
+            root.gram = tf.Variable(np.asarray(state.gram, np.float64))
+        elif hasattr(root, "gram"):
+            del root.gram
         root.history = tf.Variable(np.int64(self.history))
         root.model = tf.Variable(self.model, dtype=tf.string)
         tf_logger = tf.get_logger()
@@ -284,6 +293,8 @@ class LbfgsCheckpointer:
             numbers[name] = tf.Variable(tf.zeros(shape, tf.float64))
         for name in _INTS:
             numbers[name] = tf.Variable(np.int64(0))
+        if "gram" + _VALUE in shapes:
+            numbers["gram"] = tf.Variable(tf.zeros(shapes["gram" + _VALUE], tf.float64))
         numbers["history"] = tf.Variable(np.int64(0))
         numbers["model"] = tf.Variable([""] * len(self.model), dtype=tf.string)
         sharded = {
@@ -304,6 +315,7 @@ class LbfgsCheckpointer:
             **{name: float(values[name]) for name in _FLOATS},
             **{name: [float(v) for v in values[name]] for name in _FLOAT_LISTS},
             **{name: int(values[name]) for name in _INTS},
+            gram=values.get("gram"),
         )
         lbfgs_state.check_state(state, self.history)
         self.saved_iters = state.num_iters

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tf_distbelief.sandblaster import _checks
+from tf_distbelief.sandblaster import _checks, two_loop
 
 __all__ = ["SandblasterConfig"]
 
@@ -46,6 +46,13 @@ class SandblasterConfig:
         (`sandblaster.checkpoint`). Each checkpoint writes `2 * history + 2`
         parameter-sized vectors from the ps tasks; the default 1 loses no
         iteration to a chief loss.
+      two_loop: how L-BFGS computes its direction (`sandblaster.two_loop`):
+        `"vector_free"` (default; Chen, Wang and Zhou, NIPS 2014) keeps the
+        dot products of the history on the coordinator, so an iteration
+        costs 2 round trips to the ps plus 2 per line-search evaluation;
+        `"vectors"` runs the two-loop recursion as `4 * history` vector
+        operations, about `4 * history + 12` round trips plus 4 per
+        evaluation. Same iterates up to rounding.
 
     Raises:
       TypeError: a field of the wrong type.
@@ -57,6 +64,7 @@ class SandblasterConfig:
     portions: int = 32
     backup_tasks: bool = True
     checkpoint_every_iters: int = 1
+    two_loop: str = "vector_free"
 
     def __post_init__(self):
         for name in ("history", "max_iters", "portions", "checkpoint_every_iters"):
@@ -65,4 +73,9 @@ class SandblasterConfig:
             raise TypeError(
                 f"Argument `backup_tasks` must be a bool. Received: "
                 f"{self.backup_tasks!r}"
+            )
+        if self.two_loop not in two_loop.TWO_LOOPS:
+            raise ValueError(
+                f"Argument `two_loop` must be one of {two_loop.TWO_LOOPS}. "
+                f"Received: {self.two_loop!r}"
             )

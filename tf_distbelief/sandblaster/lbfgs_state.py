@@ -18,6 +18,8 @@ import dataclasses
 import math
 from typing import Generic
 
+import numpy as np
+
 from tf_distbelief.sandblaster import vector_ops
 
 __all__ = ["LbfgsState", "check_state"]
@@ -51,6 +53,13 @@ class LbfgsState(Generic[Vector]):
       loss_history: `f(x_0), ..., f(x_k)`, `k + 1` floats; the last two decide
         the `ftol` stopping rule.
       step_history: accepted line-search steps, `k` floats.
+      gram: the vector-free mode's dot products of the basis
+        `[s_0 .. s_{p-1}, y_0 .. y_{p-1}, g]` (`two_loop.basis`),
+        `[2p+1, 2p+1]` float64 NumPy, `p` the number of pairs; None in the
+        `"vectors"` mode, or when not known yet (the vector-free mode then
+        rebuilds it from the vectors with one `VectorOps.gram` call).
+        Checkpointed with the state, so a resumed run reads the very numbers
+        an uninterrupted one would.
     """
 
     x: Vector
@@ -66,6 +75,7 @@ class LbfgsState(Generic[Vector]):
     num_skipped_pairs: int
     loss_history: list[float]
     step_history: list[float]
+    gram: np.ndarray | None = None
 
     @property
     def num_pairs(self) -> int:
@@ -91,12 +101,13 @@ class LbfgsState(Generic[Vector]):
             grad=ops.copy(self.grad),
             s_history=[ops.copy(v) for v in self.s_history],
             y_history=[ops.copy(v) for v in self.y_history],
+            gram=None if self.gram is None else np.array(self.gram),
             **scalars,
         )
 
     def scalars(self) -> dict:
-        """The state's numbers (every field but the vectors), by field name."""
-        vectors = ("x", "grad", "s_history", "y_history")
+        """The state's numbers (every field but the vectors and `gram`), by name."""
+        vectors = ("x", "grad", "s_history", "y_history", "gram")
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
@@ -114,8 +125,9 @@ def check_state(state: LbfgsState, m: int) -> None:
     Raises:
       TypeError: `state` is not an `LbfgsState`.
       ValueError: naming the field: more pairs than `m`, histories of different
-        lengths, counters that disagree with the histories, or a number that
-        is not finite (a state that no run of `minimize` leaves behind).
+        lengths, counters that disagree with the histories, a `gram` not
+        `[2p+1, 2p+1]`, or a number that is not finite (a state that no run
+        of `minimize` leaves behind).
     """
     if not isinstance(state, LbfgsState):
         raise TypeError(
@@ -145,6 +157,19 @@ def check_state(state: LbfgsState, m: int) -> None:
             "Field `step_history` of `initial_state` must hold `num_iters` steps. "
             f"Received {len(state.step_history)} for num_iters={state.num_iters}"
         )
+    if state.gram is not None:
+        side = 2 * state.num_pairs + 1
+        shape = np.shape(state.gram)
+        if shape != (side, side):
+            raise ValueError(
+                f"Field `gram` of `initial_state` must be [2p+1, 2p+1] = [{side}, "
+                f"{side}] for its {state.num_pairs} pairs. Received shape: {shape}"
+            )
+        if not np.all(np.isfinite(state.gram)):
+            raise ValueError(
+                "Field `gram` of `initial_state` must be finite. Received: "
+                f"{state.gram!r}"
+            )
     numbers = {
         "loss": state.loss,
         "grad_norm": state.grad_norm,

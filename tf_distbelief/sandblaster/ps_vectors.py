@@ -23,12 +23,14 @@ result = lbfgs.minimize(fun_and_grad, x0, ops, m=10)
 place).
 """
 
+import collections
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief.sandblaster import vector_ops
+from tf_distbelief.sandblaster import ps_batched, vector_ops
 
 __all__ = ["PsVector", "PsVectorOps", "shard_sizes"]
 
@@ -141,7 +143,11 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
     on the shards' devices. The coordinator sends each shard only the python
     scalars (`alpha`) and receives only one float from `dot`, the sum of the
     shards' partial dot products computed on the coordinator's device. Vectors
-    are moved whole only by `from_numpy` and `to_numpy`.
+    are moved whole only by `from_numpy` and `to_numpy`. `combine` and `gram`
+    (vector-free L-BFGS, `sandblaster.two_loop`) do the work of many
+    operations in one call: each shard forms its slice of a linear
+    combination, or computes its `[r, c]` block of partial dot products with
+    one matmul, and only that block comes back.
 
     Args:
       strategy: a `tf.distribute.experimental.ParameterServerStrategy` (or a
@@ -149,6 +155,14 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
         connected this process to the cluster, whose ps tasks hold the shards.
       num_shards: shards of each vector made by `from_numpy`; None means one per
         ps task.
+
+    Attributes:
+      num_shards: shards of each vector `from_numpy` makes.
+      coordinator_device: where the partial dot products are summed.
+      round_trips: `collections.Counter` of the calls made so far by operation
+        name (`"dot"`, `"axpy"`, `"combine"`, `"gram"`, `"zeros_like"`, ...):
+        each is one `tf.function` call from the coordinator to the ps tasks
+        and back. For tests and benchmarks; clear it freely.
 
     Raises:
       TypeError: if `strategy` is not a ParameterServerStrategy or `num_shards` is
@@ -197,6 +211,7 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
         self.num_shards = num_shards
         # Eager tensors are created on the coordinator's own device.
         self.coordinator_device = tf.constant(0.0).device
+        self.round_trips: collections.Counter = collections.Counter()
 
     @property
     def ps_devices(self) -> tuple[str, ...]:
@@ -217,6 +232,7 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
                 "Argument `array` must be 1-D and non-empty; flatten parameters into "
                 f"one vector. Received shape: {array.shape}"
             )
+        self.round_trips["from_numpy"] += 1
         shards, start = [], 0
         for i, size in enumerate(shard_sizes(array.size, self.num_shards)):
             with tf.device(self._ps_devices[i % len(self._ps_devices)]):
@@ -251,9 +267,11 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
         return PsVector(shards)
 
     def to_numpy(self, x: PsVector) -> np.ndarray:
+        self.round_trips["to_numpy"] += 1
         return np.concatenate([s.numpy() for s in x.shards])
 
     def zeros_like(self, x: PsVector) -> PsVector:
+        self.round_trips["zeros_like"] += 1
         shards = []
         for shard in x.shards:
             with tf.device(shard.device):
@@ -276,6 +294,7 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
 
     def _run(self, name: str, alpha: float, x: PsVector, y: PsVector) -> None:
         _check_same_layout(x, y)
+        self.round_trips[name] += 1
         _ELEMENTWISE[name](y.devices, tf.constant(alpha, _DTYPE), x.shards, y.shards)
 
     def assign(self, x: PsVector, y: PsVector) -> None:
@@ -283,6 +302,7 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
 
     def dot(self, x: PsVector, y: PsVector) -> float:
         _check_same_layout(x, y)
+        self.round_trips["dot"] += 1
         partial_sum = _dot(self.coordinator_device, y.devices, x.shards, y.shards)
         return float(partial_sum.numpy())
 
@@ -298,6 +318,66 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
     def multiply(self, x: PsVector, y: PsVector) -> None:
         self._run("multiply", 0.0, x, y)
 
+    def combine(
+        self,
+        coefficients: Sequence[float],
+        vectors: Sequence[PsVector],
+        out: PsVector,
+    ) -> None:
+        """Sets `out <- sum_j coefficients[j] * vectors[j]`; one call.
+
+        See `vector_ops.VectorOps.combine`. Each shard sums its slices in
+        order; the coordinator sends only the `k` coefficients.
+        """
+        vector_ops.check_combination(coefficients, vectors)
+        for x in vectors:
+            _check_same_layout(x, out)
+        self.round_trips["combine"] += 1
+        ps_batched.combine(
+            out.devices,
+            tf.constant(coefficients, _DTYPE),
+            tuple(x.shards for x in vectors),
+            out.shards,
+        )
+
+    def gram(
+        self,
+        rows: Sequence[PsVector],
+        columns: Sequence[PsVector],
+        updates: Sequence[tuple[Sequence[float], Sequence[PsVector], PsVector]] = (),
+    ) -> np.ndarray:
+        """Applies `updates`, returns `[r, c]` dot products; one call.
+
+        See `vector_ops.VectorOps.gram`. Each shard applies the updates to its
+        slices, then computes its `[r, c]` block of partial dot products with
+        one matmul; the coordinator receives only the blocks' sum.
+        """
+        like = rows[0]
+        for x in [*rows, *columns]:
+            _check_same_layout(x, like)
+        packed = []
+        for coefficients, vectors, out in updates:
+            vector_ops.check_combination(coefficients, vectors)
+            for x in vectors:
+                _check_same_layout(x, like)
+            _check_same_layout(out, like)
+            packed.append(
+                (
+                    tf.constant(coefficients, _DTYPE),
+                    tuple(x.shards for x in vectors),
+                    out.shards,
+                )
+            )
+        self.round_trips["gram"] += 1
+        result = ps_batched.gram(
+            self.coordinator_device,
+            like.devices,
+            tuple(packed),
+            tuple(x.shards for x in rows),
+            tuple(x.shards for x in columns),
+        )
+        return result.numpy()
+
     def traced_graphs(self, x: PsVector, y: PsVector) -> dict[str, tf.Graph]:
         """The graph each operation runs on vectors laid out like `x` and `y`.
 
@@ -306,7 +386,9 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
 
         Returns:
           `{"assign": graph, "scale": ..., "axpy": ..., "add": ..., "multiply": ...,
-          "dot": ...}`; the element-wise graphs write `y` (`scale` writes `x`).
+          "dot": ..., "combine": ..., "gram": ...}`; the element-wise graphs
+          write `y` (`scale` writes `x`); `combine` writes `y <- x + 2 y`;
+          `gram` sets `y <- x - y`, then returns `[x, y]·[x, y]`, `[2, 2]`.
         """
         alpha = tf.constant(1.0, _DTYPE)
         graphs = {
@@ -318,6 +400,18 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
         }
         graphs["dot"] = _dot.get_concrete_function(
             self.coordinator_device, y.devices, x.shards, y.shards
+        ).graph
+        coefficients = tf.constant([1.0, 2.0], _DTYPE)
+        graphs["combine"] = ps_batched.combine.get_concrete_function(
+            y.devices, coefficients, (x.shards, y.shards), y.shards
+        ).graph
+        both = (x.shards, y.shards)
+        graphs["gram"] = ps_batched.gram.get_concrete_function(
+            self.coordinator_device,
+            y.devices,
+            ((tf.constant([1.0, -1.0], _DTYPE), both, y.shards),),
+            both,
+            both,
         ).graph
         return graphs
 

@@ -204,6 +204,7 @@ class SandblasterTrainer:
             record_iterates=record_iterates,
             initial_state=state,
             callback=checkpointer.save if checkpointer else None,
+            two_loop=self.config.two_loop,
         )
         if checkpointer:
             checkpointer.save(result.state, force=True)

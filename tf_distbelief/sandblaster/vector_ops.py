@@ -11,14 +11,22 @@ python scalars.
   overwrites a vector in place.
 * `NumpyVectorOps` is the single-process backend (1-D NumPy arrays), the
   reference the sharded backend (`sandblaster.ps_vectors`) is tested against.
+
+Two batched operations serve vector-free L-BFGS (Chen, Wang and Zhou, NIPS
+2014; `sandblaster.two_loop`): `combine` forms a linear combination of many
+vectors and `gram` returns a matrix of dot products, each in one call (one
+round trip to the ps in Sandblaster) where the primitives need one call per
+vector. Their defaults here are built from the primitives; a backend whose
+calls are remote overrides them.
 """
 
 import abc
+from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-__all__ = ["NumpyVectorOps", "Vector", "VectorOps"]
+__all__ = ["NumpyVectorOps", "Vector", "VectorOps", "check_combination"]
 
 # A backend's vector handle: a 1-D NumPy array, a `ps_vectors.PsVector`, ...
 Vector = TypeVar("Vector")
@@ -76,6 +84,57 @@ class VectorOps(abc.ABC, Generic[Vector]):
     @abc.abstractmethod
     def multiply(self, x: Vector, y: Vector) -> None:
         """Sets `y <- x * y` element-wise."""
+
+    def combine(
+        self, coefficients: Sequence[float], vectors: Sequence[Vector], out: Vector
+    ) -> None:
+        """Sets `out <- sum_j coefficients[j] * vectors[j]`, summed in order.
+
+        One call for the whole combination (vector-free L-BFGS forms its
+        direction from `2 m + 1` vectors this way). The default is `assign`,
+        `scale` and one `axpy` per further vector.
+
+        Args:
+          coefficients: `k >= 1` floats.
+          vectors: `k` vectors laid out alike; `out` must not be one of them.
+          out: the vector overwritten.
+
+        Raises:
+          ValueError: `coefficients` and `vectors` differ in length, or are empty.
+        """
+        check_combination(coefficients, vectors)
+        self.assign(vectors[0], out)
+        if coefficients[0] != 1.0:
+            self.scale(float(coefficients[0]), out)
+        for alpha, x in zip(coefficients[1:], vectors[1:]):
+            self.axpy(float(alpha), x, out)
+
+    def gram(
+        self,
+        rows: Sequence[Vector],
+        columns: Sequence[Vector],
+        updates: Sequence[tuple[Sequence[float], Sequence[Vector], Vector]] = (),
+    ) -> np.ndarray:
+        """Applies `updates`, then returns the dot products `rows[i]·columns[j]`.
+
+        One call for the whole matrix and the updates before it: vector-free
+        L-BFGS forms its new `(s, y)` pair and reads every new dot product it
+        needs in one round trip.
+
+        Args:
+          rows: `r` vectors.
+          columns: `c` vectors laid out like `rows`.
+          updates: `(coefficients, vectors, out)` triples applied first, in
+            order, each as `combine(coefficients, vectors, out)`.
+
+        Returns:
+          `[r, c]` float64 NumPy array. The default calls `dot` per entry.
+        """
+        for coefficients, vectors, out in updates:
+            self.combine(coefficients, vectors, out)
+        return np.array(
+            [[self.dot(x, y) for y in columns] for x in rows], dtype=np.float64
+        ).reshape(len(rows), len(columns))
 
 
 class NumpyVectorOps(VectorOps[np.ndarray]):
@@ -137,3 +196,28 @@ class NumpyVectorOps(VectorOps[np.ndarray]):
 
     def multiply(self, x: np.ndarray, y: np.ndarray) -> None:
         y *= x
+
+    def combine(
+        self,
+        coefficients: Sequence[float],
+        vectors: Sequence[np.ndarray],
+        out: np.ndarray,
+    ) -> None:
+        check_combination(coefficients, vectors)
+        total = coefficients[0] * vectors[0]
+        for alpha, x in zip(coefficients[1:], vectors[1:]):
+            total += alpha * x
+        out[...] = total
+
+
+def check_combination(coefficients, vectors) -> None:
+    """Raises unless `combine(coefficients, vectors, ...)` is well formed.
+
+    Raises:
+      ValueError: the two differ in length, or are empty.
+    """
+    if len(coefficients) != len(vectors) or not vectors:
+        raise ValueError(
+            "Arguments `coefficients` and `vectors` must be non-empty and of the "
+            f"same length. Received lengths: {len(coefficients)}, {len(vectors)}"
+        )
