@@ -247,6 +247,35 @@ def define_flags() -> None:
         "Downpour: drop pushes staler than this many ps updates (unset: apply all).",
         lower_bound=0,
     )
+    flags.DEFINE_float(
+        "outer_learning_rate",
+        dp.outer_learning_rate,
+        "Downpour push rule (DiLoCo, Douillard et al. 2023): pushes are the "
+        "local steps' sum (the parameter delta of a round) and the ps applies "
+        "Nesterov SGD with this rate to them (unset: off; needs --n_fetch, "
+        "--n_push >= 2).",
+        lower_bound=0.0,
+    )
+    flags.DEFINE_float(
+        "outer_momentum",
+        dp.outer_momentum,
+        "Downpour: the outer optimizer's Nesterov momentum, in [0, 1).",
+        lower_bound=0.0,
+        upper_bound=1.0,
+    )
+    flags.DEFINE_float(
+        "delay_compensation",
+        dp.delay_compensation,
+        "Downpour push rule (DC-ASGD, Zheng et al. 2017): lambda of "
+        "g + lambda*g*g*(w_now - w_fetched) on the ps (0: off).",
+        lower_bound=0.0,
+    )
+    flags.DEFINE_bool(
+        "staleness_scaled",
+        dp.staleness_scaled,
+        "Downpour push rule (Zhang et al. 2016): divide each push's step by its "
+        "staleness.",
+    )
 
     @flags.multi_flags_validator(
         ["downpour", *_DOWNPOUR_FLAGS],
@@ -318,6 +347,9 @@ _FLOAT_FLAGS = (
     "chief_gone_secs",
     "connect_timeout_secs",
     "local_learning_rate",
+    "outer_learning_rate",
+    "outer_momentum",
+    "delay_compensation",
 )
 # `SandblasterConfig` field -> its flag.
 _SANDBLASTER_FLAGS = {
@@ -359,9 +391,12 @@ def main(argv):
         ),
     )
     if FLAGS.downpour:
-        config.downpour = downpour.DownpourConfig(
-            **{name: FLAGS[name].value for name in _DOWNPOUR_FLAGS}
-        )
+        try:
+            config.downpour = downpour.DownpourConfig(
+                **{name: FLAGS[name].value for name in _DOWNPOUR_FLAGS}
+            )
+        except (TypeError, ValueError) as e:  # Rules across flags.
+            raise app.UsageError(f"Downpour flags: {e}") from e
     if not FLAGS["verbosity"].present:
         # absl turns an unset --verbosity into INFO; TensorFlow's INFO logs
         # would bury the progress lines.
