@@ -287,6 +287,16 @@ def define_flags() -> None:
             return True
         return all(values[name] == getattr(dp, name) for name in _DOWNPOUR_FLAGS)
 
+    @flags.multi_flags_validator(["downpour", *_DOWNPOUR_FLAGS])
+    def _downpour_config_is_valid(values):
+        # Rules across flags (the push rules' cadence), at parse time.
+        if values["downpour"]:
+            try:
+                downpour.DownpourConfig(**{n: values[n] for n in _DOWNPOUR_FLAGS})
+            except (TypeError, ValueError) as e:
+                raise flags.ValidationError(f"Downpour settings: {e}") from e
+        return True
+
     flags.DEFINE_integer(
         "lbfgs_history",
         sb.history,
@@ -391,12 +401,9 @@ def main(argv):
         ),
     )
     if FLAGS.downpour:
-        try:
-            config.downpour = downpour.DownpourConfig(
-                **{name: FLAGS[name].value for name in _DOWNPOUR_FLAGS}
-            )
-        except (TypeError, ValueError) as e:  # Rules across flags.
-            raise app.UsageError(f"Downpour flags: {e}") from e
+        config.downpour = downpour.DownpourConfig(
+            **{name: FLAGS[name].value for name in _DOWNPOUR_FLAGS}
+        )
     if not FLAGS["verbosity"].present:
         # absl turns an unset --verbosity into INFO; TensorFlow's INFO logs
         # would bury the progress lines.

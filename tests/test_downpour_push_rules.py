@@ -8,11 +8,15 @@ they ran in read back from their step counters.
 
 from __future__ import annotations
 
+import re
+import uuid
+
 import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
 
+from tests import test_launch
 from tests.test_downpour import (
     BATCH_SIZE,
     LEARNING_RATE,
@@ -318,3 +322,24 @@ def test_push_rules_reject_row_sparse_before_training(local_cluster):
     state = downpour.install(model, config, row_sparse=[])
     assert len(state._exchange.rules.fetched) == len(model.trainable_variables)
     assert push_rules.MOMENTUM_SLOT == "outer_momentum"
+
+
+# --- Launch flags ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--downpour", "--outer_learning_rate=0.7"],
+            r"Downpour settings: Argument `outer_learning_rate` needs `n_fetch` and "
+            r"`n_push` >= 2.*n_fetch=1, n_push=1",
+        ),
+        (["--staleness_scaled"], r"--staleness_scaled are Downpour settings"),
+    ],
+)
+def test_bad_push_rule_flags_fail_at_parse_time(args, message):
+    proc = test_launch._train(args, uuid.uuid4().hex, timeout=300)
+    assert proc.returncode == 1
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert "Flags parsing error" in proc.stderr  # Before any server.
