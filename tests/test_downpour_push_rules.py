@@ -292,6 +292,7 @@ def test_trainer_matches_reference_two_workers(local_cluster, name):
         (worker,) = [i for i in range(2) if now[i] == counts[i] + 1]
         order.append(worker)
         counts = now
+    assert set(order) == {0, 1}  # Both workers ran (they alternate here).
     batches = [_batches(x, y) * 2] * 2  # Each worker reads the whole set.
     want, want_stats = _reference(params, batches, config, order=order)
     for got, w in zip(_ps_params(model), want):
