@@ -134,7 +134,8 @@ class DownpourConfig:
         Zheng et al. ICML 2017, "Asynchronous Stochastic Gradient Descent with
         Delay Compensation", equation 10): a push of `G` is applied as `G +
         lambda * G * G * (w_now - w_fetched)`, with `w_now` the ps value and
-        `w_fetched` the value this replica last fetched. 0.0 (default): off.
+        `w_fetched` the value this replica last fetched (AdaGrad's pushed
+        squares, if sent, are not changed). 0.0 (default): off.
         The ps knows `w_fetched` without a second model on the network: at
         each fetch it writes the values it sends into a ps-side copy per
         replica (`[num_workers, ...]` per variable shard, on its ps task).
@@ -150,7 +151,8 @@ class DownpourConfig:
         is divided by it; AdaGrad on the ps grows its accumulator by the
         unscaled squares, so its step is the unscaled step over `max(s, 1)`.
         The staleness is then read from the ps before the push is applied,
-        as with `max_staleness`.
+        as with `max_staleness`. A push with staleness 0 or 1 is unchanged:
+        with 2 replicas and `n_fetch == n_push` it changes nothing.
 
     Row-sparse variables (embedding tables) take none of the push rules:
     `replica.Downpour` raises naming the table.
