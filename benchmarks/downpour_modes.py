@@ -7,8 +7,8 @@ This script compares the choices of `DownpourConfig` without a cluster, with
 tested against step for step): 2 replicas taking whole steps in turn, each
 reading its own shuffle of `models/speech.py`'s data, batch 32, AdaGrad gamma
 0.2 on the ps (as `benchmarks/downpour_bench.py`), for `--steps` steps in all.
-Each row is one `(n, local_optimizer, adagrad_accumulator)`, `n = n_fetch =
-n_push`, over `--seeds` (model initialisation and data order); `diff` is the
+Each row is one `(n, local_optimizer, adagrad_accumulator, push rule)`, `n =
+n_fetch = n_push`, over `--seeds` (model initialisation and data order); `diff` is the
 mean over seeds of the test accuracy's difference to `n=1` of the same seed
 (plain sequential AdaGrad with steps in turn), `sd` that difference's
 standard deviation over seeds.
@@ -25,6 +25,9 @@ as `downpour_modes.png` (`benchmarks/plots.py`).
 Usage:
   python benchmarks/downpour_modes.py            # about 12 minutes, 2 cores
   python benchmarks/downpour_modes.py --seeds=0 --steps=200   # a smoke run
+  python benchmarks/downpour_modes.py --out_dir= \
+    --only=1/adagrad/squares/-,16/adagrad/squares/-,16/adagrad/squares/outer1
+    # n=16 with a push rule (`RULES`) against n=1
 """
 
 from __future__ import annotations
@@ -43,16 +46,38 @@ from benchmarks import plots  # noqa: E402
 
 _LEARNING_RATE = 0.2  # AdaGrad gamma on the ps, as downpour_bench's speech.
 _BATCH_SIZE = 32
-# (n, local_optimizer, adagrad_accumulator); n=1 first: the baseline.
+# The push rules compared (`DownpourConfig` options, issue 14), by the name
+# the rows give them: "-" none; "outer" DiLoCo's outer Nesterov on the pushed
+# parameter delta (Douillard et al. 2023), "dc" DC-ASGD's delay compensation
+# (Zheng et al. 2017), "stale" the staleness-scaled step (Zhang et al. 2016).
+RULES = {
+    "-": {},
+    "outer1": {"outer_learning_rate": 1.0, "outer_momentum": 0.0},
+    "outer.7m.5": {"outer_learning_rate": 0.7, "outer_momentum": 0.5},
+    "outer.7m.9": {"outer_learning_rate": 0.7, "outer_momentum": 0.9},
+    # Each push is one replica's delta: 0.5 is DiLoCo's average of 2.
+    "outer.5": {"outer_learning_rate": 0.5, "outer_momentum": 0.0},
+    "outer.35m.5": {"outer_learning_rate": 0.35, "outer_momentum": 0.5},
+    "dc.04": {"delay_compensation": 0.04},
+    "dc1": {"delay_compensation": 1.0},
+    "stale": {"staleness_scaled": True},
+}
+# (n, local_optimizer, adagrad_accumulator, push rule); n=1 first: the baseline.
 _CONFIGS = (
-    (1, "adagrad", "squares"),
-    (4, "sgd", "mean"),
-    (4, "adagrad", "mean"),
-    (4, "sgd", "squares"),
-    (4, "adagrad", "squares"),
-    (16, "sgd", "mean"),
-    (16, "adagrad", "squares"),
+    (1, "adagrad", "squares", "-"),
+    (4, "sgd", "mean", "-"),
+    (4, "adagrad", "mean", "-"),
+    (4, "sgd", "squares", "-"),
+    (4, "adagrad", "squares", "-"),
+    (16, "sgd", "mean", "-"),
+    (16, "adagrad", "squares", "-"),
+    *((16, "adagrad", "squares", rule) for rule in RULES if rule != "-"),
 )
+
+
+def _label(config) -> str:
+    """A row's name for `--only`, e.g. `16/adagrad/squares/outer1`."""
+    return "/".join(map(str, config))
 
 
 def define_flags():
@@ -64,6 +89,13 @@ def define_flags():
     flags.DEFINE_integer("classes", 8192, "Speech model softmax width.", lower_bound=2)
     flags.DEFINE_string(
         "out_dir", plots.DEFAULT_OUT_DIR, "CSV and PNG output folder ('' for none)."
+    )
+    flags.DEFINE_list(
+        "only",
+        [],
+        "Rows to run, by name (n/local/accumulator/rule, e.g. "
+        "1/adagrad/squares/-,16/adagrad/squares/outer1); empty: all. The first "
+        "is the baseline of `diff`.",
     )
 
 
@@ -125,16 +157,25 @@ def main(argv):
 
     f = flags.FLAGS
     seeds = [int(s) for s in f.seeds]
+    configs = _CONFIGS
+    if f.only:
+        known = {_label(c): c for c in _CONFIGS}
+        unknown = [name for name in f.only if name not in known]
+        if unknown:
+            raise app.UsageError(
+                f"--only: unknown rows {unknown}; known: {sorted(known)}"
+            )
+        configs = tuple(known[name] for name in f.only)
     accuracy = {}
     for seed in seeds:
         params, grad_fn, accuracy_fn, train = _speech_problem(
             f.hidden_units, f.classes, seed
         )
         batches = [_batches(train, r, f.steps // 2, seed) for r in range(2)]
-        for n, local, mode in _CONFIGS:
+        for n, local, mode, rule in configs:
             start = time.monotonic()
             config = downpour_schedule.DownpourConfig(
-                n, n, local_optimizer=local, adagrad_accumulator=mode
+                n, n, local_optimizer=local, adagrad_accumulator=mode, **RULES[rule]
             )
             got, _ = downpour_schedule.simulate(
                 params,
@@ -143,10 +184,10 @@ def main(argv):
                 config,
                 downpour_schedule.adagrad_ps(_LEARNING_RATE),
             )
-            accuracy[seed, n, local, mode] = accuracy_fn(got)
+            accuracy[seed, n, local, mode, rule] = accuracy_fn(got)
             print(
-                f"seed {seed} n={n} {local} {mode}: "
-                f"{accuracy[seed, n, local, mode]:.4f} "
+                f"seed {seed} n={n} {local} {mode} {rule}: "
+                f"{accuracy[seed, n, local, mode, rule]:.4f} "
                 f"({time.monotonic() - start:.0f} s)",
                 flush=True,
             )
@@ -155,38 +196,47 @@ def main(argv):
         f"{_BATCH_SIZE}, AdaGrad gamma {_LEARNING_RATE}, seeds {f.seeds}"
     )
     print(
-        f"{'n':>3} {'local':8} {'accumulator':11} {'test acc':>8} {'diff':>7} {'sd':>6}"
+        f"{'n':>3} {'local':8} {'accumulator':11} {'rule':10} {'test acc':>8} "
+        f"{'diff':>7} {'sd':>6}"
     )
-    base = _CONFIGS[0]
-    for n, local, mode in _CONFIGS:
-        accs = [accuracy[s, n, local, mode] for s in seeds]
-        diffs = [accuracy[s, n, local, mode] - accuracy[(s, *base)] for s in seeds]
+    base = configs[0]
+    for c in configs:
+        n, local, mode, rule = c
+        accs = [accuracy[(s, *c)] for s in seeds]
+        diffs = [accuracy[(s, *c)] - accuracy[(s, *base)] for s in seeds]
         sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
         print(
-            f"{n:3d} {local:8} {mode:11} {statistics.mean(accs):8.4f} "
+            f"{n:3d} {local:8} {mode:11} {rule:10} {statistics.mean(accs):8.4f} "
             f"{statistics.mean(diffs):+7.4f} {sd:6.4f}"
         )
     if f.out_dir:
-        _write_outputs(f.out_dir, seeds, accuracy)
+        _write_outputs(f.out_dir, seeds, accuracy, configs)
 
 
-def _write_outputs(out_dir, seeds, accuracy):
+def _write_outputs(out_dir, seeds, accuracy, configs):
     """`downpour_modes.csv` (every seed) and the mean accuracy per configuration."""
     f = flags.FLAGS
     plots.write_csv(
         os.path.join(out_dir, "downpour_modes.csv"),
-        ["seed", "n", "local_optimizer", "adagrad_accumulator", "test_accuracy"],
-        [[s, *c, accuracy[(s, *c)]] for s in seeds for c in _CONFIGS],
+        [
+            "seed",
+            "n",
+            "local_optimizer",
+            "adagrad_accumulator",
+            "push_rule",
+            "test_accuracy",
+        ],
+        [[s, *c, accuracy[(s, *c)]] for s in seeds for c in configs],
     )
     path = plots.bar_plot(
         os.path.join(out_dir, "downpour_modes.png"),
-        [f"n={n}\n{local}\n{mode}" for n, local, mode in _CONFIGS],
-        {"acc": [statistics.mean(accuracy[(s, *c)] for s in seeds) for c in _CONFIGS]},
+        [f"n={n}\n{local}\n{mode}\n{rule}" for n, local, mode, rule in configs],
+        {"acc": [statistics.mean(accuracy[(s, *c)] for s in seeds) for c in configs]},
         title=(
             f"Downpour modes (simulated, 2 replicas, {f.steps} steps, "
             f"seeds {','.join(map(str, seeds))})"
         ),
-        xlabel="n = n_fetch = n_push, local step, ps accumulator",
+        xlabel="n = n_fetch = n_push, local step, ps accumulator, push rule",
         ylabel="test accuracy (mean over seeds)",
         value_format="{:.3f}",
     )

@@ -264,6 +264,35 @@ def define_flags() -> None:
         "Downpour: drop pushes staler than this many ps updates (unset: apply all).",
         lower_bound=0,
     )
+    flags.DEFINE_float(
+        "outer_learning_rate",
+        dp.outer_learning_rate,
+        "Downpour push rule (DiLoCo, Douillard et al. 2023): pushes are the "
+        "local steps' sum (the parameter delta of a round) and the ps applies "
+        "Nesterov SGD with this rate to them (unset: off; needs --n_fetch, "
+        "--n_push >= 2).",
+        lower_bound=0.0,
+    )
+    flags.DEFINE_float(
+        "outer_momentum",
+        dp.outer_momentum,
+        "Downpour: the outer optimizer's Nesterov momentum, in [0, 1).",
+        lower_bound=0.0,
+        upper_bound=1.0,
+    )
+    flags.DEFINE_float(
+        "delay_compensation",
+        dp.delay_compensation,
+        "Downpour push rule (DC-ASGD, Zheng et al. 2017): lambda of "
+        "g + lambda*g*g*(w_now - w_fetched) on the ps (0: off).",
+        lower_bound=0.0,
+    )
+    flags.DEFINE_bool(
+        "staleness_scaled",
+        dp.staleness_scaled,
+        "Downpour push rule (Zhang et al. 2016): divide each push's step by its "
+        "staleness.",
+    )
 
     @flags.multi_flags_validator(
         ["downpour", *_DOWNPOUR_FLAGS],
@@ -274,6 +303,16 @@ def define_flags() -> None:
         if values["downpour"]:
             return True
         return all(values[name] == getattr(dp, name) for name in _DOWNPOUR_FLAGS)
+
+    @flags.multi_flags_validator(["downpour", *_DOWNPOUR_FLAGS])
+    def _downpour_config_is_valid(values):
+        # Rules across flags (the push rules' cadence), at parse time.
+        if values["downpour"]:
+            try:
+                downpour.DownpourConfig(**{n: values[n] for n in _DOWNPOUR_FLAGS})
+            except (TypeError, ValueError) as e:
+                raise flags.ValidationError(f"Downpour settings: {e}") from e
+        return True
 
     flags.DEFINE_integer(
         "lbfgs_history",
@@ -345,6 +384,9 @@ _FLOAT_FLAGS = (
     "connect_timeout_secs",
     "ps_recovery_secs",
     "local_learning_rate",
+    "outer_learning_rate",
+    "outer_momentum",
+    "delay_compensation",
 )
 # `SandblasterConfig` field -> its flag.
 _SANDBLASTER_FLAGS = {

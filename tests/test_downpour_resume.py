@@ -37,7 +37,7 @@ def strategy(local_cluster):
     return strategy
 
 
-def _model(strategy, local_optimizer, n_fetch=N, n_push=N):
+def _model(strategy, local_optimizer, n_fetch=N, n_push=N, **push_rules):
     with strategy.scope():
         model = tf_keras.Sequential(
             [
@@ -55,7 +55,10 @@ def _model(strategy, local_optimizer, n_fetch=N, n_push=N):
             steps_per_execution=1,
         )
         config = downpour.DownpourConfig(
-            n_fetch=n_fetch, n_push=n_push, local_optimizer=local_optimizer
+            n_fetch=n_fetch,
+            n_push=n_push,
+            local_optimizer=local_optimizer,
+            **push_rules,
         )
         model.downpour = downpour.install(model, config)
     return model
@@ -79,20 +82,34 @@ def _fit(model, epochs, model_dir=None, steps_per_epoch=STEPS_PER_EPOCH, lines=N
 def _state(model):
     """The ps variables, the ps AdaGrad accumulators and the iteration count."""
     optimizer = model.optimizer
+    rules = model.downpour._exchange.rules
+    momentums = [m.numpy() for m in rules.momentums] if rules else []
     return [v.numpy() for v in model.trainable_weights] + [
         a.numpy() for a in optimizer._accumulators
-    ], int(optimizer.iterations.numpy())
+    ] + momentums, int(optimizer.iterations.numpy())
 
 
 @pytest.mark.slow
-def test_resume_at_a_push_boundary_equals_an_uninterrupted_run(strategy, tmp_path):
-    first = _model(strategy, "sgd")
+@pytest.mark.parametrize(
+    "push_rules",
+    [{}, {"outer_learning_rate": 0.7, "staleness_scaled": True}],
+    ids=["plain", "outer_nesterov"],
+)
+def test_resume_at_a_push_boundary_equals_an_uninterrupted_run(
+    strategy, tmp_path, push_rules
+):
+    """With the outer optimizer its momentum slots restore too (issue 14)."""
+    first = _model(strategy, "sgd", **push_rules)
     _fit(first, 1, str(tmp_path))
-    resumed = _model(strategy, "sgd")
+    resumed = _model(strategy, "sgd", **push_rules)
     result = _fit(resumed, 2, str(tmp_path))
     assert result.initial_step == STEPS_PER_EPOCH
-    uninterrupted = _model(strategy, "sgd")
+    uninterrupted = _model(strategy, "sgd", **push_rules)
     _fit(uninterrupted, 2)
+    if push_rules:  # 2 sharded variables, 2 shards each: 4 momentum slots.
+        momentums = uninterrupted.downpour._exchange.rules.momentums
+        assert len(momentums) == 4
+        assert all(np.abs(m.numpy()).max() > 0 for m in momentums)
     got, got_iterations = _state(resumed)
     want, want_iterations = _state(uninterrupted)
     assert got_iterations == want_iterations == 2 * STEPS_PER_EPOCH // N

@@ -5,6 +5,8 @@
 * `variables`: ps variables that read as a replica's cache (`enable`).
 * `base`, `dense`, `row_sparse`: a replica's per-worker state and ops, per
   variable kind (dense variables, tables read by rows).
+* `push_rules` (`push_rules_reference`, its NumPy side): the push rules on
+  the ps (outer Nesterov, delay compensation, staleness-scaled step).
 * `replica`: `Downpour`, the replica's step on the cluster.
 * `replica_state`: `ReplicaState`, each replica's own state in checkpoints.
 * `keras`: `install` on a compiled tf_keras model, `DownpourTrainer`,

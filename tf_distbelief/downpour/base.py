@@ -130,6 +130,8 @@ class Plan:
         AdaGrad's `initial_accumulator_value` (0.1 for another optimizer).
       epsilon: the local AdaGrad's `epsilon`, as the ps AdaGrad's (1e-7).
       squares: what a push sends as squared gradients.
+      outer: pushes send the local steps summed, not the gradients (the
+        outer optimizer, `DownpourConfig.outer_learning_rate`).
     """
 
     local_optimizer: str
@@ -137,6 +139,7 @@ class Plan:
     initial_accumulator: float
     epsilon: float
     squares: PushedSquares
+    outer: bool = False
 
     @classmethod
     def create(cls, config: DownpourConfig, optimizer) -> Plan:
@@ -146,8 +149,10 @@ class Plan:
           ValueError: no local step size (`config.local_learning_rate_for`).
         """
         squares = PushedSquares.NONE
+        outer = config.outer_learning_rate is not None
         # Squares go along only where AdaGrad on the ps can use them.
-        if config.pushes_squares and isinstance(optimizer, adagrad.Adagrad):
+        ps_adagrad = isinstance(optimizer, adagrad.Adagrad) and not outer
+        if config.pushes_squares and ps_adagrad:
             local_adagrad = config.local_optimizer == "adagrad"
             squares = PushedSquares.LOCAL if local_adagrad else PushedSquares.SUMMED
         return cls(
@@ -160,6 +165,7 @@ class Plan:
             ),
             epsilon=float(getattr(optimizer, "epsilon", 1e-7)),
             squares=squares,
+            outer=outer,
         )
 
     @property
@@ -347,7 +353,7 @@ class VariableKind(abc.ABC):
             dtype = self.variables[j].dtype
             alpha = tf.cast(plan.learning_rate, dtype)
             epsilon = tf.cast(plan.epsilon, dtype)
-            if accumulate:
+            if accumulate and not plan.outer:
                 ops += self._accumulate(kh, j, g)
             # Where this step's squared gradient goes: the squares to push,
             # or the local accumulator when no local AdaGrad step grows it.
@@ -358,14 +364,24 @@ class VariableKind(abc.ABC):
                 squares_into = kh.local_accs[j]
             if squares_into is not None:
                 ops.append(self._add(squares_into, _squared(g)))
-            if step and plan.local_optimizer == "adagrad":
-                ops.append(
-                    adagrad.apply_adagrad(
+            before = None
+            if plan.outer and accumulate:  # The cache's value before the step.
+                before = self._read(kh.caches[j], j, None)
+            with tf.control_dependencies([] if before is None else [before]):
+                if step and plan.local_optimizer == "adagrad":
+                    stepped = adagrad.apply_adagrad(
                         kh.caches[j], kh.local_accs[j], g, alpha, epsilon
                     )
-                )
-            elif step:
-                ops.append(self._sgd_step(kh.caches[j], g, alpha))
+                elif step:
+                    stepped = self._sgd_step(kh.caches[j], g, alpha)
+                else:
+                    stepped = tf.no_op()
+            ops.append(stepped)
+            if before is not None:
+                # The outer optimizer's pseudo-gradient sums the local steps.
+                with tf.control_dependencies([stepped]):
+                    delta = before - self._read(kh.caches[j], j, None)
+                ops.append(self._add(kh.accs[j], delta))
         return ops
 
     def accumulated(self, kh: KindHandles) -> tuple[list, list | None]:

@@ -67,7 +67,9 @@ class DenseVariables(base.VariableKind):
             groups.setdefault((v.device, v.dtype), []).append(j)
         return list(groups.values())
 
-    def pull(self, kh: base.KindHandles, pack: bool) -> list[tf.Tensor]:
+    def pull(
+        self, kh: base.KindHandles, pack: bool, record=None, records=None
+    ) -> list[tf.Tensor]:
         """Reads every variable from the ps; returns worker-side values.
 
         With `pack` (a fetch in a `tf.cond` branch) each group's values are
@@ -76,23 +78,44 @@ class DenseVariables(base.VariableKind):
         transfer, and one dead-tensor message at every step without a fetch,
         per group instead of per variable. An unconditional fetch moves each
         variable as it is.
+
+        Args:
+          kh: the kind's handles.
+          pack: pack by group, as above.
+          record: optional `(j, value on the ps) -> ops`, called with each
+            value read (delay compensation's copy of what a replica fetched,
+            `push_rules.PushRules.record_fetch`); its ops go to `records`.
+          records: the list `record`'s ops are appended to.
         """
         if not pack:
-            return [base.read(p, v.dtype) for p, v in zip(kh.ps, self.variables)]
+            ps_values = [base.read(p, v.dtype) for p, v in zip(kh.ps, self.variables)]
+        else:
+            ps_values = []
+            for p, v in zip(kh.ps, self.variables):
+                with tf.device(v.device):
+                    ps_values.append(base.read(p, v.dtype))
+        if record is not None:
+            for j, x in enumerate(ps_values):
+                records.extend(record(j, x))
+        if not pack:
+            return ps_values
         values = [None] * len(self.variables)
         for group in self.groups():
             with tf.device(self.variables[group[0]].device):
-                packed = _pack(
-                    [base.read(kh.ps[j], self.variables[j].dtype) for j in group]
-                )
+                packed = _pack([ps_values[j] for j in group])
             shapes = [self.variables[j].shape for j in group]
             for j, part in zip(group, _unpack(packed, shapes)):
                 values[j] = part
         return values
 
-    def fetch_into_cache(self, kh: base.KindHandles) -> list:
-        """Ops of a fetch in a `tf.cond` branch: packed ps reads into the cache."""
-        return [base.assign(c, x) for c, x in zip(kh.caches, self.pull(kh, True))]
+    def fetch_into_cache(self, kh: base.KindHandles, record=None) -> list:
+        """Ops of a fetch in a `tf.cond` branch: packed ps reads into the cache.
+
+        `record` as for `pull`; its ops are among those returned.
+        """
+        records = []
+        values = self.pull(kh, True, record, records)
+        return [base.assign(c, x) for c, x in zip(kh.caches, values)] + records
 
     def cached(self, kh: base.KindHandles) -> list[tf.Tensor]:
         """The cached values (under the caller's control dependencies)."""

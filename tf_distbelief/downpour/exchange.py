@@ -58,6 +58,14 @@ class Exchange:
         # The optimizer's `exactly_once.StepTokens`: each push is gated by the
         # token of the step that ends it, when one is in scope.
         self.tokens = None
+        # The `push_rules.PushRules` (`replica.Downpour`), None when all off.
+        self.rules = None
+
+    def record(self, h: base.Handles):
+        """The `DenseVariables.pull` `record` of delay compensation, or None."""
+        if self.rules is None or not self.rules.fetched:
+            return None
+        return lambda j, value: self.rules.record_fetch(j, value, h.worker)
 
     def fetch_ops(self, h: base.Handles) -> list:
         """A fetch's bookkeeping: `seen`, `refetch`, the count, stale rows."""
@@ -68,6 +76,15 @@ class Exchange:
         ]
         return ops + self.rows.mark_stale(h.rows)
 
+    def fetch_values(self, h: base.Handles) -> tuple[list, tf.Tensor]:
+        """A fetch every step, read directly (no cache): `(dense values, done)`.
+
+        `done` is True once the fetch's bookkeeping (`fetch_ops`) has run.
+        """
+        records = []
+        dense = self.dense.pull(h.dense, False, self.record(h), records)
+        return dense, base.after(self.fetch_ops(h) + records, True)
+
     def fetch_due(self, h: base.Handles, t: tf.Tensor) -> tf.Tensor:
         """True when step `t` starts with a fetch: the cadence, or a drop."""
         refetch = base.read(h.refetch, tf.int64) > 0
@@ -77,7 +94,9 @@ class Exchange:
         """A fetch into the cache when `pred`, in a `tf.cond`: True if done."""
 
         def fetch():
-            ops = self.fetch_ops(h) + self.dense.fetch_into_cache(h.dense)
+            ops = self.fetch_ops(h) + self.dense.fetch_into_cache(
+                h.dense, self.record(h)
+            )
             return base.after(ops, True)
 
         return tf.cond(pred, fetch, lambda: tf.constant(False))
@@ -156,10 +175,11 @@ class Exchange:
             outputs = base.after(ops, tf.constant(-1, int64)), base.after(ops, False)
             return outputs, []
 
-        if self.config.max_staleness is None:
+        reads_first = self.rules is not None and self.rules.reads_staleness_first
+        if self.config.max_staleness is None and not reads_first:
 
             def apply_push():
-                arrived = self._apply(pushed, pack)
+                arrived = self._apply(pushed, pack, None, h.worker)
                 # Counted once the push has reached the ps, not before: a
                 # control edge on a tensor already there costs no message (one
                 # per ps task otherwise).
@@ -182,7 +202,7 @@ class Exchange:
                 staleness = base.read(h.count, int64) - base.read(h.seen, int64)
 
                 def apply_fresh():
-                    arrived = self._apply(pushed, pack)
+                    arrived = self._apply(pushed, pack, staleness, h.worker)
                     with tf.control_dependencies(arrived[:1]):
                         increment = base.add(h.count, one)
                     ops = [
@@ -200,9 +220,12 @@ class Exchange:
                     ]
                     return base.after(ops, False)
 
-                applied = tf.cond(
-                    staleness <= self.config.max_staleness, apply_fresh, drop_push
-                )
+                if self.config.max_staleness is None:
+                    applied = apply_fresh()
+                else:
+                    applied = tf.cond(
+                        staleness <= self.config.max_staleness, apply_fresh, drop_push
+                    )
                 # A dropped push is marked too: its retry would be as stale.
                 outputs = base.after([applied], staleness), applied
                 return outputs, [base.read(h.count, int64)]
@@ -238,7 +261,7 @@ class Exchange:
             sent = tf.where(applied, row_bytes, tf.constant(0, int64))
             return tf.identity(staleness), tf.identity(applied), sent
 
-    def _apply(self, pushed, pack: bool) -> list:
+    def _apply(self, pushed, pack: bool, staleness=None, worker=None) -> list:
         """Applies one push with the optimizer, variable by variable on its shard.
 
         The update ops (and the optimizer's casts of its hyperparameters) run
@@ -247,7 +270,10 @@ class Exchange:
         its accumulator by the pushed squares (`apply_gradient_and_squares`)
         or counts the push as `n_push` updates (`apply_summed_gradient`), as
         `config.adagrad_accumulator` says. Gradient clipping, if the optimizer
-        has it, applies to the gradients, not to their squares.
+        has it, applies to the gradients, not to their squares. With a push
+        rule on, `push_rules.PushRules.apply` applies it (`staleness`: read
+        before the push when the rule needs it; `worker`: the replica's
+        index).
 
         Returns:
           The pushed gradients, as tensors on the variables' ps tasks.
@@ -266,6 +292,11 @@ class Exchange:
             )
         mode = self.config.adagrad_accumulator
         steps = self.config.n_push if mode == "mean" else 1
+        if self.rules is not None and self.rules.any:
+            # Row-sparse variables are refused with the rules: all are dense.
+            self.rules.apply(grads, squares, steps, staleness, worker)
+            opt.iterations.assign_add(1)
+            return grads
         for g, sq, v in zip(grads, squares, self.variables):
             with tf.device(v.device):
                 if sq is not None:

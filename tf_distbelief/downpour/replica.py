@@ -10,7 +10,8 @@ parameter-server cluster:
   `per_worker_variable=True` variables (the cadence is counted by the worker
   that runs the step; checkpointed by `replica_state`); each variable kind has
   its handler, `dense` and `row_sparse` (`base.VariableKind`), and `exchange`
-  fetches and pushes; the ps keeps an update counter (one per push);
+  fetches and pushes; the ps keeps an update counter (one per push), for
+  staleness, and applies pushes with the optimizer or `push_rules`;
 * under `fit` with `n_fetch, n_push > 1`, the local steps between two ps
   exchanges run in a loop with no ps op at all (`Downpour.run_steps`): a ps op
   in a step, even in a branch not taken, costs messages at every step. The
@@ -28,7 +29,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import _tf_internals, exactly_once, substitution
-from tf_distbelief.downpour import base, push_guard, schedule
+from tf_distbelief.downpour import base, push_guard, push_rules, schedule
 from tf_distbelief.downpour import variables as downpour_variables
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.dense import DenseVariables
@@ -79,9 +80,9 @@ class Downpour:
       TypeError: a variable was not created with `enable(strategy)` in effect,
         `config` is not a `DownpourConfig`, or `row_sparse` holds something
         other than variables.
-      ValueError: a `row_sparse` variable is not among `variables`, or is a
-        scalar; or `config.local_learning_rate` is None with a local AdaGrad
-        step and an optimizer whose learning rate is a schedule. A step that
+      ValueError: a `row_sparse` variable is not among `variables`, is a
+        scalar, or meets a push rule; or `config.local_learning_rate` is None
+        with a local AdaGrad step and a learning-rate schedule. A step that
         reads a row-sparse variable whole raises `RowSparseReadError`.
 
     Worker memory, per replica: the cache and the gradient accumulator, plus
@@ -125,6 +126,7 @@ class Downpour:
             if not getattr(optimizer, "_built", False):
                 optimizer.build(variables)
             dense, rows = self._order.split(self.variables)
+            rules = push_rules.create(config, optimizer, dense, rows, strategy)
             self._dense = DenseVariables(dense, self.plan)
             self._rows = RowSparseVariables(rows, self.plan)
             self._seen = base.per_worker("downpour/seen", [], tf.int64)
@@ -145,6 +147,7 @@ class Downpour:
             optimizer, config, self.variables, self._order, self._dense, self._rows
         )
         self._exchange.guard_context, self._exchange.tokens = self.guard, self.tokens
+        self._exchange.rules = rules
 
     @property
     def _caches(self) -> list[tf.Variable]:  # One per variable.
@@ -272,8 +275,7 @@ class Downpour:
             fetched = self._exchange.fetch_if(h, gated(self._exchange.fetch_due(h, t)))
             dense, readers = self._cached_values(h, [fetched, warm_op], active)
         else:
-            dense = self._dense.pull(h.dense, pack=False)
-            fetched = base.after(self._exchange.fetch_ops(h), True)
+            dense, fetched = self._exchange.fetch_values(h)
             row_bytes = h.stats["row_bytes_fetched"]
             readers = self._rows.readers(h.rows, row_bytes, [fetched])
         loss, outputs, grads = self._gradient(forward_fn, dense, readers)

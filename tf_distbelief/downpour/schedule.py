@@ -23,6 +23,14 @@ At local step `t` a replica does, in this order:
    push is not staleness). Otherwise the push is dropped and the replica
    fetches at its next step. Either way `acc <- 0` and `sq <- 0`.
 
+**Push rules** (`DownpourConfig`, each off by default), at step 5 in this
+order: with `outer_learning_rate`, step 4 sums the local steps, `acc <- acc +
+(cache before step 3 - cache after)`, and the ps applies Nesterov SGD to
+`acc` in place of its optimizer (`outer_nesterov`); with `delay_compensation`
+`lambda`, `acc <- acc + lambda * acc * acc * (ps - fetched)`, `fetched` the
+ps values at the replica's last fetch (DC-ASGD); with `staleness_scaled`, the
+step is divided by `max(staleness, 1)` (`staleness_scaled_update`).
+
 **Row-sparse variables** (large embedding tables) are not copied whole: a
 fetch only marks the replica's cached rows stale, and at step 2 each row the
 batch looks up is fetched if it has not been since the last fetch (so a row
@@ -65,6 +73,10 @@ from tf_distbelief.downpour.config import (
     LOCAL_OPTIMIZERS,
     DownpourConfig,
 )
+from tf_distbelief.downpour.push_rules_reference import (
+    outer_nesterov,
+    staleness_scaled_update,
+)
 
 __all__ = [
     # Re-exported from `config`, where they are defined.
@@ -72,6 +84,9 @@ __all__ = [
     "LOCAL_LEARNING_RATE",
     "LOCAL_OPTIMIZERS",
     "DownpourConfig",
+    # Re-exported from `push_rules_reference`.
+    "outer_nesterov",
+    "staleness_scaled_update",
     # The step order.
     "ReplicaStats",
     "adagrad_ps",
@@ -284,8 +299,17 @@ def simulate(
     model_bytes = sum(p.nbytes for i, p in enumerate(ps) if i not in sparse)
     # Sent per push: `G`, and the squares where the ps optimizer takes them.
     takes_squares = config.pushes_squares and getattr(update, "takes_squares", False)
+    takes_squares = takes_squares and config.outer_learning_rate is None
     copies = 2 if takes_squares else 1
     row_bytes = {i: ps[i][0].nbytes for i in sparse}
+    if sparse and config.push_rules:
+        raise ValueError(
+            f"Push rules {', '.join(config.push_rules)} take no row-sparse "
+            f"variables. Received: row_sparse={list(row_sparse)}"
+        )
+    outer = config.outer_learning_rate is not None
+    momentums = [np.zeros_like(p) for p in ps]  # The outer optimizer's `m`.
+    fetched = [None] * n  # Per replica: the ps values at its last fetch.
     valid = [{i: set() for i in sparse} for _ in range(n)]  # Rows since a fetch.
     touched = [{i: set() for i in sparse} for _ in range(n)]  # Since a push.
     for r in order:
@@ -303,6 +327,7 @@ def simulate(
             valid[r] = {i: set() for i in sparse}
             seen[r] = ps_count
             refetch[r] = False
+            fetched[r] = [p.copy() for p in ps]
             s.fetches += 1
             s.bytes_fetched += model_bytes
         batch = next(iters[r])
@@ -315,6 +340,7 @@ def simulate(
             valid[r][i] |= ids
             touched[r][i] |= ids
         g = grad_fn(caches[r], batch)
+        before = caches[r]
         if config.local_optimizer == "sgd":
             caches[r] = [c - local_lr * gi for c, gi in zip(caches[r], g)]
         else:
@@ -324,7 +350,11 @@ def simulate(
             ]
             caches[r] = [c for c, _ in stepped]
             local_accs[r] = [b for _, b in stepped]
-        accs[r] = [a + gi for a, gi in zip(accs[r], g)]
+        if outer:  # The pushed pseudo-gradient: the local steps' sum.
+            g_acc = [b - c for b, c in zip(before, caches[r])]
+        else:
+            g_acc = g
+        accs[r] = [a + gi for a, gi in zip(accs[r], g_acc)]
         squares[r] = [q + gi * gi for q, gi in zip(squares[r], g)]
         if is_push_step(t, config.n_push):
             staleness = ps_count - seen[r]
@@ -332,13 +362,34 @@ def simulate(
             s.max_staleness_seen = max(s.max_staleness_seen, staleness)
             if config.max_staleness is None or staleness <= config.max_staleness:
                 mode = config.adagrad_accumulator
-                ps, ps_state = update(
-                    ps,
-                    ps_state,
-                    accs[r],
+                pushed = accs[r]
+                if config.delay_compensation:  # DC-ASGD, Zheng et al. 2017.
+                    lam = config.delay_compensation
+                    pushed = [
+                        a + lam * a * a * (w - f)
+                        for a, w, f in zip(pushed, ps, fetched[r])
+                    ]
+                args = (
+                    pushed,
                     config.n_push if mode == "mean" else 1,
                     squares[r] if takes_squares else None,
                 )
+                if outer:
+                    if config.staleness_scaled:
+                        pushed = [d / max(staleness, 1) for d in pushed]
+                    ps, momentums = outer_nesterov(
+                        ps,
+                        momentums,
+                        pushed,
+                        config.outer_learning_rate,
+                        config.outer_momentum,
+                    )
+                elif config.staleness_scaled:
+                    ps, ps_state = staleness_scaled_update(
+                        update, ps, ps_state, *args, staleness
+                    )
+                else:
+                    ps, ps_state = update(ps, ps_state, *args)
                 ps_count += 1
                 seen[r] += 1
                 s.pushes += 1
