@@ -73,8 +73,7 @@ class Downpour:
     Attributes:
       variables: the trained variables, shards in place of sharded ones.
       row_sparse: per variable, True where it is row-sparse.
-      update_count, warm_steps: on the ps, int64 scalars: pushes applied,
-        replica 0's steps during the warm start.
+      update_count, warm_steps: ps int64 scalars: pushes, warm-start steps.
 
     Raises:
       TypeError: a variable was not created with `enable(strategy)` in effect,
@@ -89,11 +88,10 @@ class Downpour:
     the local AdaGrad accumulator (`config.local_optimizer == "adagrad"`) and,
     when pushes send the squared gradients (`base.PushedSquares`), its value
     at the last push (local SGD: a sum of squared gradients instead): up to 4
-    copies of the model (`worker_variables`; a checkpoint holds them per
-    replica, `replica_state`). The local step
-    size is `config.local_learning_rate_for` the optimizer's learning rate;
-    the local AdaGrad takes the optimizer's `initial_accumulator_value` and
-    `epsilon` (0.1 and 1e-7 for an optimizer without them).
+    copies of the model (`worker_variables`; checkpointed per replica by
+    `replica_state`). The local step size is `config.local_learning_rate_for`
+    the optimizer's learning rate; the local AdaGrad takes the optimizer's
+    `initial_accumulator_value` and `epsilon` (0.1 and 1e-7 without them).
     """
 
     def __init__(
