@@ -2,9 +2,10 @@ r"""Fault injection: the digits job survives one SIGKILL of a ps, a worker or th
 
 Each run is `launch/train.py --model=digits` on its local cluster (2 workers,
 2 ps, `--model_dir`, `--checkpoint_every_steps`), with one SIGKILL of a task
-drawn at random (seeded): a ps or a worker (found by its `TF_CONFIG` in
-`/proc/<pid>/environ`; the local cluster restarts it on its address, the chief
-recovers a ps from the last checkpoint, the coordinator reconnects a worker)
+drawn at random (seeded): a ps or a worker (found by the `TF_CONFIG` in its
+environment, read with psutil; the local cluster restarts it on its address,
+the chief recovers a ps from the last checkpoint, the coordinator reconnects a
+worker)
 or the chief (the launch process; its cluster dies with it, and the benchmark
 reruns the same command with the same `--model_dir`, as a user would). The
 step of the fault is drawn uniformly between the second checkpoint and 80% of
@@ -42,6 +43,7 @@ import tempfile
 import time
 import uuid
 
+import psutil
 from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,18 +66,14 @@ def define_flags():
 
 def _environ(pid):
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            items = f.read().split(b"\0")
-    except OSError:
+        return psutil.Process(pid).environ()
+    except psutil.Error:  # Gone, a zombie, or not ours to read.
         return {}
-    return dict(i.decode(errors="replace").partition("=")[::2] for i in items if i)
 
 
 def _marked(marker):
     return [
-        int(p)
-        for p in filter(str.isdigit, os.listdir("/proc"))
-        if _environ(p).get("FAULTS_BENCH_MARKER") == marker
+        p for p in psutil.pids() if _environ(p).get("FAULTS_BENCH_MARKER") == marker
     ]
 
 

@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 
+import psutil
 import pytest
 import tensorflow as tf
 
@@ -32,18 +33,14 @@ TRAIN = os.path.join(ROOT, "launch", "train.py")
 
 def _environ(pid):
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            items = f.read().split(b"\0")
-    except OSError:
+        return psutil.Process(pid).environ()
+    except psutil.Error:  # Gone, a zombie, or not ours to read.
         return {}
-    return dict(i.decode(errors="replace").partition("=")[::2] for i in items if i)
 
 
 def _pids(marker):
     return [
-        int(pid)
-        for pid in filter(str.isdigit, os.listdir("/proc"))
-        if _environ(pid).get("TFDB_TEST_MARKER") == marker
+        pid for pid in psutil.pids() if _environ(pid).get("TFDB_TEST_MARKER") == marker
     ]
 
 
