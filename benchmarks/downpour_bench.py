@@ -1,77 +1,100 @@
-r"""Downpour SGD against stock parameter-server training, side by side.
+r"""Downpour SGD against stock and single-process training: time to accuracy.
 
-Dean et al. 2012, section 4.1: a replica that fetches the parameters every
-`n_fetch` steps and pushes its accumulated gradient every `n_push` steps moves
-about `1/n` of the bytes of stock parameter-server training (which reads every
-parameter and sends every gradient at every step) and spends less time on the
-network. This benchmark measures it on one `LocalCluster` (2 workers, 1 ps by
-default), in one run, for each model:
+Dean et al. 2012 judge the methods by the time to reach a fixed test accuracy
+(Figure 5), not examples/s. This benchmark measures it on one `LocalCluster` (2
+workers, 1 ps by default), for each row:
 
+* `single`: plain tf_keras `fit` in the benchmark's own process (no cluster, no
+  strategy; same model, batch, AdaGrad gamma, steps per execution, and
+  TensorFlow's default threads like every task): the limit on these cores;
 * `stock`: `DistBeliefStrategy` without Downpour (TensorFlow's
   `ParameterServerStrategy` training: variables on the ps, every step reads them
   and applies its gradient there);
-* `n=1`, `n=4`, `n=16`: Downpour with `n_fetch = n_push = n`.
+* `n=1`, `n=4`, `n=16`: Downpour with `n_fetch = n_push = n`;
+* `n=<n>+outer`, `+dc`, `+stale`: with a push rule on the ps (`DownpourConfig`):
+  outer Nesterov on the pushed parameter delta (`--outer_learning_rate`,
+  `--outer_momentum`), DC-ASGD's delay compensation (`--delay_compensation`),
+  the staleness-scaled step.
 
-Each configuration gets a fresh strategy (`LocalCluster.resolver_for`: a new
-chief port on the same ps and worker tasks), trains one untimed warm-up epoch
-(tracing), then `--timed_epochs` timed epochs, and is evaluated on the test set:
-every configuration sees the same number of examples. `--repeats` rounds run
-all configurations in turn (each trains anew) and the table shows medians: the
-machine is shared, and its load moves rates by tens of percent.
+Each row trains anew (a fresh strategy: `LocalCluster.resolver_for`, a new chief
+port on the same ps and worker tasks) for `--steps` steps of both workers
+together, every row the same examples. Every `--eval_every` steps `fit` ends
+an epoch (which joins the workers), and the coordinator evaluates the test
+accuracy of the ps values (`training.accuracy`; for `single`, of its model) off
+the clock: the training seconds are the epochs' own, from epoch begin to epoch
+end, evaluations and snapshots outside them. The first interval holds the
+tracing of the training functions (a fixed cost, longest for the cluster); it
+counts at the median seconds of the later intervals. `--rounds` rounds run all
+rows in turn, round `r` with seed `r` (model initialisation and data order):
+the spread over rounds is over seeds as well as machine load.
 
-Columns:
+The headline table (Markdown, medians over rounds, `[min-max]` over rounds):
 
+* `secs to target`, `examples to target`: training seconds and examples until
+  the test accuracy first reaches `--target_accuracy` (linear between two
+  evaluations; a round that never reaches it counts as the slowest, and
+  `reached` says in how many rounds it did);
+* `x stock`, `x single`: those seconds over the stock and single rows';
+* `final acc`: test accuracy after all steps (equal examples), `acc vs n=1`
+  its difference to the `n=1` row in points;
 * `ex/s`: training examples per second (both workers), the median over the
-  timed epochs (and over rounds); `x stock`: the ratio to the stock row of the
-  same model in the same round, the median over rounds.
+  intervals after the first; `x stock ex/s`, `x single ex/s` its ratios;
+* `B/ex`, `B x stock`: worker<->ps bytes per example on the sockets (below)
+  and their ratio to stock's.
+
+Then the throughput table of the earlier benchmark (`--throughput_table`):
+
+* `ex/s`, `x stock`: as above; `x stock` is the median over rounds of each
+  round's ratio to that round's stock row.
 * `sock B/ex`: worker<->ps bytes per example on the sockets: the kernel's
   per-connection TCP counters (`ss -tinpH state established`: `bytes_acked`
   sent, `bytes_received` received), for every connection between a worker
   process and a ps process (told apart by process id and peer port), summed
-  both ways, difference over the timed epochs. It includes gRPC framing and
-  the fixed per-step messages (step ids, dead-branch signals, loop control).
+  both ways, difference over the intervals after the first. It includes gRPC
+  framing and the fixed per-step messages (step ids, dead-branch signals,
+  loop control).
 * `tensor B/ex`: the same from tensor sizes: stock moves the model twice per
   step (read the parameters, send the gradient); Downpour counts its fetches
   and pushes (`Downpour.stats`) times the model size.
 * `B x stock`: socket bytes per example over the stock row's.
 * `CPU ms/step`: CPU time of the chief, workers and ps together per step
-  (`psutil`; the chief's test-set evaluations for the curves are left out);
-  on 2 cores the rates follow it (`--cpu_breakdown` splits it by process
-  kind).
-* `test acc`, `test loss`: on the test set after the warm-up and timed epochs.
-  On the speech data the most frequent class is about 10% of the examples
-  (`models/speech.py`: Zipf-distributed classes, a Gaussian cluster each).
+  (`psutil`; the evaluations left out); on 2 cores the rates follow it
+  (`--cpu_breakdown` splits it by process kind).
+* `test acc`, `test loss`: on the test set after all steps. On the speech data
+  the most frequent class is about 10% of the examples (`models/speech.py`:
+  Zipf-distributed classes, a Gaussian cluster each).
 
 The speech-shaped model (`models/speech.py`) defaults to 4 hidden layers of 256
 units and 8192 classes (2.4M parameters, 9.7 MB) instead of the paper's 2560
 units (42M), so that it trains on a 2-core machine; `--quick` uses 2048 classes.
 
-Figures (`--out_dir`, default `benchmarks/results/`; `benchmarks/downpour_figures.py`):
-after every epoch (and before the first) the chief evaluates the test accuracy,
-outside the timed span, which gives the curves of
-
-* `downpour_<model>_accuracy.png`: test accuracy against wall-clock training
-  seconds per configuration (the paper's Figure 4 form; medians over rounds);
-* `downpour_<model>_time_to_target.png`: seconds to a fixed test accuracy per
-  configuration (Figure 5's measure; `--target_accuracy`, by default the best
-  accuracy every configuration reached);
-* `downpour_<model>_bytes.png`: worker<->ps bytes per example by n (log axis);
-
-and `downpour.csv` (the table), `downpour_curves.csv` (every round's curve).
+Outputs (`--out_dir`, default `benchmarks/results/`; `benchmarks/downpour_figures.py`):
+`downpour_time_to_accuracy.csv` (the headline table), `downpour.csv` (the
+throughput table), `downpour_curves.csv` (every round's curve), and per model
+`downpour_<model>_accuracy.png` (test accuracy against training seconds, the
+paper's Figure 4 form), `downpour_<model>_time_to_target.png` (Figure 5's
+measure) and `downpour_<model>_bytes.png`.
 
 On stderr, TensorFlow logs "Failed to remove function remotely" for functions
-of an earlier configuration's context (each configuration reconnects); they
-are harmless.
+of an earlier row's context (each row reconnects); they are harmless.
 
 Usage:
-  python benchmarks/downpour_bench.py            # about 10 minutes, 2 cores
+  python benchmarks/downpour_bench.py            # about 20 minutes, 2 idle cores
   python benchmarks/downpour_bench.py --quick    # about 3 minutes
+  python benchmarks/downpour_bench.py --rows=stock,n=16,n=16+outer --rounds=3
+
+Duration: a speech row of 1600 steps takes 35-75 s of wall time on 2 idle cores
+(setup, tracing, 11 evaluations of 10,000 examples, training); the default 8
+rows x 3 rounds about 20 minutes (estimated from 1-round runs at load 4-10,
+scaled to idle cores). With `--rounds=5` (needed to tell a 1-point difference in
+final accuracy from the seed-to-seed spread, see the README) about 33 minutes.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -89,12 +112,48 @@ from absl import app, flags, logging  # noqa: E402
 
 from benchmarks import downpour_figures, plots  # noqa: E402
 
-# Steps per epoch (both workers) of a full and a `--quick` run: multiples of 2
-# workers x 20 steps per execution, so that the workers get as many scheduled
-# functions; each epoch ends with a join (a worker may idle for up to one
-# scheduled function), so an epoch should hold many functions per worker.
-_STEPS_PER_EPOCH = {"digits": 400, "speech": 240}
-_QUICK_STEPS_PER_EPOCH = {"digits": 160, "speech": 80}
+# Steps between evaluations and in all, both workers together, of a full and
+# a `--quick` run: multiples of 2 workers x 20 steps per execution, so that
+# the workers get as many scheduled functions; each interval ends with a join
+# (a worker may idle for up to one scheduled function).
+_EVAL_EVERY = {"digits": 80, "speech": 160}
+_STEPS = {"digits": 480, "speech": 1600}
+_QUICK_EVAL_EVERY = {"digits": 80, "speech": 80}
+_QUICK_STEPS = {"digits": 240, "speech": 480}
+# Default targets: reached by every row in the rounds we ran (see the README),
+# early enough that the time to reach them is mostly training, not tracing.
+_TARGET_ACCURACY = {"digits": 0.9, "speech": 0.2}
+_QUICK_TARGET_ACCURACY = {"digits": 0.9, "speech": 0.15}
+# The push rules' settings of the `+outer` and `+dc` rows:
+# benchmarks/downpour_modes.py's best outer Nesterov setting at n=16, and
+# DC-ASGD's lambda of its reference runs.
+_OUTER_LEARNING_RATE = 0.7
+_OUTER_MOMENTUM = 0.9
+_DELAY_COMPENSATION = 0.04
+# Rows: "single" (one process, no cluster), "stock", "n=<n>" (Downpour,
+# n_fetch = n_push = n), "n=<n>+<rule>" (with a push rule).
+_RULES = ("outer", "dc", "stale")
+_DEFAULT_ROWS = (
+    "single",
+    "stock",
+    "n=1",
+    "n=4",
+    "n=16",
+    "n=16+outer",
+    "n=16+dc",
+    "n=16+stale",
+)
+_QUICK_ROWS = ("single", "stock", "n=1", "n=16", "n=16+outer")
+
+
+def _known_rows():
+    names = ["single", "stock"]
+    for n in (1, 4, 16):
+        names.append(f"n={n}")
+        names += [f"n={n}+{r}" for r in _RULES if not (n == 1 and r == "outer")]
+    return names
+
+
 _QUICK_SPEECH_CLASSES = 2048
 # Test examples of the speech data: at an accuracy of 0.18 the sampling error
 # is 0.4 points (0.9 with `models/speech.py`'s default of 2,000).
@@ -269,17 +328,17 @@ def link_bytes(
 
 def define_flags():
     flags.DEFINE_bool(
-        "curves",
-        True,
-        "Evaluate the test accuracy after every epoch (the accuracy figures).",
-    )
-    flags.DEFINE_bool(
         "quick",
         False,
-        "About 3 minutes: shorter epochs and a 2048-class speech model.",
+        "A smoke run: 2048-class speech, fewer steps, one round, fewer rows.",
     )
-    flags.DEFINE_list("models", list(_MODELS), "Models to run: digits, speech.")
-    flags.DEFINE_list("n", ["1", "4", "16"], "Downpour n_fetch = n_push values.")
+    flags.DEFINE_list("models", ["speech"], "Models to run: speech, digits.")
+    flags.DEFINE_list(
+        "rows",
+        [],
+        f"Rows to run, by name (default: {','.join(_DEFAULT_ROWS)}; known: "
+        f"{','.join(_known_rows())}).",
+    )
     flags.DEFINE_integer("num_ps", 1, "ps tasks.", lower_bound=1)
     flags.DEFINE_integer("batch_size", 32, "Examples per step.", lower_bound=1)
     # 20 rather than `JobConfig`'s 10: tf_keras spends about 10 ms of chief
@@ -290,17 +349,28 @@ def define_flags():
         "steps_per_execution", 20, "Steps per scheduled function.", lower_bound=1
     )
     flags.DEFINE_integer(
-        "timed_epochs", 3, "Timed epochs after the warm-up epoch.", lower_bound=1
-    )
-    flags.DEFINE_integer(
-        "repeats",
-        3,
-        "Rounds over all configurations (each trains anew); the table shows "
-        "medians over rounds.",
+        "eval_every",
+        None,
+        "K: steps (both workers together) between test-set evaluations, off "
+        "the clock (default: per model, speech 160, digits 80; a multiple of "
+        "2 x steps_per_execution keeps the workers even).",
         lower_bound=1,
     )
     flags.DEFINE_integer(
-        "steps_per_epoch", None, "Steps per epoch (default: per model).", lower_bound=1
+        "steps",
+        None,
+        "Training steps of every row, both workers together (default: per "
+        "model, speech 1600, digits 480; rounded up to a multiple of "
+        "--eval_every).",
+        lower_bound=1,
+    )
+    flags.DEFINE_integer(
+        "rounds",
+        None,
+        "Rounds over all rows (each trains anew, round r with seed r: model "
+        "initialisation and data order); medians and spread over rounds "
+        "(default 5, --quick 1).",
+        lower_bound=1,
     )
     flags.DEFINE_float(
         "learning_rate",
@@ -324,10 +394,30 @@ def define_flags():
         ("squares", "mean", "sum"),
         "Downpour: how a push grows the ps AdaGrad accumulator.",
     )
+    flags.DEFINE_float(
+        "outer_learning_rate",
+        _OUTER_LEARNING_RATE,
+        "The `+outer` rows: DownpourConfig.outer_learning_rate.",
+    )
+    flags.DEFINE_float(
+        "outer_momentum",
+        _OUTER_MOMENTUM,
+        "The `+outer` rows: DownpourConfig.outer_momentum (Nesterov).",
+    )
+    flags.DEFINE_float(
+        "delay_compensation",
+        _DELAY_COMPENSATION,
+        "The `+dc` rows: DownpourConfig.delay_compensation (DC-ASGD lambda).",
+    )
     flags.DEFINE_integer("speech_hidden_units", 256, "Speech model width.")
     flags.DEFINE_integer("speech_classes", 8192, "Speech model softmax width.")
     flags.DEFINE_bool(
         "cpu_breakdown", False, "Also print CPU ms per step of each process kind."
+    )
+    flags.DEFINE_bool(
+        "throughput_table",
+        True,
+        "Also print the throughput table (ex/s, bytes, CPU) after the headline.",
     )
     flags.DEFINE_string(
         "out_dir", plots.DEFAULT_OUT_DIR, "CSV and PNG output folder ('' for none)."
@@ -335,37 +425,49 @@ def define_flags():
     flags.DEFINE_float(
         "target_accuracy",
         None,
-        "Test accuracy of the time-to-target figure (default: per model, the "
-        "best accuracy every configuration reached).",
+        "Test accuracy of the time to accuracy (default: per model, "
+        f"{_TARGET_ACCURACY}; --quick {_QUICK_TARGET_ACCURACY}).",
     )
 
 
 @dataclasses.dataclass
 class Row:
-    """One configuration's measurements."""
+    """One row's measurements (one round, or medians over rounds)."""
 
     model: str
     name: str
-    examples_per_sec: float  # Median over the timed epochs.
+    examples_per_sec: float  # Median over the evaluation intervals after the first.
     socket_bytes_per_example: float
     tensor_bytes_per_example: float
     cpu_ms_per_step: dict  # {"chief"|"worker"|"ps": CPU ms per step}.
-    test_accuracy: float
+    test_accuracy: float  # After all steps: equal examples for every row.
     test_loss: float
     wall_secs: float
     # Examples/s over the same round's stock row, median over rounds (set by
     # `median_rows`); None: the ratio of the rates.
     speedup: float | None = None
-    # `(training secs, test accuracy)` before training and after each epoch;
-    # the seconds leave the evaluations out (medians over rounds after
-    # `median_rows`).
+    # `(training secs, test accuracy)` before training and after every
+    # `--eval_every` steps; the seconds leave the evaluations out (medians
+    # over rounds after `median_rows`).
     curve: list = dataclasses.field(default_factory=list)
+    # Training seconds and examples to first reach `target` (linear between
+    # evaluations; NaN: not reached), medians over rounds after `median_rows`
+    # (a round that did not reach it counts as the slowest).
+    target: float = math.nan
+    secs_to_target: float = math.nan
+    examples_to_target: float = math.nan
+    # After `median_rows`: `{field: (min, max)}` over rounds of
+    # `secs_to_target`, `examples_to_target`, `test_accuracy`; and the
+    # rounds that reached the target.
+    spread: dict = dataclasses.field(default_factory=dict)
+    reached: int = 0
+    rounds: int = 1
 
 
 class _Probe:
-    """Per-epoch times; sockets, CPU and Downpour bytes after warm-up and at the end."""
+    """Interval times and test accuracies; sockets, CPU and bytes after the first."""
 
-    def __init__(self, replicas, pids, evaluate=None):
+    def __init__(self, replicas, pids, evaluate):
         import tf_keras
 
         probe = self
@@ -377,14 +479,11 @@ class _Probe:
             def on_epoch_begin(self, epoch, logs=None):
                 probe.begin = time.monotonic()
 
-            # `fit` joins the coordinator at the end of every epoch, so each
-            # snapshot sees every scheduled step finished; it is taken outside
-            # the timed epochs.
+            # `fit` joins the coordinator at the end of every epoch (one
+            # evaluation interval), so each snapshot and evaluation sees every
+            # scheduled step finished; both are outside the clock.
             def on_epoch_end(self, epoch, logs=None):
-                secs = time.monotonic() - probe.begin
-                probe.train_secs += secs
-                if epoch > 0:
-                    probe.epoch_secs.append(secs)
+                probe.epoch_secs.append(time.monotonic() - probe.begin)
                 last = epoch == self.params["epochs"] - 1
                 if epoch in (0, self.params["epochs"] - 1):
                     probe.snap()
@@ -396,35 +495,112 @@ class _Probe:
         self.pids = pids
         self.evaluate = evaluate
         self.begin = 0.0
-        self.train_secs = 0.0
         self.epoch_secs: list[float] = []
-        self.curve: list[tuple[float, float]] = []
+        self.accuracies: list[float] = []
         # CPU seconds per pid the evaluations took inside the measured window.
         self.eval_cpu: dict[int, float] = collections.Counter()
         self.snaps: list[tuple[list[TcpSocket], dict, int]] = []
 
     def evaluate_point(self, count_cpu):
-        """Adds `(training secs so far, test accuracy)` to the curve."""
-        if self.evaluate is None:
-            return
+        """Appends the test accuracy now (before training, after each interval)."""
         before = {pid: cpu_secs(pid) for pid in self.pids}
-        self.curve.append((self.train_secs, self.evaluate()))
+        self.accuracies.append(self.evaluate())
         if count_cpu:
             for pid in self.pids:
                 self.eval_cpu[pid] += cpu_secs(pid) - before[pid]
 
     def snap(self):
         moved = 0
-        if self.replicas is not None:
+        if self.replicas:
             moved = sum(s.bytes_fetched + s.bytes_pushed for s in self.replicas.stats())
         cpu = {pid: cpu_secs(pid) for pid in self.pids}
-        self.snaps.append((read_sockets(), cpu, moved))
+        sockets = read_sockets() if self.replicas is not False else []
+        self.snaps.append((sockets, cpu, moved))
+
+    def curve(self):
+        """`[(training secs, accuracy)]`; the first interval at the later ones' rate.
+
+        The first interval holds the tracing of the training function (seconds
+        on 2 cores, more for a cluster), a fixed cost that time to accuracy
+        would otherwise charge to whichever row traces slowest; it counts at
+        the median seconds of the later intervals (all of equal steps).
+        """
+        import statistics
+
+        secs = list(self.epoch_secs)
+        if len(secs) > 1:
+            secs[0] = statistics.median(secs[1:])
+        times = [0.0]
+        for t in secs:
+            times.append(times[-1] + t)
+        return list(zip(times, self.accuracies))
 
 
-def _steps_per_epoch(f, model_name):
-    if f.steps_per_epoch:
-        return f.steps_per_epoch
-    return (_QUICK_STEPS_PER_EPOCH if f.quick else _STEPS_PER_EPOCH)[model_name]
+def to_target(curve, examples_per_point: float, target: float) -> tuple[float, float]:
+    """`(secs, examples)` to first reach `target` on `curve` (NaN: never).
+
+    Args:
+      curve: `[(training secs, test accuracy)]`, point k after
+        `k * examples_per_point` training examples.
+      examples_per_point: examples between two points.
+      target: the test accuracy to reach.
+
+    Returns:
+      Seconds and examples, each linearly interpolated between the two points
+      around the first crossing (`plots.time_to_target`).
+    """
+    accs = [a for _, a in curve]
+    secs = plots.time_to_target([t for t, _ in curve], accs, target)
+    examples = plots.time_to_target(
+        [k * examples_per_point for k in range(len(curve))], accs, target
+    )
+    return secs, examples
+
+
+def _row_kind(name: str) -> tuple[str, int | None, str | None]:
+    """`"single"|"stock"|"n=16+outer"` -> `(kind, n, rule)`."""
+    if name in ("single", "stock"):
+        return name, None, None
+    n, _, rule = name.partition("+")
+    return "downpour", int(n[len("n=") :]), rule or None
+
+
+def _downpour_config(n, rule, f):
+    from tf_distbelief import downpour
+
+    rules = {
+        None: {},
+        "outer": {
+            "outer_learning_rate": f.outer_learning_rate,
+            "outer_momentum": f.outer_momentum,
+        },
+        "dc": {"delay_compensation": f.delay_compensation},
+        "stale": {"staleness_scaled": True},
+    }[rule]
+    return downpour.DownpourConfig(
+        n_fetch=n,
+        n_push=n,
+        local_learning_rate=f.local_learning_rate,
+        local_optimizer=f.local_optimizer,
+        adagrad_accumulator=f.adagrad_accumulator,
+        **rules,
+    )
+
+
+def _eval_every(f, model_name):
+    return f.eval_every or (_QUICK_EVAL_EVERY if f.quick else _EVAL_EVERY)[model_name]
+
+
+def _intervals(f, model_name):
+    """Evaluation intervals of every row: `--steps / --eval_every`, rounded up."""
+    steps = f.steps or (_QUICK_STEPS if f.quick else _STEPS)[model_name]
+    return max(2, -(-steps // _eval_every(f, model_name)))
+
+
+def _target(f, model_name):
+    if f.target_accuracy is not None:
+        return f.target_accuracy
+    return (_QUICK_TARGET_ACCURACY if f.quick else _TARGET_ACCURACY)[model_name]
 
 
 def _speech_classes(f):
@@ -459,81 +635,113 @@ def _test_loss(model, x, y, batch_size=512):
     return total / len(y)
 
 
-def _run(local, data, model_name, n, f) -> Row:
-    """Trains one configuration on a fresh strategy; returns its row."""
+def _single_process_fit(model, x, y, config, probe, intervals, steps):
+    """Plain tf_keras `fit` in this process: the limit without a cluster."""
+    import tensorflow as tf
+
+    data = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x), seed=config.seed, reshuffle_each_iteration=True)
+        .repeat()
+        .batch(config.batch_size, drop_remainder=True)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+    model.fit(
+        data,
+        epochs=intervals,
+        steps_per_epoch=steps,
+        callbacks=[probe.callback],
+        verbose=0,
+    )
+
+
+def _run(local, data, model_name, name, f, seed) -> Row:
+    """Trains one row (fresh strategy or, for `single`, no cluster); returns it."""
     import statistics
 
     import models
-    from tf_distbelief import downpour, job, training
+    from tf_distbelief import job, training
     from tf_distbelief import strategy as strategy_lib
 
-    steps = _steps_per_epoch(f, model_name)
+    kind, n, rule = _row_kind(name)
+    steps = _eval_every(f, model_name)
+    intervals = _intervals(f, model_name)
     config = job.JobConfig(
         learning_rate=f.learning_rate or _LEARNING_RATE[model_name],
         batch_size=f.batch_size,
         steps_per_execution=f.steps_per_execution,
         num_ps=local.num_ps,
-        downpour=None
-        if n is None
-        else downpour.DownpourConfig(
-            n_fetch=n,
-            n_push=n,
-            local_learning_rate=f.local_learning_rate,
-            local_optimizer=f.local_optimizer,
-            adagrad_accumulator=f.adagrad_accumulator,
-        ),
+        seed=seed,
+        downpour=None if n is None else _downpour_config(n, rule, f),
     ).validate()
     spec = models.spec(
         model_name,
+        seed=seed,
         speech_hidden_units=f.speech_hidden_units,
         speech_classes=_speech_classes(f),
     )
     (x_train, y_train), (x_test, y_test) = data
     start = time.monotonic()
-    strategy = strategy_lib.DistBeliefStrategy(
-        local.resolver_for(),
-        job.make_partitioner(config.partitioner, local.num_ps, config.shard_bytes),
-    )
-    model = job.compile_model(config, strategy, spec)
+    roles = {os.getpid(): "chief"}
+    if kind == "single":
+        model = job.build_model(config, spec)
+        model.compile(
+            optimizer=job.build_optimizer(config),
+            loss=spec.loss(),
+            metrics=list(spec.metrics),
+            steps_per_execution=config.steps_per_execution,
+        )
+        replicas = False  # No ps: no sockets, no bytes.
+    else:
+        strategy = strategy_lib.DistBeliefStrategy(
+            local.resolver_for(),
+            job.make_partitioner(config.partitioner, local.num_ps, config.shard_bytes),
+        )
+        model = job.compile_model(config, strategy, spec)
+        replicas = getattr(model, "downpour", None)
+        roles.update({p.pid: k for (k, _), p in local.processes.items()})
     # Kept until exit: a collected model's functions are removed from the
     # tasks, which the reconnected context no longer knows (noisy errors).
     _KEEP_ALIVE.append(model)
-    replicas = getattr(model, "downpour", None)
-    roles = {os.getpid(): "chief"}
-    roles.update({p.pid: kind for (kind, _), p in local.processes.items()})
     probe = _Probe(
-        replicas,
-        list(roles),
-        (lambda: training.accuracy(model, x_test, y_test)) if f.curves else None,
+        replicas, list(roles), lambda: training.accuracy(model, x_test, y_test)
     )
-    training.fit(
-        model,
-        training.dataset_creator(x_train, y_train, config.batch_size, config.seed),
-        epochs=1 + f.timed_epochs,
-        steps_per_epoch=steps,
-        batch_size=config.batch_size,
-        callbacks=[probe.callback],
-        print_fn=lambda *_: None,
-    )
+    if kind == "single":
+        _single_process_fit(model, x_train, y_train, config, probe, intervals, steps)
+    else:
+        training.fit(
+            model,
+            training.dataset_creator(x_train, y_train, config.batch_size, config.seed),
+            epochs=intervals,
+            steps_per_epoch=steps,
+            batch_size=config.batch_size,
+            callbacks=[probe.callback],
+            print_fn=lambda *_: None,
+        )
     (before, cpu0, moved0), (after, cpu1, moved1) = probe.snaps
-    timed_steps = f.timed_epochs * steps
+    timed_steps = (intervals - 1) * steps
     examples = timed_steps * config.batch_size
     pids = {
         role: [p for p, r in roles.items() if r == role] for role in set(roles.values())
     }
-    ps_ports = {
-        int(address.rpartition(":")[2]): local.processes[("ps", i)].pid
-        for i, address in enumerate(local.jobs["ps"])
-    }
-    socket_bytes = link_bytes(before, after, pids["worker"], pids["ps"], ps_ports).total
-    if replicas is None:
+    if kind == "single":
+        socket_bytes = tensor_bytes = 0
+    else:
+        ps_ports = {
+            int(address.rpartition(":")[2]): local.processes[("ps", i)].pid
+            for i, address in enumerate(local.jobs["ps"])
+        }
+        socket_bytes = link_bytes(
+            before, after, pids["worker"], pids["ps"], ps_ports
+        ).total
+    if kind == "stock":
         # Stock training reads every parameter and sends every gradient once
         # per step.
         model_bytes = sum(
             v.shape.num_elements() * v.dtype.size for v in model.trainable_variables
         )
         tensor_bytes = 2 * model_bytes * timed_steps
-    else:
+    elif kind == "downpour":
         tensor_bytes = moved1 - moved0
     cpu_ms = {
         role: sum(cpu1[p] - cpu0[p] - probe.eval_cpu[p] for p in role_pids)
@@ -541,19 +749,36 @@ def _run(local, data, model_name, n, f) -> Row:
         / timed_steps
         for role, role_pids in pids.items()
     }
-    rate = statistics.median(steps * config.batch_size / s for s in probe.epoch_secs)
+    rate = statistics.median(
+        steps * config.batch_size / s for s in probe.epoch_secs[1:]
+    )
+    curve = probe.curve()
+    target = _target(f, model_name)
+    secs, examples_to = to_target(curve, steps * config.batch_size, target)
     return Row(
         model=model_name,
-        name="stock" if n is None else f"n={n}",
+        name=name,
         examples_per_sec=rate,
         socket_bytes_per_example=socket_bytes / examples,
         tensor_bytes_per_example=tensor_bytes / examples,
         cpu_ms_per_step=cpu_ms,
-        test_accuracy=training.accuracy(model, x_test, y_test),
+        test_accuracy=curve[-1][1],
         test_loss=_test_loss(model, x_test, y_test),
         wall_secs=time.monotonic() - start,
-        curve=probe.curve,
+        curve=curve,
+        target=target,
+        secs_to_target=secs,
+        examples_to_target=examples_to,
+        reached=int(not math.isnan(secs)),
     )
+
+
+def _median_reached(values: list[float]) -> float:
+    """Median where NaN (not reached) counts as slower than any round; NaN if so."""
+    import statistics
+
+    value = statistics.median(math.inf if math.isnan(v) else v for v in values)
+    return math.nan if math.isinf(value) else value
 
 
 def median_rows(rows: list[Row]) -> list[Row]:
@@ -561,7 +786,9 @@ def median_rows(rows: list[Row]) -> list[Row]:
 
     `speedup` is the median over rounds of each round's examples/s over that
     round's stock examples/s (the i-th row of a configuration is round i): the
-    two ran side by side, so a load change between rounds cancels out.
+    two ran side by side, so a load change between rounds cancels out. The
+    time to the target is the median over rounds, a round that did not reach
+    it counting as the slowest; `spread` holds min and max over rounds.
     """
     import statistics
 
@@ -577,6 +804,12 @@ def median_rows(rows: list[Row]) -> list[Row]:
 
         def med(key, group=group):
             return statistics.median(getattr(r, key) for r in group)
+
+        def spread(key, group=group):
+            values = [getattr(r, key) for r in group]
+            finite = [v for v in values if not math.isnan(v)]
+            high = max(finite) if len(finite) == len(values) else math.nan
+            return (min(finite) if finite else math.nan, high)
 
         roles = {k for r in group for k in r.cpu_ms_per_step}
         result.append(
@@ -595,9 +828,135 @@ def median_rows(rows: list[Row]) -> list[Row]:
                 wall_secs=sum(r.wall_secs for r in group),
                 speedup=speedup,
                 curve=downpour_figures.median_curve([r.curve for r in group]),
+                target=group[0].target,
+                secs_to_target=_median_reached([r.secs_to_target for r in group]),
+                examples_to_target=_median_reached(
+                    [r.examples_to_target for r in group]
+                ),
+                spread={
+                    k: spread(k)
+                    for k in ("secs_to_target", "examples_to_target", "test_accuracy")
+                },
+                reached=sum(r.reached for r in group),
+                rounds=len(group),
             )
         )
     return result
+
+
+def _fmt(value: float, fmt: str) -> str:
+    return "not reached" if math.isnan(value) else format(value, fmt)
+
+
+def _fmt_range(low: float, high: float, fmt: str) -> str:
+    return f"{_fmt(low, fmt)}-{'n.r.' if math.isnan(high) else format(high, fmt)}"
+
+
+def format_headline(rows: list[Row], header: str) -> str:
+    """The time-to-accuracy table, Markdown: medians over rounds, [min-max].
+
+    `x stock`, `x single`: seconds to the target over the `stock` and `single`
+    rows' (of the same model, medians); `B x stock`: socket bytes per example
+    over stock's; `acc vs n=1`: final test accuracy minus the `n=1` row's, in
+    points (equal examples).
+    """
+    lines = [
+        header,
+        "",
+        "| model | row | target | secs to target | examples to target | reached "
+        "| x stock | x single | final acc | acc vs n=1 | ex/s | x stock ex/s "
+        "| x single ex/s | B/ex | B x stock |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_name = {(r.model, r.name): r for r in rows}
+    for r in rows:
+        stock = by_name.get((r.model, "stock"))
+        single = by_name.get((r.model, "single"))
+        n1 = by_name.get((r.model, "n=1"))
+        lo, hi = r.spread.get("secs_to_target", (r.secs_to_target,) * 2)
+        elo, ehi = r.spread.get("examples_to_target", (r.examples_to_target,) * 2)
+        alo, ahi = r.spread.get("test_accuracy", (r.test_accuracy,) * 2)
+
+        def ratio(value, base, fmt=".2f"):
+            if base is None or math.isnan(value) or math.isnan(base) or not base:
+                return "-"
+            return _fmt(value / base, fmt)
+
+        diff = "-"
+        if n1 is not None:
+            diff = f"{100 * (r.test_accuracy - n1.test_accuracy):+.1f}"
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r.model,
+                    r.name,
+                    f"{r.target:.3f}",
+                    f"{_fmt(r.secs_to_target, '.1f')} [{_fmt_range(lo, hi, '.1f')}]",
+                    f"{_fmt(r.examples_to_target, '.0f')} "
+                    f"[{_fmt_range(elo, ehi, '.0f')}]",
+                    f"{r.reached}/{r.rounds}",
+                    ratio(r.secs_to_target, stock and stock.secs_to_target),
+                    ratio(r.secs_to_target, single and single.secs_to_target),
+                    f"{r.test_accuracy:.4f} [{alo:.4f}-{ahi:.4f}]",
+                    diff,
+                    f"{r.examples_per_sec:.0f}",
+                    ratio(r.examples_per_sec, stock and stock.examples_per_sec),
+                    ratio(r.examples_per_sec, single and single.examples_per_sec),
+                    f"{r.socket_bytes_per_example:.0f}",
+                    ratio(
+                        r.socket_bytes_per_example,
+                        stock and stock.socket_bytes_per_example,
+                        ".3f",
+                    ),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def write_headline_csv(path: str, rows: list[Row]) -> str:
+    """The headline table as CSV (one line per row, medians and min/max)."""
+    fields = ("secs_to_target", "examples_to_target", "test_accuracy")
+    return plots.write_csv(
+        path,
+        [
+            "model",
+            "row",
+            "target",
+            "secs_to_target",
+            "secs_min",
+            "secs_max",
+            "examples_to_target",
+            "examples_min",
+            "examples_max",
+            "test_accuracy",
+            "acc_min",
+            "acc_max",
+            "reached",
+            "rounds",
+            "examples_per_sec",
+            "socket_bytes_per_example",
+        ],
+        [
+            [
+                r.model,
+                r.name,
+                r.target,
+                *[
+                    v
+                    for k in fields
+                    for v in (getattr(r, k), *r.spread.get(k, (math.nan,) * 2))
+                ],
+                r.reached,
+                r.rounds,
+                r.examples_per_sec,
+                r.socket_bytes_per_example,
+            ]
+            for r in rows
+        ],
+    )
 
 
 def format_table(rows: list[Row], header: str) -> str:
@@ -627,6 +986,14 @@ def format_table(rows: list[Row], header: str) -> str:
     return "\n".join(lines)
 
 
+def _rows(f) -> list[str]:
+    names = f.rows or list(_QUICK_ROWS if f.quick else _DEFAULT_ROWS)
+    unknown = [n for n in names if n not in _known_rows()]
+    if unknown:
+        raise app.UsageError(f"--rows: unknown {unknown}; known: {_known_rows()}")
+    return names
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -640,37 +1007,46 @@ def main(argv):
     bad = [m for m in f.models if m not in _MODELS]
     if bad:
         raise app.UsageError(f"--models must be among {_MODELS}. Received: {bad}")
-    ns = [int(n) for n in f.n]
+    names = _rows(f)
+    rounds = f.rounds or (1 if f.quick else 5)
     rows = []
     round_rows = []
     data = {m: _load_data(m, f) for m in f.models}
     with cluster.LocalCluster(num_workers=2, num_ps=f.num_ps) as local:
-        # Rounds interleave the configurations, so that a change in the load
-        # of the machine spreads over all of them.
-        for round_index in range(f.repeats):
+        # Rounds interleave the rows, so that a change in the load of the
+        # machine spreads over all of them.
+        for round_index in range(rounds):
             for model_name in f.models:
-                for n in [None, *ns]:
-                    r = _run(local, data[model_name], model_name, n, f)
+                for name in names:
+                    r = _run(local, data[model_name], model_name, name, f, round_index)
                     rows.append(r)
                     round_rows.append((round_index, r))
                     print(
-                        f"round {round_index + 1}/{f.repeats} {r.model} {r.name}: "
-                        f"{r.examples_per_sec:.0f} ex/s, {r.wall_secs:.0f} s",
+                        f"round {round_index + 1}/{rounds} {r.model} {r.name}: "
+                        f"{_fmt(r.secs_to_target, '.1f')} s to {r.target:.3f}, "
+                        f"final {r.test_accuracy:.4f}, "
+                        f"{r.examples_per_sec:.0f} ex/s, {r.wall_secs:.0f} s wall",
                         flush=True,
                     )
         rows = median_rows(rows)
         load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-        epochs = ", ".join(f"{m} {_steps_per_epoch(f, m)}" for m in f.models)
+        steps = ", ".join(
+            f"{m} {_intervals(f, m)} x {_eval_every(f, m)}" for m in f.models
+        )
         header = (
             f"cores={os.cpu_count()} load={load} workers=2 ps={f.num_ps} "
             f"batch={f.batch_size} steps_per_execution={f.steps_per_execution} "
-            f"epochs=1+{f.timed_epochs} of ({epochs}) steps "
-            f"medians of {f.repeats} rounds lr="
+            f"steps=({steps}) medians of {rounds} rounds lr="
             + ",".join(f"{m}:{f.learning_rate or _LEARNING_RATE[m]}" for m in f.models)
-            + " "
-            f"speech=440-{f.speech_hidden_units}x4-{_speech_classes(f)}"
+            + f" speech=440-{f.speech_hidden_units}x4-{_speech_classes(f)} "
+            f"outer={f.outer_learning_rate}/{f.outer_momentum} "
+            f"dc={f.delay_compensation}"
         )
-        print(format_table(rows, header))
+        for line in format_headline(rows, header).splitlines():
+            print(line, flush=True)
+        if f.throughput_table:
+            print(flush=True)
+            print(format_table(rows, "throughput (medians over rounds):"), flush=True)
         if f.cpu_breakdown:
             for r in rows:
                 cpu = " ".join(
@@ -678,9 +1054,16 @@ def main(argv):
                 )
                 print(f"{r.model} {r.name}: CPU ms/step {cpu}")
         if f.out_dir:
-            for path in downpour_figures.write_outputs(
-                f.out_dir, rows, round_rows, header, f.target_accuracy
-            ):
+            targets = {m: _target(f, m) for m in f.models}
+            paths = [
+                write_headline_csv(
+                    os.path.join(f.out_dir, "downpour_time_to_accuracy.csv"), rows
+                ),
+                *downpour_figures.write_outputs(
+                    f.out_dir, rows, round_rows, header, targets
+                ),
+            ]
+            for path in paths:
                 print(f"wrote {path}", flush=True)
         # TensorFlow's teardown would contact the ended tasks (see `job.main`).
         sys.stdout.flush()

@@ -68,7 +68,8 @@ def write_outputs(out_dir, rows, round_rows, header, target_accuracy=None):
       round_rows: `[(round index, row), ...]`, every round's own row.
       header: the table's header line (machine, cluster, epochs), noted in
         the CSV's first column and under the figures.
-      target_accuracy: the accuracy of the time-to-target figure, or None for
+      target_accuracy: the accuracy of the time-to-target figure: a float
+        for every model, `{model: float}` per model, or None for
         `default_target` per model.
 
     Returns:
@@ -83,7 +84,12 @@ def write_outputs(out_dir, rows, round_rows, header, target_accuracy=None):
     )
     models = list(dict.fromkeys(r.model for r in rows))
     targets = {
-        m: target_accuracy or default_target([r for r in rows if r.model == m])
+        m: (
+            target_accuracy.get(m)
+            if isinstance(target_accuracy, dict)
+            else target_accuracy
+        )
+        or default_target([r for r in rows if r.model == m])
         for m in models
     }
     to_target = {
