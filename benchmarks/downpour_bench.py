@@ -25,7 +25,7 @@ the clock: the training seconds are the epochs' own, from epoch begin to epoch
 end, evaluations and snapshots outside them. The first interval holds the
 tracing of the training functions (a fixed cost, longest for the cluster); it
 counts at the median seconds of the later intervals. `--rounds` rounds run all
-rows in turn, round `r` with seed `r` (model initialisation and data order):
+rows in turn, round `r` with seed `--first_seed + r` (initialisation, data order):
 the spread over rounds is over seeds as well as machine load.
 
 The headline table (Markdown, medians over rounds, `[min-max]` over rounds):
@@ -83,11 +83,14 @@ Usage:
   python benchmarks/downpour_bench.py --quick    # about 3 minutes
   python benchmarks/downpour_bench.py --rows=stock,n=16,n=16+outer --rounds=3
 
-Duration: a speech row of 1600 steps takes 35-75 s of wall time on 2 idle cores
-(setup, tracing, 11 evaluations of 10,000 examples, training); the default 8
-rows x 3 rounds about 20 minutes (estimated from 1-round runs at load 4-10,
-scaled to idle cores). With `--rounds=5` (needed to tell a 1-point difference in
-final accuracy from the seed-to-seed spread, see the README) about 33 minutes.
+Duration (speech, estimated from 1- and 2-round runs at load 8-20, scaled by
+the idle rates of issue 14: single 3,200-3,800 ex/s, stock 1,440, n=16 2,800):
+a row of 1600 steps takes about 25 s (single) to 55 s (stock, n=1) of wall
+time on 2 idle cores (setup, tracing, 11 evaluations of 10,000 examples,
+training), a round of the 8 default rows about 6 minutes, the default 3
+rounds about 17-20 minutes. Accuracy after equal examples differs by 2-4
+points between seeds, so a 1-point difference needs many more seeds than 3
+rounds: `--rows=n=1,n=16,n=16+outer --rounds=8` (about 18 minutes) for that.
 """
 
 from __future__ import annotations
@@ -125,10 +128,12 @@ _QUICK_STEPS = {"digits": 240, "speech": 640}
 # the most frequent class (speech 0.1055 on the test set, 0.124 early on).
 _TARGET_ACCURACY = {"digits": 0.95, "speech": 0.2}
 _QUICK_TARGET_ACCURACY = {"digits": 0.93, "speech": 0.15}
-# The push rules' settings of the `+outer` and `+dc` rows:
-# benchmarks/downpour_modes.py's best outer Nesterov setting at n=16, and
-# DC-ASGD's lambda of its reference runs.
-_OUTER_LEARNING_RATE = 0.5
+# The push rules' settings of the `+outer` and `+dc` rows: outer Nesterov at
+# lr 0.35, momentum 0.9 kept n=16 within 1 point of n=1 in the simulation
+# (benchmarks/downpour_modes.py, 8 seeds) and on the cluster (lr 0.5 was as
+# good in the simulation but fell behind on the cluster; lr 0.7 collapsed in
+# both); DC-ASGD's lambda of its reference runs.
+_OUTER_LEARNING_RATE = 0.35
 _OUTER_MOMENTUM = 0.9
 _DELAY_COMPENSATION = 0.04
 # Rows: "single" (one process, no cluster), "stock", "n=<n>" (Downpour,
@@ -368,10 +373,17 @@ def define_flags():
     flags.DEFINE_integer(
         "rounds",
         None,
-        "Rounds over all rows (each trains anew, round r with seed r: model "
-        "initialisation and data order); medians and spread over rounds "
+        "Rounds over all rows (each trains anew, round r with seed "
+        "first_seed + r: model initialisation and data order); medians and "
+        "spread over rounds "
         "(default 3, --quick 1).",
         lower_bound=1,
+    )
+    flags.DEFINE_integer(
+        "first_seed",
+        0,
+        "Round r runs with seed first_seed + r (to add seeds to an earlier run).",
+        lower_bound=0,
     )
     flags.DEFINE_float(
         "learning_rate",
@@ -1019,7 +1031,8 @@ def main(argv):
         for round_index in range(rounds):
             for model_name in f.models:
                 for name in names:
-                    r = _run(local, data[model_name], model_name, name, f, round_index)
+                    seed = f.first_seed + round_index
+                    r = _run(local, data[model_name], model_name, name, f, seed)
                     rows.append(r)
                     round_rows.append((round_index, r))
                     print(
@@ -1037,7 +1050,8 @@ def main(argv):
         header = (
             f"cores={os.cpu_count()} load={load} workers=2 ps={f.num_ps} "
             f"batch={f.batch_size} steps_per_execution={f.steps_per_execution} "
-            f"steps=({steps}) medians of {rounds} rounds lr="
+            f"steps=({steps}) medians of {rounds} rounds (seeds {f.first_seed}-"
+            f"{f.first_seed + rounds - 1}) lr="
             + ",".join(f"{m}:{f.learning_rate or _LEARNING_RATE[m]}" for m in f.models)
             + f" speech=440-{f.speech_hidden_units}x4-{_speech_classes(f)} "
             f"outer={f.outer_learning_rate}/{f.outer_momentum} "

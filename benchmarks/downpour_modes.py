@@ -57,6 +57,7 @@ RULES = {
     "outer.7m.9": {"outer_learning_rate": 0.7, "outer_momentum": 0.9},
     "outer1m.9": {"outer_learning_rate": 1.0, "outer_momentum": 0.9},
     "outer.5m.9": {"outer_learning_rate": 0.5, "outer_momentum": 0.9},
+    "outer.35m.9": {"outer_learning_rate": 0.35, "outer_momentum": 0.9},
     # Each push is one replica's delta: 0.5 is DiLoCo's average of 2.
     "outer.5": {"outer_learning_rate": 0.5, "outer_momentum": 0.0},
     "outer.35m.5": {"outer_learning_rate": 0.35, "outer_momentum": 0.5},
