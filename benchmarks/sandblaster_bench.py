@@ -68,6 +68,9 @@ def define_flags():
     flags.DEFINE_float("slowdown", 5.0, "Straggler slowdown factor.", lower_bound=1)
     flags.DEFINE_integer("batches", 4, "Timed batches per setting.", lower_bound=1)
     flags.DEFINE_integer(
+        "straggler_runs", 3, "Runs of the three straggler settings.", lower_bound=1
+    )
+    flags.DEFINE_integer(
         "target_iters",
         25,
         "SciPy iterations that define the target loss.",
@@ -171,79 +174,147 @@ def first_at_or_below(values, target):
     return next((i for i, v in enumerate(values) if v <= target), None)
 
 
+def _straggler_runs(make_objective, runs, batches):
+    """Rows of batch seconds: no straggler, then a straggler without/with backups.
+
+    Returns:
+      `(rows, batch_times)`: a row per run (`[run, secs, ratio, ratio,
+      backups]`), and `(setting, secs)` of the last run for the figure.
+    """
+    from tests import stragglers
+
+    straggler = stragglers.slow_worker(1, straggler_slowdown=FLAGS.slowdown)
+    settings = [
+        ("no straggler, backup tasks", {"backup_tasks": True}),
+        (
+            f"worker 1 {FLAGS.slowdown:g}x slower, no backup tasks",
+            {"backup_tasks": False, "portion_delay_fn": straggler},
+        ),
+        (
+            f"worker 1 {FLAGS.slowdown:g}x slower, backup tasks",
+            {"backup_tasks": True, "portion_delay_fn": straggler},
+        ),
+    ]
+    rows = []
+    for run in range(1, runs + 1):
+        secs, backups, batch_times = [], "", []
+        for name, kwargs in settings:
+            obj = make_objective(**kwargs)
+            x_vector = obj.ops.from_numpy(obj.layout.read())
+            secs.append(batch_secs(obj, x_vector, batches))
+            obj.join()
+            if kwargs.get("portion_delay_fn") and kwargs["backup_tasks"]:
+                s = obj.stats
+                backups = f"{s.backup_copies_scheduled / s.evaluations:.1f}"
+            batch_times.append((name, secs[-1]))
+            obj.close()
+        rows.append(
+            [
+                str(run),
+                f"{secs[0]:.3f}",
+                f"{secs[1] / secs[0]:.2f}x",
+                f"{secs[2] / secs[0]:.2f}x",
+                backups,
+            ]
+        )
+        print(f"straggler run {run}: {rows[-1]}", flush=True)
+    return rows, batch_times
+
+
+def _sandblaster_to_target(make_objective, target, workers):
+    """Runs Sandblaster L-BFGS; returns `(row values, (secs, losses) curve)`."""
+    from tf_distbelief.sandblaster import lbfgs
+
+    obj = make_objective(backup_tasks=True)
+    eval_log = []
+    start = time.monotonic()
+
+    def logged(vector):
+        loss, grad = obj(vector)
+        eval_log.append((time.monotonic() - start, loss))
+        return loss, grad
+
+    x0 = obj.ops.from_numpy(obj.layout.read())
+    obj.ops.round_trips.clear()
+    result = lbfgs.minimize(
+        logged,
+        x0,
+        obj.ops,
+        m=10,
+        max_iters=FLAGS.max_iters,
+        gtol=0.0,
+        ftol=0.0,
+        two_loop=FLAGS.two_loop,
+    )
+    # The objective's own copy of x (one `assign` per evaluation) is
+    # evaluation work, not the L-BFGS vector work.
+    vector_trips = sum(obj.ops.round_trips.values()) - result.num_evals
+    iters = first_at_or_below(result.loss_history, target)
+    evals = first_at_or_below([loss for _, loss in eval_log], target)
+    secs = eval_log[evals][0] if evals is not None else float("nan")
+    obj.close()
+    row = {
+        "run": f"Sandblaster L-BFGS, {workers} worker{'s' * (workers > 1)} "
+        f"({FLAGS.two_loop}, {vector_trips / max(result.num_iters, 1):.1f} ps "
+        "round trips/iter)",
+        "iters": iters,
+        "evals": None if evals is None else evals + 1,
+        "secs_per_eval": float(np.median(obj.stats.evaluation_secs)),
+        "secs": secs,
+    }
+    curve = ([t for t, _ in eval_log], [loss for _, loss in eval_log])
+    return row, curve
+
+
 def main(argv):
     del argv
     import tf_keras
 
-    from tests import stragglers
     from tf_distbelief import cluster
     from tf_distbelief import strategy as strategy_lib
-    from tf_distbelief.sandblaster import lbfgs
     from tf_distbelief.sandblaster import objective as sandblaster
 
     x, y = make_data(FLAGS.examples, FLAGS.features, FLAGS.seed)
     loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    rows, batch_times = [], []
     with cluster.LocalCluster(FLAGS.num_workers, FLAGS.num_ps) as local:
-        strategy = strategy_lib.DistBeliefStrategy(local.resolver)
+        strategies = {}
 
-        def objective(**kwargs):
-            model = build_model(FLAGS.features, FLAGS.hidden, FLAGS.seed)
-            return model, sandblaster.SandblasterObjective(
-                strategy, model, loss_fn, x, y, portions=FLAGS.portions, **kwargs
-            )
+        def objective_on(workers):
+            def make(**kwargs):
+                if workers not in strategies:
+                    strategies[workers] = strategy_lib.DistBeliefStrategy(
+                        local.resolver_for(num_workers=workers)
+                    )
+                model = build_model(FLAGS.features, FLAGS.hidden, FLAGS.seed)
+                return sandblaster.SandblasterObjective(
+                    strategies[workers],
+                    model,
+                    loss_fn,
+                    x,
+                    y,
+                    portions=FLAGS.portions,
+                    **kwargs,
+                )
 
-        straggler = stragglers.slow_worker(1, straggler_slowdown=FLAGS.slowdown)
-        settings = [
-            ("no straggler, backup tasks", {"backup_tasks": True}),
-            (
-                f"worker 1 {FLAGS.slowdown:g}x slower, no backup tasks",
-                {"backup_tasks": False, "portion_delay_fn": straggler},
-            ),
-            (
-                f"worker 1 {FLAGS.slowdown:g}x slower, backup tasks",
-                {"backup_tasks": True, "portion_delay_fn": straggler},
-            ),
-        ]
-        baseline = None
-        for name, kwargs in settings:
-            model, obj = objective(**kwargs)
-            x_vector = obj.ops.from_numpy(obj.layout.read())
-            secs = batch_secs(obj, x_vector, FLAGS.batches)
-            obj.join()
-            if baseline is None:
-                phases = sandblaster_phases.evaluation_phases(
-                    obj, x_vector, FLAGS.batches
-                )
-                _print_table(
-                    f"One evaluation, no straggler ({FLAGS.examples} examples, "
-                    f"{FLAGS.portions} portions, {FLAGS.num_workers} workers, "
-                    f"{FLAGS.num_ps} ps; mean of {FLAGS.batches}):",
-                    ["phase", "secs per evaluation", "share"],
-                    phases,
-                )
-                if FLAGS.phases_only:
-                    obj.close()
-                    return
-            baseline = baseline or secs
-            batch_times.append((name, secs))
-            s = obj.stats
-            rows.append(
-                [
-                    name,
-                    f"{secs:.3f}",
-                    f"{secs / baseline:.2f}x",
-                    f"{s.backup_copies_scheduled / s.evaluations:.1f}",
-                    f"{s.copies_discarded}",
-                    " / ".join(
-                        str(s.accepted_by_worker.get(w, 0))
-                        for w in range(FLAGS.num_workers)
-                    ),
-                    "",
-                    "",
-                ]
-            )
-            obj.close()
+            return make
+
+        make_objective = objective_on(FLAGS.num_workers)
+        obj = make_objective(backup_tasks=True)
+        x_vector = obj.ops.from_numpy(obj.layout.read())
+        batch_secs(obj, x_vector, 1)
+        _print_table(
+            f"One evaluation, no straggler ({FLAGS.examples} examples, "
+            f"{FLAGS.portions} portions, {FLAGS.num_workers} workers, "
+            f"{FLAGS.num_ps} ps; mean of {FLAGS.batches}):",
+            ["phase", "secs per evaluation", "share"],
+            sandblaster_phases.evaluation_phases(obj, x_vector, FLAGS.batches),
+        )
+        obj.close()
+        if FLAGS.phases_only:
+            return
+        straggler_rows, batch_times = _straggler_runs(
+            make_objective, FLAGS.straggler_runs, FLAGS.batches
+        )
 
         # Convergence: SciPy first (it defines the target), then Sandblaster.
         model = build_model(FLAGS.features, FLAGS.hidden, FLAGS.seed)
@@ -251,93 +322,76 @@ def main(argv):
             model, loss_fn.call, x, y, FLAGS.target_iters
         )
         target = scipy_losses[-1]
-        model, obj = objective(backup_tasks=True)
-        eval_log = []
-        start = time.monotonic()
-
-        def logged(vector):
-            loss, grad = obj(vector)
-            eval_log.append((time.monotonic() - start, loss))
-            return loss, grad
-
-        x0 = obj.ops.from_numpy(obj.layout.read())
-        obj.ops.round_trips.clear()
-        result = lbfgs.minimize(
-            logged,
-            x0,
-            obj.ops,
-            m=10,
-            max_iters=FLAGS.max_iters,
-            gtol=0.0,
-            ftol=0.0,
-            two_loop=FLAGS.two_loop,
-        )
-        # The objective's own copy of x (one `assign` per evaluation) is
-        # evaluation work, not the L-BFGS vector work.
-        vector_trips = sum(obj.ops.round_trips.values()) - result.num_evals
-        iters = first_at_or_below(result.loss_history, target)
-        evals = first_at_or_below([loss for _, loss in eval_log], target)
-        sb_secs = eval_log[evals][0] if evals is not None else float("nan")
-        rows.append(
-            [
-                f"Sandblaster L-BFGS ({FLAGS.num_workers} workers, {FLAGS.two_loop}; "
-                f"{vector_trips / max(result.num_iters, 1):.1f} ps round trips/iter, "
-                f"{result.num_evals / max(result.num_iters, 1):.2f} evals/iter), "
-                "to target",
-                f"{np.median(obj.stats.evaluation_secs):.3f}",
-                "",
-                "",
-                "",
-                "",
-                str(iters),
-                f"{sb_secs:.1f}",
-            ]
-        )
-        obj.close()
         scipy_iters = first_at_or_below(scipy_losses, target)
-        per_iter = scipy_secs[-1] / max(1, len(scipy_secs) - 1)
-        rows.append(
-            [
-                "SciPy L-BFGS-B (1 process, 1 core; "
-                f"{scipy_evals / max(len(scipy_losses) - 1, 1):.2f} evals/iter), "
-                "to target",
-                f"{per_iter:.3f} (per iter)",
-                "",
-                "",
-                "",
-                "",
-                str(scipy_iters),
-                f"{scipy_secs[scipy_iters]:.1f}",
-            ]
-        )
+        scipy_row = {
+            "run": "SciPy L-BFGS-B, 1 process, 1 core",
+            "iters": scipy_iters,
+            "evals": scipy_evals,
+            "secs_per_eval": scipy_secs[-1] / scipy_evals,
+            "secs": scipy_secs[scipy_iters],
+        }
+        results, curves = [], {}
+        for workers in sorted({FLAGS.num_workers, 1}, reverse=True):
+            row, curve = _sandblaster_to_target(objective_on(workers), target, workers)
+            results.append(row)
+            curves[f"Sandblaster L-BFGS ({workers} worker{'s' * (workers > 1)})"] = (
+                curve
+            )
+        results.append(scipy_row)
+        curves["SciPy L-BFGS-B (1 core)"] = (scipy_secs, scipy_losses)
 
     params = (FLAGS.features + 1) * FLAGS.hidden + (FLAGS.hidden + 1) * 10
     print(
         f"\nSandblaster L-BFGS: {FLAGS.examples} examples, {params} parameters, "
         f"{FLAGS.portions} portions, {FLAGS.num_workers} workers, {FLAGS.num_ps} "
         f"ps, 1 intra-op thread per task; target loss {target:.4g} (SciPy after "
-        f"{FLAGS.target_iters} iterations)\n"
+        f"{FLAGS.target_iters} iterations)",
+        flush=True,
+    )
+    straggler_header = [
+        "run",
+        "batch secs, no straggler",
+        f"{FLAGS.slowdown:g}x straggler, no backups",
+        f"{FLAGS.slowdown:g}x straggler, backup tasks",
+        "backups/batch",
+    ]
+    _print_table(
+        f"Batch time with worker 1 made {FLAGS.slowdown:g}x slower, as a ratio to "
+        f"the no-straggler batch (median of {FLAGS.batches} batches per setting):",
+        straggler_header,
+        straggler_rows,
     )
     header = [
         "run",
-        "batch secs",
-        "vs no straggler",
-        "backups/batch",
-        "discarded",
-        "portions by worker",
         "iters to target",
+        "evals to target",
+        "secs per eval",
         "secs to target",
+        "x SciPy",
     ]
-    _print_table("", header, rows)
+    rows = [
+        [
+            r["run"],
+            str(r["iters"]),
+            str(r["evals"]),
+            f"{r['secs_per_eval']:.3f}",
+            f"{r['secs']:.1f}",
+            f"{r['secs'] / scipy_row['secs']:.2f}x",
+        ]
+        for r in results
+    ]
+    _print_table("To SciPy's target loss:", header, rows)
     if FLAGS.out_dir:
-        curves = {
-            f"Sandblaster L-BFGS ({FLAGS.num_workers} workers)": (
-                [t for t, _ in eval_log],
-                [loss for _, loss in eval_log],
-            ),
-            "SciPy L-BFGS-B (1 core)": (scipy_secs, scipy_losses),
-        }
-        _write_outputs(FLAGS.out_dir, header, rows, batch_times, curves, target)
+        _write_outputs(
+            FLAGS.out_dir,
+            header,
+            rows,
+            straggler_header,
+            straggler_rows,
+            batch_times,
+            curves,
+            target,
+        )
 
 
 def _print_table(title, header, rows):
@@ -351,9 +405,16 @@ def _print_table(title, header, rows):
         )
 
 
-def _write_outputs(out_dir, header, rows, batch_times, curves, target):
-    """The table and loss curves as CSV; the batch-time and loss figures."""
+def _write_outputs(
+    out_dir, header, rows, straggler_header, straggler_rows, batch_times, curves, target
+):
+    """The tables and loss curves as CSV; the batch-time and loss figures."""
     plots.write_csv(os.path.join(out_dir, "sandblaster.csv"), header, rows)
+    plots.write_csv(
+        os.path.join(out_dir, "sandblaster_stragglers.csv"),
+        straggler_header,
+        straggler_rows,
+    )
     plots.write_csv(
         os.path.join(out_dir, "sandblaster_loss.csv"),
         ["optimizer", "secs", "loss"],
