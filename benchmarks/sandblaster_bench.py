@@ -2,19 +2,28 @@ r"""Sandblaster L-BFGS: backup tasks against a straggler, and L-BFGS-B for scale
 
 Dean et al. 2012, section 4.2: cutting a batch into many portions lets fast
 replicas do more of it, and backup tasks stop one slow replica from holding up
-the end of the batch. This benchmark starts its own `LocalCluster` (2 workers,
-2 ps) and prints one table:
+the end of the batch. This benchmark starts its own `LocalCluster` (as many
+workers as the largest count it uses, 2 ps) and prints three tables:
 
+* where one no-straggler evaluation's time goes (`sandblaster_phases`: the
+  copy of x, scheduling, waiting for the workers, the reduction of the
+  accepted gradient slots, the coordinator's own Python), with a parameter
+  fetch and no-op portions timed alone;
 * batch time (one objective evaluation: the whole training set, `--portions`
   portions) with no straggler, then with worker 1 made `--slowdown` times
   slower (each of its portions sleeps `(slowdown - 1) x` its compute time,
   `tests.stragglers.slow_worker` passed as `portion_delay_fn`), without and
   with backup tasks, as ratios to the no-straggler time (median of
-  `--batches` batches after one warm-up);
-* iterations and wall time to a fixed loss for Sandblaster (no straggler) and
-  for SciPy's L-BFGS-B in this one process on the same objective (the same
-  model, evaluated by one `tf.function` over the whole batch). The target is
-  the loss SciPy reaches after `--target_iters` iterations.
+  `--batches` batches after one warm-up), `--straggler_runs` times for each
+  worker count of `--straggler_workers`. With W workers a 5x straggler leaves
+  `W - 1 + 1/5` workers' throughput: backup tasks can remove the wait for its
+  last portion, not that loss, so the best ratio is about `W / (W - 0.8)`
+  (1.67x for 2 workers, 1.25x for 4) unless the workers share cores;
+* iterations, evaluations and wall time to a fixed loss for Sandblaster on
+  `--num_workers` workers and on 1 worker (no straggler) and for SciPy's
+  L-BFGS-B in this one process on the same objective (the same model,
+  evaluated by one `tf.function` over the whole batch). The target is the
+  loss SciPy reaches after `--target_iters` iterations.
 
 Every task, the coordinator included, runs with one intra-op thread
 (`TF_NUM_INTRAOP_THREADS=1`), so a worker is one core, like one of the paper's
@@ -23,15 +32,13 @@ machines, and SciPy gets one core too.
 The problem: a tanh MLP (`--features` -> `--hidden` -> 10, float32) on
 `--examples` synthetic examples labelled by a random teacher network.
 
-A second table splits one no-straggler evaluation into phases
-(`benchmarks/sandblaster_phases.py`: the copy of x, scheduling, waiting for
-the workers, gradient accumulation on the ps, the coordinator's own Python),
-with a parameter fetch and no-op portions timed alone. `--phases_only` prints
-only that table. The L-BFGS run uses `--two_loop` (vector-free by default) and
-reports the round trips to the ps its vector work made per iteration.
+`--phases_only` prints only the first table. The L-BFGS runs use `--two_loop`
+(vector-free by default) and report the round trips to the ps their vector
+work made per iteration.
 
 With `--out_dir` (default `benchmarks/results/`) it also writes
-`sandblaster.csv` (the table), `sandblaster_loss.csv` (loss against time of
+`sandblaster.csv` (the last table), `sandblaster_stragglers.csv`,
+`sandblaster_loss.csv` (loss against time of
 both optimizers), `sandblaster_batch.png` (batch seconds with and without the
 straggler, without and with backup tasks) and `sandblaster_loss.png` (training
 loss against wall-clock seconds, the paper's Figure 4 form, with the target).
@@ -69,6 +76,11 @@ def define_flags():
     flags.DEFINE_integer("batches", 4, "Timed batches per setting.", lower_bound=1)
     flags.DEFINE_integer(
         "straggler_runs", 3, "Runs of the three straggler settings.", lower_bound=1
+    )
+    flags.DEFINE_list(
+        "straggler_workers",
+        ["2", "4"],
+        "Worker counts of the straggler runs (worker 1 is the straggler).",
     )
     flags.DEFINE_integer(
         "target_iters",
@@ -174,7 +186,7 @@ def first_at_or_below(values, target):
     return next((i for i, v in enumerate(values) if v <= target), None)
 
 
-def _straggler_runs(make_objective, runs, batches):
+def _straggler_runs(make_objective, runs, batches, workers):
     """Rows of batch seconds: no straggler, then a straggler without/with backups.
 
     Returns:
@@ -210,6 +222,7 @@ def _straggler_runs(make_objective, runs, batches):
             obj.close()
         rows.append(
             [
+                str(workers),
                 str(run),
                 f"{secs[0]:.3f}",
                 f"{secs[1] / secs[0]:.2f}x",
@@ -276,7 +289,14 @@ def main(argv):
 
     x, y = make_data(FLAGS.examples, FLAGS.features, FLAGS.seed)
     loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    with cluster.LocalCluster(FLAGS.num_workers, FLAGS.num_ps) as local:
+    straggler_workers = [int(w) for w in FLAGS.straggler_workers]
+    if min(straggler_workers, default=2) < 2:
+        raise app.UsageError(
+            "--straggler_workers must list counts >= 2 (worker 1 is the "
+            f"straggler). Received: {FLAGS.straggler_workers}"
+        )
+    most = max([FLAGS.num_workers, *straggler_workers])
+    with cluster.LocalCluster(most, FLAGS.num_ps) as local:
         strategies = {}
 
         def objective_on(workers):
@@ -312,9 +332,14 @@ def main(argv):
         obj.close()
         if FLAGS.phases_only:
             return
-        straggler_rows, batch_times = _straggler_runs(
-            make_objective, FLAGS.straggler_runs, FLAGS.batches
-        )
+        straggler_rows, batch_times = [], []
+        for workers in straggler_workers:
+            rows, times = _straggler_runs(
+                objective_on(workers), FLAGS.straggler_runs, FLAGS.batches, workers
+            )
+            straggler_rows += rows
+            if workers == FLAGS.num_workers or not batch_times:
+                batch_times = times
 
         # Convergence: SciPy first (it defines the target), then Sandblaster.
         model = build_model(FLAGS.features, FLAGS.hidden, FLAGS.seed)
@@ -349,6 +374,7 @@ def main(argv):
         flush=True,
     )
     straggler_header = [
+        "workers",
         "run",
         "batch secs, no straggler",
         f"{FLAGS.slowdown:g}x straggler, no backups",
