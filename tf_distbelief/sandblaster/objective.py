@@ -382,6 +382,8 @@ class SandblasterObjective:
             gone = sorted({w for w, i in zip(workers, incarnations) if now[w] != i})
             lost = f"worker {gone} restarted" if gone else None
         except _LOST_WORKER_ERRORS as e:
+            if "/job:ps" in str(e):
+                raise  # A lost ps: the job's ps recovery (`recovery`) handles it.
             lost = f"{type(e).__name__}: {console.shorten(str(e))}"
         for slot in slots:
             self._slot_pool.release(slot)
