@@ -2,19 +2,28 @@ r"""Sandblaster L-BFGS: backup tasks against a straggler, and L-BFGS-B for scale
 
 Dean et al. 2012, section 4.2: cutting a batch into many portions lets fast
 replicas do more of it, and backup tasks stop one slow replica from holding up
-the end of the batch. This benchmark starts its own `LocalCluster` (2 workers,
-2 ps) and prints one table:
+the end of the batch. This benchmark starts its own `LocalCluster` (as many
+workers as the largest count it uses, 2 ps) and prints three tables:
 
+* where one no-straggler evaluation's time goes (`sandblaster_phases`: the
+  copy of x, scheduling, waiting for the workers, the reduction of the
+  accepted gradient slots, the coordinator's own Python), with a parameter
+  fetch and no-op portions timed alone;
 * batch time (one objective evaluation: the whole training set, `--portions`
   portions) with no straggler, then with worker 1 made `--slowdown` times
   slower (each of its portions sleeps `(slowdown - 1) x` its compute time,
   `tests.stragglers.slow_worker` passed as `portion_delay_fn`), without and
   with backup tasks, as ratios to the no-straggler time (median of
-  `--batches` batches after one warm-up);
-* iterations and wall time to a fixed loss for Sandblaster (no straggler) and
-  for SciPy's L-BFGS-B in this one process on the same objective (the same
-  model, evaluated by one `tf.function` over the whole batch). The target is
-  the loss SciPy reaches after `--target_iters` iterations.
+  `--batches` batches after one warm-up), `--straggler_runs` times for each
+  worker count of `--straggler_workers`. With W workers a 5x straggler leaves
+  `W - 1 + 1/5` workers' throughput: backup tasks can remove the wait for its
+  last portion, not that loss, so the best ratio is about `W / (W - 0.8)`
+  (1.67x for 2 workers, 1.25x for 4) unless the workers share cores;
+* iterations, evaluations and wall time to a fixed loss for Sandblaster on
+  `--num_workers` workers and on 1 worker (no straggler) and for SciPy's
+  L-BFGS-B in this one process on the same objective (the same model,
+  evaluated by one `tf.function` over the whole batch). The target is the
+  loss SciPy reaches after `--target_iters` iterations.
 
 Every task, the coordinator included, runs with one intra-op thread
 (`TF_NUM_INTRAOP_THREADS=1`), so a worker is one core, like one of the paper's
@@ -23,15 +32,13 @@ machines, and SciPy gets one core too.
 The problem: a tanh MLP (`--features` -> `--hidden` -> 10, float32) on
 `--examples` synthetic examples labelled by a random teacher network.
 
-A second table splits one no-straggler evaluation into phases
-(`benchmarks/sandblaster_phases.py`: the copy of x, scheduling, waiting for
-the workers, gradient accumulation on the ps, the coordinator's own Python),
-with a parameter fetch and no-op portions timed alone. `--phases_only` prints
-only that table. The L-BFGS run uses `--two_loop` (vector-free by default) and
-reports the round trips to the ps its vector work made per iteration.
+`--phases_only` prints only the first table. The L-BFGS runs use `--two_loop`
+(vector-free by default) and report the round trips to the ps their vector
+work made per iteration.
 
 With `--out_dir` (default `benchmarks/results/`) it also writes
-`sandblaster.csv` (the table), `sandblaster_loss.csv` (loss against time of
+`sandblaster.csv` (the last table), `sandblaster_stragglers.csv`,
+`sandblaster_loss.csv` (loss against time of
 both optimizers), `sandblaster_batch.png` (batch seconds with and without the
 straggler, without and with backup tasks) and `sandblaster_loss.png` (training
 loss against wall-clock seconds, the paper's Figure 4 form, with the target).
@@ -67,6 +74,14 @@ def define_flags():
     flags.DEFINE_integer("portions", 16, "Work portions per batch.", lower_bound=1)
     flags.DEFINE_float("slowdown", 5.0, "Straggler slowdown factor.", lower_bound=1)
     flags.DEFINE_integer("batches", 4, "Timed batches per setting.", lower_bound=1)
+    flags.DEFINE_integer(
+        "straggler_runs", 3, "Runs of the three straggler settings.", lower_bound=1
+    )
+    flags.DEFINE_list(
+        "straggler_workers",
+        ["2", "4"],
+        "Worker counts of the straggler runs (worker 1 is the straggler).",
+    )
     flags.DEFINE_integer(
         "target_iters",
         25,
@@ -171,79 +186,160 @@ def first_at_or_below(values, target):
     return next((i for i, v in enumerate(values) if v <= target), None)
 
 
+def _straggler_runs(make_objective, runs, batches, workers):
+    """Rows of batch seconds: no straggler, then a straggler without/with backups.
+
+    Returns:
+      `(rows, batch_times)`: a row per run (`[run, secs, ratio, ratio,
+      backups]`), and `(setting, secs)` of the last run for the figure.
+    """
+    from tests import stragglers
+
+    straggler = stragglers.slow_worker(1, straggler_slowdown=FLAGS.slowdown)
+    settings = [
+        ("no straggler, backup tasks", {"backup_tasks": True}),
+        (
+            f"worker 1 {FLAGS.slowdown:g}x slower, no backup tasks",
+            {"backup_tasks": False, "portion_delay_fn": straggler},
+        ),
+        (
+            f"worker 1 {FLAGS.slowdown:g}x slower, backup tasks",
+            {"backup_tasks": True, "portion_delay_fn": straggler},
+        ),
+    ]
+    rows = []
+    for run in range(1, runs + 1):
+        secs, backups, batch_times = [], "", []
+        for name, kwargs in settings:
+            obj = make_objective(**kwargs)
+            x_vector = obj.ops.from_numpy(obj.layout.read())
+            secs.append(batch_secs(obj, x_vector, batches))
+            obj.join()
+            if kwargs.get("portion_delay_fn") and kwargs["backup_tasks"]:
+                s = obj.stats
+                backups = f"{s.backup_copies_scheduled / s.evaluations:.1f}"
+            batch_times.append((name, secs[-1]))
+            obj.close()
+        rows.append(
+            [
+                str(workers),
+                str(run),
+                f"{secs[0]:.3f}",
+                f"{secs[1] / secs[0]:.2f}x",
+                f"{secs[2] / secs[0]:.2f}x",
+                backups,
+            ]
+        )
+        print(f"straggler run {run}: {rows[-1]}", flush=True)
+    return rows, batch_times
+
+
+def _sandblaster_to_target(make_objective, target, workers):
+    """Runs Sandblaster L-BFGS; returns `(row values, (secs, losses) curve)`."""
+    from tf_distbelief.sandblaster import lbfgs
+
+    obj = make_objective(backup_tasks=True)
+    eval_log = []
+    start = time.monotonic()
+
+    def logged(vector):
+        loss, grad = obj(vector)
+        eval_log.append((time.monotonic() - start, loss))
+        return loss, grad
+
+    x0 = obj.ops.from_numpy(obj.layout.read())
+    obj.ops.round_trips.clear()
+    result = lbfgs.minimize(
+        logged,
+        x0,
+        obj.ops,
+        m=10,
+        max_iters=FLAGS.max_iters,
+        gtol=0.0,
+        ftol=0.0,
+        two_loop=FLAGS.two_loop,
+    )
+    # The objective's own copy of x (one `assign` per evaluation) is
+    # evaluation work, not the L-BFGS vector work.
+    vector_trips = sum(obj.ops.round_trips.values()) - result.num_evals
+    iters = first_at_or_below(result.loss_history, target)
+    evals = first_at_or_below([loss for _, loss in eval_log], target)
+    secs = eval_log[evals][0] if evals is not None else float("nan")
+    obj.close()
+    row = {
+        "run": f"Sandblaster L-BFGS, {workers} worker{'s' * (workers > 1)} "
+        f"({FLAGS.two_loop}, {vector_trips / max(result.num_iters, 1):.1f} ps "
+        "round trips/iter)",
+        "iters": iters,
+        "evals": None if evals is None else evals + 1,
+        "secs_per_eval": float(np.median(obj.stats.evaluation_secs)),
+        "secs": secs,
+    }
+    curve = ([t for t, _ in eval_log], [loss for _, loss in eval_log])
+    return row, curve
+
+
 def main(argv):
     del argv
     import tf_keras
 
-    from tests import stragglers
     from tf_distbelief import cluster
     from tf_distbelief import strategy as strategy_lib
-    from tf_distbelief.sandblaster import lbfgs
     from tf_distbelief.sandblaster import objective as sandblaster
 
     x, y = make_data(FLAGS.examples, FLAGS.features, FLAGS.seed)
     loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    rows, batch_times = [], []
-    with cluster.LocalCluster(FLAGS.num_workers, FLAGS.num_ps) as local:
-        strategy = strategy_lib.DistBeliefStrategy(local.resolver)
+    straggler_workers = [int(w) for w in FLAGS.straggler_workers]
+    if min(straggler_workers, default=2) < 2:
+        raise app.UsageError(
+            "--straggler_workers must list counts >= 2 (worker 1 is the "
+            f"straggler). Received: {FLAGS.straggler_workers}"
+        )
+    most = max([FLAGS.num_workers, *straggler_workers])
+    with cluster.LocalCluster(most, FLAGS.num_ps) as local:
+        strategies = {}
 
-        def objective(**kwargs):
-            model = build_model(FLAGS.features, FLAGS.hidden, FLAGS.seed)
-            return model, sandblaster.SandblasterObjective(
-                strategy, model, loss_fn, x, y, portions=FLAGS.portions, **kwargs
-            )
+        def objective_on(workers):
+            def make(**kwargs):
+                if workers not in strategies:
+                    strategies[workers] = strategy_lib.DistBeliefStrategy(
+                        local.resolver_for(num_workers=workers)
+                    )
+                model = build_model(FLAGS.features, FLAGS.hidden, FLAGS.seed)
+                return sandblaster.SandblasterObjective(
+                    strategies[workers],
+                    model,
+                    loss_fn,
+                    x,
+                    y,
+                    portions=FLAGS.portions,
+                    **kwargs,
+                )
 
-        straggler = stragglers.slow_worker(1, straggler_slowdown=FLAGS.slowdown)
-        settings = [
-            ("no straggler, backup tasks", {"backup_tasks": True}),
-            (
-                f"worker 1 {FLAGS.slowdown:g}x slower, no backup tasks",
-                {"backup_tasks": False, "portion_delay_fn": straggler},
-            ),
-            (
-                f"worker 1 {FLAGS.slowdown:g}x slower, backup tasks",
-                {"backup_tasks": True, "portion_delay_fn": straggler},
-            ),
-        ]
-        baseline = None
-        for name, kwargs in settings:
-            model, obj = objective(**kwargs)
-            x_vector = obj.ops.from_numpy(obj.layout.read())
-            secs = batch_secs(obj, x_vector, FLAGS.batches)
-            obj.join()
-            if baseline is None:
-                phases = sandblaster_phases.evaluation_phases(
-                    obj, x_vector, FLAGS.batches
-                )
-                _print_table(
-                    f"One evaluation, no straggler ({FLAGS.examples} examples, "
-                    f"{FLAGS.portions} portions, {FLAGS.num_workers} workers, "
-                    f"{FLAGS.num_ps} ps; mean of {FLAGS.batches}):",
-                    ["phase", "secs per evaluation", "share"],
-                    phases,
-                )
-                if FLAGS.phases_only:
-                    obj.close()
-                    return
-            baseline = baseline or secs
-            batch_times.append((name, secs))
-            s = obj.stats
-            rows.append(
-                [
-                    name,
-                    f"{secs:.3f}",
-                    f"{secs / baseline:.2f}x",
-                    f"{s.backup_copies_scheduled / s.evaluations:.1f}",
-                    f"{s.copies_discarded}",
-                    " / ".join(
-                        str(s.accepted_by_worker.get(w, 0))
-                        for w in range(FLAGS.num_workers)
-                    ),
-                    "",
-                    "",
-                ]
+            return make
+
+        make_objective = objective_on(FLAGS.num_workers)
+        obj = make_objective(backup_tasks=True)
+        x_vector = obj.ops.from_numpy(obj.layout.read())
+        batch_secs(obj, x_vector, 1)
+        _print_table(
+            f"One evaluation, no straggler ({FLAGS.examples} examples, "
+            f"{FLAGS.portions} portions, {FLAGS.num_workers} workers, "
+            f"{FLAGS.num_ps} ps; mean of {FLAGS.batches}):",
+            ["phase", "secs per evaluation", "share"],
+            sandblaster_phases.evaluation_phases(obj, x_vector, FLAGS.batches),
+        )
+        obj.close()
+        if FLAGS.phases_only:
+            return
+        straggler_rows, batch_times = [], []
+        for workers in straggler_workers:
+            rows, times = _straggler_runs(
+                objective_on(workers), FLAGS.straggler_runs, FLAGS.batches, workers
             )
-            obj.close()
+            straggler_rows += rows
+            if workers == FLAGS.num_workers or not batch_times:
+                batch_times = times
 
         # Convergence: SciPy first (it defines the target), then Sandblaster.
         model = build_model(FLAGS.features, FLAGS.hidden, FLAGS.seed)
@@ -251,93 +347,77 @@ def main(argv):
             model, loss_fn.call, x, y, FLAGS.target_iters
         )
         target = scipy_losses[-1]
-        model, obj = objective(backup_tasks=True)
-        eval_log = []
-        start = time.monotonic()
-
-        def logged(vector):
-            loss, grad = obj(vector)
-            eval_log.append((time.monotonic() - start, loss))
-            return loss, grad
-
-        x0 = obj.ops.from_numpy(obj.layout.read())
-        obj.ops.round_trips.clear()
-        result = lbfgs.minimize(
-            logged,
-            x0,
-            obj.ops,
-            m=10,
-            max_iters=FLAGS.max_iters,
-            gtol=0.0,
-            ftol=0.0,
-            two_loop=FLAGS.two_loop,
-        )
-        # The objective's own copy of x (one `assign` per evaluation) is
-        # evaluation work, not the L-BFGS vector work.
-        vector_trips = sum(obj.ops.round_trips.values()) - result.num_evals
-        iters = first_at_or_below(result.loss_history, target)
-        evals = first_at_or_below([loss for _, loss in eval_log], target)
-        sb_secs = eval_log[evals][0] if evals is not None else float("nan")
-        rows.append(
-            [
-                f"Sandblaster L-BFGS ({FLAGS.num_workers} workers, {FLAGS.two_loop}; "
-                f"{vector_trips / max(result.num_iters, 1):.1f} ps round trips/iter, "
-                f"{result.num_evals / max(result.num_iters, 1):.2f} evals/iter), "
-                "to target",
-                f"{np.median(obj.stats.evaluation_secs):.3f}",
-                "",
-                "",
-                "",
-                "",
-                str(iters),
-                f"{sb_secs:.1f}",
-            ]
-        )
-        obj.close()
         scipy_iters = first_at_or_below(scipy_losses, target)
-        per_iter = scipy_secs[-1] / max(1, len(scipy_secs) - 1)
-        rows.append(
-            [
-                "SciPy L-BFGS-B (1 process, 1 core; "
-                f"{scipy_evals / max(len(scipy_losses) - 1, 1):.2f} evals/iter), "
-                "to target",
-                f"{per_iter:.3f} (per iter)",
-                "",
-                "",
-                "",
-                "",
-                str(scipy_iters),
-                f"{scipy_secs[scipy_iters]:.1f}",
-            ]
-        )
+        scipy_row = {
+            "run": "SciPy L-BFGS-B, 1 process, 1 core",
+            "iters": scipy_iters,
+            "evals": scipy_evals,
+            "secs_per_eval": scipy_secs[-1] / scipy_evals,
+            "secs": scipy_secs[scipy_iters],
+        }
+        results, curves = [], {}
+        for workers in sorted({FLAGS.num_workers, 1}, reverse=True):
+            row, curve = _sandblaster_to_target(objective_on(workers), target, workers)
+            results.append(row)
+            curves[f"Sandblaster L-BFGS ({workers} worker{'s' * (workers > 1)})"] = (
+                curve
+            )
+        results.append(scipy_row)
+        curves["SciPy L-BFGS-B (1 core)"] = (scipy_secs, scipy_losses)
 
     params = (FLAGS.features + 1) * FLAGS.hidden + (FLAGS.hidden + 1) * 10
     print(
         f"\nSandblaster L-BFGS: {FLAGS.examples} examples, {params} parameters, "
         f"{FLAGS.portions} portions, {FLAGS.num_workers} workers, {FLAGS.num_ps} "
         f"ps, 1 intra-op thread per task; target loss {target:.4g} (SciPy after "
-        f"{FLAGS.target_iters} iterations)\n"
+        f"{FLAGS.target_iters} iterations)",
+        flush=True,
+    )
+    straggler_header = [
+        "workers",
+        "run",
+        "batch secs, no straggler",
+        f"{FLAGS.slowdown:g}x straggler, no backups",
+        f"{FLAGS.slowdown:g}x straggler, backup tasks",
+        "backups/batch",
+    ]
+    _print_table(
+        f"Batch time with worker 1 made {FLAGS.slowdown:g}x slower, as a ratio to "
+        f"the no-straggler batch (median of {FLAGS.batches} batches per setting):",
+        straggler_header,
+        straggler_rows,
     )
     header = [
         "run",
-        "batch secs",
-        "vs no straggler",
-        "backups/batch",
-        "discarded",
-        "portions by worker",
         "iters to target",
+        "evals to target",
+        "secs per eval",
         "secs to target",
+        "x SciPy",
     ]
-    _print_table("", header, rows)
+    rows = [
+        [
+            r["run"],
+            str(r["iters"]),
+            str(r["evals"]),
+            f"{r['secs_per_eval']:.3f}",
+            f"{r['secs']:.1f}",
+            f"{r['secs'] / scipy_row['secs']:.2f}x",
+        ]
+        for r in results
+    ]
+    _print_table("To SciPy's target loss:", header, rows)
     if FLAGS.out_dir:
-        curves = {
-            f"Sandblaster L-BFGS ({FLAGS.num_workers} workers)": (
-                [t for t, _ in eval_log],
-                [loss for _, loss in eval_log],
-            ),
-            "SciPy L-BFGS-B (1 core)": (scipy_secs, scipy_losses),
-        }
-        _write_outputs(FLAGS.out_dir, header, rows, batch_times, curves, target)
+        _write_outputs(
+            FLAGS.out_dir,
+            header,
+            rows,
+            straggler_header,
+            straggler_rows,
+            batch_times,
+            curves,
+            target,
+        )
 
 
 def _print_table(title, header, rows):
@@ -351,9 +431,16 @@ def _print_table(title, header, rows):
         )
 
 
-def _write_outputs(out_dir, header, rows, batch_times, curves, target):
-    """The table and loss curves as CSV; the batch-time and loss figures."""
+def _write_outputs(
+    out_dir, header, rows, straggler_header, straggler_rows, batch_times, curves, target
+):
+    """The tables and loss curves as CSV; the batch-time and loss figures."""
     plots.write_csv(os.path.join(out_dir, "sandblaster.csv"), header, rows)
+    plots.write_csv(
+        os.path.join(out_dir, "sandblaster_stragglers.csv"),
+        straggler_header,
+        straggler_rows,
+    )
     plots.write_csv(
         os.path.join(out_dir, "sandblaster_loss.csv"),
         ["optimizer", "secs", "loss"],

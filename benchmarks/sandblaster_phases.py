@@ -9,8 +9,8 @@ workers inside "waiting for portions":
 | --- | --- |
 | copy of x to the evaluation point | `ops.assign(x, x_eval)`, on the ps |
 | scheduling | `ClusterCoordinator.schedule` calls (coordinator Python, enqueue) |
-| waiting for portions | `_wait_any`: workers fetch, compute, write slots |
-| gradient accumulation | `portion.reduce_slots`, on the ps |
+| waiting for portions | `_wait_any`: workers fetch, compute, write local slots |
+| reduction | `_reduce`: the accepted slots sent from the workers, summed on the ps |
 | other coordinator Python | the rest: ledger, slot pool, tensors, threads |
 
 and, measured alone on the same cluster: one parameter fetch by every worker
@@ -38,22 +38,18 @@ def _timed(totals, name, function):
 
 @contextlib.contextmanager
 def _instrumented(obj, totals):
-    from tf_distbelief.sandblaster import objective as objective_lib
-
-    portion_lib = objective_lib.portion_lib
-    reduce_slots = portion_lib.reduce_slots
     obj.ops.assign = _timed(totals, "copy", obj.ops.assign)
     obj.coordinator.schedule = _timed(totals, "schedule", obj.coordinator.schedule)
     obj._wait_any = _timed(totals, "wait", obj._wait_any)
-    portion_lib.reduce_slots = _timed(totals, "reduce", reduce_slots)
+    obj._reduce = _timed(totals, "reduce", obj._reduce)
     try:
         yield
     finally:
-        portion_lib.reduce_slots = reduce_slots
         for target, name in [
             (obj.ops, "assign"),
             (obj.coordinator, "schedule"),
             (obj, "_wait_any"),
+            (obj, "_reduce"),
         ]:
             delattr(target, name)
 
@@ -112,8 +108,8 @@ def evaluation_phases(obj, x_vector, batches):
     labels = {
         "copy": "copy of x to the evaluation point (ps)",
         "schedule": f"scheduling: {obj.portions}+ ClusterCoordinator.schedule calls",
-        "wait": "waiting for portions (workers: fetch, compute, slot writes)",
-        "reduce": "gradient accumulation: reduce_slots on the ps",
+        "wait": "waiting for portions (workers: fetch, compute, local slot writes)",
+        "reduce": "reduction: accepted slots from the workers, summed on the ps",
         "other": "other coordinator Python (ledger, slots, threads)",
     }
     rows = [

@@ -6,6 +6,7 @@ Cluster tests use the session's `local_cluster` (3 workers, 3 ps) through
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import subprocess
@@ -158,6 +159,38 @@ def _logistic_model(dtype="float64"):
             ),
         ]
     )
+
+
+@pytest.mark.parametrize(
+    "dtypes, expected",
+    [
+        (("float32", "float32"), tf.float32),
+        (("float16", "float32"), tf.float32),
+        (("float32", "float64"), tf.float64),
+        (("float64", "float64"), tf.float64),
+    ],
+)
+def test_slot_dtype_holds_the_gradient_exactly(dtypes, expected):
+    model = tf_keras.Sequential(
+        [
+            tf_keras.layers.InputLayer(input_shape=(4,)),
+            tf_keras.layers.Dense(3, dtype=dtypes[0]),
+            tf_keras.layers.Dense(2, dtype=dtypes[1]),
+        ]
+    )
+    layout = flat_params.FlatLayout(model)
+    assert sandblaster_portion.slot_dtype(layout) == expected
+    # The float64 gradient of a float32 model holds float32 values only.
+    if expected == tf.float32:
+        params = tf.constant(np.random.default_rng(0).normal(size=layout.size))
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            with flat_params.evaluate_at(layout, params):
+                out = model(tf.constant(np.ones((5, 4)), dtypes[0]))
+                loss = tf.reduce_sum(tf.cast(out, tf.float64) ** 2)
+        grad = tape.gradient(loss, params).numpy()
+        assert grad.dtype == np.float64 and np.any(grad != 0)
+        np.testing.assert_array_equal(grad.astype(np.float32).astype(np.float64), grad)
 
 
 def test_flat_layout_and_evaluate_at():
@@ -407,31 +440,22 @@ def test_vectors_on_ps_and_coordinator_moves_only_scalars(local_cluster, monkeyp
     assert trainer.config == config_lib.SandblasterConfig(portions=8)
     ps = tuple(_ps_device(i) for i in range(num_ps))
     assert objective.grad.devices == ps
-    assert tuple(s.device for s in objective._slots) == ps
 
-    # What a portion returns to the coordinator: two scalars.
+    # What a portion returns to the coordinator: three scalars (its loss
+    # share, its worker and that worker's incarnation).
     portion_fn = objective.portion_function
-    assert [t.shape.rank for t in portion_fn.outputs] == [0, 0]
+    assert [t.shape.rank for t in portion_fn.outputs] == [0, 0, 0]
     # With no `portion_delay_fn`, no sleep and no timing op in production.
     assert not {"SleepDataset", "Timestamp"} & _op_types(portion_fn)
-    # Its only writes go to the gradient slots, on the ps.
+    # Its only write goes to the worker's own gradient slots (a
+    # `per_worker_variable`, float64 like this model's weights); nothing it
+    # writes is on the ps.
+    assert objective.slot_dtype == tf.float64
     writes = [
         op for op in portion_fn.graph.get_operations() if op.type.startswith("Resource")
     ]
-    assert [op.type for op in writes] == ["ResourceScatterUpdate"] * num_ps
-    # The reduction runs on the ps and returns nothing.
-    reduce_graph = sandblaster_portion.reduce_slots.get_concrete_function(
-        objective.grad.devices,
-        objective._slots,
-        objective.grad.shards,
-        tf.constant([0] * 8, tf.int32),
-    ).graph
-    pinned = {
-        op.device
-        for op in reduce_graph.get_operations()
-        if op.type not in ("Placeholder", "NoOp", "Identity", "ReadVariableOp")
-    }
-    assert pinned == set(ps) and not reduce_graph.outputs
+    assert [op.type for op in writes] == ["ResourceScatterUpdate"]
+    assert not [op for op in writes if "/job:ps" in op.device]
 
     # Per iteration, no whole vector passes through the coordinator: only the
     # start point (pushed) and the result (pulled) do, once per `fit`.
@@ -448,6 +472,18 @@ def test_vectors_on_ps_and_coordinator_moves_only_scalars(local_cluster, monkeyp
     result = trainer.fit(max_iters=5)
     assert result.num_iters == 5
     assert moved == ["from_numpy", "to_numpy"]
+    # The reduction: each worker gathers its accepted rows, each ps shard sums
+    # them in portion order into the gradient; it returns only each worker's
+    # incarnation (a scalar).
+    (reduce,) = objective._reductions.values()
+    reduce_graph = reduce.get_concrete_function().graph
+    pinned = collections.defaultdict(set)
+    for op in reduce_graph.get_operations():
+        pinned[op.type].add(op.device.split("/device:")[0])
+    workers = {f"/job:worker/replica:0/task:{i}" for i in range(2)}
+    assert pinned["ResourceGather"] == workers
+    assert pinned["AssignVariableOp"] == {d.split("/device:")[0] for d in ps}
+    assert [t.shape.rank for t in reduce_graph.outputs] == [0, 0]
     # Vector-free L-BFGS (the default): per iteration one `gram` (the new
     # pair's dot products) and one `combine` (the direction); per line-search
     # evaluation one `combine` (trial point), one `assign` (the objective's

@@ -20,12 +20,15 @@ one objective evaluation at a point `x`:
    `n_p` examples and the gradient of that with respect to the flat parameters
    (`tf.GradientTape` on the tf_keras model, its weights read as slices of the
    cached vector, `flat_params`), writes the gradient into a gradient *slot*
-   on the ps and returns the scalar loss share.
+   of the worker's own slot variable (a local write) and returns the scalar
+   loss share.
 4. Backup tasks: once no portion is queued (a worker is idle) and portions are
    still running, the coordinator schedules one more copy of each outstanding
    portion, oldest first, onto the idle workers.
-5. When every portion has an accepted copy, the ps shards sum the accepted
-   slots in portion order into the gradient vector; the coordinator sums the
+5. When every portion has an accepted copy, one reduction (a multi-device
+   function the coordinator runs, `portion.build_slot_reduction`) has each
+   worker send the rows of its accepted slots to the ps shards, which sum them
+   in portion order into the gradient vector; the coordinator sums the
    accepted loss shares. The result does not depend on which worker ran what.
 
 Exactly once, by construction: every copy (primary or backup) writes into a
@@ -36,13 +39,22 @@ The reduction reads exactly one slot per portion, that of the accepted copy; a
 copy finishing later (even during a later evaluation) only writes its own slot,
 which nobody reads, and is counted in `copies_discarded`. Nothing is ever added
 into a shared accumulator by a worker, so no race can count a portion twice.
+A worker lost after its copies were accepted takes their slots with it: each
+worker's slot variable carries a random incarnation number, drawn when the
+variable is (re)built on the worker, that each copy returns and the reduction
+reads back; on a mismatch, or a worker unreachable during the reduction, the
+whole evaluation runs again (at most `EVALUATION_ATTEMPTS` times, each named in
+a log line), never a gradient with a portion missing.
 
-Cost of this design: `portions + 2 * num_workers` parameter-sized slots on the
-ps (the paper's replicas instead add several portions into one local
-accumulator before sending it; with the coordinator unable to direct a
-function to a given worker, per-copy slots are what makes exactly-once cheap to
-prove). Each portion sends its gradient once; parameters are fetched once per
-worker and evaluation.
+Cost of this design: `portions + 2 * num_workers` parameter-sized slots on each
+worker, in float32 when every weight is float32 or narrower (the gradient of
+such a model holds float32 values only, so this is exact: `portion.slot_dtype`),
+else float64. The paper's replicas instead add several portions into one local
+accumulator; per-copy slots are what makes exactly-once cheap to prove, and
+sending each portion's rows lets the ps sum in portion order. A portion's
+gradient crosses the network once, at the end of the evaluation, in one
+transfer per worker and shard; parameters are fetched once per worker and
+evaluation.
 
 Example:
 
@@ -73,12 +85,20 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 import tf_keras
+from absl import logging
 
+from tf_distbelief import _tf_internals, console
 from tf_distbelief.sandblaster import flat_params, ps_vectors
 from tf_distbelief.sandblaster import portion as portion_lib
 from tf_distbelief.sandblaster import schedule as schedule_lib
+from tf_distbelief.sandblaster.schedule import SandblasterStats
 
-__all__ = ["LossFn", "SandblasterObjective", "SandblasterStats"]
+__all__ = [
+    "EVALUATION_ATTEMPTS",
+    "LossFn",
+    "SandblasterObjective",
+    "SandblasterStats",
+]
 
 # What `loss_fn` may be (`portion.per_example_loss`): a tf_keras `Loss`, a loss
 # name, or `(y_true, y_pred) -> per-example losses`.
@@ -86,30 +106,20 @@ LossFn = tf_keras.losses.Loss | str | Callable[[tf.Tensor, tf.Tensor], tf.Tensor
 
 _F64 = tf.float64
 _I64 = tf.int64
-
-
-@dataclasses.dataclass
-class SandblasterStats:
-    """Counters of a `SandblasterObjective`, summed over its evaluations.
-
-    Attributes:
-      evaluations: objective evaluations (calls).
-      portions_scheduled: primary copies, `portions` per evaluation.
-      backup_copies_scheduled: backup copies.
-      copies_accepted: copies counted, exactly one per portion and evaluation.
-      copies_discarded: copies that finished after another copy of their portion
-        had been accepted; their gradient was never added.
-      accepted_by_worker: accepted copies per worker index (load balancing).
-      evaluation_secs: wall time of each evaluation.
-    """
-
-    evaluations: int = 0
-    portions_scheduled: int = 0
-    backup_copies_scheduled: int = 0
-    copies_accepted: int = 0
-    copies_discarded: int = 0
-    accepted_by_worker: dict[int, int] = dataclasses.field(default_factory=dict)
-    evaluation_secs: list[float] = dataclasses.field(default_factory=list)
+# Longest wait, in seconds, for a worker's own slot variable at the end of an
+# evaluation (it exists once the worker ran a portion; a lost worker's is
+# rebuilt when it reconnects).
+_WAIT_SECS = 60.0
+# Most runs of one evaluation when workers are lost holding accepted slots.
+EVALUATION_ATTEMPTS = 3
+# What the reduction raises when a worker holding slots is gone.
+_LOST_WORKER_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.AbortedError,
+    tf.errors.CancelledError,
+    tf.errors.NotFoundError,
+    tf.errors.FailedPreconditionError,
+)
 
 
 @dataclasses.dataclass
@@ -223,16 +233,7 @@ class SandblasterObjective:
         # and a late loser per worker fit without waiting.
         num_slots = portions + 2 * self.num_workers
         self._slot_pool = schedule_lib.SlotPool(num_slots)
-        self._slots = []
-        for shard in self._x_eval.shards:
-            with tf.device(shard.device):
-                self._slots.append(
-                    tf.Variable(
-                        lambda n=int(shard.shape[0]): tf.zeros([num_slots, n], _F64),
-                        dtype=_F64,
-                        trainable=False,
-                    )
-                )
+        self.slot_dtype = portion_lib.slot_dtype(self.layout)
         with strategy.scope():
             size = self.layout.size
             self._cache = tf.Variable(
@@ -251,6 +252,23 @@ class SandblasterObjective:
                 name="sandblaster/cached_eval",
                 per_worker_variable=True,
             )
+            self._incarnation = tf.Variable(
+                initial_value=lambda: tf.random.uniform([], 1, 2**62, _I64),
+                shape=[],
+                dtype=_I64,
+                trainable=False,
+                name="sandblaster/incarnation",
+                per_worker_variable=True,
+            )
+            self._slots = tf.Variable(
+                initial_value=lambda: tf.zeros([num_slots, size], self.slot_dtype),
+                shape=[num_slots, size],
+                dtype=self.slot_dtype,
+                trainable=False,
+                name="sandblaster/slots",
+                per_worker_variable=True,
+            )
+        self._reductions: dict[tuple, Callable] = {}
         self._eval_id = 0
         self._in_flight: dict[concurrent.futures.Future, _Copy] = {}
         # One thread per copy in flight waits on its RemoteValue (`fetch`), so the
@@ -267,6 +285,7 @@ class SandblasterObjective:
             self._slots,
             self._cache,
             self._cached_eval,
+            self._incarnation,
             portion_delay_fn,
         )
 
@@ -301,11 +320,12 @@ class SandblasterObjective:
         )
         for future in done:
             copy = self._in_flight.pop(future)
-            share, worker = future.result()
+            share, worker, incarnation = future.result()
             current = copy.eval_id == self._eval_id
-            if current and copy.ledger.finish(copy.portion, (copy.slot, float(share))):
+            worker = int(worker)
+            accepted = (copy.slot, worker, int(incarnation), float(share))
+            if current and copy.ledger.finish(copy.portion, accepted):
                 self.stats.copies_accepted += 1
-                worker = int(worker)
                 by_worker = self.stats.accepted_by_worker
                 by_worker[worker] = by_worker.get(worker, 0) + 1
             else:
@@ -315,9 +335,33 @@ class SandblasterObjective:
     def __call__(self, x: ps_vectors.PsVector) -> tuple[float, ps_vectors.PsVector]:
         """Returns `(loss, grad)` at `x`; `grad` is `self.grad`, overwritten later."""
         start = time.monotonic()
-        self._eval_id += 1
         if x is not self._x_eval:
             self.ops.assign(x, self._x_eval)
+        for attempt in range(1, EVALUATION_ATTEMPTS + 1):
+            lost = self._evaluate()
+            if lost is None:
+                break
+            logging.warning(
+                "Sandblaster: evaluation %d lost gradient slots (%s); evaluating "
+                "again (attempt %d of %d)",
+                self._eval_id,
+                lost,
+                attempt + 1,
+                EVALUATION_ATTEMPTS,
+            )
+        else:
+            raise RuntimeError(
+                f"Sandblaster: {EVALUATION_ATTEMPTS} evaluations in a row lost "
+                f"gradient slots, the last: {lost}. Check that the workers stay up "
+                "(a worker restarting during every evaluation)."
+            )
+        self.stats.evaluations += 1
+        self.stats.evaluation_secs.append(time.monotonic() - start)
+        return math.fsum(self._shares), self.grad
+
+    def _evaluate(self) -> str | None:
+        """Runs every portion once and reduces; returns what was lost, or None."""
+        self._eval_id += 1
         eval_id = tf.constant(self._eval_id, _I64)
         ledger = schedule_lib.PortionLedger(
             self.portions, max_copies=2 if self.backup_tasks else 1
@@ -332,18 +376,55 @@ class SandblasterObjective:
                         break
                     self._launch(ledger, portion, eval_id, backup=True)
             self._wait_any()
-        slots, shares = zip(*ledger.accepted)
-        portion_lib.reduce_slots(
-            self.grad.devices,
-            self._slots,
-            self.grad.shards,
-            tf.constant(slots, tf.int32),
-        )
+        slots, workers, incarnations, self._shares = zip(*ledger.accepted)
+        try:
+            now = self._reduce(slots, workers)
+            gone = sorted({w for w, i in zip(workers, incarnations) if now[w] != i})
+            lost = f"worker {gone} restarted" if gone else None
+        except _LOST_WORKER_ERRORS as e:
+            if "/job:ps" in str(e):
+                raise  # A lost ps: the job's ps recovery (`recovery`) handles it.
+            lost = f"{type(e).__name__}: {console.shorten(str(e))}"
         for slot in slots:
             self._slot_pool.release(slot)
-        self.stats.evaluations += 1
-        self.stats.evaluation_secs.append(time.monotonic() - start)
-        return math.fsum(shares), self.grad
+        return lost
+
+    def _reduce(self, slots, workers) -> list[int]:
+        """Sets `self.grad` to the sum of the accepted slots, in portion order.
+
+        Returns:
+          Each worker's incarnation number, read in the same call.
+        """
+        rows = [[] for _ in range(self.num_workers)]
+        order = []
+        for slot, worker in zip(slots, workers):
+            order.append((worker, len(rows[worker])))
+            rows[worker].append(slot)
+        starts = np.cumsum([0] + [len(r) for r in rows])
+        variables = []
+        for index in range(self.num_workers):
+            for per_worker in (self._slots, self._incarnation):
+                variable = _tf_internals.worker_variable(per_worker, index, _WAIT_SECS)
+                if variable is None:
+                    raise tf.errors.UnavailableError(
+                        None,
+                        None,
+                        f"worker {index}'s {per_worker.name} was not there within "
+                        f"{_WAIT_SECS:g} s",
+                    )
+                variables.append(variable)
+        key = tuple(id(v) for v in variables)
+        if key not in self._reductions:
+            self._reductions = {
+                key: portion_lib.build_slot_reduction(
+                    variables[0::2], variables[1::2], self.grad.shards
+                )
+            }
+        incarnations = self._reductions[key](
+            [tf.constant(r, tf.int32, shape=[len(r)]) for r in rows],
+            tf.constant([starts[w] + i for w, i in order], tf.int32),
+        )
+        return [int(i) for i in incarnations]
 
     def join(self) -> None:
         """Waits for every copy still running (late backups) and books it."""

@@ -1,7 +1,8 @@
 """The function a Sandblaster work portion runs on a worker (Dean et al. 2012, §4.2).
 
 `build_portion_function` traces it; `objective.SandblasterObjective` schedules it
-with `ClusterCoordinator.schedule` and reduces its results with `reduce_slots`.
+with `ClusterCoordinator.schedule` and reduces its results with the function
+`build_slot_reduction` traces.
 One call, `portion_fn(portion, slot, eval_id)` (int64 scalars):
 
 1. Fetch the evaluation point `x_eval` from the ps into this worker's cache,
@@ -13,9 +14,13 @@ One call, `portion_fn(portion, slot, eval_id)` (int64 scalars):
    `sum_i loss_i / N + (n_p / N) * sum(model.losses)`, and its gradient with
    respect to the flat parameters, the model's weights read as slices of the
    cache (`flat_params.evaluate_at`).
-4. Write the gradient into row `slot` of the slot variables on the ps (one
-   2-D variable `[num_slots, shard_size]` per ps shard).
-5. Return `(share, worker_index)`: two scalars, all the coordinator receives.
+4. Write the gradient into row `slot` of this worker's own slot variable
+   (`[num_slots, size]`, a `per_worker_variable`): a local write, nothing
+   crosses the network. The reduction at the end of the evaluation sends the
+   accepted rows to the ps, all in one call.
+5. Return `(share, worker_index, incarnation)`: three scalars, all the
+   coordinator receives (`incarnation` tells a worker rebuilt since, whose
+   slots are empty).
 
 Tests and benchmarks slow one worker down (a straggler, to exercise backup
 tasks) by passing a `PortionDelayFn`, whose ops the function runs between steps
@@ -33,8 +38,9 @@ from tf_distbelief.sandblaster import flat_params
 __all__ = [
     "PortionDelayFn",
     "build_portion_function",
+    "build_slot_reduction",
     "per_example_loss",
-    "reduce_slots",
+    "slot_dtype",
 ]
 
 # `(worker, compute_secs) -> tf.Tensor | tf.Operation`, traced into the portion
@@ -61,19 +67,74 @@ def _after(ops, value):
         return tf.identity(value)
 
 
-@tf.function(autograph=False)
-def reduce_slots(devices, slots, outs, indices):
-    """On each ps shard: `out_i = sum_p slots_i[indices[p]]`, portions in order.
+def slot_dtype(layout: flat_params.FlatLayout) -> tf.DType:
+    """The dtype a portion's gradient is kept in without rounding.
+
+    The portion function reads the model's weights as `tf.cast` slices of the
+    float64 parameters (`flat_params.evaluate_at`), so every element of its
+    gradient is the cast of a gradient in that weight's dtype: with every
+    weight in float32 or narrower, each element is a float32 value, and a
+    float32 slot holds it exactly, in half the bytes.
 
     Args:
-      devices: the ps device of each shard (part of the trace key).
-      slots: `[num_slots, shard_size]` float64 slot variables, one per shard.
-      outs: `[shard_size]` float64 output variables, one per shard.
-      indices: `[portions]` int32, the accepted slot of each portion.
+      layout: the model's `flat_params.FlatLayout`.
+
+    Returns:
+      `tf.float32` when every weight is a floating dtype of at most 4 bytes,
+      else `tf.float64`.
     """
-    for device, slot, out in zip(devices, slots, outs):
-        with tf.device(device):
-            out.assign(tf.reduce_sum(tf.gather(slot, indices), axis=0))
+    narrow = all(d.is_floating and d.size <= 4 for d in layout.dtypes)
+    return tf.float32 if narrow else _F64
+
+
+def build_slot_reduction(worker_slots: list, worker_incarnations: list, outs: list):
+    """Traces the end-of-evaluation reduction over the workers' gradient slots.
+
+    One call, `reduce(rows_by_worker, order)`, is one multi-device function
+    run from the coordinator: worker `w` gathers the rows `rows_by_worker[w]`
+    (int32 `[k_w]`) of its slot variable and sends each ps shard its columns;
+    ps shard `i` puts the `sum_w k_w = portions` rows in portion order
+    (`order`, int32 `[portions]`, indexes the rows concatenated worker by
+    worker) and sets `outs[i]` to their float64 sum. Each portion's gradient
+    crosses the network once, in one transfer per worker and shard, and the
+    sum does not depend on which worker ran which portion.
+
+    Args:
+      worker_slots: worker `w`'s own `[num_slots, size]` slot variable, for
+        every worker (`_tf_internals.worker_variable`).
+      worker_incarnations: worker `w`'s own int64 incarnation variable, for
+        every worker.
+      outs: `[shard_size]` float64 variables, one per ps shard (the gradient).
+
+    Returns:
+      The `tf.function`; it returns each worker's incarnation (int64 scalars),
+      read after its rows were gathered.
+    """
+    sizes = [int(out.shape[0]) for out in outs]
+    spec = tf.TensorSpec([None], tf.int32)
+
+    @tf.function(autograph=False, input_signature=[[spec] * len(worker_slots), spec])
+    def reduce(rows_by_worker, order):
+        columns = [[] for _ in outs]
+        incarnations = []
+        for slots, incarnation, rows in zip(
+            worker_slots, worker_incarnations, rows_by_worker
+        ):
+            with tf.device(slots.device):
+                parts = tf.split(tf.gather(slots, rows), sizes, axis=1)
+                incarnations.append(_after(parts, incarnation.read_value()))
+            for column, part in zip(columns, parts):
+                column.append(part)
+        assigns = []
+        for out, column in zip(outs, columns):
+            with tf.device(out.device):
+                rows = tf.gather(tf.concat(column, axis=0), order)
+                assigns.append(
+                    out.assign(tf.reduce_sum(tf.cast(rows, _F64), axis=0)).op
+                )
+        return [_after(assigns, i) for i in incarnations]
+
+    return reduce
 
 
 def per_example_loss(loss_fn, model):
@@ -118,9 +179,10 @@ def build_portion_function(
     y,
     portion_bounds: list[int],
     x_eval,
-    slots: list,
+    slots_variable,
     cache_variable,
     cached_eval_variable,
+    incarnation_variable,
     portion_delay_fn: PortionDelayFn | None = None,
 ):
     """Traces the portion function; returns it as a `ConcreteFunction`.
@@ -133,10 +195,14 @@ def build_portion_function(
       y: training targets, `[num_examples, ...]`, NumPy.
       portion_bounds: `portions + 1` example offsets.
       x_eval: the `ps_vectors.PsVector` of the evaluation point.
-      slots: per ps shard of `x_eval`, its `[num_slots, shard_size]` variable.
+      slots_variable: `per_worker_variable` `[num_slots, layout.size]` of
+        `slot_dtype(layout)`: each worker's gradient slots.
       cache_variable: `per_worker_variable` `[layout.size]` float64.
       cached_eval_variable: `per_worker_variable` int64 scalar, the evaluation
         id the cache holds.
+      incarnation_variable: `per_worker_variable` int64 scalar, drawn at
+        random when the worker's variables are (re)built; the portion returns
+        it, so that the coordinator can tell a restarted worker's empty slots.
       portion_delay_fn: run after the gradient is written (`PortionDelayFn`),
         or None.
 
@@ -145,7 +211,6 @@ def build_portion_function(
         (the weight's variable was captured by the function).
     """
     num_examples = len(x)
-    shard_sizes = list(x_eval.sizes)
     x_shards = x_eval.shards
 
     @tf.function(autograph=False)
@@ -153,6 +218,8 @@ def build_portion_function(
         # Per-worker handles at the top: inside `tf.cond` they would not
         # resolve to the worker running the function.
         cache, cached_eval = cache_variable.handle, cached_eval_variable.handle
+        slots = slots_variable.handle
+        incarnation = incarnation_variable.handle
         # Timed only for the delay function; the start comes before the fetch.
         start = [] if portion_delay_fn is None else [tf.timestamp()]
 
@@ -187,9 +254,10 @@ def build_portion_function(
         )
         writes = [
             tf.raw_ops.ResourceScatterUpdate(
-                resource=s.handle, indices=tf.reshape(slot, [1]), updates=g[None]
+                resource=slots,
+                indices=tf.reshape(slot, [1]),
+                updates=tf.cast(grad, slots_variable.dtype)[None],
             )
-            for s, g in zip(slots, tf.split(grad, shard_sizes))
         ]
         worker = tf.cast(
             tf.distribute.coordinator.experimental_get_current_worker_index(), _I64
@@ -200,7 +268,11 @@ def build_portion_function(
                 compute_secs = tf.timestamp() - start[0]
             done = [portion_delay_fn(worker, compute_secs)]
         with tf.control_dependencies(done):
-            return tf.identity(share), tf.identity(worker)
+            return (
+                tf.identity(share),
+                tf.identity(worker),
+                _read(incarnation, _I64),
+            )
 
     scalar = tf.TensorSpec([], _I64)
     # Traced here, where the model's weights can be substituted; the

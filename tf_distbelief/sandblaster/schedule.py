@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["PortionLedger", "SlotPool", "portion_bounds"]
+__all__ = ["PortionLedger", "SandblasterStats", "SlotPool", "portion_bounds"]
 
 
 def portion_bounds(num_examples: int, portions: int) -> list[int]:
@@ -132,3 +132,27 @@ class SlotPool:
         if slot in self._free or not 0 <= slot < self.num_slots:
             raise ValueError(f"Slot {slot} is not lent out.")
         self._free.append(slot)
+
+
+@dataclasses.dataclass
+class SandblasterStats:
+    """Counters of a `SandblasterObjective`, summed over its evaluations.
+
+    Attributes:
+      evaluations: objective evaluations (calls).
+      portions_scheduled: primary copies, `portions` per evaluation.
+      backup_copies_scheduled: backup copies.
+      copies_accepted: copies counted, exactly one per portion and evaluation.
+      copies_discarded: copies that finished after another copy of their portion
+        had been accepted; their gradient was never added.
+      accepted_by_worker: accepted copies per worker index (load balancing).
+      evaluation_secs: wall time of each evaluation.
+    """
+
+    evaluations: int = 0
+    portions_scheduled: int = 0
+    backup_copies_scheduled: int = 0
+    copies_accepted: int = 0
+    copies_discarded: int = 0
+    accepted_by_worker: dict[int, int] = dataclasses.field(default_factory=dict)
+    evaluation_secs: list[float] = dataclasses.field(default_factory=list)
