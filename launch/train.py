@@ -41,7 +41,7 @@ if __name__ == "__main__":
     console.import_tensorflow_quietly()
 
 import models  # noqa: E402
-from tf_distbelief import downpour, job, sandblaster  # noqa: E402
+from tf_distbelief import downpour, errors, job, sandblaster  # noqa: E402
 from tf_distbelief.downpour import schedule as downpour_schedule  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -448,4 +448,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(console.refusals_in_one_line(main, (app.UsageError, errors.ConfigError)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 from models import digits, embedding, speech
+from tf_distbelief import errors
 from tf_distbelief.job import spec as spec_lib
 
 MODELS = {"digits": digits, "speech": speech, "embedding": embedding}
@@ -76,15 +77,15 @@ def spec(
       `MODEL_PARALLEL`.
 
     Raises:
-      ValueError: `name` is not one of `MODELS`, or has no Keras 3 builder.
+      ConfigError: `name` is not one of `MODELS`, or has no Keras 3 builder.
     """
     if name not in MODELS:
-        raise ValueError(
+        raise errors.ConfigError(
             f"`model` must be one of {', '.join(MODELS)}. Received: {name!r}"
         )
     if keras == 3:
         if name not in KERAS3:
-            raise ValueError(
+            raise errors.ConfigError(
                 f"`model` must be one of {', '.join(KERAS3)} with Keras 3 "
                 f"(`--keras=3`). Received: {name!r}"
             )

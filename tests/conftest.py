@@ -37,6 +37,71 @@ def local_cluster():
         yield local
 
 
+# `launch/train.py` flags of a Downpour job on the local cluster (2 workers, 2
+# ps): 1,000 steps, since 500 left test accuracy below 0.95 at times
+# (tests/test_launch.py).
+DOWNPOUR_LAUNCH_ARGS = (
+    "--model=digits",
+    "--downpour",
+    "--n_fetch=4",
+    "--n_push=4",
+    "--epochs=10",
+    "--num_workers=2",
+    "--num_ps=2",
+)
+# The Sandblaster job of `lbfgs_digits_reference` (`--portions`,
+# `--lbfgs_max_iters`).
+LBFGS_REFERENCE_PORTIONS = 8
+LBFGS_REFERENCE_ITERS = 8
+
+
+@pytest.fixture(scope="session")
+def downpour_launch_ps0_killed(tmp_path_factory):
+    """One `launch/train.py` Downpour job whose ps 0 is SIGKILLed after its
+    second checkpoint: `(returncode, stdout, stderr)`.
+
+    `DOWNPOUR_LAUNCH_ARGS` with `--model_dir` and `--checkpoint_every_steps=20`.
+    tests/test_ps_recovery.py checks the recovery, tests/test_launch.py the
+    Downpour progress lines and the test accuracy: one launch of about a minute
+    (2 cores) serves both.
+    """
+    from tests import test_ps_recovery
+
+    return test_ps_recovery.run_ps0_killed_after_second_checkpoint(
+        tmp_path_factory.mktemp("downpour_ps0_killed"), list(DOWNPOUR_LAUNCH_ARGS)
+    )
+
+
+@pytest.fixture(scope="session")
+def lbfgs_digits_reference(local_cluster, tmp_path_factory):
+    """The Sandblaster checkpoint folder of an uninterrupted L-BFGS job.
+
+    `train.py --model=digits --optimizer=lbfgs --portions=8 --lbfgs_max_iters=8`
+    on 2 workers and 2 ps, run in this process (`job.train` on the shared
+    cluster): the reference that the chief-loss and ps-loss launch tests
+    (tests/test_sandblaster_resume.py, tests/test_ps_recovery.py) must end at.
+    """
+    import models
+    from tf_distbelief import job
+    from tf_distbelief.sandblaster import checkpoint
+    from tf_distbelief.sandblaster import config as sandblaster_config
+
+    model_dir = str(tmp_path_factory.mktemp("lbfgs_reference"))
+    job.train(
+        job.JobConfig(
+            optimizer="lbfgs",
+            model_dir=model_dir,
+            sandblaster=sandblaster_config.SandblasterConfig(
+                max_iters=LBFGS_REFERENCE_ITERS, portions=LBFGS_REFERENCE_PORTIONS
+            ),
+        ),
+        models.spec("digits"),
+        local_cluster.resolver_for(num_workers=2, num_ps=2),
+        print_fn=lambda line: None,
+    )
+    return os.path.join(model_dir, checkpoint.CHECKPOINT_SUBDIR)
+
+
 @pytest.fixture
 def clean_tf_config(monkeypatch):
     """Removes `TF_CONFIG` for the test."""

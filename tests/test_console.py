@@ -7,12 +7,14 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
 
+from tests import test_launch
 from tests.helpers import tensorboard_scalars
 from tf_distbelief import console, evaluation, progress
 
@@ -259,3 +261,54 @@ def test_a_library_run_ends_with_at_most_one_grpc_line(tmp_path):
         if console.gpu_expected():
             log = "\n".join(li for li in log.splitlines() if "cuInit" not in li)
         assert not CPP_LOG_LINE.search(log), log[-2000:]
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (  # Refused by the Keras 3 job (`ConfigError`).
+            ["--keras=3", "--model_dir=/tmp/D"],
+            r"`model_dir` must be None with Keras 3 \(`--keras=3`\): the Keras 3 "
+            r"path writes no checkpoints\. Received: '/tmp/D'",
+        ),
+        (  # Refused by `load_spec` (`ConfigError`).
+            ["--model=nosuchmodule:spec"],
+            r"Cannot import module `nosuchmodule` of model spec 'nosuchmodule:spec' "
+            r"\(No module named 'nosuchmodule'\)\. It must be importable from the "
+            r"working directory or PYTHONPATH\.",
+        ),
+        (  # Refused by `main` (`app.UsageError`): no flag list before it.
+            ["--n_push=1"],  # Its default value, yet ignored without --downpour.
+            r"--n_push: Downpour settings, ignored without --downpour: add "
+            r"--downpour\.",
+        ),
+    ],
+)
+def test_an_option_refused_after_parsing_is_one_error_line(flags, message):
+    proc = test_launch._train(flags, uuid.uuid4().hex, timeout=300)
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        rf"train\.py: error: {message}", lines[0]
+    ), proc.stderr[-3000:]
+    assert "local cluster" not in proc.stdout
+
+
+def test_an_unexpected_error_keeps_its_traceback(tmp_path):
+    """Only refused settings lose the traceback: a bug (here a spec function
+    that raises a plain ValueError) is shown with it."""
+    (tmp_path / "buggy_spec.py").write_text(
+        "def spec():\n    raise ValueError('a bug in the spec function')\n"
+    )
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    proc = test_launch._train(
+        ["--model=buggy_spec:spec"], uuid.uuid4().hex, 300, PYTHONPATH=path
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("Traceback (most recent call last):"), proc.stderr
+    assert re.search(
+        r'File ".*buggy_spec\.py", line 2, in spec\n.*\n'
+        r"ValueError: a bug in the spec function\n$",
+        proc.stderr,
+    ), proc.stderr[-3000:]
+    assert "error: a bug" not in proc.stderr

@@ -20,12 +20,11 @@ import psutil
 import pytest
 import tensorflow as tf
 
-import models
+from tests import conftest
 from tests.test_sandblaster_resume import _VALUE, _latest_iteration, _relative_errors
 from tf_distbelief import job, recovery
 from tf_distbelief.cluster import local as local_lib
 from tf_distbelief.sandblaster import checkpoint as sandblaster_checkpoint
-from tf_distbelief.sandblaster import config as sandblaster_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -91,33 +90,35 @@ def _accuracy(output):
     return float(re.findall(r"^test accuracy: ([0-9.]+)$", output, re.M)[-1])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "extra",
-    [
-        [],
-        # Downpour needs 1,000 steps for 0.95 (tests/test_launch.py).
-        ["--downpour", "--n_fetch=4", "--n_push=4", "--epochs=10"],
-    ],
-    ids=["stock", "downpour"],
-)
-def test_ps_killed_after_the_second_checkpoint_is_recovered(tmp_path, extra):
+def run_ps0_killed_after_second_checkpoint(folder, args):
+    """`launch/train.py args` with checkpoints every 20 steps in `folder`, ps 0
+    SIGKILLed once the second (step 40) is written; (returncode, stdout,
+    stderr)."""
     marker = uuid.uuid4().hex
-    model_dir = tmp_path / "model"
+    model_dir = folder / "model"
     second = model_dir / "checkpoints" / "ckpt-40.index"
     proc = _launch(
-        [
-            "--model=digits",
-            "--num_workers=2",
-            "--num_ps=2",
-            f"--model_dir={model_dir}",
-            "--checkpoint_every_steps=20",
-            *extra,
-        ],
+        [*args, f"--model_dir={model_dir}", "--checkpoint_every_steps=20"],
         marker,
-        tmp_path,
+        folder,
     )
-    code, out, err = _kill_ps0_when(proc, marker, tmp_path, second.exists)
+    return _kill_ps0_when(proc, marker, folder, second.exists)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("downpour", [False, True], ids=["stock", "downpour"])
+def test_ps_killed_after_the_second_checkpoint_is_recovered(
+    request, tmp_path, downpour
+):
+    """Stock: `--model=digits --num_workers=2 --num_ps=2` (5 epochs). Downpour:
+    the job tests/test_launch.py's Downpour test checks too (one launch,
+    `conftest.downpour_launch_ps0_killed`; 1,000 steps for 0.95)."""
+    if downpour:
+        code, out, err = request.getfixturevalue("downpour_launch_ps0_killed")
+    else:
+        code, out, err = run_ps0_killed_after_second_checkpoint(
+            tmp_path, ["--model=digits", "--num_workers=2", "--num_ps=2"]
+        )
     assert code == 0, err[-3000:]
     lost = re.search(r"^ps task lost: /job:ps/task:0 at 127\.0\.0\.1:(\d+) ", out, re.M)
     assert lost, out
@@ -135,7 +136,7 @@ def test_ps_killed_after_the_second_checkpoint_is_recovered(tmp_path, extra):
     )
     assert restored and int(restored[1]) >= 40, out
     assert re.search(rf"^Resumed from .*ckpt-{restored[1]} at step", out, re.M)
-    epochs = 10 if extra else 5
+    epochs = 10 if downpour else 5
     assert re.search(
         rf"^epoch {epochs}/{epochs}: steps {epochs * 100}/{epochs * 100} ", out, re.M
     ), out
@@ -144,34 +145,21 @@ def test_ps_killed_after_the_second_checkpoint_is_recovered(tmp_path, extra):
 
 @pytest.mark.slow
 def test_ps_killed_during_sandblaster_resumes_to_the_uninterrupted_result(
-    local_cluster, tmp_path
+    lbfgs_digits_reference, tmp_path
 ):
     """`train.py --optimizer=lbfgs --model_dir=D`, ps 0 SIGKILLed after the
     L-BFGS checkpoint of iteration 3: the chief recovers in the same process,
     resumes from that checkpoint and ends where an uninterrupted run ends (the
-    reference runs the same job in this process, as
-    tests/test_sandblaster_resume.py's chief-loss test does)."""
-    total = 8
-    straight_dir = str(tmp_path / "straight")
-    job.train(
-        job.JobConfig(
-            optimizer="lbfgs",
-            model_dir=straight_dir,
-            sandblaster=sandblaster_config.SandblasterConfig(
-                max_iters=total, portions=8
-            ),
-        ),
-        models.spec("digits"),
-        local_cluster.resolver_for(num_workers=2, num_ps=2),
-        print_fn=lambda line: None,
-    )
+    reference, `conftest.lbfgs_digits_reference`, runs the same job in this
+    process, for tests/test_sandblaster_resume.py's chief-loss test too)."""
+    total = conftest.LBFGS_REFERENCE_ITERS
     marker = uuid.uuid4().hex
     checkpoints = str(tmp_path / "model" / sandblaster_checkpoint.CHECKPOINT_SUBDIR)
     proc = _launch(
         [
             "--model=digits",
             "--optimizer=lbfgs",
-            "--portions=8",
+            f"--portions={conftest.LBFGS_REFERENCE_PORTIONS}",
             f"--lbfgs_max_iters={total}",
             "--num_workers=2",
             "--num_ps=2",
@@ -205,9 +193,7 @@ def test_ps_killed_during_sandblaster_resumes_to_the_uninterrupted_result(
         re.M,
     ), out
     assert re.search(rf"^lbfgs: {total} iterations", out, re.M), out
-    want = tf.train.load_checkpoint(
-        tf.train.latest_checkpoint(os.path.join(straight_dir, "sandblaster"))
-    )
+    want = tf.train.load_checkpoint(tf.train.latest_checkpoint(lbfgs_digits_reference))
     got = tf.train.load_checkpoint(tf.train.latest_checkpoint(checkpoints))
     assert got.get_tensor("num_iters" + _VALUE) == total
     for key in ("x", "loss_history", "step_history"):

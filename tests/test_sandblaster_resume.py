@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 import models
-from tests import test_launch
+from tests import conftest, test_launch
 from tests.test_sandblaster import CE, EQUAL_PORTIONS, _digits_train, _logistic_model
 from tf_distbelief import job, nonfinite, resume
 from tf_distbelief import strategy as strategy_lib
@@ -264,38 +264,28 @@ def _latest_iteration(directory):
 
 @pytest.mark.slow
 def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(
-    local_cluster, tmp_path
+    lbfgs_digits_reference, tmp_path
 ):
     """`train.py --optimizer=lbfgs --model_dir=D`, SIGKILL of the chief, rerun.
 
     The uninterrupted reference runs the same job in this process (`job.train`
-    on the shared cluster, 2 workers and 2 ps as `train.py` starts). The
-    digits model is float32 (its objective is computed in float32 at the
-    float64 parameter vector) and evaluated deterministically, so the rerun's
-    final parameter vector, loss and step histories, read from the last
-    checkpoints, equal the reference's to 1e-9.
+    on the shared cluster, 2 workers and 2 ps as `train.py` starts;
+    `conftest.lbfgs_digits_reference`, which tests/test_ps_recovery.py's
+    Sandblaster test shares). The digits model is float32 (its objective is
+    computed in float32 at the float64 parameter vector) and evaluated
+    deterministically, so the rerun's final parameter vector, loss and step
+    histories, read from the last checkpoints, equal the reference's to 1e-9.
     """
-    total = 16
+    total = conftest.LBFGS_REFERENCE_ITERS
     args = [
         "--model=digits",
         "--optimizer=lbfgs",
-        "--portions=8",
+        f"--portions={conftest.LBFGS_REFERENCE_PORTIONS}",
         f"--lbfgs_max_iters={total}",
         "--num_workers=2",
         "--num_ps=2",
     ]
-    straight_dir, killed_dir = str(tmp_path / "straight"), str(tmp_path / "killed")
-    config = job.JobConfig(
-        optimizer="lbfgs",
-        model_dir=straight_dir,
-        sandblaster=config_lib.SandblasterConfig(max_iters=total, portions=8),
-    )
-    job.train(
-        config,
-        models.spec("digits"),
-        local_cluster.resolver_for(num_workers=2, num_ps=2),
-        print_fn=lambda line: None,
-    )
+    killed_dir = str(tmp_path / "killed")
 
     marker = uuid.uuid4().hex
     chief = subprocess.Popen(
@@ -326,9 +316,7 @@ def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(
         re.M,
     ), output[-3000:]
     assert re.search(rf"^lbfgs: {total} iterations", output, re.M)
-    want = tf.train.load_checkpoint(
-        tf.train.latest_checkpoint(os.path.join(straight_dir, "sandblaster"))
-    )
+    want = tf.train.load_checkpoint(tf.train.latest_checkpoint(lbfgs_digits_reference))
     got = tf.train.load_checkpoint(tf.train.latest_checkpoint(checkpoints))
     for key in ("x", "loss_history", "step_history"):
         a, b = got.get_tensor(key + _VALUE), want.get_tensor(key + _VALUE)

@@ -26,6 +26,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
         "Adagrad": "adagrad.optimizer",
         "ClusterConfigError": "cluster.config",
         "ClusterStartError": "cluster.config",
+        "ConfigError": "errors",
         "DistBeliefStrategy": "strategy",
         "Downpour": "downpour.replica",
         "DownpourConfig": "downpour.config",

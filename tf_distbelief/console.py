@@ -214,3 +214,29 @@ def import_tensorflow_quietly() -> None:
         import tensorflow as tf
 
         tf.config.list_physical_devices()
+
+
+def refusals_in_one_line(main, refused: tuple[type[BaseException], ...]):
+    """`main(argv)` that ends the process with one line when it refuses a setting.
+
+    A refused option (`refused`: the launch script's `app.UsageError` and
+    `tf_distbelief.errors.ConfigError`) names the setting, the value and the
+    fix; absl's full flag list (UsageError) or a traceback would bury that
+    line. Any other exception is a bug and keeps its traceback.
+
+    Args:
+      main: the launch script's `main(argv)`.
+      refused: the exception classes printed as `prog: error: message`.
+
+    Returns:
+      A `main(argv)` for `app.run`: on a `refused` error it writes
+      `<script>: error: <message>` to stderr and exits with status 1.
+    """
+
+    def run_main(argv):
+        try:
+            return main(argv)
+        except refused as e:
+            sys.exit(f"{os.path.basename(argv[0])}: error: {e}")
+
+    return run_main

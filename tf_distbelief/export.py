@@ -31,7 +31,7 @@ from collections.abc import Callable
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import console
+from tf_distbelief import console, errors
 
 SAVED_MODEL_SUBDIR = "saved_model"
 KERAS_FILE = "model.keras"
@@ -110,17 +110,17 @@ def check_export_dir(export_dir: str, model_dir: str | None = None) -> None:
       model_dir: the job's `model_dir`, which `export_dir` must not be.
 
     Raises:
-      ValueError: naming `export_dir`, the rule and the fix.
+      ConfigError: naming `export_dir`, the rule and the fix.
     """
     path = os.path.abspath(export_dir)
     if model_dir and path == os.path.abspath(model_dir):
-        raise ValueError(
+        raise errors.ConfigError(
             "`export_dir` must not be the `model_dir` (checkpoints and logs): "
             f"choose another directory, e.g. {os.path.join(path, 'export')!r}. "
             f"Received: {export_dir!r}"
         )
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(
+        raise errors.ConfigError(
             f"`export_dir` must be a directory. Received: {export_dir!r} (a file)"
         )
     if os.path.isdir(path):
@@ -131,7 +131,7 @@ def check_export_dir(export_dir: str, model_dir: str | None = None) -> None:
         ):
             others.insert(0, f"{SAVED_MODEL_SUBDIR}/ (not a SavedModel)")
         if others:
-            raise ValueError(
+            raise errors.ConfigError(
                 "`export_dir` must be new, empty, or hold only an earlier export "
                 f"({SAVED_MODEL_SUBDIR}/, {KERAS_FILE}); {export_dir!r} also holds "
                 f"{', '.join(others[:5])}{' ...' if len(others) > 5 else ''}. "
@@ -141,7 +141,7 @@ def check_export_dir(export_dir: str, model_dir: str | None = None) -> None:
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
-        raise ValueError(
+        raise errors.ConfigError(
             f"`export_dir` {export_dir!r} cannot be written: {parent!r} is not a "
             "writable directory."
         )

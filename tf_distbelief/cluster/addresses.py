@@ -18,6 +18,8 @@ import threading
 import time
 from collections.abc import Iterable
 
+from tf_distbelief import errors
+
 MIN_PORT = 1
 MAX_PORT = 65535
 # The machine key of every loopback spelling.
@@ -31,7 +33,7 @@ _RESOLVE_BUDGET_SECS = 1.0
 _MAX_LOOKUPS = 64
 
 
-class AddressError(ValueError):
+class AddressError(errors.ConfigError):
     """A task address that cannot work; the message names the task and the fix."""
 
 

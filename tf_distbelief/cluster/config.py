@@ -35,7 +35,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from tf_distbelief import console
+from tf_distbelief import console, errors
 from tf_distbelief.cluster import addresses
 
 ALLOWED_JOBS = ("chief", "worker", "ps", "evaluator")
@@ -46,7 +46,7 @@ JOB_ALIASES = {"master": "chief"}
 _TF_CONFIG = "TF_CONFIG"
 
 
-class ClusterConfigError(ValueError):
+class ClusterConfigError(errors.ConfigError):
     """A cluster configuration (`TF_CONFIG` or a resolver) is invalid."""
 
 

@@ -44,13 +44,15 @@ import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 
+from tf_distbelief import errors
+
 # The CUDA_VISIBLE_DEVICES value that hides every GPU from a process.
 NO_GPU = ""
 _NVIDIA_SMI_TIMEOUT_SECS = 20.0
 _NVIDIA_SMI_LINE = re.compile(r"^GPU (\d+):", re.MULTILINE)
 
 
-class GpuAssignmentError(ValueError):
+class GpuAssignmentError(errors.ConfigError):
     """`gpus_per_worker` asks for more GPUs than the host has."""
 
 

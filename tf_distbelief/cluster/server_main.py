@@ -5,11 +5,18 @@ until SIGTERM. The launch script dispatches here too when `TF_CONFIG` names a ps
 or worker task.
 """
 
+import os
+
 from absl import app, flags
 
 from tf_distbelief import console
 
 if __name__ == "__main__":
+    # A ps or worker task builds no Keras model: `import tensorflow` then binds
+    # `tf.keras` to tf_keras (`TF_USE_LEGACY_KERAS`) instead of importing Keras
+    # 3, which brings scikit-learn and SciPy along (about a second of CPU time
+    # per task, on every local cluster start and task restart).
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     # Before TensorFlow loads (the package imports no TensorFlow): keep its
     # start-up lines below the log level, and the cuInit error of a task
     # without a GPU, out of the task's log.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tf_distbelief import console
+from tf_distbelief import console, errors
 from tf_distbelief import downpour as downpour_lib
 from tf_distbelief import nonfinite as nonfinite_lib
 from tf_distbelief import recovery as recovery_lib
@@ -110,7 +110,7 @@ class JobConfig:
         """Checks every field; returns self.
 
         Raises:
-          ValueError: naming the first bad field, its value and what is allowed.
+          ConfigError: naming the first bad field, its value and what is allowed.
           TypeError: `downpour` is not a `DownpourConfig` or None, or
             `sandblaster` not a `SandblasterConfig`.
         """
@@ -120,7 +120,7 @@ class JobConfig:
             ("nonfinite", NONFINITE_MODES),
         ):
             if getattr(self, name) not in allowed:
-                raise ValueError(
+                raise errors.ConfigError(
                     f"`{name}` must be one of {', '.join(allowed)}. Received: "
                     f"{getattr(self, name)!r}"
                 )
@@ -135,26 +135,26 @@ class JobConfig:
             "devices_per_replica",
         ):
             if getattr(self, name) < 1:
-                raise ValueError(
+                raise errors.ConfigError(
                     f"`{name}` must be >= 1. Received: {getattr(self, name)!r}"
                 )
         if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
-            raise ValueError(
+            raise errors.ConfigError(
                 "`gpus_per_worker` must be >= 0 or None (share the host's GPUs). "
                 f"Received: {self.gpus_per_worker!r}"
             )
         if not self.connect_timeout_secs > 0:
-            raise ValueError(
+            raise errors.ConfigError(
                 "`connect_timeout_secs` must be > 0. Received: "
                 f"{self.connect_timeout_secs!r}"
             )
         if not 0 <= self.ps_recovery_secs < float("inf"):
-            raise ValueError(
+            raise errors.ConfigError(
                 "`ps_recovery_secs` must be a finite number >= 0 (0: no "
                 f"recovery). Received: {self.ps_recovery_secs!r}"
             )
         if not self.learning_rate > 0:
-            raise ValueError(
+            raise errors.ConfigError(
                 f"`learning_rate` must be > 0. Received: {self.learning_rate!r}"
             )
         if self.downpour is not None:
@@ -164,7 +164,7 @@ class JobConfig:
                     f"Received: {self.downpour!r}"
                 )
             if self.optimizer == "lbfgs":
-                raise ValueError(
+                raise errors.ConfigError(
                     "`downpour` trains with SGD-type optimizers (adagrad, sgd); "
                     "`optimizer=lbfgs` is Sandblaster. Received both."
                 )
@@ -174,7 +174,7 @@ class JobConfig:
                 f"Received: {self.sandblaster!r}"
             )
         if self.checkpoint_every_steps and not self.model_dir:
-            raise ValueError(
+            raise errors.ConfigError(
                 "`checkpoint_every_steps` needs `model_dir` (where the "
                 f"checkpoints go). Received: {self.checkpoint_every_steps!r} "
                 "and model_dir=None"
@@ -186,7 +186,7 @@ class JobConfig:
             "checkpoint_every_steps",
         ):
             if getattr(self, name) < 0:
-                raise ValueError(
+                raise errors.ConfigError(
                     f"`{name}` must be >= 0. Received: {getattr(self, name)!r}"
                 )
         return self

@@ -21,6 +21,7 @@ from tf_distbelief import (
     cluster,
     console,
     downpour,
+    errors,
     evaluation,
     export,
     recovery,
@@ -37,7 +38,7 @@ def check_spec(config: JobConfig, spec: ModelSpec) -> None:
 
     Raises:
       TypeError: `spec` is not a `ModelSpec`.
-      ValueError: `config.devices_per_replica > 1` and `spec` has no
+      ConfigError: `config.devices_per_replica > 1` and `spec` has no
         model-parallel version, or `optimizer=lbfgs` and no `load_data`.
     """
     if not isinstance(spec, ModelSpec):
@@ -45,12 +46,12 @@ def check_spec(config: JobConfig, spec: ModelSpec) -> None:
             f"Argument `spec` must be a tf_distbelief ModelSpec. Received: {spec!r}"
         )
     if config.optimizer == "lbfgs" and spec.load_data is None:
-        raise ValueError(
+        raise errors.ConfigError(
             "`optimizer=lbfgs` (Sandblaster, full batch) trains on `load_data`'s "
             f"arrays; ModelSpec {spec.name!r} has only `dataset_fn`."
         )
     if config.devices_per_replica > 1 and not spec.model_parallel:
-        raise ValueError(
+        raise errors.ConfigError(
             "`devices_per_replica` > 1 needs a model with a model-parallel "
             "version (a ModelSpec with `model_parallel=True`; the demo models "
             f"digits and speech). Received: model={spec.name!r}"

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from tf_distbelief import errors
+
 
 def sparse_categorical_crossentropy():
     """The default loss: `SparseCategoricalCrossentropy(from_logits=True)`."""
@@ -100,14 +102,14 @@ def load_spec(reference: str) -> ModelSpec:
       The `ModelSpec`.
 
     Raises:
-      ValueError: `reference` is not of the form `module:attribute`, the module
+      ConfigError: `reference` is not of the form `module:attribute`, the module
         cannot be imported, or it has no such attribute.
       TypeError: the attribute is not a `ModelSpec` (or a function returning
         one).
     """
     module_name, _, attribute = reference.partition(":")
     if not module_name or not attribute.isidentifier():
-        raise ValueError(
+        raise errors.ConfigError(
             "A model spec must be named `package.module:function` (a function of "
             f"no arguments returning a tf_distbelief ModelSpec). Received: "
             f"{reference!r}"
@@ -117,13 +119,13 @@ def load_spec(reference: str) -> ModelSpec:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(
+        raise errors.ConfigError(
             f"Cannot import module `{module_name}` of model spec {reference!r} "
             f"({e}). It must be importable from the working directory or "
             "PYTHONPATH."
         ) from e
     if not hasattr(module, attribute):
-        raise ValueError(
+        raise errors.ConfigError(
             f"Module `{module_name}` has no attribute `{attribute}` (model spec "
             f"{reference!r})."
         )

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 from absl import logging
 
-from tf_distbelief import cluster, console
+from tf_distbelief import cluster, console, errors
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.job import spec as spec_lib
 from tf_distbelief.job.config import JobConfig
@@ -36,12 +36,12 @@ _UNSUPPORTED = (
 
 
 def check_config(config: JobConfig) -> None:
-    """Raises ValueError naming a `config` setting the Keras 3 path lacks."""
+    """Raises ConfigError naming a `config` setting the Keras 3 path lacks."""
     config.validate()
     for name, allowed, why in _UNSUPPORTED:
         value = getattr(config, name)
         if value != allowed:
-            raise ValueError(
+            raise errors.ConfigError(
                 f"`{name}` must be {allowed!r} with Keras 3 (`--keras=3`): {why}. "
                 f"Received: {value!r}"
             )
