@@ -300,7 +300,7 @@ def main(argv):
         strategies = {}
 
         def objective_on(workers):
-            def make(**kwargs):
+            def make(portions=FLAGS.portions, **kwargs):
                 if workers not in strategies:
                     strategies[workers] = strategy_lib.DistBeliefStrategy(
                         local.resolver_for(num_workers=workers)
@@ -312,7 +312,7 @@ def main(argv):
                     loss_fn,
                     x,
                     y,
-                    portions=FLAGS.portions,
+                    portions=portions,
                     **kwargs,
                 )
 
@@ -330,6 +330,18 @@ def main(argv):
             sandblaster_phases.evaluation_phases(obj, x_vector, FLAGS.batches),
         )
         obj.close()
+        whole = make_objective(portions=1, backup_tasks=False)
+        one, together = sandblaster_phases.parallel_capacity(whole, FLAGS.batches)
+        whole.close()
+        capacity = FLAGS.num_workers * one / together
+        print(
+            f"\nThese cores: one whole-batch evaluation on one worker {one:.3f} s; "
+            f"{FLAGS.num_workers} at once, one per worker, {together:.3f} s: "
+            f"{FLAGS.num_workers} workers give {capacity:.2f}x one worker's "
+            f"throughput, so an evaluation on them takes at least "
+            f"{1 / capacity:.2f}x one worker's time (median of {FLAGS.batches}).",
+            flush=True,
+        )
         if FLAGS.phases_only:
             return
         straggler_rows, batch_times = [], []

@@ -84,6 +84,45 @@ def _alone_secs(obj, repeats):
     return results["fetch"], results["noop"]
 
 
+def parallel_capacity(obj, repeats):
+    """What the workers' cores give together: one whole-batch portion alone, then
+    one per worker at once.
+
+    Args:
+      obj: a `SandblasterObjective` of 1 portion (the whole batch), warmed up
+        or not: each measurement is preceded by one untimed run.
+      repeats: timed runs of each; the medians are returned.
+
+    Returns:
+      `(one, together)`: seconds for one portion on one worker while the
+      others idle, and for `obj.num_workers` of them scheduled at once (one
+      per idle worker, as `ClusterCoordinator` hands them out). On cores of
+      their own `together == one`; on shared cores more.
+    """
+    import tensorflow as tf
+
+    eval_id = tf.constant(-1, tf.int64)  # Each worker fetches x_eval once.
+
+    def run(count):
+        start = time.monotonic()
+        remotes = [
+            obj.coordinator.schedule(
+                obj.portion_function,
+                args=(tf.constant(0, tf.int64), tf.constant(i, tf.int64), eval_id),
+            )
+            for i in range(count)
+        ]
+        for remote in remotes:
+            remote.fetch()
+        return time.monotonic() - start
+
+    medians = []
+    for count in (1, obj.num_workers):
+        times = [run(count) for _ in range(repeats + 1)][1:]
+        medians.append(float(np.median(times)))
+    return medians[0], medians[1]
+
+
 def evaluation_phases(obj, x_vector, batches):
     """Rows `[phase, secs per evaluation, share]` of one evaluation's time.
 
