@@ -234,39 +234,33 @@ class SandblasterObjective:
         num_slots = portions + 2 * self.num_workers
         self._slot_pool = schedule_lib.SlotPool(num_slots)
         self.slot_dtype = portion_lib.slot_dtype(self.layout)
+        size = self.layout.size
+
+        def per_worker(name, shape, dtype, initial_value):
+            return tf.Variable(
+                initial_value=initial_value,
+                shape=shape,
+                dtype=dtype,
+                trainable=False,
+                name=f"sandblaster/{name}",
+                per_worker_variable=True,
+            )
+
         with strategy.scope():
-            size = self.layout.size
-            self._cache = tf.Variable(
-                initial_value=lambda: tf.zeros([size], _F64),
-                shape=[size],
-                dtype=_F64,
-                trainable=False,
-                name="sandblaster/cache",
-                per_worker_variable=True,
+            self._cache = per_worker(
+                "cache", [size], _F64, lambda: tf.zeros([size], _F64)
             )
-            self._cached_eval = tf.Variable(
-                initial_value=lambda: tf.constant(-1, _I64),
-                shape=[],
-                dtype=_I64,
-                trainable=False,
-                name="sandblaster/cached_eval",
-                per_worker_variable=True,
+            self._cached_eval = per_worker(
+                "cached_eval", [], _I64, lambda: tf.constant(-1, _I64)
             )
-            self._incarnation = tf.Variable(
-                initial_value=lambda: tf.random.uniform([], 1, 2**62, _I64),
-                shape=[],
-                dtype=_I64,
-                trainable=False,
-                name="sandblaster/incarnation",
-                per_worker_variable=True,
+            self._incarnation = per_worker(
+                "incarnation", [], _I64, lambda: tf.random.uniform([], 1, 2**62, _I64)
             )
-            self._slots = tf.Variable(
-                initial_value=lambda: tf.zeros([num_slots, size], self.slot_dtype),
-                shape=[num_slots, size],
-                dtype=self.slot_dtype,
-                trainable=False,
-                name="sandblaster/slots",
-                per_worker_variable=True,
+            self._slots = per_worker(
+                "slots",
+                [num_slots, size],
+                self.slot_dtype,
+                lambda: tf.zeros([num_slots, size], self.slot_dtype),
             )
         self._reductions: dict[tuple, Callable] = {}
         self._eval_id = 0
