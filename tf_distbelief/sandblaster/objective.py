@@ -376,12 +376,28 @@ class SandblasterObjective:
             gone = sorted({w for w, i in zip(workers, incarnations) if now[w] != i})
             lost = f"worker {gone} restarted" if gone else None
         except _LOST_WORKER_ERRORS as e:
-            if "/job:ps" in str(e):
+            # The reduction runs on the ps, so its error names a ps task even
+            # when a worker was lost: ask the ps shards themselves.
+            if not self._ps_shards_answer():
                 raise  # A lost ps: the job's ps recovery (`recovery`) handles it.
             lost = f"{type(e).__name__}: {console.shorten(str(e))}"
         for slot in slots:
             self._slot_pool.release(slot)
         return lost
+
+    def _ps_shards_answer(self) -> bool:
+        """Whether every ps shard of the gradient can still be read.
+
+        A ps task that stopped refuses the read; one restarted since has lost
+        the variable (and the eager context): either way the read raises.
+        """
+        try:
+            for shard in self.grad.shards:
+                with tf.device(shard.device):
+                    shard[:1].numpy()
+        except tf.errors.OpError:
+            return False
+        return True
 
     def _reduce(self, slots, workers) -> list[int]:
         """Sets `self.grad` to the sum of the accepted slots, in portion order.
