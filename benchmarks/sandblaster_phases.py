@@ -99,16 +99,15 @@ def parallel_capacity(obj, repeats):
       per idle worker, as `ClusterCoordinator` hands them out). On cores of
       their own `together == one`; on shared cores more.
     """
-    import tensorflow as tf
 
-    eval_id = tf.constant(-1, tf.int64)  # Each worker fetches x_eval once.
+    from tf_distbelief.sandblaster import portion
 
     def run(count):
         start = time.monotonic()
         remotes = [
+            # Evaluation id -1: each worker fetches x_eval once.
             obj.coordinator.schedule(
-                obj.portion_function,
-                args=(tf.constant(0, tf.int64), tf.constant(i, tf.int64), eval_id),
+                obj.portion_function, args=(portion.pack_call(0, i, -1),)
             )
             for i in range(count)
         ]

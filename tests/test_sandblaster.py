@@ -193,6 +193,23 @@ def test_slot_dtype_holds_the_gradient_exactly(dtypes, expected):
         np.testing.assert_array_equal(grad.astype(np.float32).astype(np.float64), grad)
 
 
+@pytest.mark.parametrize("share", [0.1, -3.5e-300, 2.0**-1074, np.nextafter(1.0, 2.0)])
+def test_portion_result_carries_the_share_bit_for_bit(share):
+    packed = tf.stack(
+        [
+            tf.bitcast(tf.constant(share, tf.float64), tf.int64),
+            tf.constant(1, tf.int64),
+            tf.constant(2**62 - 1, tf.int64),
+        ]
+    )
+    unpacked = sandblaster_portion.unpack_result(packed.numpy())
+    assert unpacked == (share, 1, 2**62 - 1)
+    assert np.float64(unpacked[0]).tobytes() == np.float64(share).tobytes()
+    np.testing.assert_array_equal(
+        sandblaster_portion.pack_call(3, 4, 5).numpy(), [3, 4, 5]
+    )
+
+
 def test_flat_layout_and_evaluate_at():
     model = _logistic_model()
     layout = flat_params.FlatLayout(model)
@@ -441,10 +458,11 @@ def test_vectors_on_ps_and_coordinator_moves_only_scalars(local_cluster, monkeyp
     ps = tuple(_ps_device(i) for i in range(num_ps))
     assert objective.grad.devices == ps
 
-    # What a portion returns to the coordinator: three scalars (its loss
-    # share, its worker and that worker's incarnation).
+    # What a portion takes and returns: one int64 [3] tensor each way (its
+    # loss share bit-cast, its worker and that worker's incarnation back).
     portion_fn = objective.portion_function
-    assert [t.shape.rank for t in portion_fn.outputs] == [0, 0, 0]
+    assert [(t.dtype, t.shape) for t in portion_fn.inputs[:1]] == [(tf.int64, [3])]
+    assert [(t.dtype, t.shape) for t in portion_fn.outputs] == [(tf.int64, [3])]
     # With no `portion_delay_fn`, no sleep and no timing op in production.
     assert not {"SleepDataset", "Timestamp"} & _op_types(portion_fn)
     # Its only write goes to the worker's own gradient slots (a

@@ -285,18 +285,14 @@ class SandblasterObjective:
 
     # ------------------------------------------------------- coordinator side
 
-    def _launch(self, ledger, portion, eval_id_tensor, backup):
+    def _launch(self, ledger, portion, backup):
         while self._slot_pool.num_free == 0:
             self._wait_any()
         slot = self._slot_pool.acquire()
         ledger.scheduled(portion)
         remote = self.coordinator.schedule(
             self.portion_function,
-            args=(
-                tf.constant(portion, _I64),
-                tf.constant(slot, _I64),
-                eval_id_tensor,
-            ),
+            args=(portion_lib.pack_call(portion, slot, self._eval_id),),
         )
         future = self._executor.submit(remote.fetch)
         self._in_flight[future] = _Copy(self._eval_id, ledger, portion, slot)
@@ -314,10 +310,9 @@ class SandblasterObjective:
         )
         for future in done:
             copy = self._in_flight.pop(future)
-            share, worker, incarnation = future.result()
+            share, worker, incarnation = portion_lib.unpack_result(future.result())
             current = copy.eval_id == self._eval_id
-            worker = int(worker)
-            accepted = (copy.slot, worker, int(incarnation), float(share))
+            accepted = (copy.slot, worker, incarnation, share)
             if current and copy.ledger.finish(copy.portion, accepted):
                 self.stats.copies_accepted += 1
                 by_worker = self.stats.accepted_by_worker
@@ -356,19 +351,18 @@ class SandblasterObjective:
     def _evaluate(self) -> str | None:
         """Runs every portion once and reduces; returns what was lost, or None."""
         self._eval_id += 1
-        eval_id = tf.constant(self._eval_id, _I64)
         ledger = schedule_lib.PortionLedger(
             self.portions, max_copies=2 if self.backup_tasks else 1
         )
         for portion in range(self.portions):
-            self._launch(ledger, portion, eval_id, backup=False)
+            self._launch(ledger, portion, backup=False)
         while not ledger.complete:
             if self.backup_tasks:
                 idle = self.num_workers - len(self._in_flight)
                 for portion in ledger.backups_wanted(idle):
                     if self._slot_pool.num_free == 0:
                         break
-                    self._launch(ledger, portion, eval_id, backup=True)
+                    self._launch(ledger, portion, backup=True)
             self._wait_any()
         slots, workers, incarnations, self._shares = zip(*ledger.accepted)
         try:

@@ -3,7 +3,9 @@
 `build_portion_function` traces it; `objective.SandblasterObjective` schedules it
 with `ClusterCoordinator.schedule` and reduces its results with the function
 `build_slot_reduction` traces.
-One call, `portion_fn(portion, slot, eval_id)` (int64 scalars):
+One call, `portion_fn([portion, slot, eval_id])` (one int64 `[3]` tensor:
+one tensor crosses to the worker, one comes back, so a portion costs the
+coordinator two transfers rather than six):
 
 1. Fetch the evaluation point `x_eval` from the ps into this worker's cache,
    unless the cache already holds evaluation `eval_id` (once per worker and
@@ -18,9 +20,10 @@ One call, `portion_fn(portion, slot, eval_id)` (int64 scalars):
    (`[num_slots, size]`, a `per_worker_variable`): a local write, nothing
    crosses the network. The reduction at the end of the evaluation sends the
    accepted rows to the ps, all in one call.
-5. Return `(share, worker_index, incarnation)`: three scalars, all the
-   coordinator receives (`incarnation` tells a worker rebuilt since, whose
-   slots are empty).
+5. Return `[share, worker_index, incarnation]` as one int64 `[3]` tensor,
+   all the coordinator receives: the float64 `share` bit-cast to int64
+   (exact; `unpack_result` casts it back), and `incarnation` to tell a worker
+   rebuilt since, whose slots are empty.
 
 Tests and benchmarks slow one worker down (a straggler, to exercise backup
 tasks) by passing a `PortionDelayFn`, whose ops the function runs between steps
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import tensorflow as tf
 
 from tf_distbelief.sandblaster import flat_params
@@ -171,6 +175,25 @@ def per_example_loss(loss_fn, model):
     return loss_fn
 
 
+def pack_call(portion: int, slot: int, eval_id: int) -> tf.Tensor:
+    """The portion function's argument: int64 `[3]`, `[portion, slot, eval_id]`."""
+    return tf.constant([portion, slot, eval_id], _I64)
+
+
+def unpack_result(result) -> tuple[float, int, int]:
+    """`(share, worker, incarnation)` from the portion function's int64 `[3]`.
+
+    Args:
+      result: the fetched result, a NumPy int64 array of shape `[3]`.
+
+    Returns:
+      The loss share (float64, bit-exact), the worker index and its
+      incarnation number.
+    """
+    result = np.asarray(result, np.int64)
+    return float(result[:1].view(np.float64)[0]), int(result[1]), int(result[2])
+
+
 def build_portion_function(
     model,
     layout: flat_params.FlatLayout,
@@ -214,7 +237,8 @@ def build_portion_function(
     x_shards = x_eval.shards
 
     @tf.function(autograph=False)
-    def portion_fn(portion, slot, eval_id):
+    def portion_fn(call):
+        portion, slot, eval_id = call[0], call[1], call[2]
         # Per-worker handles at the top: inside `tf.cond` they would not
         # resolve to the worker running the function.
         cache, cached_eval = cache_variable.handle, cached_eval_variable.handle
@@ -268,16 +292,11 @@ def build_portion_function(
                 compute_secs = tf.timestamp() - start[0]
             done = [portion_delay_fn(worker, compute_secs)]
         with tf.control_dependencies(done):
-            return (
-                tf.identity(share),
-                tf.identity(worker),
-                _read(incarnation, _I64),
-            )
+            return tf.stack([tf.bitcast(share, _I64), worker, _read(incarnation, _I64)])
 
-    scalar = tf.TensorSpec([], _I64)
     # Traced here, where the model's weights can be substituted; the
     # coordinator schedules this concrete function.
-    concrete = portion_fn.get_concrete_function(scalar, scalar, scalar)
+    concrete = portion_fn.get_concrete_function(tf.TensorSpec([3], _I64))
     captured = {id(t) for t in concrete.graph.external_captures}
     leaked = [v.name for v in layout.variables if id(v.handle) in captured]
     if leaked:
