@@ -306,8 +306,7 @@ def define_flags() -> None:
 
     @flags.multi_flags_validator(["downpour", *_DOWNPOUR_FLAGS])
     def _downpour_config_is_valid(values):
-        # Rules across flags (the push rules' cadence), at parse time.
-        if values["downpour"]:
+        if values["downpour"]:  # Rules across flags, at parse time.
             try:
                 downpour.DownpourConfig(**{n: values[n] for n in _DOWNPOUR_FLAGS})
             except (TypeError, ValueError) as e:
