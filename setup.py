@@ -43,6 +43,9 @@ setuptools.setup(
         # clients take a response object).
         "test": [
             "pytest>=8",
+            # README's test command runs the suite in 2 processes (`-n 2`): most
+            # tests wait on their clusters' processes, so 2 cores run 2 tests.
+            "pytest-xdist>=3.5",
             "scipy>=1.11",
             "ruff>=0.5",
             "psutil>=5.9",

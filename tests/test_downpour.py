@@ -527,11 +527,13 @@ def test_digits_two_workers_reach_95_percent(local_cluster):
         .repeat()
         .batch(32)
     )
-    model.fit(dataset, epochs=6, steps_per_epoch=100, verbose=0)
+    # 1,000 steps: 600 reached 0.942 once, with the suite running in two
+    # processes (`pytest -n 2`): how the two replicas interleave varies.
+    model.fit(dataset, epochs=10, steps_per_epoch=100, verbose=0)
     w1, b1, w2, b2 = model.get_weights()
     logits = np.maximum(x_test @ w1 + b1, 0) @ w2 + b2
     accuracy = np.mean(np.argmax(logits, axis=1) == y_test)
     assert accuracy >= 0.95
     stats = replicas.stats()
     assert all(s.pushes > 0 for s in stats)
-    assert sum(s.steps for s in stats) <= 600
+    assert sum(s.steps for s in stats) <= 1000

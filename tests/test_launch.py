@@ -300,6 +300,7 @@ def test_sandblaster_through_the_launch_script():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("downpour_launch_ps0_killed")
 def test_downpour_through_the_launch_script(downpour_launch_ps0_killed):
     """`conftest.DOWNPOUR_LAUNCH_ARGS`: `--downpour --n_fetch=4 --n_push=4` on 2
     workers and 2 ps, 1,000 steps. 500 steps (the default 5 epochs) left test

@@ -106,6 +106,7 @@ def run_ps0_killed_after_second_checkpoint(folder, args):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("downpour_launch_ps0_killed")
 @pytest.mark.parametrize("downpour", [False, True], ids=["stock", "downpour"])
 def test_ps_killed_after_the_second_checkpoint_is_recovered(
     request, tmp_path, downpour
@@ -144,6 +145,7 @@ def test_ps_killed_after_the_second_checkpoint_is_recovered(
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("lbfgs_digits_reference")
 def test_ps_killed_during_sandblaster_resumes_to_the_uninterrupted_result(
     lbfgs_digits_reference, tmp_path
 ):

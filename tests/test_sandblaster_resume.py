@@ -263,6 +263,7 @@ def _latest_iteration(directory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("lbfgs_digits_reference")
 def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(
     lbfgs_digits_reference, tmp_path
 ):
