@@ -29,24 +29,28 @@ from tf_distbelief.sandblaster import objective as objective_lib
 PORTIONS = 8
 
 
+def _objective_and_reference(local_cluster, seed, **kwargs):
+    """A logistic-regression objective on 2 workers and 2 ps, a point (seed)
+    and NumPy's loss and gradient there."""
+    x, y = _digits_train()
+    strategy = _strategy(local_cluster, num_workers=2, num_ps=2)
+    objective = objective_lib.SandblasterObjective(
+        strategy, _logistic_model(), CE, x, y, portions=PORTIONS, **kwargs
+    )
+    w = np.random.default_rng(seed).normal(size=objective.layout.size) * 0.01
+    return objective, objective.ops.from_numpy(w), numpy_fun_and_grad(x, y, PORTIONS)(w)
+
+
 @pytest.mark.slow
 def test_worker_lost_before_the_reduction_reruns_the_evaluation(local_cluster, caplog):
-    x, y = _digits_train()
-    objective = objective_lib.SandblasterObjective(
-        _strategy(local_cluster, num_workers=2, num_ps=2),
-        _logistic_model(),
-        CE,
-        x,
-        y,
-        portions=PORTIONS,
+    objective, point, (ref_loss, ref_grad) = _objective_and_reference(
+        local_cluster,
+        seed=0,
         backup_tasks=False,
         # Worker 0 sleeps 0.2 s after each portion, so worker 1 surely runs
         # (and holds the accepted slots of) some of them.
         portion_delay_fn=stragglers.slow_worker(0, straggler_delay_secs=0.2),
     )
-    w = np.random.default_rng(0).normal(size=objective.layout.size) * 0.01
-    ref_loss, ref_grad = numpy_fun_and_grad(x, y, PORTIONS)(w)
-    point = objective.ops.from_numpy(w)
     loss, grad = objective(point)
     assert loss == pytest.approx(ref_loss, rel=1e-12)
     np.testing.assert_allclose(objective.ops.to_numpy(grad), ref_grad, rtol=1e-10)
@@ -85,19 +89,9 @@ _RELAYED_BY_PS = (
 
 @pytest.mark.slow
 def test_worker_error_relayed_by_a_live_ps_reruns(local_cluster, caplog):
-    x, y = _digits_train()
-    objective = objective_lib.SandblasterObjective(
-        _strategy(local_cluster, num_workers=2, num_ps=2),
-        _logistic_model(),
-        CE,
-        x,
-        y,
-        portions=PORTIONS,
-        backup_tasks=False,
+    objective, point, (ref_loss, ref_grad) = _objective_and_reference(
+        local_cluster, seed=1, backup_tasks=False
     )
-    w = np.random.default_rng(1).normal(size=objective.layout.size) * 0.01
-    ref_loss, ref_grad = numpy_fun_and_grad(x, y, PORTIONS)(w)
-    point = objective.ops.from_numpy(w)
     reduce = objective._reduce
 
     def relayed_error_once(slots, workers):
