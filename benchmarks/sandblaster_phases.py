@@ -99,7 +99,6 @@ def parallel_capacity(obj, repeats):
       per idle worker, as `ClusterCoordinator` hands them out). On cores of
       their own `together == one`; on shared cores more.
     """
-
     from tf_distbelief.sandblaster import portion
 
     def run(count):
