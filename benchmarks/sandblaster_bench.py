@@ -19,10 +19,9 @@ workers as the largest count it uses, 2 ps) and prints three tables:
   `W - 1 + 1/5` workers' throughput: backup tasks can remove the wait for its
   last portion, not that loss, so the best ratio is about `W / (W - 0.8)`
   (1.67x for 2 workers, 1.25x for 4) unless the workers share cores;
-* iterations, evaluations and wall time to a fixed loss for Sandblaster on
-  `--num_workers` workers and on 1 worker with `--portions` portions, on 1
-  worker with `--one_worker_portions`, and for SciPy's L-BFGS-B in this one
-  process on the same objective (the same model, evaluated by one
+* iterations, evaluations and wall time to a fixed loss for Sandblaster with
+  each workers and portions pair of `--target_runs`, and for SciPy's
+  L-BFGS-B in this one process on the same objective (the same model, evaluated by one
   `tf.function` over the whole batch). The target is the loss SciPy reaches
   after `--target_iters` iterations. Each optimizer's first evaluation, which
   traces (and for Sandblaster sends the portion function to the workers), is
@@ -93,12 +92,12 @@ def define_flags():
     )
     flags.DEFINE_integer("max_iters", 60, "Most Sandblaster iterations.", lower_bound=1)
     flags.DEFINE_integer("num_workers", 2, "Workers.", lower_bound=2)
-    flags.DEFINE_integer(
-        "one_worker_portions",
-        4,
-        "Portions of the extra 1-worker run to the target (one worker gains "
-        "nothing from many portions and pays each one's round trip).",
-        lower_bound=1,
+    flags.DEFINE_list(
+        "target_runs",
+        ["2x16", "2x4", "1x16", "1x4"],
+        "Sandblaster runs to SciPy's target loss, each WORKERSxPORTIONS (each "
+        "portion costs a scheduled function's round trip, so fewer portions "
+        "trade straggler tolerance for speed).",
     )
     flags.DEFINE_integer("num_ps", 2, "Parameter-server tasks.", lower_bound=1)
     flags.DEFINE_integer("seed", 0, "Data and initialisation seed.")
@@ -303,6 +302,27 @@ def _sandblaster_to_target(make_objective, target, workers, portions):
     return row, curve
 
 
+def _parse_target_runs(runs: list[str]) -> list[tuple[int, int]]:
+    """`--target_runs` as `(workers, portions)` pairs, both >= 1.
+
+    Raises:
+      app.UsageError: an entry is not `WORKERSxPORTIONS` of positive integers.
+    """
+    parsed = []
+    for run in runs:
+        try:
+            workers, portions = (int(n) for n in run.lower().split("x"))
+        except ValueError:
+            workers = portions = 0
+        if workers < 1 or portions < 1:
+            raise app.UsageError(
+                "--target_runs takes WORKERSxPORTIONS entries of positive "
+                f"integers, e.g. 2x16,1x4. Received: {run!r}"
+            )
+        parsed.append((workers, portions))
+    return parsed
+
+
 def main(argv):
     del argv
     import tf_keras
@@ -319,7 +339,8 @@ def main(argv):
             "--straggler_workers must list counts >= 2 (worker 1 is the "
             f"straggler). Received: {FLAGS.straggler_workers}"
         )
-    most = max([FLAGS.num_workers, *straggler_workers])
+    target_runs = _parse_target_runs(FLAGS.target_runs)
+    most = max([FLAGS.num_workers, *straggler_workers, *(w for w, _ in target_runs)])
     with cluster.LocalCluster(most, FLAGS.num_ps) as local:
         strategies = {}
 
@@ -393,10 +414,7 @@ def main(argv):
             "first_eval_secs": scipy_first_secs,
         }
         results, curves = [], {}
-        runs = [(FLAGS.num_workers, FLAGS.portions), (1, FLAGS.portions)]
-        if FLAGS.one_worker_portions != FLAGS.portions:
-            runs.append((1, FLAGS.one_worker_portions))
-        for workers, portions in runs:
+        for workers, portions in target_runs:
             row, curve = _sandblaster_to_target(
                 objective_on(workers), target, workers, portions
             )

@@ -141,3 +141,14 @@ def test_downpour_outputs_from_a_fixed_table(tmp_path):
     ]
     assert [(k, r.name) for k, r in round_rows] == [(0, "stock"), (0, "n=4")]
     assert header == "header"
+
+
+def test_sandblaster_bench_reads_target_runs_and_names_a_bad_entry():
+    from absl import app
+
+    from benchmarks import sandblaster_bench
+
+    assert sandblaster_bench._parse_target_runs(["2x16", "1X4"]) == [(2, 16), (1, 4)]
+    for bad in ["2", "2x", "0x4", "2x-1", "twox4", "2x4x1"]:
+        with pytest.raises(app.UsageError, match=f"Received: '{bad}'"):
+            sandblaster_bench._parse_target_runs(["2x16", bad])
