@@ -6,7 +6,7 @@ workers, 1 ps by default), for each row:
 
 * `single`: plain tf_keras `fit` in the benchmark's own process (no cluster, no
   strategy; same model, batch, AdaGrad gamma, steps per execution, and
-  TensorFlow's default threads like every task): the limit on these cores;
+  TensorFlow's default threads, one per core): the limit on these cores;
 * `stock`: `DistBeliefStrategy` without Downpour (TensorFlow's
   `ParameterServerStrategy` training: variables on the ps, every step reads them
   and applies its gradient there);
@@ -15,6 +15,13 @@ workers, 1 ps by default), for each row:
   outer Nesterov on the pushed parameter delta (`--outer_learning_rate`,
   `--outer_momentum`), DC-ASGD's delay compensation (`--delay_compensation`),
   the staleness-scaled step.
+
+The cluster's ps and worker tasks run `--task_intra_op_threads` threads per op
+(`LocalCluster(intra_op_threads=...)`; default 1: each task a one-core machine,
+as in the paper and `sandblaster_bench.py`). With TensorFlow's default every
+task sizes its pool for all the host's cores, and 2 workers and a ps on 2
+cores oversubscribe them (measured, one round of `n=16`: 1899 ex/s at 28.6 CPU
+ms per step of the workers with the default, 2166 at 24.8 with 1 thread).
 
 Each row trains anew (a fresh strategy: `LocalCluster.resolver_for`, a new chief
 port on the same ps and worker tasks) for `--steps` steps of both workers
@@ -426,6 +433,13 @@ def define_flags():
     flags.DEFINE_integer("speech_classes", 8192, "Speech model softmax width.")
     flags.DEFINE_bool(
         "cpu_breakdown", False, "Also print CPU ms per step of each process kind."
+    )
+    flags.DEFINE_integer(
+        "task_intra_op_threads",
+        1,
+        "Threads per op of each ps and worker task (LocalCluster's "
+        "intra_op_threads; 0: TensorFlow's default, one per core).",
+        lower_bound=0,
     )
     flags.DEFINE_bool(
         "throughput_table",
@@ -1025,7 +1039,9 @@ def main(argv):
     rows = []
     round_rows = []
     data = {m: _load_data(m, f) for m in f.models}
-    with cluster.LocalCluster(num_workers=2, num_ps=f.num_ps) as local:
+    with cluster.LocalCluster(
+        num_workers=2, num_ps=f.num_ps, intra_op_threads=f.task_intra_op_threads
+    ) as local:
         # Rounds interleave the rows, so that a change in the load of the
         # machine spreads over all of them.
         for round_index in range(rounds):

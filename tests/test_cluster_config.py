@@ -1,6 +1,7 @@
 """Validation of `TF_CONFIG` and cluster resolvers: one test per error, text pinned."""
 
 import json
+import os
 import re
 import socket
 import threading
@@ -185,6 +186,32 @@ def test_local_cluster_rejects_bad_counts(name, value):
         match=rf"Argument `{name}` must be a positive integer. Received: {value}",
     ):
         cluster.LocalCluster(**kwargs)
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.0])
+def test_local_cluster_rejects_bad_intra_op_threads(value):
+    with pytest.raises(
+        ValueError,
+        match=rf"`intra_op_threads` must be an integer >= 0. Received: {value}",
+    ):
+        cluster.LocalCluster(num_workers=1, num_ps=1, intra_op_threads=value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", [0, 1])
+def test_local_cluster_sets_each_tasks_intra_op_threads(monkeypatch, threads):
+    psutil = pytest.importorskip("psutil")
+    monkeypatch.delenv("TF_NUM_INTRAOP_THREADS", raising=False)
+    with cluster.LocalCluster(
+        num_workers=1, num_ps=1, intra_op_threads=threads
+    ) as local:
+        seen = {
+            task: psutil.Process(proc.pid).environ().get("TF_NUM_INTRAOP_THREADS")
+            for task, proc in local.processes.items()
+        }
+    expected = str(threads) if threads else None  # 0: TensorFlow's default.
+    assert seen == {("worker", 0): expected, ("ps", 0): expected}
+    assert "TF_NUM_INTRAOP_THREADS" not in os.environ  # Not the chief's.
 
 
 # TF_CONFIG forms in use elsewhere (issue 12).

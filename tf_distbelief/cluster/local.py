@@ -83,6 +83,12 @@ class LocalCluster:
         then a lost task stays down (the chief's bounded waits name it).
       report: where the supervisor's line per restart goes (default
         `absl.logging.warning`).
+      intra_op_threads: threads each ps and worker task runs one op on
+        (`TF_NUM_INTRAOP_THREADS` in its environment); 0 (default) keeps
+        TensorFlow's default, one per core of the host. On one host every task
+        then sizes its pool for all the cores, so more tasks than cores
+        oversubscribe them; 1 makes each task a one-core machine, as each of
+        the paper's. The chief (this process) keeps its own setting.
 
     Raises:
       ValueError: a count is not a positive integer.
@@ -104,6 +110,7 @@ class LocalCluster:
         restart_lost_tasks: bool = False,
         max_restarts: int = DEFAULT_MAX_RESTARTS,
         report: Callable[[str], None] | None = None,
+        intra_op_threads: int = 0,
     ):
         for name, value in (
             ("num_workers", num_workers),
@@ -114,15 +121,14 @@ class LocalCluster:
                 raise ValueError(
                     f"Argument `{name}` must be a positive integer. Received: {value!r}"
                 )
-        if (
-            isinstance(max_restarts, bool)
-            or not isinstance(max_restarts, int)
-            or (max_restarts < 0)
+        for name, value in (
+            ("max_restarts", max_restarts),
+            ("intra_op_threads", intra_op_threads),
         ):
-            raise ValueError(
-                "Argument `max_restarts` must be an integer >= 0. Received: "
-                f"{max_restarts!r}"
-            )
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"Argument `{name}` must be an integer >= 0. Received: {value!r}"
+                )
         if not start_timeout_secs > 0:
             raise ValueError(
                 "Argument `start_timeout_secs` must be positive. Received: "
@@ -153,6 +159,7 @@ class LocalCluster:
         self.resolver = None
         self.restart_lost_tasks = restart_lost_tasks
         self.max_restarts = max_restarts
+        self.intra_op_threads = intra_op_threads
         self.restarts: list[tuple[str, int]] = []
         self._report = report or logging.warning
         # Held while a task is being (re)started or the cluster stopped: the
@@ -170,6 +177,8 @@ class LocalCluster:
         level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")
         env = dict(os.environ, TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL=level)
         env.update(gpus_lib.task_env(self.gpu_assignment, job, index))
+        if self.intra_op_threads:
+            env["TF_NUM_INTRAOP_THREADS"] = str(self.intra_op_threads)
         devices = self.cpu_devices_per_worker if job == "worker" else 1
         log = open(os.path.join(self._log_dir, f"{job}_{index}.log"), "ab")
         ready = self._ready_file(job, index)
