@@ -21,8 +21,8 @@ workers as the largest count it uses, 2 ps) and prints three tables:
   (1.67x for 2 workers, 1.25x for 4) unless the workers share cores;
 * iterations, evaluations and wall time to a fixed loss for Sandblaster with
   each workers and portions pair of `--target_runs`, and for SciPy's
-  L-BFGS-B in this one process on the same objective (the same model, evaluated by one
-  `tf.function` over the whole batch). The target is the loss SciPy reaches
+  L-BFGS-B in this one process on the same objective (the same model,
+  evaluated by one `tf.function` over the whole batch). The target is the loss SciPy reaches
   after `--target_iters` iterations. Each optimizer's first evaluation, which
   traces (and for Sandblaster sends the portion function to the workers), is
   made before its clock starts and reported apart.

@@ -91,7 +91,8 @@ class LocalCluster:
         the paper's. The chief (this process) keeps its own setting.
 
     Raises:
-      ValueError: a count is not a positive integer.
+      ValueError: a count is not a positive integer, or `max_restarts` or
+        `intra_op_threads` is not an integer >= 0.
       GpuAssignmentError: `gpus_per_worker` asks for more GPUs than there are.
       ClusterStartError: a task died or did not listen in time (its log tail is
         in the message).
