@@ -438,7 +438,8 @@ def define_flags():
         "task_intra_op_threads",
         1,
         "Threads per op of each ps and worker task (LocalCluster's "
-        "intra_op_threads; 0: TensorFlow's default, one per core).",
+        "intra_op_threads; 0: as this process's environment gives, by default "
+        "TensorFlow's one per core).",
         lower_bound=0,
     )
     flags.DEFINE_bool(

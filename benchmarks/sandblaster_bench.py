@@ -19,13 +19,14 @@ workers as the largest count it uses, 2 ps) and prints three tables:
   `W - 1 + 1/5` workers' throughput: backup tasks can remove the wait for its
   last portion, not that loss, so the best ratio is about `W / (W - 0.8)`
   (1.67x for 2 workers, 1.25x for 4) unless the workers share cores;
-* iterations, evaluations and wall time to a fixed loss for Sandblaster with
-  each workers and portions pair of `--target_runs`, and for SciPy's
+* iterations, evaluations and wall time to a fixed loss for Sandblaster,
+  one run per `WORKERSxPORTIONS` entry of `--target_runs`, and for SciPy's
   L-BFGS-B in this one process on the same objective (the same model,
-  evaluated by one `tf.function` over the whole batch). The target is the loss SciPy reaches
-  after `--target_iters` iterations. Each optimizer's first evaluation, which
-  traces (and for Sandblaster sends the portion function to the workers), is
-  made before its clock starts and reported apart.
+  evaluated by one `tf.function` over the whole batch). The target is the
+  loss SciPy reaches after `--target_iters` iterations. Each optimizer's
+  first evaluation, which traces (and for Sandblaster sends the portion
+  function to the workers), is made before its clock starts and reported
+  apart.
 
 Every task, the coordinator included, runs with one intra-op thread
 (`TF_NUM_INTRAOP_THREADS=1`), so a worker is one core, like one of the paper's
@@ -99,6 +100,7 @@ def define_flags():
         "portion costs a scheduled function's round trip, so fewer portions "
         "trade straggler tolerance for speed).",
     )
+    flags.register_validator("target_runs", _check_target_runs)
     flags.DEFINE_integer("num_ps", 2, "Parameter-server tasks.", lower_bound=1)
     flags.DEFINE_integer("seed", 0, "Data and initialisation seed.")
     flags.DEFINE_enum(
@@ -306,8 +308,11 @@ def _parse_target_runs(runs: list[str]) -> list[tuple[int, int]]:
     """`--target_runs` as `(workers, portions)` pairs, both >= 1.
 
     Raises:
-      app.UsageError: an entry is not `WORKERSxPORTIONS` of positive integers.
+      ValueError: `runs` is empty, or an entry is not `WORKERSxPORTIONS` of
+        positive integers.
     """
+    if not runs:
+        raise ValueError("--target_runs needs at least one WORKERSxPORTIONS entry")
     parsed = []
     for run in runs:
         try:
@@ -315,12 +320,21 @@ def _parse_target_runs(runs: list[str]) -> list[tuple[int, int]]:
         except ValueError:
             workers = portions = 0
         if workers < 1 or portions < 1:
-            raise app.UsageError(
+            raise ValueError(
                 "--target_runs takes WORKERSxPORTIONS entries of positive "
                 f"integers, e.g. 2x16,1x4. Received: {run!r}"
             )
         parsed.append((workers, portions))
     return parsed
+
+
+def _check_target_runs(runs: list[str]) -> bool:
+    """absl validator: refuses a bad `--target_runs` when the flags are parsed."""
+    try:
+        _parse_target_runs(runs)
+    except ValueError as e:
+        raise flags.ValidationError(str(e)) from None
+    return True
 
 
 def main(argv):

@@ -144,11 +144,13 @@ def test_downpour_outputs_from_a_fixed_table(tmp_path):
 
 
 def test_sandblaster_bench_reads_target_runs_and_names_a_bad_entry():
-    from absl import app
+    from absl import flags
 
     from benchmarks import sandblaster_bench
 
     assert sandblaster_bench._parse_target_runs(["2x16", "1X4"]) == [(2, 16), (1, 4)]
-    for bad in ["2", "2x", "0x4", "2x-1", "twox4", "2x4x1"]:
-        with pytest.raises(app.UsageError, match=f"Received: '{bad}'"):
-            sandblaster_bench._parse_target_runs(["2x16", bad])
+    for bad in ["2", "2x", "0x4", "2x-1", "twox4", "2x4x1", ""]:
+        with pytest.raises(flags.ValidationError, match=f"Received: '{bad}'"):
+            sandblaster_bench._check_target_runs(["2x16", bad])
+    with pytest.raises(flags.ValidationError, match="at least one"):
+        sandblaster_bench._check_target_runs([])

@@ -84,11 +84,13 @@ class LocalCluster:
       report: where the supervisor's line per restart goes (default
         `absl.logging.warning`).
       intra_op_threads: threads each ps and worker task runs one op on
-        (`TF_NUM_INTRAOP_THREADS` in its environment); 0 (default) keeps
-        TensorFlow's default, one per core of the host. On one host every task
-        then sizes its pool for all the cores, so more tasks than cores
-        oversubscribe them; 1 makes each task a one-core machine, as each of
-        the paper's. The chief (this process) keeps its own setting.
+        (`TF_NUM_INTRAOP_THREADS` in its environment); 0 (default) leaves the
+        environment this process gives its tasks as it is: TensorFlow's
+        default, one thread per core of the host, unless this process's
+        environment sets `TF_NUM_INTRAOP_THREADS`. With the default every
+        task on one host sizes its pool for all the cores, so more tasks than
+        cores oversubscribe them; 1 makes each task a one-core machine, as
+        each of the paper's. The chief (this process) keeps its own setting.
 
     Raises:
       ValueError: a count is not a positive integer, or `max_restarts` or
