@@ -83,18 +83,13 @@ class LocalCluster:
         then a lost task stays down (the chief's bounded waits name it).
       report: where the supervisor's line per restart goes (default
         `absl.logging.warning`).
-      intra_op_threads: threads each ps and worker task runs one op on
-        (`TF_NUM_INTRAOP_THREADS` in its environment); 0 (default) leaves the
-        environment this process gives its tasks as it is: TensorFlow's
-        default, one thread per core of the host, unless this process's
-        environment sets `TF_NUM_INTRAOP_THREADS`. With the default every
-        task on one host sizes its pool for all the cores, so more tasks than
-        cores oversubscribe them; 1 makes each task a one-core machine, as
-        each of the paper's. The chief (this process) keeps its own setting.
+      intra_op_threads: threads per op in each ps and worker task (its
+        `TF_NUM_INTRAOP_THREADS`); 0 (default): as this process's environment
+        gives (TensorFlow: one per core, so more tasks than cores on one host
+        oversubscribe them); 1: each task a one-core machine, as the paper's.
 
     Raises:
-      ValueError: a count is not a positive integer, or `max_restarts` or
-        `intra_op_threads` is not an integer >= 0.
+      ValueError: a count, `max_restarts` or `intra_op_threads` out of range.
       GpuAssignmentError: `gpus_per_worker` asks for more GPUs than there are.
       ClusterStartError: a task died or did not listen in time (its log tail is
         in the message).
@@ -115,22 +110,17 @@ class LocalCluster:
         report: Callable[[str], None] | None = None,
         intra_op_threads: int = 0,
     ):
-        for name, value in (
-            ("num_workers", num_workers),
-            ("num_ps", num_ps),
-            ("cpu_devices_per_worker", cpu_devices_per_worker),
+        for name, value, least in (
+            ("num_workers", num_workers, 1),
+            ("num_ps", num_ps, 1),
+            ("cpu_devices_per_worker", cpu_devices_per_worker, 1),
+            ("max_restarts", max_restarts, 0),
+            ("intra_op_threads", intra_op_threads, 0),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                rule = "a positive integer" if least else "an integer >= 0"
                 raise ValueError(
-                    f"Argument `{name}` must be a positive integer. Received: {value!r}"
-                )
-        for name, value in (
-            ("max_restarts", max_restarts),
-            ("intra_op_threads", intra_op_threads),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"Argument `{name}` must be an integer >= 0. Received: {value!r}"
+                    f"Argument `{name}` must be {rule}. Received: {value!r}"
                 )
         if not start_timeout_secs > 0:
             raise ValueError(
