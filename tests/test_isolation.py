@@ -49,6 +49,14 @@ needs_namespaces = pytest.mark.skipif(
 )
 
 
+def _default_sigint():
+    # An ignored signal stays ignored across exec, and a shell without job
+    # control starts a background command (`cmd &`) with SIGINT ignored: the
+    # job would then never see the SIGINT sent to it. Python installs its
+    # KeyboardInterrupt handler only where SIGINT is at its default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class _Watch:
     """`launch/train.py args` run to the end, its host sockets polled meanwhile.
 
@@ -73,6 +81,7 @@ class _Watch:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=_default_sigint,
         )
         out, err = [], []
         started = threading.Event()
