@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tests.helpers import loopback_bytes
+from tests.helpers import cluster_bytes
 from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import schedule as downpour_schedule
@@ -260,7 +260,7 @@ def test_frozen_embedding_is_not_row_sparse(local_cluster):
 
 @pytest.mark.slow
 def test_large_table_moves_rows_not_the_table(local_cluster):
-    """A 25.6 MB table: loopback bytes of 8 steps, rows against whole caching."""
+    """A 25.6 MB table: the cluster's bytes in 8 steps, rows against whole."""
     from models import embedding
 
     vocab, dim, ids_per_example, batch = 100_000, 64, 8, 32
@@ -291,17 +291,17 @@ def test_large_table_moves_rows_not_the_table(local_cluster):
         for _ in range(4):  # Traces, creates the caches, one fetch and push.
             trainer.step(iterator)
         trainer.join()
-        before, (stats_before,) = loopback_bytes(), trainer.stats()
+        before, (stats_before,) = cluster_bytes(local_cluster), trainer.stats()
         for _ in range(8):
             trainer.step(iterator)
         trainer.join()
-        moved[row_sparse is None] = loopback_bytes() - before
+        moved[row_sparse is None] = cluster_bytes(local_cluster) - before
         (stats,) = trainer.stats()
         tensors = (stats.bytes_fetched + stats.bytes_pushed) - (
             stats_before.bytes_fetched + stats_before.bytes_pushed
         )
         assert moved[row_sparse is None] >= tensors
-    print(f"loopback bytes of 8 steps: {moved}, table {table_bytes}")
+    print(f"cluster bytes of 8 steps: {moved}, table {table_bytes}")
     # Whole: 2 fetches of the table, and 2 pushes of it with its squared
     # gradients (AdaGrad's default `adagrad_accumulator="squares"`). Rows: at
     # most 8 * 32 * 8 = 2048 ids, fetched at 256 B and pushed at 2 * 256 + 8 B:

@@ -6,7 +6,7 @@ import tensorflow as tf
 import tf_keras
 
 from models import embedding
-from tests.helpers import loopback_bytes
+from tests.helpers import cluster_bytes
 from tf_distbelief import strategy as strategy_lib
 
 PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
@@ -39,7 +39,7 @@ def test_embedding_and_dense_are_sharded_over_two_ps(two_ps):
     assert sorted(v.device for v in kernel.variables) == [PS0, PS1]
 
 
-def test_embedding_lookup_moves_only_the_looked_up_rows(two_ps):
+def test_embedding_lookup_moves_only_the_looked_up_rows(two_ps, local_cluster):
     _, coordinator, model = two_ps
     table = model.get_layer("embedding").embeddings
     ids = tf.constant([3, 70_000, 12, 99_999], tf.int64)
@@ -54,12 +54,12 @@ def test_embedding_lookup_moves_only_the_looked_up_rows(two_ps):
 
     coordinator.schedule(lookup).fetch()  # Trace and warm up outside the count.
     coordinator.schedule(read_all).fetch()
-    before = loopback_bytes()
+    before = cluster_bytes(local_cluster)
     rows = coordinator.schedule(lookup).fetch()
-    lookup_bytes = loopback_bytes() - before
-    before = loopback_bytes()
+    lookup_bytes = cluster_bytes(local_cluster) - before
+    before = cluster_bytes(local_cluster)
     coordinator.schedule(read_all).fetch()
-    read_bytes = loopback_bytes() - before
+    read_bytes = cluster_bytes(local_cluster) - before
 
     table_bytes = VOCAB * DIM * 4
     expected = np.concatenate([v.numpy() for v in table.variables])[ids.numpy()]
