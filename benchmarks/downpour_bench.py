@@ -157,11 +157,14 @@ _DEFAULT_ROWS = (
     "n=16+stale",
 )
 _QUICK_ROWS = ("single", "stock", "n=1", "n=16", "n=16+outer")
+# n_fetch = n_push of the known Downpour rows (32 and 64: rarer exchanges, the
+# outer rule's regime in DiLoCo).
+_NS = (1, 4, 16, 32, 64)
 
 
 def _known_rows():
     names = ["single", "stock"]
-    for n in (1, 4, 16):
+    for n in _NS:
         names.append(f"n={n}")
         names += [f"n={n}+{r}" for r in _RULES if not (n == 1 and r == "outer")]
     return names

@@ -254,6 +254,7 @@ def test_headline_ratios_to_stock_single_and_n1():
         ("stock", ("stock", None, None)),
         ("n=4", ("downpour", 4, None)),
         ("n=16+outer", ("downpour", 16, "outer")),
+        ("n=64+outer", ("downpour", 64, "outer")),
     ],
 )
 def test_row_kind(name, kind):
