@@ -15,13 +15,19 @@ This script times, with no cluster, one step of:
 * `adagrad`: gradient and AdaGrad, `single`'s step;
 * `adagrad + G`: with the sum of gradients, a replica's local step between
   two exchanges with the ps (`--local_optimizer=adagrad`, the default);
+* `adagrad + outer delta`: with the outer rule's sum of the local steps
+  instead (`G += before - after`, `outer_learning_rate` set): the value before
+  the step is kept while AdaGrad writes the variable, so the write copies it;
 
 each in a child process with 1 intra-op thread (a worker of the local
 cluster, one of 2 on 2 cores) and, for `adagrad`, with 2 (`single`, which has
-both cores to itself). `ceiling x single` is `2 x t(adagrad, 2 threads) /
-t(row)`: the examples/s of 2 workers that each have a core to themselves and
-spend it only on this step, as a ratio to `single`'s, the most Downpour could
-reach here before the ps, the chief, gRPC and the exchanges take their share.
+both cores to itself); then the 1-thread rows again in two children at once
+(`1, 2 at once`, the mean of the two), as the cluster's 2 workers run, sharing
+the cores' caches and memory bandwidth. `ceiling x single` is
+`2 x t(adagrad, 2 threads) / t(row)`: the examples/s of 2 workers that each
+have a core to themselves and spend it only on this step, as a ratio to
+`single`'s, the most Downpour could reach here before the ps, the chief, gRPC
+and the exchanges take their share.
 
 The children run in turn for each of `--rounds` rounds, so that a change of
 load hits every row alike; a row's time is the median over rounds of each
@@ -29,7 +35,7 @@ round's median step time (`--steps` steps after a warm-up, in 10 chunks,
 the rows' chunks in turn), `[min-max]` over rounds.
 
 Usage:
-  python benchmarks/downpour_step_cost.py  # About 3 minutes on 2 idle cores.
+  python benchmarks/downpour_step_cost.py  # About 5 minutes on 2 idle cores.
 """
 
 import json
@@ -45,7 +51,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-ROWS = ("adagrad", "adagrad + G")
+ROWS = ("adagrad", "adagrad + G", "adagrad + outer delta")
 
 
 def define_flags():
@@ -88,27 +94,35 @@ def _child(threads: int, steps: int, batch_size: int) -> dict:
     accumulators, sums = zeros(0.1), zeros(0.0)
     lr, epsilon = tf.constant(0.2), tf.constant(1e-7)
 
-    def make_step(with_sum: bool):
+    def make_step(row: str):
         @tf.function
         def run(n):
             for _ in tf.range(n):
                 with tf.GradientTape() as tape:
                     loss = loss_fn(y, model(x, training=True))
                 grads = tape.gradient(loss, variables)
-                ops = [
-                    tf.raw_ops.ResourceApplyAdagradV2(
-                        var=v.handle, accum=a.handle, lr=lr, epsilon=epsilon, grad=g
-                    )
-                    for v, a, g in zip(variables, accumulators, grads)
-                ]
-                if with_sum:
-                    ops += [s.assign_add(g) for s, g in zip(sums, grads)]
+                ops = []
+                for v, a, g, s in zip(variables, accumulators, grads, sums):
+                    # The outer rule's bookkeeping (`base.VariableKind.local_ops`):
+                    # the value before the step, kept while the step writes.
+                    before = v.read_value() if row == ROWS[2] else None
+                    deps = [] if before is None else [before]
+                    with tf.control_dependencies(deps):
+                        stepped = tf.raw_ops.ResourceApplyAdagradV2(
+                            var=v.handle, accum=a.handle, lr=lr, epsilon=epsilon, grad=g
+                        )
+                    ops.append(stepped)
+                    if row == ROWS[1]:
+                        ops.append(s.assign_add(g))
+                    elif row == ROWS[2]:
+                        with tf.control_dependencies([stepped]):
+                            ops.append(s.assign_add(before - v.read_value()))
                 tf.group(*ops)
 
         return run
 
     rows = ROWS if threads == 1 else ROWS[:1]
-    runs = {row: make_step(row == ROWS[1]) for row in rows}
+    runs = {row: make_step(row) for row in rows}
     for run in runs.values():
         run(tf.constant(3))  # Trace and warm up.
     chunk = max(steps // 10, 1)
@@ -122,7 +136,8 @@ def _child(threads: int, steps: int, batch_size: int) -> dict:
     return result
 
 
-def _run_child(threads: int) -> dict:
+def _run_children(threads: int, count: int = 1) -> list[dict]:
+    """Runs `count` children with `threads` threads at once; their results."""
     command = [
         sys.executable,
         os.path.abspath(__file__),
@@ -130,13 +145,22 @@ def _run_child(threads: int) -> dict:
         f"--steps={FLAGS.steps}",
         f"--batch_size={FLAGS.batch_size}",
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    if done.returncode:
-        raise RuntimeError(
-            f"The {threads}-thread child failed (exit {done.returncode}): "
-            f"{done.stderr[-3000:]}"
+    children = [
+        subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        for _ in range(count)
+    ]
+    results = []
+    for child in children:
+        out, err = child.communicate(timeout=600)
+        if child.returncode:
+            raise RuntimeError(
+                f"The {threads}-thread child failed (exit {child.returncode}): "
+                f"{err[-3000:]}"
+            )
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
 
 
 def main(argv):
@@ -148,8 +172,14 @@ def main(argv):
     times = {}  # (row, threads) -> [ms per round]
     for r in range(FLAGS.rounds):
         for threads in (1, 2):
-            for row, ms in _run_child(threads).items():
+            for row, ms in _run_children(threads)[0].items():
                 times.setdefault((row, threads), []).append(ms)
+        # Two 1-thread children at once, as the cluster's 2 workers run: they
+        # share the cores' caches and memory bandwidth.
+        both = _run_children(1, count=2)
+        for row in ROWS:
+            ms = float(np.mean([b[row] for b in both]))
+            times.setdefault((row, "1, 2 at once"), []).append(ms)
         print(f"round {r + 1} of {FLAGS.rounds} done", flush=True)
     timed = 10 * max(FLAGS.steps // 10, 1)  # `_child`'s 10 chunks.
     single = float(np.median(times[ROWS[0], 2]))
@@ -174,8 +204,8 @@ def main(argv):
                 row,
                 str(threads),
                 f"{ms:.2f} [{min(values):.2f}-{max(values):.2f}]",
-                f"{ms / base:.2f}" if threads == 1 else "",
-                f"{2 * single / ms:.2f}" if threads == 1 else "1.00 (single)",
+                f"{ms / base:.2f}" if threads != 2 else "",
+                f"{2 * single / ms:.2f}" if threads != 2 else "1.00 (single)",
             ]
         )
     for line in lines:
