@@ -95,7 +95,7 @@ def define_flags():
     flags.DEFINE_integer("num_workers", 2, "Workers.", lower_bound=2)
     flags.DEFINE_list(
         "target_runs",
-        ["2x16", "2x8", "2x4", "1x16", "1x4"],
+        ["2x16", "2x4", "2x2", "1x4", "1x2", "1x1"],
         "Sandblaster runs to SciPy's target loss, each WORKERSxPORTIONS (each "
         "portion costs a scheduled function's round trip, so fewer portions "
         "trade straggler tolerance for speed).",
