@@ -152,14 +152,20 @@ def _run_children(threads: int, count: int = 1) -> list[dict]:
         for _ in range(count)
     ]
     results = []
-    for child in children:
-        out, err = child.communicate(timeout=600)
-        if child.returncode:
-            raise RuntimeError(
-                f"The {threads}-thread child failed (exit {child.returncode}): "
-                f"{err[-3000:]}"
-            )
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    try:
+        for child in children:
+            out, err = child.communicate(timeout=600)
+            if child.returncode:
+                raise RuntimeError(
+                    f"The {threads}-thread child failed (exit {child.returncode}): "
+                    f"{err[-3000:]}"
+                )
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for child in children:  # A failed or timed-out run leaves none behind.
+            if child.poll() is None:
+                child.kill()
+                child.wait()
     return results
 
 
