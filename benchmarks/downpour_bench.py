@@ -10,7 +10,8 @@ workers, 1 ps by default), for each row:
 * `stock`: `DistBeliefStrategy` without Downpour (TensorFlow's
   `ParameterServerStrategy` training: variables on the ps, every step reads them
   and applies its gradient there);
-* `n=1`, `n=4`, `n=16`: Downpour with `n_fetch = n_push = n`;
+* `n=1`, `n=4`, `n=16` (and `n=32`, `n=64` by `--rows`): Downpour with
+  `n_fetch = n_push = n`;
 * `n=<n>+outer`, `+dc`, `+stale`: with a push rule on the ps (`DownpourConfig`):
   outer Nesterov on the pushed parameter delta (`--outer_learning_rate`,
   `--outer_momentum`), DC-ASGD's delay compensation (`--delay_compensation`),
@@ -355,6 +356,7 @@ def define_flags():
         f"Rows to run, by name (default: {','.join(_DEFAULT_ROWS)}; known: "
         f"{','.join(_known_rows())}).",
     )
+    flags.register_validator("rows", _check_rows)
     flags.DEFINE_integer("num_ps", 1, "ps tasks.", lower_bound=1)
     flags.DEFINE_integer("batch_size", 32, "Examples per step.", lower_bound=1)
     # 20 rather than `JobConfig`'s 10: tf_keras spends about 10 ms of chief
@@ -1017,12 +1019,18 @@ def format_table(rows: list[Row], header: str) -> str:
     return "\n".join(lines)
 
 
-def _rows(f) -> list[str]:
-    names = f.rows or list(_QUICK_ROWS if f.quick else _DEFAULT_ROWS)
+def _check_rows(names: list[str]) -> bool:
+    """absl validator: refuses unknown `--rows` when the flags are parsed."""
     unknown = [n for n in names if n not in _known_rows()]
     if unknown:
-        raise app.UsageError(f"--rows: unknown {unknown}; known: {_known_rows()}")
-    return names
+        raise flags.ValidationError(
+            f"--rows: unknown {unknown}; known: {','.join(_known_rows())}"
+        )
+    return True
+
+
+def _rows(f) -> list[str]:
+    return f.rows or list(_QUICK_ROWS if f.quick else _DEFAULT_ROWS)
 
 
 def main(argv):

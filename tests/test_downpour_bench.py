@@ -11,6 +11,7 @@ import os
 import sys
 
 import pytest
+from absl import flags
 
 _PATH = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -260,3 +261,9 @@ def test_headline_ratios_to_stock_single_and_n1():
 def test_row_kind(name, kind):
     assert bench._row_kind(name) == kind
     assert name in bench._known_rows()
+
+
+def test_unknown_rows_are_refused_when_the_flags_are_parsed():
+    assert bench._check_rows(["single", "n=64+outer"])
+    with pytest.raises(flags.ValidationError, match=r"unknown \['n=128'\]; known: "):
+        bench._check_rows(["n=16", "n=128"])
