@@ -1021,10 +1021,11 @@ def format_table(rows: list[Row], header: str) -> str:
 
 def _check_rows(names: list[str]) -> bool:
     """absl validator: refuses unknown `--rows` when the flags are parsed."""
-    unknown = [n for n in names if n not in _known_rows()]
+    known = _known_rows()
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise flags.ValidationError(
-            f"--rows: unknown {unknown}; known: {','.join(_known_rows())}"
+            f"--rows: unknown {unknown}; known: {','.join(known)}"
         )
     return True
 
