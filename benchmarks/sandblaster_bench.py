@@ -68,6 +68,7 @@ import scipy.optimize
 from absl import app, flags
 
 from benchmarks import plots, sandblaster_phases
+from tf_distbelief import console
 
 
 def define_flags():
@@ -553,4 +554,6 @@ def _write_outputs(
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    # A failed run must not hang in TensorFlow's teardown against the stopped
+    # cluster (`console.exit_when_done`).
+    app.run(lambda argv: console.exit_when_done(main, argv, keep=(app.UsageError,)))

@@ -312,3 +312,56 @@ def test_an_unexpected_error_keeps_its_traceback(tmp_path):
         proc.stderr,
     ), proc.stderr[-3000:]
     assert "error: a bug" not in proc.stderr
+
+
+# --- Ending a process without Python's teardown (`console.exit_when_done`) ---
+
+_EXIT_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from tf_distbelief import console
+
+    def work(kind):
+        print("working", flush=False)
+        if kind == "error":
+            raise RuntimeError("the cause, at the end of the message")
+        if kind == "kept":
+            raise KeyError("kept")
+
+    try:
+        console.exit_when_done(work, sys.argv[1], keep=(KeyError,))
+    except KeyError as e:
+        print(f"raised on: {e}", flush=True)
+        sys.exit(3)
+    print("not reached", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "kind, returncode, out",
+    [
+        ("ok", 0, "working\n"),
+        ("error", 1, "working\n"),
+        ("kept", 3, "working\nraised on: 'kept'"),
+    ],
+)
+def test_exit_when_done_ends_the_process(kind, returncode, out):
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_CHILD, kind],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == returncode, done.stderr
+    assert done.stdout.startswith(out)
+    assert "not reached" not in done.stdout
+    if kind == "error":
+        # The whole traceback, its last line the cause.
+        assert done.stderr.startswith("Traceback (most recent call last):")
+        assert done.stderr.rstrip().endswith(
+            "RuntimeError: the cause, at the end of the message"
+        )
+    else:
+        assert "Traceback" not in done.stderr

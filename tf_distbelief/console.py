@@ -240,3 +240,42 @@ def refusals_in_one_line(main, refused: tuple[type[BaseException], ...]):
             sys.exit(f"{os.path.basename(argv[0])}: error: {e}")
 
     return run_main
+
+
+def exit_when_done(fn, *args, keep: tuple[type[BaseException], ...] = ()) -> None:
+    """Runs `fn(*args)`, then ends the process at once, skipping Python's teardown.
+
+    A process that used a cluster it has already stopped cannot rely on the
+    interpreter's teardown. TensorFlow's eager context then asks each ended
+    task to remove every function it traced (an error line per task and
+    function), and a `ClusterCoordinator` with functions still queued for
+    workers that are gone retries them for ever: its destructor waits for
+    that retry, so the process never exits (seen after a Sandblaster
+    evaluation gave up with lost workers). Launch scripts and benchmarks end
+    through this instead: stdout and stderr are flushed, a failure's whole
+    traceback is written to stderr first, then `os._exit`.
+
+    Args:
+      fn: the process's work.
+      *args: passed to `fn`.
+      keep: exception classes raised on as usual, for the caller to report
+        (a launch script's refusals, raised before any cluster starts).
+
+    Raises:
+      keep: as raised by `fn`. Any other `Exception` ends the process with
+        status 1; `KeyboardInterrupt` and `SystemExit` are raised on.
+    """
+    import traceback
+
+    try:
+        fn(*args)
+    except keep:
+        raise
+    except Exception:  # noqa: BLE001 - written out whole, then the process ends.
+        sys.stdout.flush()
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

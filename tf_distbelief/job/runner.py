@@ -9,7 +9,6 @@ accuracy. The model and its data come from a `ModelSpec`.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import tensorflow as tf
@@ -369,14 +368,18 @@ def main(config: JobConfig, spec: ModelSpec, run=run) -> None:
 
     TensorFlow's interpreter teardown tries to remove functions from the cluster
     tasks that `run` has already ended, and logs an error per task; ending the
-    process after flushing skips that teardown. Errors propagate as usual.
+    process after flushing skips that teardown. A failed job too ends at once,
+    after writing its whole traceback to stderr: its teardown can hang
+    (`console.exit_when_done`).
 
     Args:
       config: the job.
       spec: the model and its data.
       run: the job, `run` (tf_keras) or `tf_distbelief.keras3.job.run`.
+
+    Raises:
+      errors.ConfigError: a refused setting (raised before any cluster
+        starts), for the launch script to print in one line. Any other
+        `Exception` ends the process with status 1 and its traceback.
     """
-    run(config, spec)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    console.exit_when_done(run, config, spec, keep=(errors.ConfigError,))

@@ -79,6 +79,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -94,6 +95,7 @@ from tf_distbelief.sandblaster import schedule as schedule_lib
 from tf_distbelief.sandblaster.schedule import SandblasterStats
 
 __all__ = [
+    "DEFAULT_STALL_TIMEOUT_SECS",
     "EVALUATION_ATTEMPTS",
     "LossFn",
     "SandblasterObjective",
@@ -112,6 +114,14 @@ _I64 = tf.int64
 _WAIT_SECS = 60.0
 # Most runs of one evaluation when workers are lost holding accepted slots.
 EVALUATION_ATTEMPTS = 3
+# Longest wait, in seconds, for the next copy of a work portion to finish: past
+# it the objective gives up (`TimeoutError`) instead of waiting for ever on
+# workers that never come back (the `ClusterCoordinator` keeps their portions
+# queued until they do).
+DEFAULT_STALL_TIMEOUT_SECS = 600.0
+# Longest wait, in seconds, for the copies still running when an evaluation
+# fails, so that none is left running on the cluster after the error.
+_SETTLE_SECS = 60.0
 # What the reduction raises when a worker holding slots is gone.
 _LOST_WORKER_ERRORS = (
     tf.errors.UnavailableError,
@@ -128,6 +138,27 @@ class _Copy:
     ledger: schedule_lib.PortionLedger
     portion: int
     slot: int
+
+
+def _fetch_in_background(remote) -> concurrent.futures.Future:
+    """`remote.fetch()` in a daemon thread of its own, as a `Future`.
+
+    A `RemoteValue` whose workers are all gone never resolves (the
+    `ClusterCoordinator` requeues its function until one is back), so the
+    thread waiting on it must not keep the process alive at exit, as a
+    `ThreadPoolExecutor`'s thread does (Python joins those at exit).
+    """
+    future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+
+    def fetch():
+        try:
+            future.set_result(remote.fetch())
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter.
+            future.set_exception(e)
+
+    threading.Thread(target=fetch, name="SandblasterCopyWait", daemon=True).start()
+    return future
 
 
 def _job(device: str) -> str:
@@ -174,6 +205,11 @@ class SandblasterObjective:
         traced into every portion after its gradient is written (a test slows
         one worker down with it, making a straggler); None (default) adds
         nothing to the portion function.
+      stall_timeout_secs: longest wait, in seconds (> 0), for the next copy of
+        a work portion to finish; past it a call raises `TimeoutError` naming
+        the portions it waited for (default `DEFAULT_STALL_TIMEOUT_SECS`, 600).
+        A lost worker's portions go to the other workers; this bounds the wait
+        when no worker is left to run them.
 
     Attributes:
       ops: the `ps_vectors.PsVectorOps` of the vectors.
@@ -183,8 +219,8 @@ class SandblasterObjective:
 
     Raises:
       ValueError: `x` and `y` differ in length or are empty, `portions` is out
-        of range, no loss for an uncompiled model, or the model was built
-        before the strategy connected.
+        of range, `stall_timeout_secs` is not > 0, no loss for an uncompiled
+        model, or the model was built before the strategy connected.
       TypeError: a bad `loss_fn` or `portion_delay_fn`, or the model's weights
         are not plain variables (built under `strategy.scope()`).
     """
@@ -200,6 +236,7 @@ class SandblasterObjective:
         backup_tasks: bool = True,
         num_shards: int | None = None,
         portion_delay_fn: portion_lib.PortionDelayFn | None = None,
+        stall_timeout_secs: float = DEFAULT_STALL_TIMEOUT_SECS,
     ):
         x, y = np.asarray(x), np.asarray(y)
         if len(x) != len(y) or len(x) == 0:
@@ -213,6 +250,16 @@ class SandblasterObjective:
                 "Argument `portion_delay_fn` must be callable or None. Received: "
                 f"{portion_delay_fn!r}"
             )
+        if not (
+            isinstance(stall_timeout_secs, (int, float))
+            and not isinstance(stall_timeout_secs, bool)
+            and stall_timeout_secs > 0
+        ):
+            raise ValueError(
+                "Argument `stall_timeout_secs` must be a number of seconds > 0. "
+                f"Received: {stall_timeout_secs!r}"
+            )
+        self.stall_timeout_secs = float(stall_timeout_secs)
         self.strategy = strategy
         self.portions = portions
         self.backup_tasks = bool(backup_tasks)
@@ -264,10 +311,10 @@ class SandblasterObjective:
             )
         self._reductions: dict[tuple, Callable] = {}
         self._eval_id = 0
+        # One daemon thread per copy in flight waits on its RemoteValue
+        # (`_fetch_in_background`), so the coordinator can wait for the first
+        # of any copies with public APIs.
         self._in_flight: dict[concurrent.futures.Future, _Copy] = {}
-        # One thread per copy in flight waits on its RemoteValue (`fetch`), so the
-        # coordinator can wait for the first of any copies with public APIs.
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=num_slots)
         self.portion_function = portion_lib.build_portion_function(
             model,
             self.layout,
@@ -294,20 +341,34 @@ class SandblasterObjective:
             self.portion_function,
             args=(portion_lib.pack_call(portion, slot, self._eval_id),),
         )
-        future = self._executor.submit(remote.fetch)
+        future = _fetch_in_background(remote)
         self._in_flight[future] = _Copy(self._eval_id, ledger, portion, slot)
         if backup:
             self.stats.backup_copies_scheduled += 1
         else:
             self.stats.portions_scheduled += 1
 
-    def _wait_any(self, timeout_secs=None) -> None:
-        """Waits for at least one copy to finish (or the timeout) and books it."""
+    def _wait_any(self) -> None:
+        """Waits for at least one copy to finish and books it.
+
+        Raises:
+          TimeoutError: none finished within `stall_timeout_secs`.
+        """
         done, _ = concurrent.futures.wait(
             list(self._in_flight),
-            timeout=timeout_secs,
+            timeout=self.stall_timeout_secs,
             return_when=concurrent.futures.FIRST_COMPLETED,
         )
+        if not done:
+            waiting = sorted((c.eval_id, c.portion) for c in self._in_flight.values())
+            raise TimeoutError(
+                f"Sandblaster: no copy of a work portion finished within "
+                f"{self.stall_timeout_secs:g} s (`stall_timeout_secs`). Waited for "
+                f"{len(waiting)} copies, (evaluation, portion): "
+                f"{console.shorten(str(waiting))}, on {self.num_workers} workers. "
+                "Check that the workers are up (the coordinator keeps a lost "
+                "worker's portions queued until a worker can run them)."
+            )
         for future in done:
             copy = self._in_flight.pop(future)
             share, worker, incarnation = portion_lib.unpack_result(future.result())
@@ -322,10 +383,28 @@ class SandblasterObjective:
                 self._slot_pool.release(copy.slot)
 
     def __call__(self, x: ps_vectors.PsVector) -> tuple[float, ps_vectors.PsVector]:
-        """Returns `(loss, grad)` at `x`; `grad` is `self.grad`, overwritten later."""
+        """Returns `(loss, grad)` at `x`; `grad` is `self.grad`, overwritten later.
+
+        Raises:
+          TimeoutError: no copy of a work portion finished within
+            `stall_timeout_secs` (no worker left to run them).
+          RuntimeError: `EVALUATION_ATTEMPTS` evaluations in a row lost
+            gradient slots (workers restarting).
+        """
         start = time.monotonic()
         if x is not self._x_eval:
             self.ops.assign(x, self._x_eval)
+        try:
+            loss = self._evaluate_with_attempts()
+        except Exception:
+            self._settle()
+            raise
+        self.stats.evaluations += 1
+        self.stats.evaluation_secs.append(time.monotonic() - start)
+        return loss, self.grad
+
+    def _evaluate_with_attempts(self) -> float:
+        """Evaluates at `_x_eval`, again while workers lose accepted slots."""
         for attempt in range(1, EVALUATION_ATTEMPTS + 1):
             lost = self._evaluate()
             if lost is None:
@@ -344,9 +423,31 @@ class SandblasterObjective:
                 f"gradient slots, the last: {lost}. Check that the workers stay up "
                 "(a worker restarting during every evaluation)."
             )
-        self.stats.evaluations += 1
-        self.stats.evaluation_secs.append(time.monotonic() - start)
-        return math.fsum(self._shares), self.grad
+        return math.fsum(self._shares)
+
+    def _settle(self) -> None:
+        """After a failed evaluation, waits (bounded) for the copies still running.
+
+        None is then left running on the cluster behind the error: a caller
+        that stops the cluster next (leaving a `LocalCluster`) would otherwise
+        leave TensorFlow's coordinator retrying them against the stopped
+        tasks. A copy that does not finish within `_SETTLE_SECS` (or
+        `stall_timeout_secs`, if shorter) is left behind with a warning naming
+        it; its waiting thread is a daemon.
+        """
+        secs = min(_SETTLE_SECS, self.stall_timeout_secs)
+        done, running = concurrent.futures.wait(list(self._in_flight), secs)
+        for future in done:
+            self._slot_pool.release(self._in_flight.pop(future).slot)
+            self.stats.copies_discarded += 1
+        if running:
+            logging.warning(
+                "Sandblaster: %d copies of work portions still running %g s after "
+                "the evaluation failed, (evaluation, portion): %s",
+                len(running),
+                secs,
+                sorted((c.eval_id, c.portion) for c in self._in_flight.values()),
+            )
 
     def _evaluate(self) -> str | None:
         """Runs every portion once and reduces; returns what was lost, or None."""
@@ -431,11 +532,18 @@ class SandblasterObjective:
         return [int(i) for i in incarnations]
 
     def join(self) -> None:
-        """Waits for every copy still running (late backups) and books it."""
+        """Waits for every copy still running (late backups) and books it.
+
+        Raises:
+          TimeoutError: no copy finished within `stall_timeout_secs`.
+        """
         while self._in_flight:
             self._wait_any()
 
     def close(self) -> None:
-        """Waits for the copies still running and stops the waiting threads."""
+        """Waits for the copies still running (`join`): none runs after it.
+
+        Raises:
+          TimeoutError: no copy finished within `stall_timeout_secs`.
+        """
         self.join()
-        self._executor.shutdown(wait=True)

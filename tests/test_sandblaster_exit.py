@@ -1,0 +1,108 @@
+"""Sandblaster when no worker is left: a bounded wait, then a process that ends.
+
+The `ClusterCoordinator` keeps a lost worker's work portions queued until a
+worker can run them, so an objective evaluation with every worker gone would
+wait for ever; `SandblasterObjective` gives up after `stall_timeout_secs`
+with a `TimeoutError` naming the portions (a hang is a bug). The process must
+then end: the threads waiting on the lost portions are daemon threads. Seen
+before the fix: `benchmarks/sandblaster_bench.py` hung at exit after an
+evaluation gave up, Python joining the objective's `ThreadPoolExecutor`
+threads, whose `RemoteValue.fetch` never returned, until it was killed 11
+minutes later.
+
+The child process runs a real local cluster of 1 worker and 1 ps, evaluates
+once, kills the worker (never restarted) and evaluates again; it ends with the
+error, without `os._exit` (`console.exit_when_done`, which launch scripts and
+benchmarks also use, is tested in `test_console`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from tests.test_launch import ROOT, _env
+from tf_distbelief.sandblaster import objective as objective_lib
+
+STALL_SECS = 5
+
+CHILD = textwrap.dedent(
+    f"""
+    import threading
+
+    import numpy as np
+
+    from tests import stragglers
+    from tests.test_sandblaster import CE, _digits_train, _logistic_model
+    from tf_distbelief import cluster
+    from tf_distbelief import strategy as strategy_lib
+    from tf_distbelief.sandblaster import objective
+
+    def work():
+        x, y = _digits_train()
+        with cluster.LocalCluster(num_workers=1, num_ps=1, max_restarts=0) as local:
+            strategy = strategy_lib.DistBeliefStrategy(
+                local.resolver_for(num_workers=1, num_ps=1)
+            )
+            obj = objective.SandblasterObjective(
+                strategy,
+                _logistic_model(),
+                CE,
+                x,
+                y,
+                portions=4,
+                backup_tasks=False,
+                # 1 s per portion: the worker is killed with portions running.
+                portion_delay_fn=stragglers.slow_worker(0, straggler_delay_secs=1.0),
+                stall_timeout_secs={STALL_SECS},
+            )
+            point = obj.ops.from_numpy(obj.layout.read())
+            loss, _ = obj(point)
+            print(f"first evaluation: loss {{loss:.6f}}", flush=True)
+            threading.Timer(1.5, local.kill, ("worker", 0)).start()
+            obj(point)
+            print("second evaluation returned", flush=True)
+
+    work()
+    """
+)
+
+
+@pytest.mark.slow
+def test_evaluation_without_workers_times_out_and_the_process_ends():
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        cwd=ROOT,
+        env=_env(f"sandblaster-exit-{os.getpid()}"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    secs = time.monotonic() - start
+    assert "first evaluation: loss" in done.stdout, done.stderr[-3000:]
+    assert "second evaluation returned" not in done.stdout
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("TimeoutError: Sandblaster: no copy of a work portion"), last
+    assert f"within {STALL_SECS} s (`stall_timeout_secs`)" in last
+    # The portions of evaluation 2 not finished when the worker died.
+    assert "(evaluation, portion): [(2, " in last
+    assert "on 1 workers" in last
+    assert "still running" in done.stderr  # `_settle` named what it left behind.
+    assert secs < 200
+
+
+@pytest.mark.parametrize("secs", [0, -1.0, float("nan"), "5", True])
+def test_stall_timeout_must_be_positive_seconds(secs):
+    x, y = np.zeros((4, 2)), np.zeros(4)
+    with pytest.raises(ValueError, match="`stall_timeout_secs` must be a number"):
+        objective_lib.SandblasterObjective(
+            None, None, None, x, y, 2, stall_timeout_secs=secs
+        )
