@@ -349,6 +349,17 @@ def define_flags() -> None:
         "iteration plus 2 per evaluation; vectors: on the vectors, about "
         "4 * history + 12 round trips.",
     )
+    flags.DEFINE_float(
+        "portion_stall_timeout_secs",
+        sb.stall_timeout_secs,
+        "Sandblaster: longest wait, in seconds, for the next work portion to "
+        "finish; past it the job fails naming the portions (no worker left).",
+    )
+    flags.register_validator(
+        "portion_stall_timeout_secs",
+        lambda secs: math.isfinite(secs) and secs > 0,
+        "--portion_stall_timeout_secs must be a finite number of seconds > 0",
+    )
     flags.DEFINE_integer(
         "devices_per_replica",
         d.devices_per_replica,
@@ -395,6 +406,7 @@ _SANDBLASTER_FLAGS = {
     "backup_tasks": "backup_tasks",
     "checkpoint_every_iters": "lbfgs_checkpoint_every_iters",
     "two_loop": "lbfgs_two_loop",
+    "stall_timeout_secs": "portion_stall_timeout_secs",
 }
 
 

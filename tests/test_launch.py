@@ -153,6 +153,10 @@ def test_readme_main_job_streams_its_progress_and_leaves_no_process():
             r"flag --lbfgs_two_loop=dense: value should be one of <vector_free\|vec",
         ),
         (
+            "--portion_stall_timeout_secs=0",
+            r"flag --portion_stall_timeout_secs=0.0: --portion_stall_timeout_secs must",
+        ),
+        (
             "--adagrad_accumulator=mean",
             r"--adagrad_accumulator.*are Downpour settings: add --downpour",
         ),

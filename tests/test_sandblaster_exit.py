@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from tests.test_launch import ROOT, _env
+from tf_distbelief import sandblaster
 from tf_distbelief.sandblaster import objective as objective_lib
 
 STALL_SECS = 5
@@ -99,10 +100,19 @@ def test_evaluation_without_workers_times_out_and_the_process_ends():
     assert secs < 200
 
 
-@pytest.mark.parametrize("secs", [0, -1.0, float("nan"), "5", True])
+@pytest.mark.parametrize("secs", [0, -1.0, float("nan"), float("inf"), "5", True])
 def test_stall_timeout_must_be_positive_seconds(secs):
     x, y = np.zeros((4, 2)), np.zeros(4)
-    with pytest.raises(ValueError, match="`stall_timeout_secs` must be a number"):
+    rule = "`stall_timeout_secs` must be a finite number of seconds > 0"
+    with pytest.raises(ValueError, match=rule):
         objective_lib.SandblasterObjective(
             None, None, None, x, y, 2, stall_timeout_secs=secs
         )
+
+
+@pytest.mark.parametrize("secs", [0, -5, float("inf"), None])
+def test_config_refuses_a_bad_stall_timeout(secs):
+    rule = "`stall_timeout_secs` must be a finite number of seconds > 0"
+    with pytest.raises(ValueError, match=rule):
+        sandblaster.SandblasterConfig(stall_timeout_secs=secs)
+    assert sandblaster.SandblasterConfig().stall_timeout_secs == 600.0

@@ -6,6 +6,7 @@ value received (STYLE.md, habit 5).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,20 @@ def check_nonnegative(name: str, value: Any) -> None:
     if not (isinstance(value, (int, float, np.floating)) and value >= 0):
         raise ValueError(
             f"Argument `{name}` must be a number >= 0. Received: {value!r}"
+        )
+
+
+def check_positive_secs(name: str, value: Any) -> None:
+    """Raises `ValueError` unless `value` is a finite number of seconds > 0."""
+    if not (
+        isinstance(value, (int, float, np.integer, np.floating))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    ):
+        raise ValueError(
+            f"Argument `{name}` must be a finite number of seconds > 0. "
+            f"Received: {value!r}"
         )
 
 

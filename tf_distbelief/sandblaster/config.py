@@ -12,7 +12,11 @@ import dataclasses
 
 from tf_distbelief.sandblaster import _checks, two_loop
 
-__all__ = ["SandblasterConfig"]
+__all__ = ["DEFAULT_STALL_TIMEOUT_SECS", "SandblasterConfig"]
+
+# Longest wait, in seconds, for the next copy of a work portion to finish
+# (`SandblasterConfig.stall_timeout_secs`).
+DEFAULT_STALL_TIMEOUT_SECS = 600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,11 @@ class SandblasterConfig:
         `"vectors"` runs the two-loop recursion as `4 * history` vector
         operations, about `4 * history + 12` round trips plus 4 per
         evaluation. Same iterates up to rounding.
+      stall_timeout_secs: longest wait, in seconds (finite, > 0), for the next
+        copy of a work portion to finish; past it the run fails with a
+        `TimeoutError` naming the portions waited for. The coordinator hands a
+        lost worker's portions to the others and waits for a restarted one,
+        so only a cluster with no worker left waits this long (default 600).
 
     Raises:
       TypeError: a field of the wrong type.
@@ -65,6 +74,7 @@ class SandblasterConfig:
     backup_tasks: bool = True
     checkpoint_every_iters: int = 1
     two_loop: str = "vector_free"
+    stall_timeout_secs: float = DEFAULT_STALL_TIMEOUT_SECS
 
     def __post_init__(self):
         for name in ("history", "max_iters", "portions", "checkpoint_every_iters"):
@@ -74,6 +84,7 @@ class SandblasterConfig:
                 f"Argument `backup_tasks` must be a bool. Received: "
                 f"{self.backup_tasks!r}"
             )
+        _checks.check_positive_secs("stall_timeout_secs", self.stall_timeout_secs)
         if self.two_loop not in two_loop.TWO_LOOPS:
             raise ValueError(
                 f"Argument `two_loop` must be one of {two_loop.TWO_LOOPS}. "

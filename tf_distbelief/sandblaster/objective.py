@@ -89,9 +89,10 @@ import tf_keras
 from absl import logging
 
 from tf_distbelief import _tf_internals, console
-from tf_distbelief.sandblaster import flat_params, ps_vectors
+from tf_distbelief.sandblaster import _checks, flat_params, ps_vectors
 from tf_distbelief.sandblaster import portion as portion_lib
 from tf_distbelief.sandblaster import schedule as schedule_lib
+from tf_distbelief.sandblaster.config import DEFAULT_STALL_TIMEOUT_SECS
 from tf_distbelief.sandblaster.schedule import SandblasterStats
 
 __all__ = [
@@ -114,11 +115,6 @@ _I64 = tf.int64
 _WAIT_SECS = 60.0
 # Most runs of one evaluation when workers are lost holding accepted slots.
 EVALUATION_ATTEMPTS = 3
-# Longest wait, in seconds, for the next copy of a work portion to finish: past
-# it the objective gives up (`TimeoutError`) instead of waiting for ever on
-# workers that never come back (the `ClusterCoordinator` keeps their portions
-# queued until they do).
-DEFAULT_STALL_TIMEOUT_SECS = 600.0
 # Longest wait, in seconds, for the copies still running when an evaluation
 # fails, so that none is left running on the cluster after the error.
 _SETTLE_SECS = 60.0
@@ -205,11 +201,11 @@ class SandblasterObjective:
         traced into every portion after its gradient is written (a test slows
         one worker down with it, making a straggler); None (default) adds
         nothing to the portion function.
-      stall_timeout_secs: longest wait, in seconds (> 0), for the next copy of
-        a work portion to finish; past it a call raises `TimeoutError` naming
-        the portions it waited for (default `DEFAULT_STALL_TIMEOUT_SECS`, 600).
-        A lost worker's portions go to the other workers; this bounds the wait
-        when no worker is left to run them.
+      stall_timeout_secs: longest wait, in seconds (finite, > 0), for the next
+        copy of a work portion to finish; past it a call raises `TimeoutError`
+        naming the portions it waited for (default
+        `DEFAULT_STALL_TIMEOUT_SECS`, 600). A lost worker's portions go to the
+        other workers; this bounds the wait when no worker is left to run them.
 
     Attributes:
       ops: the `ps_vectors.PsVectorOps` of the vectors.
@@ -219,8 +215,9 @@ class SandblasterObjective:
 
     Raises:
       ValueError: `x` and `y` differ in length or are empty, `portions` is out
-        of range, `stall_timeout_secs` is not > 0, no loss for an uncompiled
-        model, or the model was built before the strategy connected.
+        of range, `stall_timeout_secs` is not a finite number > 0, no loss for
+        an uncompiled model, or the model was built before the strategy
+        connected.
       TypeError: a bad `loss_fn` or `portion_delay_fn`, or the model's weights
         are not plain variables (built under `strategy.scope()`).
     """
@@ -250,15 +247,7 @@ class SandblasterObjective:
                 "Argument `portion_delay_fn` must be callable or None. Received: "
                 f"{portion_delay_fn!r}"
             )
-        if not (
-            isinstance(stall_timeout_secs, (int, float))
-            and not isinstance(stall_timeout_secs, bool)
-            and stall_timeout_secs > 0
-        ):
-            raise ValueError(
-                "Argument `stall_timeout_secs` must be a number of seconds > 0. "
-                f"Received: {stall_timeout_secs!r}"
-            )
+        _checks.check_positive_secs("stall_timeout_secs", stall_timeout_secs)
         self.stall_timeout_secs = float(stall_timeout_secs)
         self.strategy = strategy
         self.portions = portions

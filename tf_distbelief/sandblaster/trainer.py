@@ -133,6 +133,7 @@ class SandblasterTrainer:
             backup_tasks=self.config.backup_tasks,
             num_shards=num_shards,
             portion_delay_fn=portion_delay_fn,
+            stall_timeout_secs=self.config.stall_timeout_secs,
         )
 
     @property
