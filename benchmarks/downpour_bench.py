@@ -122,6 +122,7 @@ import psutil  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from benchmarks import downpour_figures, plots  # noqa: E402
+from tf_distbelief import console  # noqa: E402  (no TensorFlow)
 
 # Steps between evaluations and in all, both workers together, of a full and
 # a `--quick` run: multiples of 2 workers x 20 steps per execution, so that
@@ -1117,4 +1118,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(console.exiting(main, keep=(app.UsageError,)))

@@ -31,7 +31,7 @@ from absl import app, flags, logging  # noqa: E402
 
 import tf_distbelief as tfdb  # noqa: E402
 from models import speech  # noqa: E402
-from tf_distbelief import keras3, training  # noqa: E402
+from tf_distbelief import console, keras3, training  # noqa: E402
 from tf_distbelief import strategy as strategy_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -140,4 +140,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(console.exiting(main, keep=(app.UsageError,)))

@@ -554,6 +554,4 @@ def _write_outputs(
 
 if __name__ == "__main__":
     define_flags()
-    # A failed run must not hang in TensorFlow's teardown against the stopped
-    # cluster (`console.exit_when_done`).
-    app.run(lambda argv: console.exit_when_done(main, argv, keep=(app.UsageError,)))
+    app.run(console.exiting(main, keep=(app.UsageError,)))

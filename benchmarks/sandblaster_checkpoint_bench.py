@@ -27,6 +27,7 @@ import time
 from absl import app, flags, logging
 
 from benchmarks import sandblaster_bench
+from tf_distbelief import console
 
 flags.DEFINE_integer("examples", 8192, "Training examples.", lower_bound=64)
 flags.DEFINE_integer("features", 256, "Input features.", lower_bound=1)
@@ -105,4 +106,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(console.exiting(main, keep=(app.UsageError,)))

@@ -279,3 +279,25 @@ def exit_when_done(fn, *args, keep: tuple[type[BaseException], ...] = ()) -> Non
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def exiting(main, keep: tuple[type[BaseException], ...] = ()):
+    """`main(argv)` for `absl.app.run` that ends through `exit_when_done`.
+
+    Benchmarks and scripts that stop their own cluster use it so that a
+    failure prints its traceback and ends instead of hanging in TensorFlow's
+    teardown.
+
+    Args:
+      main: the script's `main(argv)`.
+      keep: exception classes raised on as usual (absl's `app.UsageError`,
+        which `app.run` reports with the flags' help).
+
+    Returns:
+      `run_main(argv)`, which calls `main(argv)` and never returns.
+    """
+
+    def run_main(argv):
+        exit_when_done(main, argv, keep=keep)
+
+    return run_main
