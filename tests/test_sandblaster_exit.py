@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -30,6 +31,7 @@ import pytest
 from tests.test_launch import ROOT, _env
 from tf_distbelief import sandblaster
 from tf_distbelief.sandblaster import objective as objective_lib
+from tf_distbelief.sandblaster import schedule as schedule_lib
 
 STALL_SECS = 5
 
@@ -116,3 +118,84 @@ def test_config_refuses_a_bad_stall_timeout(secs):
     with pytest.raises(ValueError, match=rule):
         sandblaster.SandblasterConfig(stall_timeout_secs=secs)
     assert sandblaster.SandblasterConfig().stall_timeout_secs == 600.0
+
+
+# --- After a TimeoutError: the failed evaluation's slots come back -----------
+
+
+class _FakeRemote:
+    """A `RemoteValue` whose `fetch` waits until `finish` (a worker back)."""
+
+    def __init__(self, hang: bool):
+        self.finished = threading.Event()
+        if not hang:
+            self.finished.set()
+
+    def fetch(self):
+        self.finished.wait()
+        # Loss share 0.25 (float64 bits), worker 0, incarnation 7.
+        return np.array([np.float64(0.25).view(np.int64), 0, 7], np.int64)
+
+
+class _FakeCoordinator:
+    """Runs each portion at once, except those in `hang` (a worker gone)."""
+
+    def __init__(self):
+        self.hang, self.remotes = set(), []
+
+    def schedule(self, fn, args):
+        del fn
+        portion = int(args[0].numpy()[0])
+        self.remotes.append(_FakeRemote(portion in self.hang))
+        return self.remotes[-1]
+
+    def workers_back(self):
+        self.hang = set()
+        for remote in self.remotes:
+            remote.finished.set()
+
+
+def _objective_on_fake_cluster(portions=4, num_workers=1):
+    """A `SandblasterObjective`'s coordinator side, on `_FakeCoordinator`."""
+    obj = object.__new__(objective_lib.SandblasterObjective)
+    obj.stall_timeout_secs = 0.5
+    obj.portions, obj.backup_tasks, obj.num_workers = portions, False, num_workers
+    obj.stats = sandblaster.SandblasterStats()
+    obj._slot_pool = schedule_lib.SlotPool(portions + 2 * num_workers)
+    obj._in_flight, obj._eval_id, obj._ledger = {}, 0, None
+    obj.coordinator, obj.portion_function = _FakeCoordinator(), None
+    obj._x_eval = obj.grad = object()
+    obj._reduce = lambda slots, workers: [7] * num_workers
+    return obj
+
+
+def test_an_evaluation_after_a_timeout_gets_every_slot_back():
+    # 3 of 4 portions accepted, the 4th's worker gone: TimeoutError. Before the
+    # fix the 3 accepted slots were never released, so once the workers were
+    # back the next evaluation found no free slot and raised at once
+    # ("Waited for 0 copies"), and every one after it too.
+    obj = _objective_on_fake_cluster()
+    obj.coordinator.hang = {3}
+    with pytest.raises(TimeoutError, match=r"\(evaluation, portion\): \[\(1, 3\)\]"):
+        obj(obj._x_eval)
+    assert obj._slot_pool.num_free == obj._slot_pool.num_slots - 1  # (1, 3) runs.
+    obj.coordinator.workers_back()
+    for _ in range(3):
+        loss, _ = obj(obj._x_eval)
+        assert loss == 1.0
+    assert obj._slot_pool.num_free == obj._slot_pool.num_slots
+    assert obj.stats.evaluations == 3
+    assert obj.stats.copies_discarded == 1  # The late (1, 3).
+
+
+def test_a_late_copy_of_a_failed_evaluation_is_discarded():
+    # Before the fix `join` accepted the late copy into the failed evaluation's
+    # ledger: counted in `copies_accepted`, its slot never released.
+    obj = _objective_on_fake_cluster()
+    obj.coordinator.hang = {3}
+    with pytest.raises(TimeoutError):
+        obj(obj._x_eval)
+    obj.coordinator.workers_back()
+    obj.join()
+    assert obj._slot_pool.num_free == obj._slot_pool.num_slots
+    assert (obj.stats.copies_accepted, obj.stats.copies_discarded) == (3, 1)

@@ -300,6 +300,9 @@ class SandblasterObjective:
             )
         self._reductions: dict[tuple, Callable] = {}
         self._eval_id = 0
+        # The ledger of the evaluation running, None between evaluations: a
+        # copy of an ended (or failed) evaluation finishing later is discarded.
+        self._ledger: schedule_lib.PortionLedger | None = None
         # One daemon thread per copy in flight waits on its RemoteValue
         # (`_fetch_in_background`), so the coordinator can wait for the first
         # of any copies with public APIs.
@@ -361,7 +364,7 @@ class SandblasterObjective:
         for future in done:
             copy = self._in_flight.pop(future)
             share, worker, incarnation = portion_lib.unpack_result(future.result())
-            current = copy.eval_id == self._eval_id
+            current = copy.ledger is self._ledger
             accepted = (copy.slot, worker, incarnation, share)
             if current and copy.ledger.finish(copy.portion, accepted):
                 self.stats.copies_accepted += 1
@@ -444,6 +447,20 @@ class SandblasterObjective:
         ledger = schedule_lib.PortionLedger(
             self.portions, max_copies=2 if self.backup_tasks else 1
         )
+        self._ledger = ledger
+        try:
+            return self._run_and_reduce(ledger)
+        finally:
+            # Also when the evaluation failed (a `TimeoutError` with some
+            # portions accepted): their slots come back, and a copy of this
+            # evaluation finishing later is discarded, not accepted.
+            self._ledger = None
+            for accepted in ledger.accepted:
+                if accepted is not None:
+                    self._slot_pool.release(accepted[0])
+
+    def _run_and_reduce(self, ledger) -> str | None:
+        """`_evaluate` on its open `ledger`: schedules, waits, reduces."""
         for portion in range(self.portions):
             self._launch(ledger, portion, backup=False)
         while not ledger.complete:
@@ -458,16 +475,13 @@ class SandblasterObjective:
         try:
             now = self._reduce(slots, workers)
             gone = sorted({w for w, i in zip(workers, incarnations) if now[w] != i})
-            lost = f"worker {gone} restarted" if gone else None
+            return f"worker {gone} restarted" if gone else None
         except _LOST_WORKER_ERRORS as e:
             # The reduction runs on the ps, so its error names a ps task even
             # when a worker was lost: ask the ps shards themselves.
             if not self._ps_shards_answer():
                 raise  # A lost ps: the job's ps recovery (`recovery`) handles it.
-            lost = f"{type(e).__name__}: {console.shorten(str(e))}"
-        for slot in slots:
-            self._slot_pool.release(slot)
-        return lost
+            return f"{type(e).__name__}: {console.shorten(str(e))}"
 
     def _ps_shards_answer(self) -> bool:
         """Whether every ps shard of the gradient can still be read.
