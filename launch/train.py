@@ -41,7 +41,8 @@ if __name__ == "__main__":
     console.import_tensorflow_quietly()
 
 import models  # noqa: E402
-from tf_distbelief import downpour, errors, job, sandblaster  # noqa: E402
+from launch import sandblaster_flags  # noqa: E402
+from tf_distbelief import downpour, errors, job  # noqa: E402
 from tf_distbelief.downpour import schedule as downpour_schedule  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -55,7 +56,6 @@ def define_flags() -> None:
     """Defines the flags; all optional, defaults from the job's dataclasses."""
     d = job.JobConfig()
     dp = downpour.DownpourConfig()
-    sb = sandblaster.SandblasterConfig()
     flags.DEFINE_string(
         "model",
         "digits",
@@ -313,53 +313,8 @@ def define_flags() -> None:
                 raise flags.ValidationError(f"Downpour settings: {e}") from e
         return True
 
-    flags.DEFINE_integer(
-        "lbfgs_history",
-        sb.history,
-        "Sandblaster: (s, y) pairs L-BFGS keeps on the ps.",
-        lower_bound=1,
-    )
-    flags.DEFINE_integer(
-        "lbfgs_max_iters",
-        sb.max_iters,
-        "Sandblaster: L-BFGS iterations at most.",
-        lower_bound=1,
-    )
-    flags.DEFINE_integer(
-        "portions", sb.portions, "Sandblaster: work portions per batch.", lower_bound=1
-    )
-    flags.DEFINE_bool(
-        "backup_tasks",
-        sb.backup_tasks,
-        "Sandblaster: copies of the last portions go to idle workers.",
-    )
-    flags.DEFINE_integer(
-        "lbfgs_checkpoint_every_iters",
-        sb.checkpoint_every_iters,
-        "Sandblaster: with --model_dir, checkpoint the L-BFGS state every so many "
-        "iterations; a rerun with the same --model_dir resumes at the last one.",
-        lower_bound=1,
-    )
-    flags.DEFINE_enum(
-        "lbfgs_two_loop",
-        sb.two_loop,
-        list(sandblaster.TWO_LOOPS),
-        "Sandblaster: vector_free: the two-loop recursion on the dot products "
-        "of the history (Chen et al. 2014), 2 round trips to the ps per "
-        "iteration plus 2 per evaluation; vectors: on the vectors, about "
-        "4 * history + 12 round trips.",
-    )
-    flags.DEFINE_float(
-        "portion_stall_timeout_secs",
-        sb.stall_timeout_secs,
-        "Sandblaster: longest wait, in seconds, for the next work portion to "
-        "finish; past it the job fails naming the portions (no worker left).",
-    )
-    flags.register_validator(
-        "portion_stall_timeout_secs",
-        lambda secs: math.isfinite(secs) and secs > 0,
-        "--portion_stall_timeout_secs must be a finite number of seconds > 0",
-    )
+    sandblaster_flags.define_flags()
+    flags.adopt_module_key_flags(sandblaster_flags)  # Listed by --help.
     flags.DEFINE_integer(
         "devices_per_replica",
         d.devices_per_replica,
@@ -399,15 +354,6 @@ _FLOAT_FLAGS = (
     "delay_compensation",
 )
 # `SandblasterConfig` field -> its flag.
-_SANDBLASTER_FLAGS = {
-    "history": "lbfgs_history",
-    "max_iters": "lbfgs_max_iters",
-    "portions": "portions",
-    "backup_tasks": "backup_tasks",
-    "checkpoint_every_iters": "lbfgs_checkpoint_every_iters",
-    "two_loop": "lbfgs_two_loop",
-    "stall_timeout_secs": "portion_stall_timeout_secs",
-}
 
 
 def model_spec():
@@ -436,9 +382,7 @@ def main(argv):
     fields = {f.name for f in dataclasses.fields(job.JobConfig)} - nested
     config = job.JobConfig(
         **{name: FLAGS[name].value for name in fields},
-        sandblaster=sandblaster.SandblasterConfig(
-            **{field: FLAGS[flag].value for field, flag in _SANDBLASTER_FLAGS.items()}
-        ),
+        sandblaster=sandblaster_flags.config(FLAGS),
     )
     if FLAGS.downpour:
         config.downpour = downpour.DownpourConfig(

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -367,3 +368,35 @@ def test_local_cluster_restarts_a_lost_task_at_most_max_restarts_times():
         f"local cluster: ps:0 at {address} exited (code -9); not restarted: 1 "
         "restarts done (`max_restarts`)"
     ]
+
+
+@pytest.mark.slow
+def test_tasks_restarted_by_a_thread_outlive_that_thread():
+    # Linux's parent-death signal follows the thread that forked the task:
+    # before `server.popen_for_life`, the supervisor thread, returning once
+    # `max_restarts` were used up, took the task it had restarted down with it
+    # (SIGKILL), as did any short-lived thread that called `restart`.
+    lines = []
+
+    def wait_for_lines(count):
+        deadline = time.monotonic() + 120
+        while len(lines) < count:
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.1)
+
+    with local_lib.LocalCluster(
+        num_workers=2, num_ps=1, restart_lost_tasks=True, max_restarts=1,
+        report=lines.append,
+    ) as cluster:  # fmt: skip
+        cluster.kill("worker", 0)
+        wait_for_lines(1)  # Restarted by the supervisor thread.
+        cluster.kill("worker", 1)
+        wait_for_lines(2)  # Not restarted: the supervisor thread returns.
+        assert "not restarted" in lines[1]
+        thread = threading.Thread(target=cluster.restart, args=("ps", 0))
+        thread.start()
+        thread.join()
+        time.sleep(2)
+        assert cluster.processes[("worker", 0)].poll() is None, lines
+        assert cluster.processes[("ps", 0)].poll() is None
+        assert cluster.processes[("worker", 1)].poll() == -9

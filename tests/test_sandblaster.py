@@ -493,7 +493,7 @@ def test_vectors_on_ps_and_coordinator_moves_only_scalars(local_cluster, monkeyp
     # The reduction: each worker gathers its accepted rows, each ps shard sums
     # them in portion order into the gradient; it returns only each worker's
     # incarnation (a scalar).
-    (reduce,) = objective._reductions.values()
+    (reduce,) = objective._reduction._functions.values()
     reduce_graph = reduce.get_concrete_function().graph
     pinned = collections.defaultdict(set)
     for op in reduce_graph.get_operations():

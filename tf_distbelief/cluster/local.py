@@ -178,7 +178,7 @@ class LocalCluster:
         with contextlib.suppress(FileNotFoundError):
             os.remove(ready)
         try:
-            return subprocess.Popen(
+            return server_lib.popen_for_life(
                 [
                     sys.executable,
                     "-m",

@@ -76,10 +76,7 @@ into the model.
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import math
-import threading
 import time
 from collections.abc import Callable
 
@@ -88,8 +85,9 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import _tf_internals, console
+from tf_distbelief import console
 from tf_distbelief.sandblaster import _checks, flat_params, ps_vectors
+from tf_distbelief.sandblaster import copies as copies_lib
 from tf_distbelief.sandblaster import portion as portion_lib
 from tf_distbelief.sandblaster import schedule as schedule_lib
 from tf_distbelief.sandblaster.config import DEFAULT_STALL_TIMEOUT_SECS
@@ -109,10 +107,6 @@ LossFn = tf_keras.losses.Loss | str | Callable[[tf.Tensor, tf.Tensor], tf.Tensor
 
 _F64 = tf.float64
 _I64 = tf.int64
-# Longest wait, in seconds, for a worker's own slot variable at the end of an
-# evaluation (it exists once the worker ran a portion; a lost worker's is
-# rebuilt when it reconnects).
-_WAIT_SECS = 60.0
 # Most runs of one evaluation when workers are lost holding accepted slots.
 EVALUATION_ATTEMPTS = 3
 # Longest wait, in seconds, for the copies still running when an evaluation
@@ -126,35 +120,6 @@ _LOST_WORKER_ERRORS = (
     tf.errors.NotFoundError,
     tf.errors.FailedPreconditionError,
 )
-
-
-@dataclasses.dataclass
-class _Copy:
-    eval_id: int
-    ledger: schedule_lib.PortionLedger
-    portion: int
-    slot: int
-
-
-def _fetch_in_background(remote) -> concurrent.futures.Future:
-    """`remote.fetch()` in a daemon thread of its own, as a `Future`.
-
-    A `RemoteValue` whose workers are all gone never resolves (the
-    `ClusterCoordinator` requeues its function until one is back), so the
-    thread waiting on it must not keep the process alive at exit, as a
-    `ThreadPoolExecutor`'s thread does (Python joins those at exit).
-    """
-    future = concurrent.futures.Future()
-    future.set_running_or_notify_cancel()
-
-    def fetch():
-        try:
-            future.set_result(remote.fetch())
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter.
-            future.set_exception(e)
-
-    threading.Thread(target=fetch, name="SandblasterCopyWait", daemon=True).start()
-    return future
 
 
 def _job(device: str) -> str:
@@ -298,15 +263,14 @@ class SandblasterObjective:
                 self.slot_dtype,
                 lambda: tf.zeros([num_slots, size], self.slot_dtype),
             )
-        self._reductions: dict[tuple, Callable] = {}
+        self._reduction = portion_lib.SlotReduction(
+            self._slots, self._incarnation, self.grad.shards, self.num_workers
+        )
         self._eval_id = 0
         # The ledger of the evaluation running, None between evaluations: a
         # copy of an ended (or failed) evaluation finishing later is discarded.
         self._ledger: schedule_lib.PortionLedger | None = None
-        # One daemon thread per copy in flight waits on its RemoteValue
-        # (`_fetch_in_background`), so the coordinator can wait for the first
-        # of any copies with public APIs.
-        self._in_flight: dict[concurrent.futures.Future, _Copy] = {}
+        self._in_flight = copies_lib.CopiesInFlight()
         self.portion_function = portion_lib.build_portion_function(
             model,
             self.layout,
@@ -333,8 +297,8 @@ class SandblasterObjective:
             self.portion_function,
             args=(portion_lib.pack_call(portion, slot, self._eval_id),),
         )
-        future = _fetch_in_background(remote)
-        self._in_flight[future] = _Copy(self._eval_id, ledger, portion, slot)
+        copy = copies_lib.Copy(self._eval_id, ledger, portion, slot)
+        self._in_flight.add(remote, copy)
         if backup:
             self.stats.backup_copies_scheduled += 1
         else:
@@ -346,23 +310,13 @@ class SandblasterObjective:
         Raises:
           TimeoutError: none finished within `stall_timeout_secs`.
         """
-        done, _ = concurrent.futures.wait(
-            list(self._in_flight),
-            timeout=self.stall_timeout_secs,
-            return_when=concurrent.futures.FIRST_COMPLETED,
-        )
-        if not done:
-            waiting = sorted((c.eval_id, c.portion) for c in self._in_flight.values())
-            raise TimeoutError(
-                f"Sandblaster: no copy of a work portion finished within "
-                f"{self.stall_timeout_secs:g} s (`stall_timeout_secs`). Waited for "
-                f"{len(waiting)} copies, (evaluation, portion): "
-                f"{console.shorten(str(waiting))}, on {self.num_workers} workers. "
-                "Check that the workers are up (the coordinator keeps a lost "
-                "worker's portions queued until a worker can run them)."
-            )
-        for future in done:
-            copy = self._in_flight.pop(future)
+        finished = self._in_flight.wait_first(self.stall_timeout_secs, self.num_workers)
+        for copy, future in finished:
+            if future.exception() is not None:
+                # The portion function failed (not a lost worker, which the
+                # coordinator retries): its slot is free again, the error the
+                # caller's.
+                self._slot_pool.release(copy.slot)
             share, worker, incarnation = portion_lib.unpack_result(future.result())
             current = copy.ledger is self._ledger
             accepted = (copy.slot, worker, incarnation, share)
@@ -418,28 +372,11 @@ class SandblasterObjective:
         return math.fsum(self._shares)
 
     def _settle(self) -> None:
-        """After a failed evaluation, waits (bounded) for the copies still running.
-
-        None is then left running on the cluster behind the error: a caller
-        that stops the cluster next (leaving a `LocalCluster`) would otherwise
-        leave TensorFlow's coordinator retrying them against the stopped
-        tasks. A copy that does not finish within `_SETTLE_SECS` (or
-        `stall_timeout_secs`, if shorter) is left behind with a warning naming
-        it; its waiting thread is a daemon.
-        """
+        """After a failed evaluation, waits (bounded) for the copies still running."""
         secs = min(_SETTLE_SECS, self.stall_timeout_secs)
-        done, running = concurrent.futures.wait(list(self._in_flight), secs)
-        for future in done:
-            self._slot_pool.release(self._in_flight.pop(future).slot)
+        for copy in self._in_flight.settle(secs):
+            self._slot_pool.release(copy.slot)
             self.stats.copies_discarded += 1
-        if running:
-            logging.warning(
-                "Sandblaster: %d copies of work portions still running %g s after "
-                "the evaluation failed, (evaluation, portion): %s",
-                len(running),
-                secs,
-                sorted((c.eval_id, c.portion) for c in self._in_flight.values()),
-            )
 
     def _evaluate(self) -> str | None:
         """Runs every portion once and reduces; returns what was lost, or None."""
@@ -479,60 +416,17 @@ class SandblasterObjective:
         except _LOST_WORKER_ERRORS as e:
             # The reduction runs on the ps, so its error names a ps task even
             # when a worker was lost: ask the ps shards themselves.
-            if not self._ps_shards_answer():
+            if not self._reduction.ps_shards_answer():
                 raise  # A lost ps: the job's ps recovery (`recovery`) handles it.
             return f"{type(e).__name__}: {console.shorten(str(e))}"
 
-    def _ps_shards_answer(self) -> bool:
-        """Whether every ps shard of the gradient can still be read.
-
-        A ps task that stopped refuses the read; one restarted since has lost
-        the variable (and the eager context): either way the read raises.
-        """
-        try:
-            for shard in self.grad.shards:
-                with tf.device(shard.device):
-                    shard[:1].numpy()
-        except tf.errors.OpError:
-            return False
-        return True
-
     def _reduce(self, slots, workers) -> list[int]:
-        """Sets `self.grad` to the sum of the accepted slots, in portion order.
+        """Sets `self.grad` to the accepted slots' sum (`portion.SlotReduction`).
 
         Returns:
           Each worker's incarnation number, read in the same call.
         """
-        rows = [[] for _ in range(self.num_workers)]
-        order = []
-        for slot, worker in zip(slots, workers):
-            order.append((worker, len(rows[worker])))
-            rows[worker].append(slot)
-        starts = np.cumsum([0] + [len(r) for r in rows])
-        variables = []
-        for index in range(self.num_workers):
-            for per_worker in (self._slots, self._incarnation):
-                variable = _tf_internals.worker_variable(per_worker, index, _WAIT_SECS)
-                if variable is None:
-                    raise tf.errors.UnavailableError(
-                        None,
-                        None,
-                        f"worker {index}'s {per_worker.name} was not there within "
-                        f"{_WAIT_SECS:g} s",
-                    )
-                variables.append(variable)
-        key = tuple(id(v) for v in variables)
-        if key not in self._reductions:
-            self._reductions = {
-                key: portion_lib.build_slot_reduction(
-                    variables[0::2], variables[1::2], self.grad.shards
-                )
-            }
-        incarnations = self._reductions[key](
-            [tf.constant(r, tf.int32, shape=[len(r)]) for r in rows],
-            tf.constant([starts[w] + i for w, i in order], tf.int32),
-        )
-        return [int(i) for i in incarnations]
+        return self._reduction(slots, workers)
 
     def join(self) -> None:
         """Waits for every copy still running (late backups) and books it.

@@ -37,9 +37,11 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
+from tf_distbelief import _tf_internals
 from tf_distbelief.sandblaster import flat_params
 
 __all__ = [
+    "SlotReduction",
     "PortionDelayFn",
     "build_portion_function",
     "build_slot_reduction",
@@ -305,3 +307,85 @@ def build_portion_function(
             f"substitute ({', '.join(leaked)} captured by the portion function)."
         )
     return concrete
+
+
+# Longest wait, in seconds, for a worker's own slot variable at the end of an
+# evaluation (it exists once the worker ran a portion; a lost worker's is
+# rebuilt when it reconnects).
+_WAIT_SECS = 60.0
+
+
+class SlotReduction:
+    """Sums the accepted slots into the gradient on the ps, in portion order.
+
+    Step 5 of `objective`'s protocol: one multi-device function
+    (`build_slot_reduction`) has each worker send the rows of its accepted
+    slots to the ps shards, which sum them in portion order; it is rebuilt
+    when a worker's per-worker variables were (a restarted worker).
+
+    Args:
+      slots: the per-worker slot variable, `[num_slots, size]`.
+      incarnation: the per-worker incarnation number, int64 scalar.
+      grad_shards: the gradient `PsVector`'s shards, written in place.
+      num_workers: the workers.
+    """
+
+    def __init__(self, slots, incarnation, grad_shards, num_workers: int):
+        self._slots, self._incarnation = slots, incarnation
+        self._grad_shards, self._num_workers = grad_shards, num_workers
+        self._functions: dict[tuple, Callable] = {}
+
+    def __call__(self, slots, workers) -> list[int]:
+        """Sums slot `slots[i]` of worker `workers[i]` for each portion `i`.
+
+        Returns:
+          Each worker's incarnation number, read in the same call.
+
+        Raises:
+          tf.errors.UnavailableError: a worker's variables were not there
+            within 60 s; or what the reduction raises when a task is lost.
+        """
+        rows = [[] for _ in range(self._num_workers)]
+        order = []
+        for slot, worker in zip(slots, workers):
+            order.append((worker, len(rows[worker])))
+            rows[worker].append(slot)
+        starts = np.cumsum([0] + [len(r) for r in rows])
+        variables = []
+        for index in range(self._num_workers):
+            for per_worker in (self._slots, self._incarnation):
+                variable = _tf_internals.worker_variable(per_worker, index, _WAIT_SECS)
+                if variable is None:
+                    raise tf.errors.UnavailableError(
+                        None,
+                        None,
+                        f"worker {index}'s {per_worker.name} was not there within "
+                        f"{_WAIT_SECS:g} s",
+                    )
+                variables.append(variable)
+        key = tuple(id(v) for v in variables)
+        if key not in self._functions:
+            self._functions = {
+                key: build_slot_reduction(
+                    variables[0::2], variables[1::2], self._grad_shards
+                )
+            }
+        incarnations = self._functions[key](
+            [tf.constant(r, tf.int32, shape=[len(r)]) for r in rows],
+            tf.constant([starts[w] + i for w, i in order], tf.int32),
+        )
+        return [int(i) for i in incarnations]
+
+    def ps_shards_answer(self) -> bool:
+        """Whether every ps shard of the gradient can still be read.
+
+        A ps task that stopped refuses the read; one restarted since has lost
+        the variable (and the eager context): either way the read raises.
+        """
+        try:
+            for shard in self._grad_shards:
+                with tf.device(shard.device):
+                    shard[:1].numpy()
+        except tf.errors.OpError:
+            return False
+        return True

@@ -175,6 +175,10 @@ class SandblasterTrainer:
           resume.RestoreError: the latest checkpoint in `model_dir` was written
             for another model or `history`, or does not restore exactly.
           nonfinite.NonFiniteError: a state to checkpoint holds NaN or inf.
+          TimeoutError: no work portion finished within
+            `config.stall_timeout_secs` (no worker left to run them).
+          RuntimeError: `objective.EVALUATION_ATTEMPTS` evaluations in a row
+            lost gradient slots (workers restarting).
         """
         if max_iters is None:
             max_iters = self.config.max_iters
