@@ -6,6 +6,7 @@ lost task on its address) and SIGKILL a ps task found by the marker in its
 environment and its `TF_CONFIG`.
 """
 
+import functools
 import json
 import os
 import re
@@ -338,16 +339,18 @@ def test_a_ps_lost_again_and_again_without_a_new_checkpoint_ends_the_job(tmp_pat
         )
 
 
+def _wait_for_lines(lines, count):
+    """Waits (at most 120 s) until the cluster's report has `count` lines."""
+    deadline = time.monotonic() + 120
+    while len(lines) < count:
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 def test_local_cluster_restarts_a_lost_task_at_most_max_restarts_times():
     lines = []
-
-    def wait_for_lines(count):
-        deadline = time.monotonic() + 120
-        while len(lines) < count:
-            assert time.monotonic() < deadline, lines
-            time.sleep(0.1)
-
+    wait_for_lines = functools.partial(_wait_for_lines, lines)
     with local_lib.LocalCluster(
         num_workers=1, num_ps=1, restart_lost_tasks=True, max_restarts=1,
         report=lines.append,
@@ -377,13 +380,7 @@ def test_tasks_restarted_by_a_thread_outlive_that_thread():
     # `max_restarts` were used up, took the task it had restarted down with it
     # (SIGKILL), as did any short-lived thread that called `restart`.
     lines = []
-
-    def wait_for_lines(count):
-        deadline = time.monotonic() + 120
-        while len(lines) < count:
-            assert time.monotonic() < deadline, lines
-            time.sleep(0.1)
-
+    wait_for_lines = functools.partial(_wait_for_lines, lines)
     with local_lib.LocalCluster(
         num_workers=2, num_ps=1, restart_lost_tasks=True, max_restarts=1,
         report=lines.append,

@@ -33,6 +33,19 @@ from tf_distbelief.sandblaster import objective as objective_lib
 
 STALL_SECS = 5
 
+
+def _run_child(code: str, marker: str, timeout_secs: float):
+    """Runs `code` in a new Python process, from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=_env(f"{marker}-{os.getpid()}"),
+        capture_output=True,
+        text=True,
+        timeout=timeout_secs,
+    )
+
+
 CHILD = textwrap.dedent(
     f"""
     import threading
@@ -78,14 +91,7 @@ CHILD = textwrap.dedent(
 @pytest.mark.slow
 def test_evaluation_without_workers_times_out_and_the_process_ends():
     start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD],
-        cwd=ROOT,
-        env=_env(f"sandblaster-exit-{os.getpid()}"),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = _run_child(CHILD, "sandblaster-exit", timeout_secs=240)
     secs = time.monotonic() - start
     assert "first evaluation: loss" in done.stdout, done.stderr[-3000:]
     assert "second evaluation returned" not in done.stdout
@@ -144,8 +150,8 @@ RECOVER_CHILD = textwrap.dedent(
         obj = objective.SandblasterObjective(
             strategy, _logistic_model(), CE, x, y, portions=PORTIONS,
             backup_tasks=False,
-            # 1 s per portion: the worker is killed once one was accepted.
-            portion_delay_fn=stragglers.slow_worker(0, straggler_delay_secs=1.0),
+            # 0.5 s per portion: the worker is killed once one was accepted.
+            portion_delay_fn=stragglers.slow_worker(0, straggler_delay_secs=0.5),
             stall_timeout_secs=120.0,
         )
         w = np.random.default_rng(0).normal(size=obj.layout.size) * 0.01
@@ -153,10 +159,10 @@ RECOVER_CHILD = textwrap.dedent(
         ref_loss, ref_grad = numpy_fun_and_grad(x, y, PORTIONS)(w)
         obj(point)  # Traces and warms up.
         accepted = obj.stats.copies_accepted
-        obj.stall_timeout_secs = 5.0
+        obj.stall_timeout_secs = 3.0
 
         def kill_after_one_accepted():
-            # Portions take 1 s each: the next one is still running.
+            # Portions take 0.5 s each: the next one is still running.
             deadline = time.monotonic() + 60
             while obj.stats.copies_accepted == accepted:
                 assert time.monotonic() < deadline
@@ -171,7 +177,7 @@ RECOVER_CHILD = textwrap.dedent(
                   obj.stats.copies_accepted - accepted, flush=True)
         local.restart("worker", 0)
         obj.stall_timeout_secs = 120.0  # The worker reconnects meanwhile.
-        for _ in range(3):
+        for _ in range(2):
             loss, grad = obj(point)
             np.testing.assert_allclose(obj.ops.to_numpy(grad), ref_grad, rtol=1e-10)
             assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss), (loss, ref_loss)
@@ -189,14 +195,7 @@ def test_evaluations_after_a_timeout_are_exact_and_get_every_slot_back():
     # Before the fix the slots of the portions accepted before the timeout were
     # never released, and a copy of the failed evaluation finishing after the
     # worker's restart was accepted into its ledger.
-    done = subprocess.run(
-        [sys.executable, "-c", RECOVER_CHILD],
-        cwd=ROOT,
-        env=_env(f"sandblaster-recover-{os.getpid()}"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _run_child(RECOVER_CHILD, "sandblaster-recover", timeout_secs=300)
     assert done.returncode == 0, done.stderr[-3000:]
     accepted = int(done.stdout.split("accepted before the timeout: ")[1].split()[0])
     assert 1 <= accepted <= 3, done.stdout
