@@ -208,6 +208,13 @@ def define_flags() -> None:
         lower_bound=1e-3,
     )
     flags.DEFINE_float(
+        "step_stall_timeout_secs",
+        d.step_stall_timeout_secs,
+        "The chief fails, naming the workers not accepting connections, when "
+        "scheduled steps wait this many seconds with none finishing.",
+        lower_bound=1e-3,
+    )
+    flags.DEFINE_float(
         "ps_recovery_secs",
         d.ps_recovery_secs,
         "A ps task lost during training is waited for this many seconds to "
@@ -347,6 +354,7 @@ _FLOAT_FLAGS = (
     "epsilon",
     "chief_gone_secs",
     "connect_timeout_secs",
+    "step_stall_timeout_secs",
     "ps_recovery_secs",
     "local_learning_rate",
     "outer_learning_rate",

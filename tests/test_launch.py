@@ -157,6 +157,10 @@ def test_readme_main_job_streams_its_progress_and_leaves_no_process():
             r"flag --portion_stall_timeout_secs=0.0: --portion_stall_timeout_secs must",
         ),
         (
+            "--step_stall_timeout_secs=inf",
+            r"flag --step_stall_timeout_secs=inf: --step_stall_timeout_secs must be",
+        ),
+        (
             "--adagrad_accumulator=mean",
             r"--adagrad_accumulator.*are Downpour settings: add --downpour",
         ),

@@ -188,6 +188,57 @@ def worker_recovery_pending(strategy) -> bool:
     return handler._cluster_due_for_update_or_finish.is_set()  # noqa: SLF001
 
 
+class _CountingWatchDog:  # The queue's `WatchDog`, counting finished closures.
+    def __init__(self, inner):
+        self.inner, self.finished = inner, 0
+
+    def report_closure_done(self):
+        self.finished += 1
+        self.inner.report_closure_done()
+
+    def __getattr__(self, name):  # `stop`, and any other the queue calls.
+        return getattr(self.inner, name)
+
+
+class CoordinatorProgress:
+    """A `ClusterCoordinator`'s closures: finished, waiting; `fail` stops waits.
+
+    For `step_watch`: the queue's `WatchDog` (told of each closure finished by
+    `mark_finished`) is wrapped to count them; `fail` sets the error as a failed
+    closure's `mark_failed` does (the waiting `schedule` or `join` raises it) and
+    cancels the queued closures (frees a `schedule` blocked on a full queue).
+    Public route checked: `ClusterCoordinator.done` only says whether all are
+    finished. `of(strategy)`: None before the strategy has a coordinator.
+    """
+
+    @classmethod
+    def of(cls, strategy) -> CoordinatorProgress | None:
+        coordinator = getattr(strategy, "_cluster_coordinator", None)
+        return None if coordinator is None else cls(coordinator)
+
+    def __init__(self, coordinator):
+        self._queue = queue = coordinator._cluster.closure_queue  # noqa: SLF001
+        if not isinstance(queue._watchdog, _CountingWatchDog):  # noqa: SLF001
+            queue._watchdog = _CountingWatchDog(queue._watchdog)  # noqa: SLF001
+        self._counter = queue._watchdog  # noqa: SLF001
+
+    @property
+    def finished(self) -> int:  # Since the coordinator was first watched.
+        return self._counter.finished
+
+    def waiting(self) -> int:  # Closures queued or running.
+        queue = self._queue
+        return queue._queue.qsize() + queue.inflight_closure_count  # noqa: SLF001
+
+    def fail(self, error: Exception) -> None:
+        queue = self._queue
+        with queue._queue_lock:  # noqa: SLF001
+            if queue._error is None:  # noqa: SLF001
+                queue._error = error  # noqa: SLF001
+            queue._stop_waiting_condition.notify_all()  # noqa: SLF001
+            queue._cancel_all_closures()  # noqa: SLF001
+
+
 def wrap_distributed_apply(optimizer, wrapper) -> None:
     """Routes a tf_keras optimizer's cross-replica apply through `wrapper`.
 
@@ -362,6 +413,13 @@ def check() -> None:
             callable(getattr(context.Context, "update_server_def", None)),
         ),
     ]
+    from tensorflow.python.distribute.coordinator import cluster_coordinator as cc
+
+    queue = cc._CoordinatedClosureQueue  # noqa: SLF001
+    names = {"_watchdog", "_queue", "_error", "_queue_lock", "_stop_waiting_condition"}
+    ok = names <= set(queue.__init__.__code__.co_names)
+    ok = ok and callable(getattr(queue, "_cancel_all_closures", None))
+    expectations.append(("_CoordinatedClosureQueue internals for step_watch", ok))
     missing = [name for name, ok in expectations if not ok]
     assert not missing, (
         f"TensorFlow internals that tf_distbelief relies on changed shape in "

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import tensorflow as tf
 from absl import logging
 
-from tf_distbelief import _tf_internals
+from tf_distbelief import _tf_internals, step_watch
 from tf_distbelief import cluster as cluster_lib
 from tf_distbelief.cluster import connect as connect_lib
 
@@ -207,6 +207,11 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
         None means `default_partitioner(num_ps)`.
       connect_timeout_secs: how long to wait for every ps and worker task to
         accept connections before connecting, in seconds (default 300).
+      step_stall_timeout_secs: the longest time, in seconds (finite, > 0), that
+        scheduled steps wait with none finishing (every worker gone): then the
+        waiting `schedule` or `join` (in `fit`, `evaluate`) raises
+        `step_watch.StepStallError` naming the workers not accepting
+        connections (`step_watch.StepWatch`; default 600).
 
     Raises:
       ClusterConnectError: a task did not answer within `connect_timeout_secs`
@@ -214,6 +219,7 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
       ClusterConfigError: the cluster is invalid, or there is no cluster at all
         (start a `LocalCluster`).
       TypeError: `variable_partitioner` is not callable.
+      ValueError: `step_stall_timeout_secs` is not a finite number > 0.
       Keras3Error: a Keras 3 model, optimizer or metric creates variables under
         this strategy's scope, or Keras 3 `fit` distributes a dataset with it.
     """
@@ -223,7 +229,9 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
         cluster_resolver=None,
         variable_partitioner=None,
         connect_timeout_secs: float = connect_lib.DEFAULT_CONNECT_TIMEOUT_SECS,
+        step_stall_timeout_secs: float = step_watch.DEFAULT_STEP_STALL_TIMEOUT_SECS,
     ):
+        step_watch.check_timeout(step_stall_timeout_secs)
         resolver = cluster_lib.resolve_cluster(cluster_resolver)
         if resolver is None:
             raise cluster_lib.ClusterConfigError(
@@ -251,7 +259,14 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
         super().__init__(resolver, variable_partitioner)
         self.variable_wrapper: Callable | None = None
         self.num_ps = num_ps
-        self.num_workers = len(resolver.cluster_spec().as_dict()["worker"])
+        workers = resolver.cluster_spec().job_tasks("worker")
+        self.num_workers = len(workers)
+        # TensorFlow's coordinator waits without a bound for a worker to serve.
+        self.step_watch = step_watch.StepWatch(
+            self,
+            step_stall_timeout_secs,
+            {f"/job:worker/task:{i}": address for i, address in enumerate(workers)},
+        )
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[DistBeliefStrategy]:

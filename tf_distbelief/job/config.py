@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tf_distbelief import console, errors
+from tf_distbelief import console, errors, step_watch
 from tf_distbelief import downpour as downpour_lib
 from tf_distbelief import nonfinite as nonfinite_lib
 from tf_distbelief import recovery as recovery_lib
@@ -58,6 +58,9 @@ class JobConfig:
       connect_timeout_secs: the chief fails, naming the tasks, when a ps or
         worker task does not accept connections within this many seconds (> 0;
         a local cluster's tasks already listen when it connects).
+      step_stall_timeout_secs: the chief fails, naming the workers not
+        accepting connections, when scheduled steps wait this many seconds
+        with none finishing (every worker gone; `step_watch`; finite, > 0).
       ps_recovery_secs: a ps task lost during training is waited for this
         many seconds to serve again, then every ps variable and slot is
         restored from the last checkpoint in `model_dir` and training goes on
@@ -98,6 +101,7 @@ class JobConfig:
     seed: int = 0
     chief_gone_secs: float | None = None
     connect_timeout_secs: float = connect_lib.DEFAULT_CONNECT_TIMEOUT_SECS
+    step_stall_timeout_secs: float = step_watch.DEFAULT_STEP_STALL_TIMEOUT_SECS
     ps_recovery_secs: float = recovery_lib.DEFAULT_PS_RECOVERY_SECS
     downpour: downpour_lib.DownpourConfig | None = None
     sandblaster: sandblaster_lib.SandblasterConfig = dataclasses.field(
@@ -147,6 +151,11 @@ class JobConfig:
             raise errors.ConfigError(
                 "`connect_timeout_secs` must be > 0. Received: "
                 f"{self.connect_timeout_secs!r}"
+            )
+        if not 0 < self.step_stall_timeout_secs < float("inf"):
+            raise errors.ConfigError(
+                "`step_stall_timeout_secs` must be a finite number of seconds > 0. "
+                f"Received: {self.step_stall_timeout_secs!r}"
             )
         if not 0 <= self.ps_recovery_secs < float("inf"):
             raise errors.ConfigError(

@@ -148,6 +148,7 @@ def _train_attempt(config, spec, cluster_resolver, print_fn, more_callbacks) -> 
         cluster_resolver,
         strategy_lib.make_partitioner(config.partitioner, num_ps, config.shard_bytes),
         connect_timeout_secs=config.connect_timeout_secs,
+        step_stall_timeout_secs=config.step_stall_timeout_secs,
     )
     if config.optimizer == "lbfgs":
         return _train_sandblaster(config, spec, strategy, *spec.load_data(), print_fn)

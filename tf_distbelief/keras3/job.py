@@ -83,6 +83,7 @@ def train(
         cluster_resolver,
         strategy_lib.make_partitioner(config.partitioner, num_ps, config.shard_bytes),
         connect_timeout_secs=config.connect_timeout_secs,
+        step_stall_timeout_secs=config.step_stall_timeout_secs,
     )
     # Outside the strategy's scope: the model's own variables stay on the
     # chief; `fit` puts their ps copies on the ps.

@@ -76,6 +76,7 @@ into the model.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -340,11 +341,14 @@ class SandblasterObjective:
         start = time.monotonic()
         if x is not self._x_eval:
             self.ops.assign(x, self._x_eval)
-        try:
-            loss = self._evaluate_with_attempts()
-        except Exception:
-            self._settle()
-            raise
+        # This objective bounds its own waits (`stall_timeout_secs`).
+        watch = getattr(self.strategy, "step_watch", None)
+        with watch.suspended() if watch else contextlib.nullcontext():
+            try:
+                loss = self._evaluate_with_attempts()
+            except Exception:
+                self._settle()
+                raise
         self.stats.evaluations += 1
         self.stats.evaluation_secs.append(time.monotonic() - start)
         return loss, self.grad
