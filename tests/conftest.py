@@ -23,6 +23,32 @@ NUM_PS = 3
 CPU_DEVICES_PER_WORKER = 2
 
 
+def pytest_configure(config):
+    """Refuses `--dist loadgroup` with a pytest that makes xdist ignore its groups.
+
+    The tests that share a session fixture (a launch of a minute or more) carry
+    one `xdist_group` mark, so that one process runs them and the fixture once.
+    pytest 9.2's structured node ids broke pytest-xdist 3.8's grouping (its
+    group suffix on the node id no longer takes; pytest-xdist issue 1386):
+    the marks were silently ignored, and CI ran those fixtures once per
+    process. setup.py's `test` extra pins pytest below 9.2.
+    """
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    import xdist
+
+    def minor(version):
+        return tuple(int(part) for part in version.split(".")[:2])
+
+    if minor(pytest.__version__) >= (9, 2) and minor(xdist.__version__) <= (3, 8):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__} "
+            "ignores the xdist_group marks of `--dist loadgroup` (pytest-xdist "
+            "issue 1386): install the versions setup.py's `test` extra pins "
+            "(pip install -e '.[test]')."
+        )
+
+
 @pytest.fixture(scope="session")
 def local_cluster():
     """A running `LocalCluster` of 3 workers (2 CPU devices each) and 3 ps tasks.
