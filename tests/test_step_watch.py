@@ -10,17 +10,23 @@ digits model and data): steps that keep finishing, and an idle chief, longer
 than the limit, are no stall; then the worker is killed and `fit` must raise
 `StepStallError` naming it, having said every second (the report interval,
 shortened here) what it waits for; the worker restarted, the same strategy
-and model train again.
+and model train again. A Sandblaster evaluation whose work portions outlast
+the limit is no stall either: its objective bounds its own waits.
 """
 
 from __future__ import annotations
 
 import re
 import textwrap
+import time
 
+import numpy as np
 import pytest
 
+from tests import stragglers
+from tests.test_sandblaster import CE, _digits_train, _full_batch_grad, _logistic_model
 from tests.test_sandblaster_exit import _run_child
+from tf_distbelief import sandblaster
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.job import config as job_config
 
@@ -95,6 +101,37 @@ def test_fit_without_workers_fails_naming_them_and_trains_once_they_are_back():
     )
     assert report, err[-3000:]
     assert "trained again, stalls: 1" in out, err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_sandblaster_evaluation_longer_than_the_limit_is_not_a_stall(local_cluster):
+    """2 portions of 2.5 s each on 1 worker, with a 1 s step limit: the objective
+    suspends the watch during an evaluation (it bounds its own waits, with
+    `stall_timeout_secs`), and the evaluation is exact."""
+    x, y = _digits_train()
+    strategy = strategy_lib.DistBeliefStrategy(
+        local_cluster.resolver_for(num_workers=1, num_ps=1), step_stall_timeout_secs=1
+    )
+    objective = sandblaster.SandblasterObjective(
+        strategy,
+        _logistic_model(),
+        CE,
+        x,
+        y,
+        portions=2,
+        backup_tasks=False,
+        portion_delay_fn=stragglers.slow_worker(0, straggler_delay_secs=2.5),
+    )
+    w = np.random.default_rng(0).normal(size=650) * 0.1
+    start = time.monotonic()
+    loss, grad = objective(objective.ops.from_numpy(w))
+    assert time.monotonic() - start >= 5.0  # No step finished for 2.5 s, twice.
+    ref_loss, ref_grad = _full_batch_grad(w, x, y)
+    assert loss == pytest.approx(ref_loss, rel=1e-12)
+    got = objective.ops.to_numpy(grad)
+    assert np.linalg.norm(got - ref_grad) <= 1e-12 * np.linalg.norm(ref_grad)
+    assert strategy.step_watch.stalls == 0
+    objective.close()
 
 
 @pytest.mark.parametrize("secs", [0, -1.0, float("nan"), float("inf"), "5", True])

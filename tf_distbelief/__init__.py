@@ -6,7 +6,8 @@ NumPy references, L-BFGS and partition math) import without TensorFlow.
 
 * `cluster`: `TF_CONFIG`, validation, ps/worker servers, `LocalCluster`.
 * `strategy`: `DistBeliefStrategy`, a ParameterServerStrategy with variables
-  sharded over the ps tasks by a partitioner.
+  sharded over the ps tasks by a partitioner; `step_watch` bounds the wait of
+  its scheduled steps (`StepStallError`).
 * `adagrad`: AdaGrad applied on the ps shards (section 4.1).
 * `downpour`: Downpour SGD (section 4.1).
 * `sandblaster`: Sandblaster L-BFGS (section 4.2).
@@ -40,6 +41,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
         "SandblasterObjective": "sandblaster.objective",
         "SandblasterStats": "sandblaster.objective",
         "SandblasterTrainer": "sandblaster.trainer",
+        "StepStallError": "step_watch",
         "resolve_cluster": "cluster.config",
     },
 )
