@@ -222,21 +222,22 @@ class CoordinatorProgress:
             queue._watchdog = _CountingWatchDog(queue._watchdog)  # noqa: SLF001
         self._counter = queue._watchdog  # noqa: SLF001
 
-    @property
-    def finished(self) -> int:  # Since the coordinator was first watched.
-        return self._counter.finished
+    finished = property(lambda self: self._counter.finished)  # Since first watched.
 
     def waiting(self) -> int:  # Closures queued or running.
         queue = self._queue
         return queue._queue.qsize() + queue.inflight_closure_count  # noqa: SLF001
 
-    def fail(self, error: Exception) -> None:
+    def fail(self, error: Exception, finished: int) -> bool:  # False: one finished.
         queue = self._queue
-        with queue._queue_lock:  # noqa: SLF001
+        with queue._queue_lock:  # noqa: SLF001  (`mark_finished` counts under it)
+            if self._counter.finished != finished or not self.waiting():
+                return False
             if queue._error is None:  # noqa: SLF001
                 queue._error = error  # noqa: SLF001
             queue._stop_waiting_condition.notify_all()  # noqa: SLF001
             queue._cancel_all_closures()  # noqa: SLF001
+        return True
 
 
 def wrap_distributed_apply(optimizer, wrapper) -> None:

@@ -16,6 +16,12 @@ comes back in time (a local cluster restarts it, a TFJob's restart policy
 does) resets the clock with its first finished step, so recovery is
 unchanged. Callers that bound their own waits, like
 `sandblaster.SandblasterObjective` (`stall_timeout_secs`), suspend the watch.
+
+Not covered: a worker that hangs, accepting connections but never answering
+(stopped with SIGSTOP, in a review). The watch fires and TensorFlow logs the
+`StepStallError`, but TensorFlow's cancellation then waits for that worker's
+step in flight without a bound, and so does the `join`; TensorFlow also
+registers and removes functions on every worker outside the step queue.
 """
 
 from __future__ import annotations
@@ -130,8 +136,9 @@ class StepWatch:
                 since, next_report = now, now + _REPORT_EVERY_SECS
             stalled = now - since
             if stalled >= self.timeout_secs:
-                self.stalls += 1
-                progress.fail(StepStallError(self._message(stalled, waiting)))
+                error = StepStallError(self._message(stalled, waiting))
+                if progress.fail(error, finished):  # Not if a step just finished.
+                    self.stalls += 1
                 since = None
             elif now >= next_report:
                 self._report(
