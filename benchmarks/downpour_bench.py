@@ -694,8 +694,9 @@ def _run(local, data, model_name, name, f, seed) -> Row:
     import statistics
 
     import models
-    from tf_distbelief import job, training
+    from tf_distbelief import job
     from tf_distbelief import strategy as strategy_lib
+    from tf_distbelief.fit import training
 
     kind, n, rule = _row_kind(name)
     steps = _eval_every(f, model_name)

@@ -31,8 +31,9 @@ from absl import app, flags, logging  # noqa: E402
 
 import tf_distbelief as tfdb  # noqa: E402
 from models import speech  # noqa: E402
-from tf_distbelief import console, keras3, training  # noqa: E402
+from tf_distbelief import console, keras3  # noqa: E402
 from tf_distbelief import strategy as strategy_lib  # noqa: E402
+from tf_distbelief.fit import training
 
 FLAGS = flags.FLAGS
 

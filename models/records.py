@@ -4,7 +4,7 @@
 (offline: the Gaussian blobs of `models/blobs.py`, 2,000 training examples in
 4 files, 500 test examples in 1) to `$RECORDS_DIR` (default:
 `<tmp>/tf_distbelief_records`), unless they are there already, then trains on
-them: each worker reads its own training files (`tf_distbelief.data`), the
+them: each worker reads its own training files (`tf_distbelief.fit.data`), the
 chief reads the test file for the test accuracy.
 """
 
@@ -14,7 +14,7 @@ import tempfile
 import tensorflow as tf
 
 from models import blobs
-from tf_distbelief import data
+from tf_distbelief.fit import data
 from tf_distbelief.job import ModelSpec
 
 NUM_TRAIN_FILES = 4

@@ -15,7 +15,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 
-from tf_distbelief import cluster, strategy  # noqa: E402
+from tf_distbelief import cluster, paths, strategy  # noqa: E402
 
 NUM_WORKERS = 3
 NUM_PS = 3
@@ -109,7 +109,6 @@ def lbfgs_digits_reference(local_cluster, tmp_path_factory):
     """
     import models
     from tf_distbelief import job
-    from tf_distbelief.sandblaster import checkpoint
     from tf_distbelief.sandblaster import config as sandblaster_config
 
     model_dir = str(tmp_path_factory.mktemp("lbfgs_reference"))
@@ -125,7 +124,7 @@ def lbfgs_digits_reference(local_cluster, tmp_path_factory):
         local_cluster.resolver_for(num_workers=2, num_ps=2),
         print_fn=lambda line: None,
     )
-    return os.path.join(model_dir, checkpoint.CHECKPOINT_SUBDIR)
+    return paths.sandblaster_dir(model_dir)
 
 
 @pytest.fixture

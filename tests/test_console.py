@@ -16,7 +16,8 @@ import tf_keras
 
 from tests import test_launch
 from tests.helpers import tensorboard_scalars
-from tf_distbelief import console, evaluation, progress
+from tf_distbelief import console
+from tf_distbelief.fit import evaluation, progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A line of TensorFlow's C++ logging (Abseil's prefix), or Abseil's banner.
@@ -223,7 +224,7 @@ def test_a_library_run_ends_with_at_most_one_grpc_line(tmp_path):
         f"""
         import tf_keras
         import tf_distbelief as tfdb
-        from tf_distbelief import training
+        from tf_distbelief.fit import training
         from models import digits
 
         (x, y), (x_test, y_test) = digits.load_data()

@@ -1,4 +1,4 @@
-"""Training data from files (`tf_distbelief.data.FileInput`), each worker its own."""
+"""Training data from files (`fit.data.FileInput`), each worker its own."""
 
 import os
 import subprocess
@@ -10,8 +10,9 @@ import pytest
 import tensorflow as tf
 
 from tests.test_training import _shard_passes
-from tf_distbelief import data, job
+from tf_distbelief import job
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.fit import data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -105,7 +106,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import data
+from tf_distbelief.fit import data
 from tf_distbelief.job import ModelSpec
 
 FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "records")

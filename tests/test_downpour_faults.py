@@ -12,9 +12,10 @@ import tf_keras
 import models
 from models import digits
 from tests.helpers import wait_for_worker_recovery
-from tf_distbelief import job, training
+from tf_distbelief import job
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import DownpourConfig
+from tf_distbelief.fit import training
 
 N_FETCH = N_PUSH = 4
 

@@ -12,8 +12,10 @@ import tensorflow as tf
 import tf_keras
 
 import tf_distbelief as tfdb
-from tf_distbelief import downpour, nonfinite, training
+from tf_distbelief import downpour
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.faults import nonfinite
+from tf_distbelief.fit import training
 
 FEATURES, CLASSES, BATCH = 4, 3, 8
 X = np.linspace(-1.0, 1.0, BATCH * FEATURES, dtype=np.float32).reshape(BATCH, -1)

@@ -16,9 +16,11 @@ import tensorflow as tf
 import tf_keras
 
 import tf_distbelief as tfdb
-from tf_distbelief import downpour, resume, training
+from tf_distbelief import downpour
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import replica_state
+from tf_distbelief.faults import resume
+from tf_distbelief.fit import training
 
 FEATURES, CLASSES, BATCH = 4, 3, 8
 X = np.linspace(-1.0, 1.0, BATCH * FEATURES, dtype=np.float32).reshape(BATCH, -1)
@@ -194,7 +196,7 @@ def test_checkpoint_without_replica_state_starts_replicas_fresh(strategy, tmp_pa
         tf.train.Checkpoint(
             model=first, optimizer=first.optimizer, epoch=epoch, step=step
         ),
-        str(tmp_path / training.CHECKPOINT_SUBDIR),
+        str(tmp_path / "checkpoints"),
         max_to_keep=1,
     ).save(checkpoint_number=STEPS_PER_EPOCH)
     lines = []
@@ -241,7 +243,7 @@ def test_fewer_workers_get_their_replicas_back_and_drop_the_rest(
         return strategy
 
     _fit(_model(strategy_of(2), "adagrad", 3, 2), 1, str(tmp_path))
-    latest = tf.train.latest_checkpoint(str(tmp_path / training.CHECKPOINT_SUBDIR))
+    latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
     reader = tf.train.load_checkpoint(latest)
     lines = []
     restored = _model(strategy_of(1), "adagrad", 3, 2)

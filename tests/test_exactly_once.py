@@ -11,9 +11,10 @@ import pytest
 import models
 from models import digits
 from tests.helpers import wait_for_worker_recovery
-from tf_distbelief import job, training
+from tf_distbelief import job
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import DownpourConfig
+from tf_distbelief.fit import training
 
 # Steps per `fit` call; calls go on until worker 1 was killed KILLS times
 # (each restart takes ~5 s, during which worker 0 trains alone). Without

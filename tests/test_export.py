@@ -12,8 +12,9 @@ import tensorflow as tf
 import tf_keras
 
 from models import digits
-from tf_distbelief import adagrad, export, training
+from tf_distbelief import adagrad
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.fit import export, training
 
 VOCAB, DIM, IDS, CLASSES = 600, 16, 5, 4
 

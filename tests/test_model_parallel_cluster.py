@@ -23,8 +23,9 @@ import tensorflow as tf
 import tf_keras
 
 from models import digits, model_parallel, speech
-from tf_distbelief import adagrad, downpour, training
+from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.fit import training
 from tf_distbelief.model_parallel import devices as mp
 
 NUM_WORKERS = 2

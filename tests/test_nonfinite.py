@@ -13,8 +13,9 @@ import tensorflow as tf
 import tf_keras
 
 import tf_distbelief as tfdb
-from tf_distbelief import nonfinite, training
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.faults import nonfinite
+from tf_distbelief.fit import training
 
 FEATURES, CLASSES, BATCH = 4, 3, 8
 X = np.linspace(-1.0, 1.0, BATCH * FEATURES, dtype=np.float32).reshape(BATCH, -1)
@@ -98,7 +99,7 @@ def test_raise_stops_at_the_step_and_no_nan_reaches_the_ps(strategy, tmp_path):
     for got, want in zip(_weights(model), _weights(reference)):
         np.testing.assert_array_equal(got, want)
     # Checkpoints of steps 1 and 2, all finite; none of step 3.
-    names = sorted(os.listdir(tmp_path / training.CHECKPOINT_SUBDIR))
+    names = sorted(os.listdir(tmp_path / "checkpoints"))
     assert [n for n in names if n.endswith(".index")] == [
         "ckpt-1.index",
         "ckpt-2.index",
@@ -138,7 +139,7 @@ def test_a_checkpoint_with_a_nan_is_refused(strategy, tmp_path):
         r"logits/kernel/part_1:0 hold NaN or inf\. Nothing was written",
     ):
         _fit(model, 2, 0, nonfinite="skip", model_dir=str(tmp_path))
-    assert not os.path.exists(tmp_path / training.CHECKPOINT_SUBDIR / "checkpoint")
+    assert not os.path.exists(tmp_path / "checkpoints" / "checkpoint")
 
 
 def test_nonfinite_variables_names_only_the_nonfinite_ones(strategy):

@@ -24,9 +24,9 @@ import tensorflow as tf
 
 from tests import conftest
 from tests.test_sandblaster_resume import _VALUE, _latest_iteration, _relative_errors
-from tf_distbelief import job, recovery
+from tf_distbelief import job, paths
 from tf_distbelief.cluster import local as local_lib
-from tf_distbelief.sandblaster import checkpoint as sandblaster_checkpoint
+from tf_distbelief.faults import recovery
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -158,7 +158,7 @@ def test_ps_killed_during_sandblaster_resumes_to_the_uninterrupted_result(
     process, for tests/test_sandblaster_resume.py's chief-loss test too)."""
     total = conftest.LBFGS_REFERENCE_ITERS
     marker = uuid.uuid4().hex
-    checkpoints = str(tmp_path / "model" / sandblaster_checkpoint.CHECKPOINT_SUBDIR)
+    checkpoints = paths.sandblaster_dir(str(tmp_path / "model"))
     proc = _launch(
         [
             "--model=digits",

@@ -14,8 +14,9 @@ import tensorflow as tf
 import tf_keras
 
 import tf_distbelief as tfdb
-from tf_distbelief import resume, training
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.faults import resume
+from tf_distbelief.fit import training
 
 VOCAB, DIM, CLASSES, IDS, BATCH = 40, 8, 3, 4, 16
 # Every id of the table appears in the batch, some several times.
@@ -140,14 +141,14 @@ def test_a_value_that_does_not_fit_is_an_error_naming_the_variable(
 ):
     three, _ = runs
     shutil.copytree(three, tmp_path, dirs_exist_ok=True)
-    before = sorted(os.listdir(tmp_path / training.CHECKPOINT_SUBDIR))
+    before = sorted(os.listdir(tmp_path / "checkpoints"))
     with pytest.raises(
         resume.RestoreError,
         match=r"`embedding_\d+/embeddings:0` \(model/layer_with_weights-0/"
         r"embeddings\): shape \(40, 8\) in the checkpoint, \(41, 8\) here",
     ):
         _fit(_model(local_cluster, 2, vocab=VOCAB + 1), 4, tmp_path)
-    assert sorted(os.listdir(tmp_path / training.CHECKPOINT_SUBDIR)) == before
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == before
 
 
 def test_a_missing_slot_is_an_error_naming_it(local_cluster, tmp_path):

@@ -8,7 +8,7 @@ a real chief process.
 
 from __future__ import annotations
 
-import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -23,8 +23,9 @@ import tensorflow as tf
 import models
 from tests import conftest, test_launch
 from tests.test_sandblaster import CE, EQUAL_PORTIONS, _digits_train, _logistic_model
-from tf_distbelief import job, nonfinite, resume
+from tf_distbelief import job, paths
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.faults import nonfinite, resume
 from tf_distbelief.sandblaster import checkpoint
 from tf_distbelief.sandblaster import config as config_lib
 from tf_distbelief.sandblaster import trainer as sandblaster
@@ -108,7 +109,7 @@ def test_resumed_trainer_equals_uninterrupted(local_cluster, tmp_path):
 
     # Every iteration wrote one; the manager keeps the last 3, the user's file stays.
     (tmp_path / "notes.txt").write_text("mine")
-    directory = tmp_path / checkpoint.CHECKPOINT_SUBDIR
+    directory = pathlib.Path(paths.sandblaster_dir(str(tmp_path)))
     latest = tf.train.latest_checkpoint(str(directory))
     assert latest.endswith(f"ckpt-{total}")
     assert sorted(p.name for p in directory.glob("ckpt-*.index")) == [
@@ -249,7 +250,7 @@ def test_job_path_resumes_and_ends_at_the_requested_iteration(local_cluster, tmp
     second = train(7, second_lines)
     assert re.match(r"Resumed L-BFGS from .*ckpt-4 at iteration 4 ", second_lines[0])
     assert second["iterations"] == 7
-    directory = tmp_path / checkpoint.CHECKPOINT_SUBDIR
+    directory = pathlib.Path(paths.sandblaster_dir(str(tmp_path)))
     # Every 2nd iteration and the last: 2, 4 (first run), 6, 7 (second run).
     assert sorted(p.name for p in directory.glob("ckpt-*.index")) == [
         f"ckpt-{k}.index" for k in (4, 6, 7)
@@ -297,7 +298,7 @@ def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(
         stderr=subprocess.DEVNULL,
     )
     try:
-        checkpoints = os.path.join(killed_dir, checkpoint.CHECKPOINT_SUBDIR)
+        checkpoints = paths.sandblaster_dir(killed_dir)
         deadline = time.monotonic() + 300
         while _latest_iteration(checkpoints) < 3 and chief.poll() is None:
             assert time.monotonic() < deadline, "no checkpoint within 300 s"

@@ -39,7 +39,9 @@ CHILD = textwrap.dedent(
 
     import models
     from models import digits
-    from tf_distbelief import cluster, console, job, step_watch, training
+    from tf_distbelief import cluster, console, job
+    from tf_distbelief.faults import step_watch
+    from tf_distbelief.fit import training
     from tf_distbelief import strategy as strategy_lib
 
     step_watch._REPORT_EVERY_SECS = 1.0

@@ -12,9 +12,11 @@ import tf_keras
 import models
 from models import digits
 from tests.helpers import tensorboard_scalars, wait_for_worker_recovery
-from tf_distbelief import job, resume, training
+from tf_distbelief import job, paths
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import DownpourConfig
+from tf_distbelief.faults import resume
+from tf_distbelief.fit import training
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,7 @@ def test_fit_resumes_from_model_dir(local_cluster, data, tmp_path):
     # Issue 12: one step axis across both runs. Each tag's steps, read from
     # the first run's event file and then the resumed run's, strictly
     # increase; the epoch scalars sit at the global steps of the epoch ends.
-    scalars = tensorboard_scalars(tmp_path / training.TENSORBOARD_SUBDIR)
+    scalars = tensorboard_scalars(paths.tensorboard_dir(str(tmp_path)))
     assert [s for s, _ in scalars["epoch/loss"]] == [100, 200, 300, 400]
     assert [s for s, _ in scalars["epoch/accuracy"]] == [100, 200, 300, 400]
     for tag, points in scalars.items():
@@ -107,7 +109,7 @@ def test_checkpoint_of_another_model_is_kept_and_reported(
         model_dir=str(tmp_path),
         print_fn=lambda _: None,
     )
-    before = sorted(os.listdir(tmp_path / training.CHECKPOINT_SUBDIR))
+    before = sorted(os.listdir(tmp_path / "checkpoints"))
     model = _compiled(
         local_cluster,
         config,
@@ -128,7 +130,7 @@ def test_checkpoint_of_another_model_is_kept_and_reported(
             model_dir=str(tmp_path),
             print_fn=lambda _: None,
         )
-    assert sorted(os.listdir(tmp_path / training.CHECKPOINT_SUBDIR)) == before
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == before
 
 
 class _KillWorkerAfterFirstEpoch(tf_keras.callbacks.Callback):

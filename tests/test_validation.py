@@ -9,7 +9,7 @@ import tf_keras
 
 from models import digits
 from tf_distbelief import strategy as strategy_lib
-from tf_distbelief import training, validation
+from tf_distbelief.fit import training, validation
 
 L2 = 1e-3
 NUM_VAL = 96

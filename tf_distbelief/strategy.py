@@ -22,9 +22,10 @@ from collections.abc import Callable, Iterator
 import tensorflow as tf
 from absl import logging
 
-from tf_distbelief import _tf_internals, step_watch
+from tf_distbelief import _tf_internals
 from tf_distbelief import cluster as cluster_lib
 from tf_distbelief.cluster import connect as connect_lib
+from tf_distbelief.faults import step_watch
 
 # A shard smaller than this is not worth its RPC: TensorFlow's own suggested
 # value for `MinSizePartitioner` (256 KiB).

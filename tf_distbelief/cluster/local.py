@@ -77,7 +77,7 @@ class LocalCluster:
         exited, on its same address, as an orchestrator would (a Kubernetes
         TFJob's restart policy): the coordinator reconnects a restarted worker
         by itself, and recovers a restarted ps from the last checkpoint
-        (`tf_distbelief.recovery`). Off by default: fault-tolerance tests
+        (`tf_distbelief.faults.recovery`). Off by default: fault-tolerance tests
         restart tasks themselves (`restart`).
       max_restarts: restarts the supervisor does at most, over all tasks;
         then a lost task stays down (the chief's bounded waits name it).

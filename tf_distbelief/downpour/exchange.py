@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals, exactly_once
+from tf_distbelief import _tf_internals
 from tf_distbelief.adagrad import optimizer as adagrad
 from tf_distbelief.downpour import base, push_guard, schedule
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.dense import DenseVariables
 from tf_distbelief.downpour.row_sparse import RowSparseVariables
+from tf_distbelief.faults import exactly_once
 
 __all__ = ["Exchange"]
 

@@ -38,12 +38,14 @@ Example with `fit`:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import _tf_internals
+from tf_distbelief import _tf_internals, hooks
+from tf_distbelief.downpour import push_guard, replica_state
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.replica import Downpour
 from tf_distbelief.downpour.schedule import ReplicaStats
@@ -225,6 +227,16 @@ def install(
             _make_segment_train_function(model, downpour),
         )
     model.train_function = None
+    hooks.attach(
+        model,
+        hooks.FitHooks(
+            name="downpour",
+            install_guard=functools.partial(push_guard.install, downpour),
+            checkpoint_state=functools.partial(replica_state.ReplicaState, downpour),
+            read_counters=downpour.stats,
+            interval_figures=interval_figures,
+        ),
+    )
     return downpour
 
 
@@ -345,15 +357,15 @@ def interval_figures(
 
     Args:
       now: `Downpour.stats()` now.
-      last: `Downpour.stats()` at the start of the interval (empty: since
-        the start).
+      last: `Downpour.stats()` at the start of the interval (None or empty:
+        since the start).
 
     Returns:
       `{"replica{i}/steps", "replica{i}/staleness", "bytes_fetched_per_step",
       "bytes_pushed_per_step", "nonfinite_pushes"}` over the interval (see
       `DownpourMetrics`).
     """
-    last = list(last) or [ReplicaStats() for _ in now]
+    last = list(last or []) or [ReplicaStats() for _ in now]
     figures: dict[str, float] = {}
     steps = fetched = pushed = nonfinite = 0
     for i, (a, b) in enumerate(zip(now, last)):

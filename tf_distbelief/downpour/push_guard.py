@@ -4,11 +4,11 @@ Dean et al. 2012, section 4.1, pushes a replica's summed gradients to the ps
 shards; one NaN in a push would spread to every replica at its next fetch.
 `Exchange.push` checks each push on the worker, before anything is sent
 (`finite_flags`: every pushed gradient, and its squares when they go along),
-and applies it only when all are finite. Otherwise (`tf_distbelief.nonfinite`
+and applies it only when all are finite. Otherwise (`tf_distbelief.faults.nonfinite`
 modes):
 
 * `raise`: the scheduled function fails with an assertion naming the step, the
-  worker and the variables; `tf_distbelief.nonfinite.error_from` turns it into
+  worker and the variables; `tf_distbelief.faults.nonfinite.error_from` turns it into
   a `NonFiniteError` (as `training.fit` does);
 * `skip`: the push is dropped and counted (`ReplicaStats.nonfinite_pushes` on
   the replica, `Downpour.nonfinite_skipped` on the ps); the replica restarts
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_distbelief import nonfinite
 from tf_distbelief.downpour import base
+from tf_distbelief.faults import nonfinite
 
 __all__ = ["Guard", "finite_flags", "install", "refuse_ops"]
 
@@ -120,15 +120,17 @@ class Guard:
         return int(self._downpour.nonfinite_skipped.numpy())
 
 
-def install(model, mode: str) -> Guard:
-    """Sets what a push of `model.downpour` with a NaN or inf does.
+def install(downpour, model, mode: str) -> Guard:
+    """Sets what a push of `downpour` with a NaN or inf does.
 
     A new mode makes `fit` trace its train function anew (the mode is read
-    when it is traced).
+    when it is traced). `downpour.keras.install` hands it to the fit layer
+    (`hooks.FitHooks.install_guard`, with `downpour` bound).
 
     Args:
-      model: a tf_keras model with Downpour installed (`model.downpour`).
-      mode: `raise` or `skip` (`tf_distbelief.nonfinite.MODES`).
+      downpour: the `replica.Downpour` installed on `model`.
+      model: the tf_keras model it trains.
+      mode: `raise` or `skip` (`tf_distbelief.faults.nonfinite.MODES`).
 
     Returns:
       The `Guard` (`mode`, `skipped_steps()`: pushes skipped so far).
@@ -137,7 +139,6 @@ def install(model, mode: str) -> Guard:
       ValueError: `mode` is not one of the modes.
     """
     nonfinite.check_mode(mode)
-    downpour = model.downpour
     if mode != downpour.nonfinite:
         downpour.nonfinite = mode
         model.train_function = None

@@ -28,7 +28,7 @@ from typing import Any
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import _tf_internals, exactly_once, substitution
+from tf_distbelief import _tf_internals, substitution
 from tf_distbelief.downpour import base, push_guard, push_rules, schedule
 from tf_distbelief.downpour import variables as downpour_variables
 from tf_distbelief.downpour.config import DownpourConfig
@@ -37,6 +37,7 @@ from tf_distbelief.downpour.exchange import Exchange
 from tf_distbelief.downpour.row_sparse import RowSparseVariables
 from tf_distbelief.downpour.row_sparse import flags as row_sparse_flags
 from tf_distbelief.downpour.schedule import ReplicaStats
+from tf_distbelief.faults import exactly_once
 
 __all__ = ["Downpour"]
 

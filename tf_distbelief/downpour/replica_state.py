@@ -69,7 +69,7 @@ from tf_distbelief import _tf_internals
 from tf_distbelief.downpour import base
 from tf_distbelief.downpour.replica import Downpour
 
-__all__ = ["WAIT_SECS", "ReplicaState", "for_model", "saved_replicas"]
+__all__ = ["WAIT_SECS", "ReplicaState", "saved_replicas"]
 
 # How long a save or restore waits for a worker's per-worker variables to be
 # there (created, or rebuilt after a restart) before it gives up on them.
@@ -286,12 +286,6 @@ class ReplicaState(tf.Module):
         for line in lines:
             logging.info("%s", line)
         return lines
-
-
-def for_model(model) -> ReplicaState | None:
-    """A `ReplicaState` of `model.downpour`; None for a model without one."""
-    downpour = getattr(model, "downpour", None)
-    return None if downpour is None else ReplicaState(downpour)
 
 
 def _nonfinite(values: dict) -> list[str]:

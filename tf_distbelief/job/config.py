@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from tf_distbelief import console, errors, step_watch
+from tf_distbelief import console, errors
 from tf_distbelief import downpour as downpour_lib
-from tf_distbelief import nonfinite as nonfinite_lib
-from tf_distbelief import recovery as recovery_lib
 from tf_distbelief import sandblaster as sandblaster_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import connect as connect_lib
+from tf_distbelief.faults import nonfinite as nonfinite_lib
+from tf_distbelief.faults import recovery as recovery_lib
+from tf_distbelief.faults import step_watch
 
 OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
 NONFINITE_MODES = nonfinite_lib.MODES

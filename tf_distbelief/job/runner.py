@@ -8,26 +8,17 @@ accuracy. The model and its data come from a `ModelSpec`.
 
 from __future__ import annotations
 
-import os
 import time
 
 import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import (
-    adagrad,
-    cluster,
-    console,
-    downpour,
-    errors,
-    evaluation,
-    export,
-    recovery,
-    training,
-)
+from tf_distbelief import adagrad, cluster, console, downpour, errors, paths
 from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.faults import recovery
+from tf_distbelief.fit import evaluation, export, training
 from tf_distbelief.job.config import JobConfig
 from tf_distbelief.job.spec import ModelSpec
 
@@ -288,11 +279,9 @@ def evaluate_checkpoints(
     results = evaluation.evaluate_checkpoints(
         model,
         data,
-        os.path.join(config.model_dir, training.CHECKPOINT_SUBDIR),
+        paths.checkpoint_dir(config.model_dir),
         last_step=config.epochs * config.steps_per_epoch,
-        tensorboard_dir=os.path.join(
-            config.model_dir, training.TENSORBOARD_SUBDIR, "eval"
-        ),
+        tensorboard_dir=paths.eval_tensorboard_dir(config.model_dir),
         steps_per_epoch=config.steps_per_epoch,
         print_fn=print_fn,
     )

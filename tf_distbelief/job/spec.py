@@ -51,7 +51,7 @@ class ModelSpec:
       model_parallel: True when `build_model` accepts a list of devices.
       dataset_fn: `(batch_size, seed) -> DatasetCreator`, the training data
         when they are not `load_data`'s arrays, e.g. a
-        `tf_distbelief.data.FileInput` (TFRecord or CSV files, each worker
+        `tf_distbelief.fit.data.FileInput` (TFRecord or CSV files, each worker
         reading its own). Called on the chief.
       eval_data: `() -> (x_test, y_test)`, the test arrays (default:
         `load_data`'s), e.g. `FileInput(...).read_arrays`.
@@ -76,7 +76,7 @@ class ModelSpec:
         if self.load_data is None and self.dataset_fn is None:
             raise ValueError(
                 f"ModelSpec {self.name!r} has no training data: give `load_data` "
-                "(arrays) or `dataset_fn` (e.g. tf_distbelief.data.FileInput)."
+                "(arrays) or `dataset_fn` (e.g. tf_distbelief.fit.data.FileInput)."
             )
 
     def test_arrays(self) -> ArrayPair | None:

@@ -15,14 +15,12 @@ import keras
 import numpy as np
 from absl import logging
 
-from tf_distbelief import cluster, console, errors
+from tf_distbelief import cluster, console, errors, paths
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.job import spec as spec_lib
 from tf_distbelief.job.config import JobConfig
 from tf_distbelief.keras3 import optimizer as optimizer_lib
 from tf_distbelief.keras3 import training
-
-KERAS_FILE = "model.keras"
 
 # JobConfig fields the Keras 3 path does not have, with their only allowed
 # value and why.
@@ -119,7 +117,7 @@ def train(
     keras_file = None
     if config.export_dir:
         os.makedirs(config.export_dir, exist_ok=True)
-        keras_file = os.path.join(config.export_dir, KERAS_FILE)
+        keras_file = os.path.join(config.export_dir, paths.KERAS_FILE)
         # Written whole, then renamed: an earlier export is replaced, never torn.
         partial = os.path.join(config.export_dir, f".partial.{os.getpid()}.keras")
         model.save(partial)

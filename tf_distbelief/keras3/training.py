@@ -45,7 +45,7 @@ def _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size):
     if not isinstance(model, keras.Model):
         raise TypeError(
             "Argument `model` must be a Keras 3 `keras.Model` (tf_keras models "
-            f"train with `tf_distbelief.training.fit`). Received: {type(model)!r}"
+            f"train with `tf_distbelief.fit.training.fit`). Received: {type(model)!r}"
         )
     for name, value in (
         ("epochs", epochs),

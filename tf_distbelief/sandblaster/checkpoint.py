@@ -40,16 +40,11 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals, nonfinite, resume
-from tf_distbelief.sandblaster import _checks, lbfgs_state, ps_vectors
+from tf_distbelief import _tf_internals, checks, paths
+from tf_distbelief.faults import nonfinite, resume
+from tf_distbelief.sandblaster import lbfgs_state, ps_vectors
 
-__all__ = ["CHECKPOINT_SUBDIR", "LbfgsCheckpointer", "describe_model"]
-
-# Under `model_dir`; apart from `training.fit`'s `checkpoints`, whose keys are
-# a Keras model's.
-CHECKPOINT_SUBDIR = "sandblaster"
-# Checkpoints kept; the manager only ever deletes its own `ckpt-N` files.
-MAX_CHECKPOINTS_TO_KEEP = 3
+__all__ = ["LbfgsCheckpointer", "describe_model"]
 
 _FLOATS = ("gamma", "loss", "grad_norm")
 _INTS = ("num_iters", "num_evals", "num_skipped_pairs")
@@ -100,7 +95,7 @@ class LbfgsCheckpointer:
 
     ```python
     checkpointer = checkpoint.LbfgsCheckpointer(
-        ops, os.path.join(model_dir, checkpoint.CHECKPOINT_SUBDIR), history=10,
+        ops, paths.sandblaster_dir(model_dir), history=10,
         model=checkpoint.describe_model(layout.variables))
     state = checkpointer.restore(like=grad)          # None: no checkpoint yet
     result = lbfgs.minimize(fun_and_grad, None if state else x0, ops, m=10,
@@ -133,7 +128,7 @@ class LbfgsCheckpointer:
         history: int,
         model: Sequence[str],
         every_iters: int = 1,
-        max_to_keep: int = MAX_CHECKPOINTS_TO_KEEP,
+        max_to_keep: int = paths.MAX_CHECKPOINTS_TO_KEEP,
     ):
         if not isinstance(ops, ps_vectors.PsVectorOps):
             raise TypeError(
@@ -145,9 +140,9 @@ class LbfgsCheckpointer:
                 "Argument `directory` must be a non-empty path. Received: "
                 f"{directory!r}"
             )
-        _checks.check_int("history", history, 1)
-        _checks.check_int("every_iters", every_iters, 1)
-        _checks.check_int("max_to_keep", max_to_keep, 1)
+        checks.check_int("history", history, 1)
+        checks.check_int("every_iters", every_iters, 1)
+        checks.check_int("max_to_keep", max_to_keep, 1)
         self.ops = ops
         self.directory = directory
         self.history = int(history)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tf_distbelief.sandblaster import _checks, two_loop
+from tf_distbelief import checks
+from tf_distbelief.sandblaster import two_loop
 
 __all__ = ["DEFAULT_STALL_TIMEOUT_SECS", "SandblasterConfig"]
 
@@ -78,13 +79,13 @@ class SandblasterConfig:
 
     def __post_init__(self):
         for name in ("history", "max_iters", "portions", "checkpoint_every_iters"):
-            _checks.check_int(name, getattr(self, name), 1, ">= 1")
+            checks.check_int(name, getattr(self, name), 1, ">= 1")
         if not isinstance(self.backup_tasks, bool):
             raise TypeError(
                 f"Argument `backup_tasks` must be a bool. Received: "
                 f"{self.backup_tasks!r}"
             )
-        _checks.check_positive_secs("stall_timeout_secs", self.stall_timeout_secs)
+        checks.check_positive_secs("stall_timeout_secs", self.stall_timeout_secs)
         if self.two_loop not in two_loop.TWO_LOOPS:
             raise ValueError(
                 f"Argument `two_loop` must be one of {two_loop.TWO_LOOPS}. "

@@ -45,7 +45,8 @@ from typing import Generic
 
 import numpy as np
 
-from tf_distbelief.sandblaster import _checks, lbfgs_state, line_search, vector_ops
+from tf_distbelief import checks
+from tf_distbelief.sandblaster import lbfgs_state, line_search, vector_ops
 from tf_distbelief.sandblaster import two_loop as two_loop_lib
 
 __all__ = [
@@ -215,12 +216,12 @@ def minimize(
         raise TypeError(
             f"Argument `fun_and_grad` must be callable. Received: {fun_and_grad!r}"
         )
-    _checks.check_int("m", m, 1)
-    _checks.check_int("max_iters", max_iters, 0)
-    _checks.check_int("max_line_search_evals", max_line_search_evals, 1)
-    _checks.check_nonnegative("gtol", gtol)
-    _checks.check_nonnegative("ftol", ftol)
-    _checks.check_wolfe_constants(c1, c2)
+    checks.check_int("m", m, 1)
+    checks.check_int("max_iters", max_iters, 0)
+    checks.check_int("max_line_search_evals", max_line_search_evals, 1)
+    checks.check_nonnegative("gtol", gtol)
+    checks.check_nonnegative("ftol", ftol)
+    checks.check_wolfe_constants(c1, c2)
     if two_loop not in TWO_LOOPS:
         raise ValueError(
             f"Argument `two_loop` must be one of {TWO_LOOPS}. Received: {two_loop!r}"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tf_distbelief.sandblaster import _checks
+from tf_distbelief import checks
 
 __all__ = ["LineSearchResult", "wolfe_line_search"]
 
@@ -139,8 +139,8 @@ def wolfe_line_search(
         raise ValueError(
             f"Argument `step0` must be finite and positive. Received: {step0!r}"
         )
-    _checks.check_wolfe_constants(c1, c2)
-    _checks.check_int("max_evals", max_evals, 1)
+    checks.check_wolfe_constants(c1, c2)
+    checks.check_int("max_evals", max_evals, 1)
 
     num_evals = 0
 

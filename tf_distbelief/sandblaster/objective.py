@@ -86,9 +86,9 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import console
-from tf_distbelief.sandblaster import _checks, flat_params, ps_vectors
+from tf_distbelief import checks, console
 from tf_distbelief.sandblaster import copies as copies_lib
+from tf_distbelief.sandblaster import flat_params, ps_vectors
 from tf_distbelief.sandblaster import portion as portion_lib
 from tf_distbelief.sandblaster import schedule as schedule_lib
 from tf_distbelief.sandblaster.config import DEFAULT_STALL_TIMEOUT_SECS
@@ -213,7 +213,7 @@ class SandblasterObjective:
                 "Argument `portion_delay_fn` must be callable or None. Received: "
                 f"{portion_delay_fn!r}"
             )
-        _checks.check_positive_secs("stall_timeout_secs", stall_timeout_secs)
+        checks.check_positive_secs("stall_timeout_secs", stall_timeout_secs)
         self.stall_timeout_secs = float(stall_timeout_secs)
         self.strategy = strategy
         self.portions = portions

@@ -13,13 +13,13 @@ part of what a trainer hands out (`trainer.objective`, `trainer.stats`).
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tf_keras
 
+from tf_distbelief import paths
 from tf_distbelief.sandblaster import checkpoint as checkpoint_lib
 from tf_distbelief.sandblaster import config as config_lib
 from tf_distbelief.sandblaster import lbfgs
@@ -187,7 +187,7 @@ class SandblasterTrainer:
         if model_dir:
             checkpointer = checkpoint_lib.LbfgsCheckpointer(
                 ops,
-                os.path.join(model_dir, checkpoint_lib.CHECKPOINT_SUBDIR),
+                paths.sandblaster_dir(model_dir),
                 history=self.config.history,
                 model=checkpoint_lib.describe_model(layout.variables),
                 every_iters=self.config.checkpoint_every_iters,

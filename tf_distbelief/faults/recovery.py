@@ -49,9 +49,9 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import resume
+from tf_distbelief import paths
 from tf_distbelief.cluster import server as server_lib
-from tf_distbelief.sandblaster import checkpoint as sandblaster_checkpoint
+from tf_distbelief.faults import resume
 
 # A real cluster's orchestrator reschedules a pod in seconds to minutes (an
 # image pull, a node drain); a local task restarts in 4-5 s.
@@ -59,8 +59,6 @@ DEFAULT_PS_RECOVERY_SECS = 300.0
 # Recoveries in a row that saw no new checkpoint: a ps that fails again before
 # the job got anywhere is a fault that recovery will not fix.
 MAX_RECOVERIES_WITHOUT_PROGRESS = 3
-# Checkpoints `training.fit` writes: `model_dir/checkpoints/ckpt-<step>`.
-CHECKPOINT_SUBDIR = "checkpoints"
 _POLL_SECS = 0.25
 _REPORT_EVERY_SECS = 10.0
 _TASK_RE = re.compile(r"/job:ps/replica:\d+/task:(\d+)|/job:ps/task:(\d+)")
@@ -76,48 +74,6 @@ class PsLostError(RuntimeError):
     def __init__(self, message: str, tasks: Mapping[str, str]):
         super().__init__(message)
         self.tasks = dict(tasks)
-
-
-def latest_checkpoint(model_dir: str | None) -> str | None:
-    """The newest checkpoint under `model_dir`, or None.
-
-    Looks in `model_dir/checkpoints` (`training.fit`) first, then in
-    `model_dir` and its direct subfolders (any `tf.train.CheckpointManager`
-    folder, e.g. another training method's), the newest of those.
-
-    Args:
-      model_dir: the job's `model_dir`, or None.
-
-    Returns:
-      A checkpoint prefix (`.../ckpt-40`), or None when there is none.
-    """
-    if not model_dir:
-        return None
-    found = tf.train.latest_checkpoint(os.path.join(model_dir, CHECKPOINT_SUBDIR))
-    if found:
-        return found
-    folders = [model_dir]
-    if os.path.isdir(model_dir):
-        folders += [
-            os.path.join(model_dir, name)
-            for name in sorted(os.listdir(model_dir))
-            if os.path.isfile(os.path.join(model_dir, name, "checkpoint"))
-        ]
-    paths = [p for p in map(tf.train.latest_checkpoint, folders) if p]
-    return max(paths, key=lambda p: os.path.getmtime(p + ".index"), default=None)
-
-
-def describe_checkpoint(path: str) -> str:
-    """`ckpt-40 (step 40)` for `.../ckpt-40`: checkpoints are numbered by step.
-
-    Sandblaster's (`model_dir/sandblaster/ckpt-3`) are numbered by L-BFGS
-    iteration: `ckpt-3 (iteration 3)`.
-    """
-    name = os.path.basename(path)
-    number = name.rpartition("-")[2]
-    folder = os.path.basename(os.path.dirname(path))
-    unit = "iteration" if folder == sandblaster_checkpoint.CHECKPOINT_SUBDIR else "step"
-    return f"{name} ({unit} {number})" if number.isdigit() else name
 
 
 def _original(error: BaseException) -> BaseException:
@@ -236,7 +192,7 @@ class VerifyRestored(tf_keras.callbacks.Callback):
         self.checked: str | None = None
 
     def on_train_begin(self, logs=None):
-        path = latest_checkpoint(self._model_dir)
+        path = paths.latest_checkpoint(self._model_dir)
         if self.checked or not path:
             return  # `fit` may call `Model.fit` twice in one run.
         self.checked = path
@@ -263,7 +219,7 @@ class VerifyRestored(tf_keras.callbacks.Callback):
                 f"differ from the checkpoint: {', '.join(differ[:20])}"
             )
         self._print_fn(
-            f"restored {describe_checkpoint(path)}: {len(keys)} values equal the "
+            f"restored {paths.describe_checkpoint(path)}: {len(keys)} values equal the "
             f"checkpoint bit for bit ({num_bytes} bytes)"
         )
 
@@ -325,7 +281,7 @@ def run_with_ps_recovery(
                 raise
             cause = f"{type(_original(error)).__name__}"
             print_fn(f"ps task lost: {_names(lost)} ({cause})")
-            checkpoint = latest_checkpoint(model_dir)
+            checkpoint = paths.latest_checkpoint(model_dir)
             if not model_dir:
                 raise _no_recovery_error(lost, "no --model_dir", None) from None
             if not checkpoint:
@@ -343,7 +299,7 @@ def run_with_ps_recovery(
             if stalled > MAX_RECOVERIES_WITHOUT_PROGRESS:
                 raise PsLostError(
                     f"Lost {_names(lost)} again: {stalled} ps losses in a row "
-                    f"with no checkpoint after {describe_checkpoint(checkpoint)}"
+                    f"with no checkpoint after {paths.describe_checkpoint(checkpoint)}"
                     f" (at most {MAX_RECOVERIES_WITHOUT_PROGRESS}). Find why the "
                     "task fails (its log), then rerun with --model_dir="
                     f"{model_dir} to resume from {os.path.basename(checkpoint)}.",
@@ -361,7 +317,7 @@ def run_with_ps_recovery(
                     f"again within --ps_recovery_secs={ps_recovery_secs:g} s. "
                     "Restart it (on Kubernetes the TFJob's restart policy "
                     f"does), then rerun with --model_dir={model_dir} to "
-                    f"resume from {describe_checkpoint(checkpoint)}; or "
+                    f"resume from {paths.describe_checkpoint(checkpoint)}; or "
                     "raise --ps_recovery_secs.",
                     lost,
                 ) from None
@@ -370,7 +326,7 @@ def run_with_ps_recovery(
             print_fn(
                 f"ps recovery {recoveries}: serving again after {waited:.1f} s; "
                 f"restoring every ps variable and slot from "
-                f"{describe_checkpoint(checkpoint)}"
+                f"{paths.describe_checkpoint(checkpoint)}"
             )
             continue
         if isinstance(result, dict):

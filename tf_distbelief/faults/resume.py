@@ -29,7 +29,8 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import _tf_internals, console, nonfinite
+from tf_distbelief import _tf_internals, console
+from tf_distbelief.faults import nonfinite
 
 
 class RestoreError(ValueError):

@@ -11,22 +11,16 @@ computed on the coordinator.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import console, exactly_once, resume, validation
-from tf_distbelief import nonfinite as nonfinite_lib
-from tf_distbelief.downpour import push_guard, replica_state
-from tf_distbelief.progress import Progress  # noqa: F401  (training.Progress)
-
-CHECKPOINT_SUBDIR = "checkpoints"
-TENSORBOARD_SUBDIR = "tensorboard"
-# Checkpoints kept by the CheckpointManager; it only ever deletes its own
-# `ckpt-N` files, never anything else in `model_dir`.
-MAX_CHECKPOINTS_TO_KEEP = 3
+from tf_distbelief import console, hooks, paths
+from tf_distbelief.faults import exactly_once, resume
+from tf_distbelief.faults import nonfinite as nonfinite_lib
+from tf_distbelief.fit import validation
+from tf_distbelief.fit.progress import Progress  # noqa: F401  (training.Progress)
 
 
 def dataset_creator(
@@ -196,8 +190,9 @@ def fit(
     hold the ps values (the coordinator reads them from the ps tasks) and are
     never written with a NaN or inf in them.
 
-    A step whose gradients hold a NaN or inf is never applied (Downpour: a
-    push, `downpour.push_guard`): with
+    A step whose gradients hold a NaN or inf is never applied (an algorithm
+    with its own updates, such as Downpour's pushes, guards them through its
+    `hooks.FitHooks`): with
     `nonfinite="raise"` the run stops with `NonFiniteError` naming the step
     and the variables, with `"skip"` the step is skipped and counted.
 
@@ -214,7 +209,7 @@ def fit(
       print_fn: where progress lines go (stdout, flushed).
       checkpoint_every_steps: steps between checkpoints besides each epoch
         end, >= 0 (0: epoch ends only); needs `model_dir`.
-      nonfinite: `raise` or `skip` (`tf_distbelief.nonfinite.MODES`).
+      nonfinite: `raise` or `skip` (`tf_distbelief.faults.nonfinite.MODES`).
       validation_data, validation_freq, validation_steps: as `Model.fit`'s,
         evaluated exactly on the coordinator (`validation.ExactValidation`,
         first among the callbacks); `val_*` figures reach every callback.
@@ -257,7 +252,7 @@ def fit(
     progress = Progress(
         batch_size,
         log_every_steps,
-        os.path.join(model_dir, TENSORBOARD_SUBDIR) if model_dir else None,
+        paths.tensorboard_dir(model_dir) if model_dir else None,
         print_fn,
         epochs=epochs,
         steps_per_epoch=steps_per_epoch,
@@ -271,10 +266,13 @@ def fit(
                 validation_data, validation_freq, validation_steps
             ),
         )
-    if getattr(model, "downpour", None) is None:
+    # An algorithm that applies its updates outside the optimizer's apply
+    # (Downpour's pushes) brings its own guard, state and figures.
+    algorithm = hooks.of(model)
+    if algorithm is None:
         guard = nonfinite_lib.install(model, nonfinite)
-    else:  # Downpour applies pushes outside the optimizer's apply: its own guard.
-        guard = push_guard.install(model, nonfinite)
+    else:
+        guard = algorithm.install_guard(model, nonfinite)
     exactly_once.install(model)  # No step applied twice after a worker loss.
     skipped_before = guard.skipped_steps()
     all_callbacks.append(_CountSkipped(guard, print_fn))
@@ -284,8 +282,10 @@ def fit(
     if model_dir:
         step_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
-        replicas = replica_state.for_model(model)  # Downpour's per-worker state.
-        extra = {} if replicas is None else {"downpour": replicas}
+        replicas = None  # State on the workers (Downpour's replicas), if any.
+        if algorithm is not None and algorithm.checkpoint_state is not None:
+            replicas = algorithm.checkpoint_state()
+        extra = {} if replicas is None else {algorithm.name: replicas}
         manager = tf.train.CheckpointManager(
             tf.train.Checkpoint(
                 model=model,
@@ -294,8 +294,8 @@ def fit(
                 step=step_var,
                 **extra,
             ),
-            os.path.join(model_dir, CHECKPOINT_SUBDIR),
-            max_to_keep=MAX_CHECKPOINTS_TO_KEEP,
+            paths.checkpoint_dir(model_dir),
+            max_to_keep=paths.MAX_CHECKPOINTS_TO_KEEP,
         )
         resume.build(model, data)
         latest = manager.latest_checkpoint
@@ -307,7 +307,7 @@ def fit(
                 tracked["step"] = step_var
             restored = None if replicas is None else replicas.restoring(keys)
             if restored is not None:  # Shaped as the checkpoint's replicas.
-                tracked["downpour"] = restored
+                tracked[algorithm.name] = restored
             resume.restore(tf.train.Checkpoint(**tracked), latest)
             if replicas is not None:  # Each replica's state to its worker.
                 for line in replicas.write_back(restored):

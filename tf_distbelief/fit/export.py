@@ -31,10 +31,7 @@ from collections.abc import Callable
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import console, errors
-
-SAVED_MODEL_SUBDIR = "saved_model"
-KERAS_FILE = "model.keras"
+from tf_distbelief import console, errors, paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,16 +121,19 @@ def check_export_dir(export_dir: str, model_dir: str | None = None) -> None:
             f"`export_dir` must be a directory. Received: {export_dir!r} (a file)"
         )
     if os.path.isdir(path):
-        others = sorted(set(os.listdir(path)) - {SAVED_MODEL_SUBDIR, KERAS_FILE})
-        saved = os.path.join(path, SAVED_MODEL_SUBDIR)
+        others = sorted(
+            set(os.listdir(path)) - {paths.SAVED_MODEL_SUBDIR, paths.KERAS_FILE}
+        )
+        saved = os.path.join(path, paths.SAVED_MODEL_SUBDIR)
         if os.path.isdir(saved) and not os.path.isfile(
             os.path.join(saved, "saved_model.pb")
         ):
-            others.insert(0, f"{SAVED_MODEL_SUBDIR}/ (not a SavedModel)")
+            others.insert(0, f"{paths.SAVED_MODEL_SUBDIR}/ (not a SavedModel)")
         if others:
             raise errors.ConfigError(
                 "`export_dir` must be new, empty, or hold only an earlier export "
-                f"({SAVED_MODEL_SUBDIR}/, {KERAS_FILE}); {export_dir!r} also holds "
+                f"({paths.SAVED_MODEL_SUBDIR}/, {paths.KERAS_FILE}); "
+                f"{export_dir!r} also holds "
                 f"{', '.join(others[:5])}{' ...' if len(others) > 5 else ''}. "
                 "Choose another directory (nothing was deleted)."
             )
@@ -150,23 +150,25 @@ def check_export_dir(export_dir: str, model_dir: str | None = None) -> None:
 def _save(plain: tf_keras.Model, export_dir: str) -> ExportPaths:
     """Saves both formats into a new folder, then moves them into place."""
     os.makedirs(export_dir, exist_ok=True)
-    paths = ExportPaths(
-        saved_model=os.path.join(export_dir, SAVED_MODEL_SUBDIR),
-        keras_file=os.path.join(export_dir, KERAS_FILE),
+    written = ExportPaths(
+        saved_model=os.path.join(export_dir, paths.SAVED_MODEL_SUBDIR),
+        keras_file=os.path.join(export_dir, paths.KERAS_FILE),
     )
     with tempfile.TemporaryDirectory(prefix=".export-", dir=export_dir) as tmp:
         plain.save(
-            os.path.join(tmp, SAVED_MODEL_SUBDIR),
+            os.path.join(tmp, paths.SAVED_MODEL_SUBDIR),
             save_format="tf",
             include_optimizer=False,
         )
-        plain.save(os.path.join(tmp, KERAS_FILE))  # The plain copy has no optimizer.
+        plain.save(
+            os.path.join(tmp, paths.KERAS_FILE)
+        )  # The plain copy has no optimizer.
         # An earlier export is replaced whole, never mixed with this one.
-        if os.path.isdir(paths.saved_model):
-            shutil.rmtree(paths.saved_model)
-        os.replace(os.path.join(tmp, SAVED_MODEL_SUBDIR), paths.saved_model)
-        os.replace(os.path.join(tmp, KERAS_FILE), paths.keras_file)
-    return paths
+        if os.path.isdir(written.saved_model):
+            shutil.rmtree(written.saved_model)
+        os.replace(os.path.join(tmp, paths.SAVED_MODEL_SUBDIR), written.saved_model)
+        os.replace(os.path.join(tmp, paths.KERAS_FILE), written.keras_file)
+    return written
 
 
 def export_model(
@@ -228,7 +230,7 @@ def export_checkpoint(
     """
     _check_no_strategy()
     path = checkpoint
-    for folder in (checkpoint, os.path.join(checkpoint, "checkpoints")):
+    for folder in (checkpoint, paths.checkpoint_dir(checkpoint)):
         if os.path.isdir(folder):
             latest = tf.train.latest_checkpoint(folder)
             if latest:

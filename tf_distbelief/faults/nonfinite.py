@@ -34,7 +34,8 @@ import weakref
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals, exactly_once
+from tf_distbelief import _tf_internals
+from tf_distbelief.faults import exactly_once
 
 MODES = ("raise", "skip")
 # Marks the assertion a failed check raises on the worker, so that the error

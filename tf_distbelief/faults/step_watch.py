@@ -34,9 +34,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 from absl import logging
 
-from tf_distbelief import _tf_internals
+from tf_distbelief import _tf_internals, checks
 from tf_distbelief.cluster import server as server_lib
-from tf_distbelief.sandblaster import _checks
 
 # Longer than a local task's restart (4-5 s) and a Kubernetes pod's reschedule
 # (an image pull: minutes); as long as Sandblaster's portion wait.
@@ -55,7 +54,7 @@ def check_timeout(timeout_secs) -> float:
     Raises:
       ValueError: it is not a finite number of seconds > 0.
     """
-    _checks.check_positive_secs("step_stall_timeout_secs", timeout_secs)
+    checks.check_positive_secs("step_stall_timeout_secs", timeout_secs)
     return float(timeout_secs)
 
 

@@ -14,13 +14,12 @@ checkpoint that was written and deleted between two looks.
 from __future__ import annotations
 
 import os
-import re
 import time
 
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import console
+from tf_distbelief import console, paths
 
 # Long enough for a trainer that restarts (a new pod, TensorFlow loading,
 # restoring), short enough that an evaluator whose trainer is gone ends.
@@ -35,10 +34,10 @@ def checkpoint_step(path: str) -> int:
     try:
         return int(tf.train.load_checkpoint(path).get_tensor(_STEP_KEY))
     except (tf.errors.NotFoundError, ValueError):
-        match = re.search(r"-(\d+)$", path)
-        if not match:
+        number = paths.checkpoint_number(path)
+        if number is None:
             raise
-        return int(match.group(1))
+        return number
 
 
 def _listed(checkpoint_dir: str) -> list[str]:
@@ -52,8 +51,8 @@ def _listed(checkpoint_dir: str) -> list[str]:
 
 
 def _number(path: str) -> int:
-    match = re.search(r"-(\d+)$", path)
-    return int(match.group(1)) if match else -1
+    number = paths.checkpoint_number(path)
+    return -1 if number is None else number
 
 
 def evaluate_checkpoints(

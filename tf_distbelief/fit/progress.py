@@ -26,7 +26,7 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import _tf_internals, console
+from tf_distbelief import _tf_internals, console, hooks
 
 INTERVAL_PREFIX = "interval/"
 # How often the follower thread reads the finished-step counter (one small
@@ -174,11 +174,11 @@ class Progress(tf_keras.callbacks.Callback):
         """Downpour's per-replica counters, or None (no Downpour, or a worker
         being replaced: its counters are gone with it; the figures of the next
         interval then count from the run's start)."""
-        downpour = getattr(self.model, "downpour", None)
-        if downpour is None:
+        algorithm = hooks.of(self.model)
+        if algorithm is None or algorithm.read_counters is None:
             return None
         try:
-            return downpour.stats()
+            return algorithm.read_counters()
         except (tf.errors.CancelledError, tf.errors.UnavailableError) as e:
             logging.info("Progress: could not read Downpour's counters: %s", e)
             return None
@@ -190,11 +190,8 @@ class Progress(tf_keras.callbacks.Callback):
         scalars = {"examples_per_sec": rate}
         replicas = self._replica_stats()
         if replicas:
-            from tf_distbelief.downpour import keras as downpour_keras
-
-            scalars.update(
-                downpour_keras.interval_figures(replicas, self._last_replicas or [])
-            )
+            algorithm = hooks.of(self.model)
+            scalars.update(algorithm.interval_figures(replicas, self._last_replicas))
             self._last_replicas = replicas
         self._last_time, self._last_finished = now, finished
         self._last_interval_step = step

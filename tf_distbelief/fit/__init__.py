@@ -1,0 +1,12 @@
+"""The fit layer: a tf_keras model's training job above the algorithms.
+
+`training.fit` (tf_keras `Model.fit` with checkpoints, exact resume and the
+non-finite guard), `progress` (progress lines and TensorBoard scalars),
+`validation` (exact validation on the coordinator), `evaluation` (each
+checkpoint evaluated as it appears), `export` (SavedModel and `.keras`) and
+`data` (training files, each worker its own).
+
+This layer imports no algorithm package (`downpour`, `sandblaster`,
+`model_parallel`): an algorithm reaches it through the `hooks.FitHooks` that
+its `install` attaches to the model.
+"""
