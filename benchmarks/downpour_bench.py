@@ -730,7 +730,9 @@ def _run(local, data, model_name, name, f, seed) -> Row:
     else:
         strategy = strategy_lib.DistBeliefStrategy(
             local.resolver_for(),
-            job.make_partitioner(config.partitioner, local.num_ps, config.shard_bytes),
+            strategy_lib.make_partitioner(
+                config.partitioner, local.num_ps, config.shard_bytes
+            ),
         )
         model = job.compile_model(config, strategy, spec)
         replicas = getattr(model, "downpour", None)

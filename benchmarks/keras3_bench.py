@@ -73,7 +73,7 @@ def _tf_keras_round(strategy, x, y):
     with strategy.scope():
         model = speech.build_model(FLAGS.hidden_units, FLAGS.classes)
         model.compile(
-            tfdb.Adagrad(0.1),
+            tfdb.adagrad.Adagrad(0.1),
             tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             steps_per_execution=FLAGS.steps_per_execution,
         )
@@ -112,7 +112,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     (x, y), _ = speech.load_data(num_train=4096, num_test=16, num_classes=FLAGS.classes)
     rounds = {"tf_keras": [], "keras3": []}
-    with tfdb.LocalCluster(FLAGS.num_workers, FLAGS.num_ps) as local:
+    with tfdb.cluster.LocalCluster(FLAGS.num_workers, FLAGS.num_ps) as local:
         strategy = strategy_lib.DistBeliefStrategy(
             local.resolver, strategy_lib.make_partitioner("fixed", FLAGS.num_ps, 1)
         )

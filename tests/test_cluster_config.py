@@ -10,6 +10,7 @@ import time
 import pytest
 import tensorflow as tf
 
+import tf_distbelief as tfdb
 from tf_distbelief import cluster
 from tf_distbelief.cluster import addresses
 
@@ -39,9 +40,7 @@ def test_valid_tf_config_resolves(monkeypatch):
 
 def test_malformed_json(monkeypatch):
     _set(monkeypatch, '{"cluster": {"worker": ["127.0.0.1:1"],}')
-    with pytest.raises(
-        cluster.ClusterConfigError, match=r"`TF_CONFIG` is not valid JSON"
-    ):
+    with pytest.raises(tfdb.ClusterConfigError, match=r"`TF_CONFIG` is not valid JSON"):
         cluster.resolve_cluster()
 
 
@@ -54,7 +53,7 @@ def test_unknown_job_names(monkeypatch):
         },
     )
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=r"Unknown job name\(s\) \['ps_hosts', 'worker_hosts'\].*allowed job "
         r"names are chief, worker, ps, evaluator",
     ):
@@ -68,7 +67,7 @@ def test_task_type_not_in_cluster(monkeypatch):
     }
     _set(monkeypatch, config)
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=r"Task type `chief` is not in the cluster, whose jobs are "
         r"\['ps', 'worker'\]",
     ):
@@ -78,7 +77,7 @@ def test_task_type_not_in_cluster(monkeypatch):
 def test_task_index_out_of_range(monkeypatch):
     _set(monkeypatch, {"cluster": CLUSTER, "task": {"type": "worker", "index": 2}})
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=r"Task index 2 is out of range for job `worker`, whose task indices "
         r"are \[0, 1\]",
     ):
@@ -88,7 +87,7 @@ def test_task_index_out_of_range(monkeypatch):
 def test_negative_task_index_is_a_python_error(monkeypatch):
     _set(monkeypatch, {"cluster": CLUSTER, "task": {"type": "ps", "index": -1}})
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=r"Task index -1 is out of range for job `ps`",
     ):
         cluster.resolve_cluster()
@@ -98,9 +97,7 @@ def test_negative_task_index_of_explicit_resolver():
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(CLUSTER), task_type="worker", task_id=-1
     )
-    with pytest.raises(
-        cluster.ClusterConfigError, match=r"Task index -1 is out of range"
-    ):
+    with pytest.raises(tfdb.ClusterConfigError, match=r"Task index -1 is out of range"):
         cluster.resolve_cluster(resolver)
 
 
@@ -109,7 +106,7 @@ def test_no_ps_or_no_worker(monkeypatch, missing):
     config = {k: v for k, v in CLUSTER.items() if k != missing}
     _set(monkeypatch, {"cluster": config, "task": {"type": "chief", "index": 0}})
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=rf"The cluster has no `{missing}` task; parameter-server training "
         r"needs at least one `ps` and one `worker`",
     ):
@@ -120,7 +117,7 @@ def test_same_address_twice(monkeypatch):
     config = dict(CLUSTER, ps=["127.0.0.1:2223", "127.0.0.1:2221"])
     _set(monkeypatch, {"cluster": config, "task": {"type": "chief", "index": 0}})
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=r"Address 127.0.0.1:2221 is used twice: by worker:0 and by ps:1",
     ):
         cluster.resolve_cluster()
@@ -130,7 +127,7 @@ def test_two_chiefs(monkeypatch):
     config = dict(CLUSTER, chief=["127.0.0.1:2220", "127.0.0.1:2229"])
     _set(monkeypatch, {"cluster": config, "task": {"type": "worker", "index": 0}})
     with pytest.raises(
-        cluster.ClusterConfigError, match=r"The cluster has 2 `chief` tasks; at most 1"
+        tfdb.ClusterConfigError, match=r"The cluster has 2 `chief` tasks; at most 1"
     ):
         cluster.resolve_cluster()
 
@@ -148,7 +145,7 @@ def test_sparse_job_with_bad_key(monkeypatch):
     config = dict(CLUSTER, worker={"one": "127.0.0.1:2223"})
     _set(monkeypatch, {"cluster": config, "task": {"type": "chief", "index": 0}})
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=r"Task index 'one' of job `worker` is not an integer",
     ):
         cluster.resolve_cluster()
@@ -174,7 +171,7 @@ def test_evaluator_left_out_of_training_cluster(monkeypatch):
 
 def test_missing_task_field_is_an_error(monkeypatch):
     _set(monkeypatch, {"cluster": CLUSTER, "task": "worker"})
-    with pytest.raises(cluster.ClusterConfigError, match=r"field `task` must be"):
+    with pytest.raises(tfdb.ClusterConfigError, match=r"field `task` must be"):
         cluster.resolve_cluster()
 
 
@@ -249,7 +246,7 @@ def test_only_the_evaluator_may_run_without_ps_and_workers(monkeypatch):
         },
     )
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=r"The cluster has no `worker` task; .* \(only an `evaluator` task may "
         r"run without them\)",
     ):
@@ -293,7 +290,7 @@ def test_master_and_chief_together(monkeypatch):
     config = dict(MASTER_CLUSTER, chief=["127.0.0.1:2229"])
     _set(monkeypatch, {"cluster": config, "task": {"type": "worker", "index": 0}})
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=r"The cluster has both `master` and `chief` jobs; `master` is another "
         r"name of `chief`\. Keep one of them\.",
     ):
@@ -307,7 +304,7 @@ def test_master_and_chief_together(monkeypatch):
 def test_port_outside_1_to_65535(port):
     config = dict(CLUSTER, ps=["127.0.0.1:2223", f"127.0.0.1:{port}"])
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=r"Port of task ps:1 must be an integer in 1-65535\. Received: "
         rf"'127\.0\.0\.1:{port}'\. Port 0 would let the server bind a random port "
         r"that no other task learns .*; give every task a fixed free port, e\.g\. "
@@ -324,14 +321,14 @@ def test_port_0_in_tf_config_fails_before_any_server(monkeypatch):
             "task": {"type": "ps", "index": 0},
         },
     )
-    with pytest.raises(cluster.ClusterConfigError, match=r"Port of task ps:0"):
+    with pytest.raises(tfdb.ClusterConfigError, match=r"Port of task ps:0"):
         cluster.resolve_cluster()
 
 
 def test_address_without_host():
     config = dict(CLUSTER, worker=[":2221"])
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=r"Address of task worker:0 must be 'host:port' with a host\. "
         r"Received: ':2221'\. Give the machine's name or IP, e\.g\. "
         r"'127\.0\.0\.1:2221'\.",
@@ -352,7 +349,7 @@ def test_loopback_spellings_are_one_address(first, second):
     config = dict(CLUSTER, worker=[f"{first}:2221", "127.0.0.1:2222"])
     config["ps"] = ["127.0.0.1:2223", f"{second}:2221"]
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=rf"Address {re.escape(second)}:2221 of ps:1 and {first}:2221 of "
         r"worker:0 are an address used twice: both are this machine's loopback "
         r"\(localhost, ::1 and 127\.0\.0\.0/8 reach the same servers\), port 2221\. "
@@ -364,7 +361,7 @@ def test_loopback_spellings_are_one_address(first, second):
 def test_same_ip_spelled_twice():
     config = dict(CLUSTER, worker=["10.0.0.7:2221", "[::ffff:10.0.0.7]:2221"])
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=r"Address \[::ffff:10\.0\.0\.7\]:2221 of worker:1 and 10\.0\.0\.7:2221 "
         r"of worker:0 are an address used twice: both are 10\.0\.0\.7, port 2221",
     ):
@@ -388,7 +385,7 @@ def test_host_name_resolving_to_a_listed_ip(monkeypatch):
     monkeypatch.setattr(addresses.socket, "getaddrinfo", fake_getaddrinfo)
     config = dict(CLUSTER, ps=["10.1.2.3:2223", "ps-host.example:2223"])
     with pytest.raises(
-        cluster.ClusterConfigError,
+        tfdb.ClusterConfigError,
         match=r"Address ps-host\.example:2223 of ps:1 and 10\.1\.2\.3:2223 of ps:0 "
         r"are an address used twice: both are 10\.1\.2\.3, port 2223",
     ):
@@ -417,7 +414,7 @@ def test_host_names_that_do_not_resolve_are_compared_by_text(monkeypatch):
         assert jobs["worker"][1] == "tfdb-worker-1.default.svc:2222"
         services["ps"] = ["TFDB-worker-1.default.svc.:2222"]
         with pytest.raises(
-            cluster.ClusterConfigError,
+            tfdb.ClusterConfigError,
             match=r"are an address used twice: both are tfdb-worker-1\.default\.svc, "
             r"port 2222",
         ):

@@ -228,12 +228,12 @@ def test_a_library_run_ends_with_at_most_one_grpc_line(tmp_path):
         from models import digits
 
         (x, y), (x_test, y_test) = digits.load_data()
-        with tfdb.LocalCluster(1, 1, log_dir={str(tmp_path)!r}) as local:
+        with tfdb.cluster.LocalCluster(1, 1, log_dir={str(tmp_path)!r}) as local:
             strategy = tfdb.DistBeliefStrategy(local.resolver)
             with strategy.scope():
                 model = digits.build_model()
                 model.compile(
-                    tfdb.Adagrad(0.1),
+                    tfdb.adagrad.Adagrad(0.1),
                     tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 )
             training.fit(

@@ -31,7 +31,7 @@ def _downpour_model(local_cluster):
     )
     strategy = strategy_lib.DistBeliefStrategy(
         local_cluster.resolver_for(2, 2),
-        job.make_partitioner("fixed", 2, config.shard_bytes),
+        strategy_lib.make_partitioner("fixed", 2, config.shard_bytes),
     )
     return job.compile_model(config, strategy, models.spec("digits"))
 

@@ -47,7 +47,7 @@ def _model(strategy, n):
             ]
         )
         model.compile(
-            tfdb.Adagrad(0.5),
+            tfdb.adagrad.Adagrad(0.5),
             tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             steps_per_execution=1,
         )

@@ -52,7 +52,7 @@ def _model(strategy, local_optimizer, n_fetch=N, n_push=N, **push_rules):
             ]
         )
         model.compile(
-            tfdb.Adagrad(0.5),
+            tfdb.adagrad.Adagrad(0.5),
             tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             steps_per_execution=1,
         )

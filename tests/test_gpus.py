@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+import tf_distbelief as tfdb
 from tf_distbelief import cluster, job
 from tf_distbelief.cluster import gpus
 
@@ -76,13 +77,13 @@ def test_assign_gpus_keeps_the_parents_ids():
 
 def test_too_many_gpus_per_worker_is_an_error_naming_the_counts():
     with pytest.raises(
-        cluster.GpuAssignmentError,
+        tfdb.GpuAssignmentError,
         match=r"`gpus_per_worker` asks for 2 GPUs for each of 3 workers \(6 in all\)"
         r", but this host shows 4 \(0, 1, 2, 3: .*Use 0\.\.1, fewer workers, or "
         r"leave it unset",
     ):
         gpus.assign_gpus(["0", "1", "2", "3"], 3, 1, 2)
-    with pytest.raises(cluster.GpuAssignmentError, match=r"shows 0 \(none"):
+    with pytest.raises(tfdb.GpuAssignmentError, match=r"shows 0 \(none"):
         gpus.assign_gpus([], 2, 1, 1)
 
 
@@ -106,7 +107,7 @@ def test_task_env_sets_growth_only_where_a_gpu_is_seen():
 
 
 def test_local_cluster_refuses_before_any_process_starts():
-    with pytest.raises(cluster.GpuAssignmentError, match=r"2 in all"):
+    with pytest.raises(tfdb.GpuAssignmentError, match=r"2 in all"):
         cluster.LocalCluster(num_workers=2, gpus_per_worker=1, visible_gpus=["0"])
     local = cluster.LocalCluster(num_workers=2, num_ps=1, visible_gpus=["0", "1"])
     assert local.processes == {}

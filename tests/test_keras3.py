@@ -50,7 +50,7 @@ def test_adagrad_rejects_bad_hyperparameters(kwargs, match):
 def test_adagrad_takes_tf_distbelief_adagrad_and_rejects_keras3_optimizers():
     import tf_distbelief as tfdb
 
-    got = keras3.Adagrad.from_optimizer(tfdb.Adagrad(0.25, 0.5, epsilon=1e-3))
+    got = keras3.Adagrad.from_optimizer(tfdb.adagrad.Adagrad(0.25, 0.5, epsilon=1e-3))
     assert got == keras3.Adagrad(0.25, 0.5, 1e-3)
     with pytest.raises(ValueError, match=r"`optimizer` must be None, 'adagrad'.*Adam"):
         keras3.Adagrad.from_optimizer(keras.optimizers.Adam())

@@ -20,6 +20,7 @@ import portpicker
 import pytest
 import tensorflow as tf
 
+import tf_distbelief as tfdb
 from tests.helpers import tensorboard_scalars
 from tf_distbelief import cluster
 
@@ -194,7 +195,7 @@ def test_taken_port_is_a_clear_error():
         port = busy.getsockname()[1]
         local = cluster.LocalCluster(num_workers=1, num_ps=1, ports={"worker": [port]})
         with pytest.raises(
-            cluster.ClusterStartError,
+            tfdb.ClusterStartError,
             match=rf"Local task worker:0 at 127.0.0.1:{port} exited with code 1 "
             rf"before listening \(port {port} is already in use\)",
         ):

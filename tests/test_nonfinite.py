@@ -37,7 +37,7 @@ def _model(strategy):
             ]
         )
         model.compile(
-            tfdb.Adagrad(0.5),
+            tfdb.adagrad.Adagrad(0.5),
             tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             steps_per_execution=1,
         )

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+import tf_distbelief as tfdb
 from tests.test_downpour_embeddings import _TiedLogits
 from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
@@ -54,7 +55,7 @@ def test_retry_after_row_sparse_read_error_trains(local_cluster):
 
     trainer = _trainer(local_cluster, row_sparse=None)
     iterator = iter(trainer.per_worker_dataset(dataset_fn))
-    with pytest.raises(downpour.RowSparseReadError, match="row_sparse=\\[\\]"):
+    with pytest.raises(tfdb.RowSparseReadError, match="row_sparse=\\[\\]"):
         trainer.step(iterator)
     # What the message advises, at once: no wait of the user's own.
     retry = _trainer(local_cluster, row_sparse=[])
@@ -75,7 +76,7 @@ def test_retry_after_row_sparse_read_error_in_fit_trains(local_cluster):
         model = _model(local_cluster)
         replicas = downpour.install(model, config, row_sparse=row_sparse)
         if row_sparse is None:
-            with pytest.raises(downpour.RowSparseReadError):
+            with pytest.raises(tfdb.RowSparseReadError):
                 model.fit(dataset, epochs=1, steps_per_epoch=6, verbose=0)
     model.fit(dataset, epochs=1, steps_per_epoch=6, verbose=0)
     assert sum(s.steps for s in replicas.stats()) == 6

@@ -31,7 +31,9 @@ def _strategy(local_cluster, num_ps):
     )
 
 
-def _model(local_cluster, num_ps, vocab=VOCAB, optimizer=tfdb.Adagrad, strategy=None):
+def _model(
+    local_cluster, num_ps, vocab=VOCAB, optimizer=tfdb.adagrad.Adagrad, strategy=None
+):
     """The issue's model: `Embedding(40, 8)` cut into `num_ps` shards, AdaGrad.
 
     Left unbuilt (no input shape), as the demo `embedding` model is: `fit`

@@ -22,13 +22,13 @@ import tf_keras
 
 import models.digits
 from tests import stragglers
+from tf_distbelief import sandblaster
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.sandblaster import config as config_lib
 from tf_distbelief.sandblaster import flat_params, lbfgs, ps_vectors
 from tf_distbelief.sandblaster import objective as sandblaster_objective
 from tf_distbelief.sandblaster import portion as sandblaster_portion
 from tf_distbelief.sandblaster import schedule as schedule_lib
-from tf_distbelief.sandblaster import trainer as sandblaster
 
 # Exactly representable in float32, so tf_keras's float32 regularisation
 # constant equals the NumPy reference's: kernel penalty `L2 * sum(W ** 2)`.

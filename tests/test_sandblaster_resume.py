@@ -23,12 +23,11 @@ import tensorflow as tf
 import models
 from tests import conftest, test_launch
 from tests.test_sandblaster import CE, EQUAL_PORTIONS, _digits_train, _logistic_model
-from tf_distbelief import job, paths
+from tf_distbelief import job, paths, sandblaster
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.faults import nonfinite, resume
 from tf_distbelief.sandblaster import checkpoint
 from tf_distbelief.sandblaster import config as config_lib
-from tf_distbelief.sandblaster import trainer as sandblaster
 
 _VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
 

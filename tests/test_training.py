@@ -27,7 +27,9 @@ def data():
 def _compiled(local_cluster, config, spec=None):
     strategy = strategy_lib.DistBeliefStrategy(
         local_cluster.resolver_for(config.num_workers, config.num_ps),
-        job.make_partitioner(config.partitioner, config.num_ps, config.shard_bytes),
+        strategy_lib.make_partitioner(
+            config.partitioner, config.num_ps, config.shard_bytes
+        ),
     )
     return job.compile_model(config, strategy, spec or models.spec("digits"))
 

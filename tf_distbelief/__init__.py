@@ -1,22 +1,25 @@
 """tf_distbelief: DistBelief (Dean et al., NIPS 2012) as TensorFlow parts.
 
-The public surface; the subpackages hold the details (import modules, not
-names). Names are imported on first use, so that the pure modules (schedules,
-NumPy references, L-BFGS and partition math) import without TensorFlow.
+Each public name has one import path. This namespace holds the strategy, the
+fit layer's public names and every error (all subclass `DistBeliefError`);
+each algorithm and the cluster keep their names in their own package:
 
 * `cluster`: `TF_CONFIG`, validation, ps/worker servers, `LocalCluster`.
-* `strategy`: `DistBeliefStrategy`, a ParameterServerStrategy with variables
-  sharded over the ps tasks by a partitioner; `step_watch` bounds the wait of
-  its scheduled steps (`StepStallError`).
+* `DistBeliefStrategy`: a ParameterServerStrategy with variables sharded over
+  the ps tasks by a partitioner (`strategy.make_partitioner`).
 * `adagrad`: AdaGrad applied on the ps shards (section 4.1).
 * `downpour`: Downpour SGD (section 4.1).
 * `sandblaster`: Sandblaster L-BFGS (section 4.2).
 * `model_parallel`: one replica split across devices (section 3).
 * `keras3`: Keras 3 models on the same ps and strategy (`keras3.fit`).
-* `training`, `job`: `Model.fit` with progress, checkpoints and resume; the
-  training job that `launch/train.py` runs.
-* `data`, `validation`, `export`: training data from files, each worker its
-  own; exact validation on the coordinator; export for serving.
+* `fit`: `Model.fit` with progress, checkpoints, exact resume, exact
+  validation (`ExactValidation`), per-worker training files (`FileInput`) and
+  export; `job`: the training job that `launch/train.py` runs.
+* `faults`: exactly-once steps, the non-finite guard, exact restore, ps
+  recovery and the bounded wait for steps, under the algorithms.
+
+Names are imported on first use, so that the pure modules (schedules, NumPy
+references, L-BFGS and partition math) import without TensorFlow.
 """
 
 from tf_distbelief import _lazy
@@ -24,24 +27,35 @@ from tf_distbelief import _lazy
 __all__, __getattr__, __dir__ = _lazy.exports(
     __name__,
     {
-        "Adagrad": "adagrad.optimizer",
+        "AddressError": "cluster.addresses",
         "ClusterConfigError": "cluster.config",
+        "ClusterConnectError": "cluster.connect",
         "ClusterStartError": "cluster.config",
         "ConfigError": "errors",
+        "DistBeliefError": "errors",
         "DistBeliefStrategy": "strategy",
-        "Downpour": "downpour.replica",
-        "DownpourConfig": "downpour.config",
-        "DownpourMetrics": "downpour.keras",
-        "DownpourTrainer": "downpour.keras",
+        "DownpourUnsupportedError": "downpour.variables",
         "ExactValidation": "fit.validation",
         "FileInput": "fit.data",
+        "FitHooks": "hooks",
+        "GpuAssignmentError": "cluster.gpus",
+        "InfiniteValidationDataError": "fit.validation",
         "Keras3Error": "strategy",
-        "LocalCluster": "cluster.local",
-        "SandblasterConfig": "sandblaster.config",
-        "SandblasterObjective": "sandblaster.objective",
-        "SandblasterStats": "sandblaster.objective",
-        "SandblasterTrainer": "sandblaster.trainer",
+        "NonFiniteError": "faults.nonfinite",
+        "PsLostError": "faults.recovery",
+        "RestoreError": "faults.resume",
+        "RowSparseReadError": "downpour.variables",
         "StepStallError": "faults.step_watch",
-        "resolve_cluster": "cluster.config",
     },
+    packages=(
+        "adagrad",
+        "cluster",
+        "downpour",
+        "faults",
+        "fit",
+        "job",
+        "keras3",
+        "model_parallel",
+        "sandblaster",
+    ),
 )

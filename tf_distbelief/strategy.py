@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterator
 import tensorflow as tf
 from absl import logging
 
-from tf_distbelief import _tf_internals
+from tf_distbelief import _tf_internals, errors
 from tf_distbelief import cluster as cluster_lib
+from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as connect_lib
 from tf_distbelief.faults import step_watch
 
@@ -42,7 +43,7 @@ KERAS3_MESSAGE = (
 )
 
 
-class Keras3Error(RuntimeError):
+class Keras3Error(errors.DistBeliefError, RuntimeError):
     """A Keras 3 model or optimizer was used with `DistBeliefStrategy`.
 
     A RuntimeError rather than a TypeError so that Keras 3's deserialization,
@@ -190,11 +191,11 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
       import tf_keras
       import tf_distbelief as tfdb
 
-      with tfdb.LocalCluster(num_workers=2, num_ps=2) as local:
+      with tfdb.cluster.LocalCluster(num_workers=2, num_ps=2) as local:
         strategy = tfdb.DistBeliefStrategy(local.resolver)
         with strategy.scope():
           model = tf_keras.Sequential([tf_keras.layers.Dense(10)])
-          model.compile(tfdb.Adagrad(0.1), "sparse_categorical_crossentropy")
+          model.compile(tfdb.adagrad.Adagrad(0.1), "sparse_categorical_crossentropy")
         model.fit(dataset, epochs=2, steps_per_epoch=100)
       ```
 
@@ -235,9 +236,9 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
         step_watch.check_timeout(step_stall_timeout_secs)
         resolver = cluster_lib.resolve_cluster(cluster_resolver)
         if resolver is None:
-            raise cluster_lib.ClusterConfigError(
+            raise cluster_config.ClusterConfigError(
                 "No cluster: pass a ClusterResolver (for example "
-                "`tf_distbelief.LocalCluster(...).start().resolver`) or set "
+                "`tf_distbelief.cluster.LocalCluster(...).start().resolver`) or set "
                 "`TF_CONFIG`."
             )
         resolver = cluster_lib.training_cluster_resolver(resolver)

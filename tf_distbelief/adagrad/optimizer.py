@@ -21,9 +21,9 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief.adagrad.ops import apply_adagrad, deduplicate
+from tf_distbelief.adagrad.ops import apply_adagrad
 
-__all__ = ["Adagrad", "apply_adagrad", "deduplicate"]
+__all__ = ["Adagrad"]
 
 
 class Adagrad(tf_keras.optimizers.Adagrad):

@@ -12,13 +12,10 @@ from tf_distbelief.cluster.config import (
     ALLOWED_JOBS,
     JOB_ALIASES,
     SERVER_JOBS,
-    ClusterConfigError,
-    ClusterStartError,
     resolve_cluster,
     training_cluster_resolver,
     validate_cluster,
 )
-from tf_distbelief.cluster.gpus import GpuAssignmentError
 from tf_distbelief.cluster.isolation import enter_private_network
 from tf_distbelief.cluster.local import (
     DEFAULT_START_TIMEOUT_SECS,
@@ -31,9 +28,6 @@ __all__ = [
     "DEFAULT_START_TIMEOUT_SECS",
     "JOB_ALIASES",
     "SERVER_JOBS",
-    "ClusterConfigError",
-    "ClusterStartError",
-    "GpuAssignmentError",
     "LocalCluster",
     "enter_private_network",
     "resolve_cluster",

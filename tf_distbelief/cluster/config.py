@@ -50,7 +50,7 @@ class ClusterConfigError(errors.ConfigError):
     """A cluster configuration (`TF_CONFIG` or a resolver) is invalid."""
 
 
-class ClusterStartError(RuntimeError):
+class ClusterStartError(errors.DistBeliefError, RuntimeError):
     """A ps or worker task failed to start or died."""
 
 

@@ -24,7 +24,6 @@ __all__, __getattr__, __dir__ = _lazy.exports(
         "DownpourTrainer": "keras",
         "ReplicaState": "replica_state",
         "ReplicaStats": "schedule",
-        "RowSparseReadError": "variables",
         "embedding_tables": "keras",
         "enable": "variables",
         "install": "keras",

@@ -29,15 +29,13 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from tf_distbelief.adagrad import optimizer as adagrad
-from tf_distbelief.downpour.plan import Plan, PushedSquares
+from tf_distbelief.adagrad import ops as adagrad_ops
+from tf_distbelief.downpour import plan as plan_lib
 
 __all__ = [
     "Handles",
     "KindHandles",
     "KindOrder",
-    "Plan",
-    "PushedSquares",
     "VariableKind",
 ]
 
@@ -174,7 +172,7 @@ class VariableKind(abc.ABC):
       plan: the `Plan`.
     """
 
-    def __init__(self, variables: list, plan: Plan):
+    def __init__(self, variables: list, plan: plan_lib.Plan):
         self.variables = list(variables)
         self.plan = plan
         squares = plan.squares
@@ -183,8 +181,8 @@ class VariableKind(abc.ABC):
         self.squares = per_worker_copies(
             variables,
             "squares",
-            plan.initial_accumulator if squares is PushedSquares.LOCAL else 0,
-            squares is not PushedSquares.NONE,
+            plan.initial_accumulator if squares is plan_lib.PushedSquares.LOCAL else 0,
+            squares is not plan_lib.PushedSquares.NONE,
         )
         self.local_accumulators = per_worker_copies(
             variables,
@@ -280,9 +278,11 @@ class VariableKind(abc.ABC):
             # Where this step's squared gradient goes: the squares to push,
             # or the local accumulator when no local AdaGrad step grows it.
             squares_into = None
-            if accumulate and plan.squares is PushedSquares.SUMMED:
+            if accumulate and plan.squares is plan_lib.PushedSquares.SUMMED:
                 squares_into = kh.squares[j]
-            elif accumulate and plan.squares is PushedSquares.LOCAL and not step:
+            elif (
+                accumulate and plan.squares is plan_lib.PushedSquares.LOCAL and not step
+            ):
                 squares_into = kh.local_accs[j]
             if squares_into is not None:
                 ops.append(self._add(squares_into, _squared(g)))
@@ -291,7 +291,7 @@ class VariableKind(abc.ABC):
                 before = self._read(kh.caches[j], j, None)
             with tf.control_dependencies([] if before is None else [before]):
                 if step and plan.local_optimizer == "adagrad":
-                    stepped = adagrad.apply_adagrad(
+                    stepped = adagrad_ops.apply_adagrad(
                         kh.caches[j], kh.local_accs[j], g, alpha, epsilon
                     )
                 elif step:
@@ -317,9 +317,9 @@ class VariableKind(abc.ABC):
         for j, v in enumerate(self.variables):
             rows = self._pushed_rows(kh, j)
             grads.append(self._read(kh.accs[j], j, rows))
-            if mode is PushedSquares.SUMMED:
+            if mode is plan_lib.PushedSquares.SUMMED:
                 squares.append(self._read(kh.squares[j], j, rows))
-            elif mode is PushedSquares.LOCAL:
+            elif mode is plan_lib.PushedSquares.LOCAL:
                 # The local accumulator's growth since the last push.
                 base = self._read(kh.squares[j], j, rows)
                 squares.append(self._read(kh.local_accs[j], j, rows) - base)
@@ -328,7 +328,7 @@ class VariableKind(abc.ABC):
                 grads[-1] = tf.IndexedSlices(grads[-1], rows, shape)
                 if squares:
                     squares[-1] = tf.IndexedSlices(squares[-1], rows, shape)
-        return grads, None if mode is PushedSquares.NONE else squares
+        return grads, None if mode is plan_lib.PushedSquares.NONE else squares
 
     def restart(self, kh: KindHandles, pushed: list) -> list:
         """Ops that start the sums to push anew after a push of `pushed`.
@@ -346,9 +346,9 @@ class VariableKind(abc.ABC):
             rows = g.indices if isinstance(g, tf.IndexedSlices) else None
             zeros = tf.zeros_like(g if rows is None else g.values)
             ops.append(self._write(kh.accs[j], rows, zeros))
-            if mode is PushedSquares.SUMMED:
+            if mode is plan_lib.PushedSquares.SUMMED:
                 ops.append(self._write(kh.squares[j], rows, zeros))
-            elif mode is PushedSquares.LOCAL:
+            elif mode is plan_lib.PushedSquares.LOCAL:
                 base = self._read(kh.local_accs[j], j, rows)
                 ops.append(self._write(kh.squares[j], rows, base))
             ops += self._restart_rows(kh, j)
@@ -370,7 +370,7 @@ class VariableKind(abc.ABC):
             if acc is None:
                 continue
             dtype = self.variables[j].dtype
-            if restore_base and self.plan.squares is PushedSquares.LOCAL:
+            if restore_base and self.plan.squares is plan_lib.PushedSquares.LOCAL:
                 ops.append(assign(acc, read(kh.squares[j], dtype)))
             else:
                 value = read(acc, dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_distbelief.downpour import base
+from tf_distbelief.downpour import plan as plan_lib
 
 __all__ = ["DenseVariables"]
 
@@ -42,7 +43,7 @@ class DenseVariables(base.VariableKind):
 
     kind = "dense"
 
-    def __init__(self, variables: list, plan: base.Plan):
+    def __init__(self, variables: list, plan: plan_lib.Plan):
         super().__init__(variables, plan)
         self.nbytes = sum(v.shape.num_elements() * v.dtype.size for v in variables)
 

@@ -3,7 +3,7 @@
 Dean et al. 2012, section 4.1. A fetch copies the parameters into the
 replica's cache and records the ps update count it accounts for; a push sends
 the gradients summed since the last push (and their squares, see
-`base.PushedSquares`), unless too stale (`DownpourConfig.max_staleness`),
+`plan.PushedSquares`), unless too stale (`DownpourConfig.max_staleness`),
 applies the user's tf_keras optimizer to them on each variable's ps shard,
 and counts the update on the ps; a push with a NaN or inf is never applied
 (`push_guard`). The variables of each kind move as that kind

@@ -28,7 +28,7 @@ Example with `fit`:
   downpour.enable(strategy)  # before any variable is created
   with strategy.scope():
     model = digits.build_model()
-    model.compile(tfdb.Adagrad(0.1), loss=..., metrics=["accuracy"])
+    model.compile(tfdb.adagrad.Adagrad(0.1), loss=..., metrics=["accuracy"])
     model.downpour = downpour.install(model, downpour.DownpourConfig(4, 4))
   model.fit(dataset, epochs=5, steps_per_epoch=100,
             callbacks=[downpour.DownpourMetrics(model.downpour)])
@@ -57,7 +57,7 @@ def _check_compiled(model: tf_keras.Model) -> None:
     if getattr(model, "optimizer", None) is None:
         raise ValueError(
             "Argument `model` must be compiled with an optimizer (the ps applies "
-            "it to each push), e.g. `model.compile(tf_distbelief.Adagrad(0.1), "
+            "it to each push), e.g. `model.compile(tf_distbelief.adagrad.Adagrad(0.1), "
             f"loss=...)`. Received an uncompiled model: {model.name!r}"
         )
     if not model.built:

@@ -30,6 +30,7 @@ import tf_keras
 
 from tf_distbelief import _tf_internals, substitution
 from tf_distbelief.downpour import base, push_guard, push_rules, schedule
+from tf_distbelief.downpour import plan as plan_lib
 from tf_distbelief.downpour import variables as downpour_variables
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.dense import DenseVariables
@@ -61,7 +62,7 @@ class Downpour:
     Args:
       strategy: the `DistBeliefStrategy` the variables live on.
       variables: the trained ps variables (`model.trainable_variables`).
-      optimizer: a tf_keras optimizer (e.g. `tf_distbelief.Adagrad`) applied on
+      optimizer: a tf_keras optimizer (e.g. `tf_distbelief.adagrad.Adagrad`) applied on
         the ps to each push; it is built here if it is not yet.
       config: a `DownpourConfig`.
       row_sparse: variables among `variables` (e.g. embedding tables, whole or
@@ -87,7 +88,7 @@ class Downpour:
 
     Worker memory, per replica: the cache and the gradient accumulator, plus
     the local AdaGrad accumulator (`config.local_optimizer == "adagrad"`) and,
-    when pushes send the squared gradients (`base.PushedSquares`), its value
+    when pushes send the squared gradients (`plan.PushedSquares`), its value
     at the last push (local SGD: a sum of squared gradients instead): up to 4
     copies of the model (`worker_variables`; checkpointed per replica by
     `replica_state`). The local step size is `config.local_learning_rate_for`
@@ -120,7 +121,7 @@ class Downpour:
                 )
         self.row_sparse = row_sparse_flags(self.variables, row_sparse)
         self._order = base.KindOrder(self.row_sparse)
-        self.plan = base.Plan.create(config, optimizer)
+        self.plan = plan_lib.Plan.create(config, optimizer)
         with strategy.scope():
             if not getattr(optimizer, "_built", False):
                 optimizer.build(variables)

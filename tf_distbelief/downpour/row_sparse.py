@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tf_distbelief import _tf_internals, substitution
 from tf_distbelief.downpour import base
+from tf_distbelief.downpour import plan as plan_lib
 from tf_distbelief.downpour.variables import RowSparseReadError, leaf_variables
 
 __all__ = ["RowReader", "RowSparseVariables", "flags"]
@@ -65,7 +66,7 @@ class RowSparseVariables(base.VariableKind):
 
     kind = "rows"
 
-    def __init__(self, variables: list, plan: base.Plan):
+    def __init__(self, variables: list, plan: plan_lib.Plan):
         super().__init__(variables, plan)
         self.row_bytes = [v.shape[1:].num_elements() * v.dtype.size for v in variables]
         self.valid, self.touched = [

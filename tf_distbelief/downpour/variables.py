@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals, substitution
+from tf_distbelief import _tf_internals, errors, substitution
 
 __all__ = [
     "DownpourUnsupportedError",
@@ -46,7 +46,7 @@ __all__ = [
 _local = threading.local()
 
 
-class RowSparseReadError(RuntimeError):
+class RowSparseReadError(errors.DistBeliefError, RuntimeError):
     """A row-sparse variable was read whole during a Downpour step.
 
     A RuntimeError rather than a ValueError: TensorFlow's op construction
@@ -60,7 +60,7 @@ class RowSparseReadError(RuntimeError):
     __init__ = Exception.__init__
 
 
-class DownpourUnsupportedError(TypeError):
+class DownpourUnsupportedError(errors.DistBeliefError, TypeError):
     """A variable kind Downpour cannot keep a per-worker cache of."""
 
 

@@ -34,7 +34,7 @@ import weakref
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals
+from tf_distbelief import _tf_internals, errors
 from tf_distbelief.faults import exactly_once
 
 MODES = ("raise", "skip")
@@ -46,7 +46,7 @@ PUSH_MARKER = "tf_distbelief non-finite push at step"
 _GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(errors.DistBeliefError, FloatingPointError):
     """A NaN or inf was kept from the ps variables or from a checkpoint.
 
     Attributes:

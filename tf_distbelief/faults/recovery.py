@@ -49,7 +49,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import paths
+from tf_distbelief import errors, paths
 from tf_distbelief.cluster import server as server_lib
 from tf_distbelief.faults import resume
 
@@ -64,7 +64,7 @@ _REPORT_EVERY_SECS = 10.0
 _TASK_RE = re.compile(r"/job:ps/replica:\d+/task:(\d+)|/job:ps/task:(\d+)")
 
 
-class PsLostError(RuntimeError):
+class PsLostError(errors.DistBeliefError, RuntimeError):
     """A ps task was lost and the job could not recover from it.
 
     Attributes:

@@ -29,11 +29,11 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import _tf_internals, console
+from tf_distbelief import _tf_internals, console, errors
 from tf_distbelief.faults import nonfinite
 
 
-class RestoreError(ValueError):
+class RestoreError(errors.DistBeliefError, ValueError):
     """A checkpoint does not restore exactly into the model (nothing changed
     on disk)."""
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from absl import logging
 
-from tf_distbelief import _tf_internals, checks
+from tf_distbelief import _tf_internals, checks, errors
 from tf_distbelief.cluster import server as server_lib
 
 # Longer than a local task's restart (4-5 s) and a Kubernetes pod's reschedule
@@ -44,7 +44,7 @@ _POLL_SECS = 0.5
 _REPORT_EVERY_SECS = 30.0
 
 
-class StepStallError(TimeoutError):
+class StepStallError(errors.DistBeliefError, TimeoutError):
     """No function scheduled on the workers finished within the step stall timeout."""
 
 

@@ -20,7 +20,7 @@ from tf_distbelief import console, hooks, paths
 from tf_distbelief.faults import exactly_once, resume
 from tf_distbelief.faults import nonfinite as nonfinite_lib
 from tf_distbelief.fit import validation
-from tf_distbelief.fit.progress import Progress  # noqa: F401  (training.Progress)
+from tf_distbelief.fit.progress import Progress
 
 
 def dataset_creator(

@@ -37,6 +37,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
+from tf_distbelief import errors
+
 # The compile arguments the twin takes over (not the optimizer: it never trains).
 _COMPILE_ARGS = ("metrics", "loss_weights", "weighted_metrics")
 
@@ -46,7 +48,7 @@ _COMPILE_ARGS = ("metrics", "loss_weights", "weighted_metrics")
 DEFAULT_TIMEOUT_SECS = 3600.0
 
 
-class InfiniteValidationDataError(ValueError):
+class InfiniteValidationDataError(errors.DistBeliefError, ValueError):
     """`validation_data` is an infinite dataset and `validation_steps` is None."""
 
 

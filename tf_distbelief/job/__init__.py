@@ -24,7 +24,6 @@ from tf_distbelief.job.runner import (
     train,
 )
 from tf_distbelief.job.spec import ModelSpec, load_spec
-from tf_distbelief.strategy import make_partitioner
 
 __all__ = [
     "NONFINITE_MODES",
@@ -39,7 +38,6 @@ __all__ = [
     "evaluate_checkpoints",
     "load_spec",
     "main",
-    "make_partitioner",
     "run",
     "train",
 ]

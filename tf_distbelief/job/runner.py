@@ -17,6 +17,7 @@ from absl import logging
 from tf_distbelief import adagrad, cluster, console, downpour, errors, paths
 from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.faults import recovery
 from tf_distbelief.fit import evaluation, export, training
 from tf_distbelief.job.config import JobConfig
@@ -346,7 +347,7 @@ def run(config: JobConfig, spec: ModelSpec, print_fn=console.echo) -> dict | Non
         evaluate_checkpoints(config, spec, print_fn)
         return None
     if task_type != "chief":
-        raise cluster.ClusterConfigError(
+        raise cluster_config.ClusterConfigError(
             f"`TF_CONFIG` task type must be chief, worker, ps or evaluator. "
             f"Received: {task_type!r}"
         )

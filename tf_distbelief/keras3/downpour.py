@@ -6,7 +6,7 @@ running replica's cache (`tf_distbelief.substitution`), so
 `model.stateless_call` on their values computes the forward pass from the
 cache, and `Downpour` fetches every `n_fetch` steps and pushes every `n_push`
 steps exactly as for a tf_keras model (`tf_distbelief.downpour.schedule`'s
-order). The ps applies a push with `tf_distbelief.Adagrad`, the optimizer
+order). The ps applies a push with `tf_distbelief.adagrad.Adagrad`, the optimizer
 object that `Downpour`'s exchange is written against: it holds the
 accumulators on the ps shards and runs the same fused op; the Keras 3 model
 never meets tf_keras.

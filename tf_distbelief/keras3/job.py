@@ -17,6 +17,7 @@ from absl import logging
 
 from tf_distbelief import cluster, console, errors, paths
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.job import spec as spec_lib
 from tf_distbelief.job.config import JobConfig
 from tf_distbelief.keras3 import optimizer as optimizer_lib
@@ -161,7 +162,7 @@ def run(config: JobConfig, spec: spec_lib.ModelSpec, print_fn=console.echo):
         cluster.run_server(resolver, chief_gone_secs=config.chief_gone_secs)
         return None
     if resolver.task_type != "chief":
-        raise cluster.ClusterConfigError(
+        raise cluster_config.ClusterConfigError(
             f"`TF_CONFIG` task type must be chief, worker or ps with Keras 3. "
             f"Received: {resolver.task_type!r}"
         )

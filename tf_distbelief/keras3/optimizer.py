@@ -1,6 +1,6 @@
 """AdaGrad on the ps for Keras 3 models: hyperparameters and the fused op.
 
-`tf_distbelief.Adagrad` is a tf_keras optimizer (it subclasses
+`tf_distbelief.adagrad.Adagrad` is a tf_keras optimizer (it subclasses
 `tf_keras.optimizers.Adagrad`), and a Keras 3 optimizer keeps its state in
 Keras 3 variables on the coordinator. The Keras 3 path therefore applies
 AdaGrad itself, with the rule of `tf_distbelief.adagrad.rule.adagrad_update`
@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tf_distbelief.adagrad import ops as adagrad_ops
 
-# `tf_distbelief.Adagrad` (tf_keras) is recognised by its module, so that this
+# `tf_distbelief.adagrad.Adagrad` (tf_keras) is recognised by its module, so that this
 # module never imports tf_keras.
 _TF_KERAS_ADAGRAD_MODULE = "tf_distbelief.adagrad.optimizer"
 
@@ -25,7 +25,7 @@ _TF_KERAS_ADAGRAD_MODULE = "tf_distbelief.adagrad.optimizer"
 class Adagrad:
     """AdaGrad applied on the ps shards (Dean et al. 2012, section 4.1).
 
-    The defaults are `tf_distbelief.Adagrad`'s.
+    The defaults are `tf_distbelief.adagrad.Adagrad`'s.
 
     Attributes:
       learning_rate: gamma, a float > 0.
@@ -63,7 +63,7 @@ class Adagrad:
 
         Args:
           optimizer: None (the defaults), an `Adagrad`, the string
-            `"adagrad"`, or a `tf_distbelief.Adagrad` (tf_keras) with a
+            `"adagrad"`, or a `tf_distbelief.adagrad.Adagrad` (tf_keras) with a
             constant learning rate, whose hyperparameters are taken.
 
         Returns:
@@ -88,8 +88,8 @@ class Adagrad:
                 )
         raise ValueError(
             "Argument `optimizer` must be None, 'adagrad', a "
-            "`tf_distbelief.keras3.Adagrad`, or a `tf_distbelief.Adagrad` with a "
-            "constant learning rate: a Keras 3 model's AdaGrad runs on the ps "
+            "`tf_distbelief.keras3.Adagrad`, or a `tf_distbelief.adagrad.Adagrad` "
+            "with a constant learning rate: a Keras 3 model's AdaGrad runs on the ps "
             f"shards. Received: {optimizer!r}"
         )
 

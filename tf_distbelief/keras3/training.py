@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_distbelief import console
+from tf_distbelief.faults import nonfinite
 from tf_distbelief.keras3 import optimizer as optimizer_lib
 from tf_distbelief.keras3 import variables as variables_lib
 
@@ -228,8 +229,8 @@ def fit(
       metrics: Keras 3 metrics or names (`"accuracy"` on integer labels is
         `SparseCategoricalAccuracy`) whose state adds up over steps (means,
         sums, confusion counts).
-      optimizer: None (AdaGrad with `tf_distbelief.Adagrad`'s defaults), an
-        `Adagrad` or a `tf_distbelief.Adagrad`; see `Adagrad.from_optimizer`.
+      optimizer: None (AdaGrad with `tf_distbelief.adagrad.Adagrad`'s defaults), an
+        `Adagrad` or a `tf_distbelief.adagrad.Adagrad`; see `Adagrad.from_optimizer`.
       callbacks: Keras 3 callbacks.
       validation_data: `(x_val, y_val)` NumPy arrays, evaluated on the
         coordinator with the epoch's trained weights.
@@ -256,7 +257,7 @@ def fit(
       TypeError: `model` is not a Keras 3 model.
       ValueError: bad arguments (named), an unbuilt model, a model without a
         loss, or an optimizer other than AdaGrad; before anything is created.
-      FloatingPointError: a step's gradient held NaN or inf (named by
+      NonFiniteError: a step's gradient held NaN or inf (named by
         weight); that step changed no ps variable.
     """
     _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size)
@@ -354,10 +355,12 @@ def fit(
             if _NONFINITE_TAG not in str(error):
                 raise
             found = re.search(re.escape(_NONFINITE_TAG) + r"(\S+)", str(error))
-            raise FloatingPointError(
+            raise nonfinite.NonFiniteError(
                 f"Epoch {epoch + 1}: a step's gradient of weight `{found.group(1)}` "
                 "held NaN or inf; no ps variable took that step. Check the data "
-                "and lower the learning rate."
+                "and lower the learning rate.",
+                step=None,
+                variables=[found.group(1)],
             ) from error
         fetched = coordinator.fetch(results)
         logs = _logs(

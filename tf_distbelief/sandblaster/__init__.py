@@ -25,7 +25,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
     {
         "SandblasterConfig": "config",
         "SandblasterObjective": "objective",
-        "SandblasterStats": "objective",
+        "SandblasterStats": "schedule",
         "SandblasterTrainer": "trainer",
         "TWO_LOOPS": "two_loop",
     },

@@ -55,23 +55,6 @@ sending each portion's rows lets the ps sum in portion order. A portion's
 gradient crosses the network once, at the end of the evaluation, in one
 transfer per worker and shard; parameters are fetched once per worker and
 evaluation.
-
-Example:
-
-```python
-strategy = tf_distbelief.DistBeliefStrategy(resolver)
-model = tf_keras.Sequential([...])     # built outside `strategy.scope()`
-objective = sandblaster.SandblasterObjective(
-    strategy, model, "sparse_categorical_crossentropy", x_train, y_train,
-    portions=32)
-x0 = objective.ops.from_numpy(objective.layout.read())
-result = lbfgs.minimize(objective, x0, objective.ops, m=10)
-objective.close()
-print(result.loss, objective.stats)
-```
-
-`sandblaster.trainer.SandblasterTrainer` does this and writes the result back
-into the model.
 """
 
 from __future__ import annotations
@@ -95,11 +78,9 @@ from tf_distbelief.sandblaster.config import DEFAULT_STALL_TIMEOUT_SECS
 from tf_distbelief.sandblaster.schedule import SandblasterStats
 
 __all__ = [
-    "DEFAULT_STALL_TIMEOUT_SECS",
     "EVALUATION_ATTEMPTS",
     "LossFn",
     "SandblasterObjective",
-    "SandblasterStats",
 ]
 
 # What `loss_fn` may be (`portion.per_example_loss`): a tf_keras `Loss`, a loss
@@ -147,6 +128,23 @@ class SandblasterObjective:
     over the training set plus the model's regularisation losses
     (`model.losses`), at the flat float64 parameters (`flat_params.FlatLayout`).
     The model is evaluated with `training=False`, so it is deterministic.
+
+    Example:
+
+    ```python
+    strategy = tf_distbelief.DistBeliefStrategy(resolver)
+    model = tf_keras.Sequential([...])     # built outside `strategy.scope()`
+    objective = sandblaster.SandblasterObjective(
+        strategy, model, "sparse_categorical_crossentropy", x_train, y_train,
+        portions=32)
+    x0 = objective.ops.from_numpy(objective.layout.read())
+    result = lbfgs.minimize(objective, x0, objective.ops, m=10)
+    objective.close()
+    print(result.loss, objective.stats)
+    ```
+
+    `sandblaster.trainer.SandblasterTrainer` does this and writes the result back
+    into the model.
 
     Args:
       strategy: a `DistBeliefStrategy` (or ParameterServerStrategy); this

@@ -5,9 +5,6 @@ the `chief`), on vectors sharded over the ps tasks (`ps_vectors.PsVectorOps`),
 with `objective.SandblasterObjective` as the function it minimises: each
 evaluation runs in work portions on the workers. It starts from the model's
 weights and writes the result back into them.
-
-`SandblasterObjective` and `SandblasterStats` are re-exported here: they are
-part of what a trainer hands out (`trainer.objective`, `trainer.stats`).
 """
 
 from __future__ import annotations
@@ -22,14 +19,11 @@ import tf_keras
 from tf_distbelief import paths
 from tf_distbelief.sandblaster import checkpoint as checkpoint_lib
 from tf_distbelief.sandblaster import config as config_lib
-from tf_distbelief.sandblaster import lbfgs
+from tf_distbelief.sandblaster import lbfgs, schedule
 from tf_distbelief.sandblaster import objective as objective_lib
 from tf_distbelief.sandblaster import portion as portion_lib
 
-__all__ = ["SandblasterObjective", "SandblasterStats", "SandblasterTrainer"]
-
-SandblasterObjective = objective_lib.SandblasterObjective
-SandblasterStats = objective_lib.SandblasterStats
+__all__ = ["SandblasterTrainer"]
 
 
 class SandblasterTrainer:
@@ -48,7 +42,7 @@ class SandblasterTrainer:
 
     Example:
       ```
-      with tfdb.LocalCluster(num_workers=2, num_ps=2) as local:
+      with tfdb.cluster.LocalCluster(num_workers=2, num_ps=2) as local:
         strategy = tfdb.DistBeliefStrategy(local.resolver)
         model = models.digits.build_model()  # After the strategy connected.
         trainer = sandblaster.SandblasterTrainer(
@@ -123,7 +117,7 @@ class SandblasterTrainer:
             config, **{k: v for k, v in overrides.items() if v is not None}
         )
         self.model = model
-        self.objective = SandblasterObjective(
+        self.objective = objective_lib.SandblasterObjective(
             strategy,
             model,
             loss_fn,
@@ -137,7 +131,7 @@ class SandblasterTrainer:
         )
 
     @property
-    def stats(self) -> SandblasterStats:
+    def stats(self) -> schedule.SandblasterStats:
         """The objective's `SandblasterStats`, summed over every `fit`."""
         return self.objective.stats
 
