@@ -404,7 +404,7 @@ def main(argv):
     if FLAGS.keras == "3":
         from tf_distbelief.keras3 import job as keras3_job
 
-        job.main(config, spec, run=keras3_job.run)
+        job.main(config, spec, trainer=keras3_job.TRAINER)
     else:
         job.main(config, spec)
 

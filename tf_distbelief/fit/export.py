@@ -160,15 +160,36 @@ def _save(plain: tf_keras.Model, export_dir: str) -> ExportPaths:
             save_format="tf",
             include_optimizer=False,
         )
-        plain.save(
-            os.path.join(tmp, paths.KERAS_FILE)
-        )  # The plain copy has no optimizer.
+        plain.save(os.path.join(tmp, paths.KERAS_FILE))  # It has no optimizer.
         # An earlier export is replaced whole, never mixed with this one.
         if os.path.isdir(written.saved_model):
             shutil.rmtree(written.saved_model)
         os.replace(os.path.join(tmp, paths.SAVED_MODEL_SUBDIR), written.saved_model)
         os.replace(os.path.join(tmp, paths.KERAS_FILE), written.keras_file)
     return written
+
+
+def save_keras_file(model, export_dir: str) -> str:
+    """Saves `model` as `export_dir/model.keras`, whole or not at all.
+
+    For a model that lives on one process (a Keras 3 model trained with
+    `keras3.fit`, whose weights are written back to it). The file is written
+    under a temporary name, then renamed: an earlier export is replaced,
+    never torn.
+
+    Args:
+      model: a Keras model with `save(path)`.
+      export_dir: the export folder; created if needed.
+
+    Returns:
+      The `.keras` file's path.
+    """
+    os.makedirs(export_dir, exist_ok=True)
+    keras_file = os.path.join(export_dir, paths.KERAS_FILE)
+    partial = os.path.join(export_dir, f".partial.{os.getpid()}.keras")
+    model.save(partial)
+    os.replace(partial, keras_file)
+    return keras_file
 
 
 def export_model(

@@ -3,7 +3,8 @@
 * `config`: `JobConfig`, the job's settings (it holds a `DownpourConfig`).
 * `spec`: `ModelSpec`, the model and its data; `load_spec` imports a user's
   spec named `package.module:function`.
-* `runner`: `run` (dispatch on the task type), `train`, `compile_model`,
+* `runner`: `run` (dispatch on the task type, for any `Trainer`: `TF_KERAS`
+  or `keras3.job.TRAINER`), `connect_strategy`, `train`, `compile_model`,
   `evaluate_checkpoints`, `main`.
 """
 
@@ -14,10 +15,13 @@ from tf_distbelief.job.config import (
     JobConfig,
 )
 from tf_distbelief.job.runner import (
+    TF_KERAS,
+    Trainer,
     build_model,
     build_optimizer,
     check_spec,
     compile_model,
+    connect_strategy,
     evaluate_checkpoints,
     main,
     run,
@@ -31,10 +35,13 @@ __all__ = [
     "PARTITIONERS",
     "JobConfig",
     "ModelSpec",
+    "TF_KERAS",
+    "Trainer",
     "build_model",
     "build_optimizer",
     "check_spec",
     "compile_model",
+    "connect_strategy",
     "evaluate_checkpoints",
     "load_spec",
     "main",

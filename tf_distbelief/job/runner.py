@@ -8,7 +8,9 @@ accuracy. The model and its data come from a `ModelSpec`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 
 import tensorflow as tf
 import tf_keras
@@ -132,16 +134,33 @@ def train(
     )
 
 
-def _train_attempt(config, spec, cluster_resolver, print_fn, more_callbacks) -> dict:
-    """One attempt of `train`: a new strategy and model, resumed from `model_dir`."""
+def connect_strategy(
+    config: JobConfig, cluster_resolver
+) -> strategy_lib.DistBeliefStrategy:
+    """The job's `DistBeliefStrategy`, connected to the cluster (tf_keras and Keras 3).
+
+    Connected first: a task that cannot be reached fails the job at once.
+
+    Args:
+      config: the job (`partitioner`, `shard_bytes`, the connect and step
+        stall timeouts).
+      cluster_resolver: the chief's ClusterResolver.
+
+    Returns:
+      The strategy, its variables sharded over the cluster's ps tasks.
+    """
     num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
-    # Connected first: a task that cannot be reached fails the job at once.
-    strategy = strategy_lib.DistBeliefStrategy(
+    return strategy_lib.DistBeliefStrategy(
         cluster_resolver,
         strategy_lib.make_partitioner(config.partitioner, num_ps, config.shard_bytes),
         connect_timeout_secs=config.connect_timeout_secs,
         step_stall_timeout_secs=config.step_stall_timeout_secs,
     )
+
+
+def _train_attempt(config, spec, cluster_resolver, print_fn, more_callbacks) -> dict:
+    """One attempt of `train`: a new strategy and model, resumed from `model_dir`."""
+    strategy = connect_strategy(config, cluster_resolver)
     if config.optimizer == "lbfgs":
         return _train_sandblaster(config, spec, strategy, *spec.load_data(), print_fn)
     if spec.dataset_fn is not None:
@@ -290,13 +309,39 @@ def evaluate_checkpoints(
     return results
 
 
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """How the chief trains one kind of model; `run` does the rest of the job.
+
+    The job spine (`run`: validation, the local cluster or `TF_CONFIG`, the
+    ps/worker servers, the export folder check) is the same for every kind of
+    model; a `Trainer` holds what differs.
+
+    Attributes:
+      name: what trains, for the local cluster's line (e.g. `"tf_keras"`).
+      check: `(config, spec) -> None`, raises `ConfigError` for a setting this
+        trainer cannot honour, before any server starts.
+      train: `(config, spec, cluster_resolver, print_fn) -> dict`, the
+        chief's training (`train`).
+      evaluate: `(config, spec, print_fn) -> dict`, the `evaluator` task, or
+        None where there is none.
+    """
+
+    name: str
+    check: Callable[[JobConfig, ModelSpec], None]
+    train: Callable[..., dict]
+    evaluate: Callable[..., dict] | None = None
+
+
 def gpu_summary(assignment) -> str:
     """`worker 0: 0,1; worker 1: 2,3; ps: none` from `LocalCluster.gpu_assignment`."""
     parts = [f"{j} {i}: {v}" for (j, i), v in sorted(assignment.items()) if v]
     return "; ".join(parts + ["ps: none"])
 
 
-def run(config: JobConfig, spec: ModelSpec, print_fn=console.echo) -> dict | None:
+def run(
+    config: JobConfig, spec: ModelSpec, print_fn=console.echo, trainer=None
+) -> dict | None:
     """Runs this process's part of the job; see the module docstring.
 
     Everything is validated before any server starts.
@@ -305,6 +350,8 @@ def run(config: JobConfig, spec: ModelSpec, print_fn=console.echo) -> dict | Non
       config: the job.
       spec: the model and its data (not loaded on ps and worker tasks).
       print_fn: where progress lines go.
+      trainer: the chief's `Trainer`; None means `TF_KERAS` (a tf_keras
+        model). `tf_distbelief.keras3.job.TRAINER` trains a Keras 3 model.
 
     Returns:
       On the chief, `train`'s result; on other tasks, None.
@@ -313,8 +360,9 @@ def run(config: JobConfig, spec: ModelSpec, print_fn=console.echo) -> dict | Non
       ValueError: a bad `config` field or cluster (`ClusterConfigError`).
       ClusterStartError: a local task failed to start.
     """
+    trainer = TF_KERAS if trainer is None else trainer
     config.validate()
-    check_spec(config, spec)
+    trainer.check(config, spec)
     resolver = cluster.resolve_cluster()
     if config.export_dir and (resolver is None or resolver.task_type == "chief"):
         export.check_export_dir(config.export_dir, config.model_dir)
@@ -329,11 +377,12 @@ def run(config: JobConfig, spec: ModelSpec, print_fn=console.echo) -> dict | Non
         ) as local:
             print_fn(
                 f"local cluster: {config.num_workers} workers, {config.num_ps} ps "
-                f"({', '.join(a for j in ('worker', 'ps') for a in local.jobs[j])})"
+                f"({', '.join(a for j in ('worker', 'ps') for a in local.jobs[j])}; "
+                f"{trainer.name})"
             )
             if any(local.gpu_assignment.values()):
                 print_fn(f"local cluster GPUs: {gpu_summary(local.gpu_assignment)}")
-            return train(config, spec, local.resolver, print_fn)
+            return trainer.train(config, spec, local.resolver, print_fn)
     task_type = resolver.task_type
     logging.info("Task %s:%s", task_type, resolver.task_id)
     if task_type in cluster.SERVER_JOBS:
@@ -343,18 +392,23 @@ def run(config: JobConfig, spec: ModelSpec, print_fn=console.echo) -> dict | Non
             chief_gone_secs=config.chief_gone_secs,
         )
         return None
-    if task_type == "evaluator":
-        evaluate_checkpoints(config, spec, print_fn)
+    if task_type == "evaluator" and trainer.evaluate is not None:
+        trainer.evaluate(config, spec, print_fn)
         return None
     if task_type != "chief":
+        roles = "chief, worker, ps" + (" or evaluator" if trainer.evaluate else "")
         raise cluster_config.ClusterConfigError(
-            f"`TF_CONFIG` task type must be chief, worker, ps or evaluator. "
+            f"`TF_CONFIG` task type must be {roles} with {trainer.name}. "
             f"Received: {task_type!r}"
         )
-    return train(config, spec, resolver, print_fn)
+    return trainer.train(config, spec, resolver, print_fn)
 
 
-def main(config: JobConfig, spec: ModelSpec, run=run) -> None:
+# The tf_keras job: `Model.fit` (stock or Downpour) or Sandblaster L-BFGS.
+TF_KERAS = Trainer("tf_keras", check_spec, train, evaluate_checkpoints)
+
+
+def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> None:
     """Runs `run(config, spec)` for a launch script, then ends the process at once.
 
     TensorFlow's interpreter teardown tries to remove functions from the cluster
@@ -366,11 +420,13 @@ def main(config: JobConfig, spec: ModelSpec, run=run) -> None:
     Args:
       config: the job.
       spec: the model and its data.
-      run: the job, `run` (tf_keras) or `tf_distbelief.keras3.job.run`.
+      trainer: the chief's `Trainer` (`run`'s).
 
     Raises:
       errors.ConfigError: a refused setting (raised before any cluster
         starts), for the launch script to print in one line. Any other
         `Exception` ends the process with status 1 and its traceback.
     """
-    console.exit_when_done(run, config, spec, keep=(errors.ConfigError,))
+    console.exit_when_done(
+        run, config, spec, console.echo, trainer, keep=(errors.ConfigError,)
+    )

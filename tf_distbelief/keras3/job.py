@@ -1,23 +1,23 @@
-"""The training job for a Keras 3 model (`launch/train.py --keras=3`).
+"""The chief's part of a Keras 3 job (`launch/train.py --keras=3`): `TRAINER`.
 
-The same cluster handling as `tf_distbelief.job.runner.run` (a local cluster
-without `TF_CONFIG`; with it, ps/worker tasks serve and the chief trains), with
-`tf_distbelief.keras3.fit` as the training loop. Settings that path does not
-have yet are refused, naming the setting, before any server starts.
+The job itself is `tf_distbelief.job.runner.run`'s, as for tf_keras (a local
+cluster without `TF_CONFIG`; with it, ps/worker tasks serve), with the same
+strategy (`runner.connect_strategy`) and `.keras` export
+(`fit.export.save_keras_file`); what differs is the training loop,
+`tf_distbelief.keras3.fit`. Settings that loop does not have yet are refused,
+naming the setting, before any server starts.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import keras
 import numpy as np
-from absl import logging
 
-from tf_distbelief import cluster, console, errors, paths
-from tf_distbelief import strategy as strategy_lib
-from tf_distbelief.cluster import config as cluster_config
+from tf_distbelief import console, errors
+from tf_distbelief.fit import export
+from tf_distbelief.job import runner
 from tf_distbelief.job import spec as spec_lib
 from tf_distbelief.job.config import JobConfig
 from tf_distbelief.keras3 import optimizer as optimizer_lib
@@ -77,13 +77,7 @@ def train(
     Raises:
       TypeError: `spec.build_model` did not return a Keras 3 model.
     """
-    num_ps = len(cluster_resolver.cluster_spec().as_dict()["ps"])
-    strategy = strategy_lib.DistBeliefStrategy(
-        cluster_resolver,
-        strategy_lib.make_partitioner(config.partitioner, num_ps, config.shard_bytes),
-        connect_timeout_secs=config.connect_timeout_secs,
-        step_stall_timeout_secs=config.step_stall_timeout_secs,
-    )
+    strategy = runner.connect_strategy(config, cluster_resolver)
     # Outside the strategy's scope: the model's own variables stay on the
     # chief; `fit` puts their ps copies on the ps.
     model = spec.build_model(None)
@@ -117,12 +111,7 @@ def train(
     print_fn(f"test accuracy: {test_accuracy:.4f}")
     keras_file = None
     if config.export_dir:
-        os.makedirs(config.export_dir, exist_ok=True)
-        keras_file = os.path.join(config.export_dir, paths.KERAS_FILE)
-        # Written whole, then renamed: an earlier export is replaced, never torn.
-        partial = os.path.join(config.export_dir, f".partial.{os.getpid()}.keras")
-        model.save(partial)
-        os.replace(partial, keras_file)
+        keras_file = export.save_keras_file(model, config.export_dir)
         print_fn(f"exported: {keras_file}")
     return {
         "test_accuracy": test_accuracy,
@@ -132,38 +121,9 @@ def train(
     }
 
 
-def run(config: JobConfig, spec: spec_lib.ModelSpec, print_fn=console.echo):
-    """This process's part of a Keras 3 job (`tf_distbelief.job.run`'s roles).
-
-    Args:
-      config: the job; checked by `check_config` before any server starts.
-      spec: the model (Keras 3) and its data.
-      print_fn: where progress lines go.
-
-    Returns:
-      On the chief, `train`'s result; on ps and worker tasks, None.
-
-    Raises:
-      ValueError: a setting the Keras 3 path lacks, or a bad cluster.
-    """
+def _check(config: JobConfig, spec: spec_lib.ModelSpec) -> None:
+    del spec  # A Keras 3 spec is checked when its model is built.
     check_config(config)
-    resolver = cluster.resolve_cluster()
-    if resolver is None:
-        with cluster.LocalCluster(
-            config.num_workers, config.num_ps, gpus_per_worker=config.gpus_per_worker
-        ) as local:
-            print_fn(
-                f"local cluster: {config.num_workers} workers, {config.num_ps} ps "
-                f"(Keras {keras.__version__})"
-            )
-            return train(config, spec, local.resolver, print_fn)
-    logging.info("Task %s:%s", resolver.task_type, resolver.task_id)
-    if resolver.task_type in cluster.SERVER_JOBS:
-        cluster.run_server(resolver, chief_gone_secs=config.chief_gone_secs)
-        return None
-    if resolver.task_type != "chief":
-        raise cluster_config.ClusterConfigError(
-            f"`TF_CONFIG` task type must be chief, worker or ps with Keras 3. "
-            f"Received: {resolver.task_type!r}"
-        )
-    return train(config, spec, resolver, print_fn)
+
+
+TRAINER = runner.Trainer("Keras " + keras.__version__, _check, train)
