@@ -1,7 +1,11 @@
-"""Argument checks shared by the pure Sandblaster modules (no TensorFlow).
+"""Argument checks: the one owner of what counts as an int, a number, seconds.
 
-Each error names the argument in backticks, states the rule and echoes the
-value received (STYLE.md, habit 5).
+No TensorFlow. The predicates (`is_int`, `is_number`) are the rules every
+module applies (a bool is never an int here, though Python says it is; NumPy
+scalars count); the `check_*` functions raise with the house message: the
+argument in backticks, the rule, and the value received. A module whose
+message says more (why the rule, what to do) applies the predicate and
+raises its own.
 """
 
 from __future__ import annotations
@@ -10,6 +14,18 @@ import math
 from typing import Any
 
 import numpy as np
+
+
+def is_int(value: Any) -> bool:
+    """True for an int or a NumPy integer, False for a bool or anything else."""
+    return isinstance(value, (int, np.integer)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def is_number(value: Any) -> bool:
+    """True for an int or float (NumPy scalars too), False for a bool."""
+    return is_int(value) or isinstance(value, (float, np.floating))
 
 
 def check_int(name: str, value: Any, minimum: int, rule: str | None = None) -> None:
@@ -26,7 +42,7 @@ def check_int(name: str, value: Any, minimum: int, rule: str | None = None) -> N
       TypeError: `value` is not an int.
       ValueError: `value < minimum`.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise TypeError(f"Argument `{name}` must be an int. Received: {value!r}")
     if value < minimum:
         if rule is None:
@@ -36,7 +52,7 @@ def check_int(name: str, value: Any, minimum: int, rule: str | None = None) -> N
 
 def check_nonnegative(name: str, value: Any) -> None:
     """Raises `ValueError` unless `value` is a number >= 0."""
-    if not (isinstance(value, (int, float, np.floating)) and value >= 0):
+    if not (is_number(value) and value >= 0):
         raise ValueError(
             f"Argument `{name}` must be a number >= 0. Received: {value!r}"
         )
@@ -44,22 +60,8 @@ def check_nonnegative(name: str, value: Any) -> None:
 
 def check_positive_secs(name: str, value: Any) -> None:
     """Raises `ValueError` unless `value` is a finite number of seconds > 0."""
-    if not (
-        isinstance(value, (int, float, np.integer, np.floating))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    ):
+    if not (is_number(value) and math.isfinite(value) and value > 0):
         raise ValueError(
             f"Argument `{name}` must be a finite number of seconds > 0. "
             f"Received: {value!r}"
-        )
-
-
-def check_wolfe_constants(c1: float, c2: float) -> None:
-    """Raises `ValueError` unless `0 < c1 < c2 < 1` (strong Wolfe conditions)."""
-    if not 0.0 < c1 < c2 < 1.0:
-        raise ValueError(
-            "Arguments `c1` and `c2` must satisfy 0 < c1 < c2 < 1 (Nocedal & Wright "
-            f"use c1=1e-4, c2=0.9). Received: c1={c1!r}, c2={c2!r}"
         )

@@ -17,10 +17,10 @@ communication beyond the gradient push.
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 import tf_keras
 
+from tf_distbelief import checks
 from tf_distbelief.adagrad.ops import apply_adagrad
 
 __all__ = ["Adagrad"]
@@ -116,11 +116,7 @@ class Adagrad(tf_keras.optimizers.Adagrad):
         Raises:
           ValueError: `steps` is not an int >= 1.
         """
-        if (
-            isinstance(steps, bool)
-            or not isinstance(steps, (int, np.integer))
-            or steps < 1
-        ):
+        if not checks.is_int(steps) or steps < 1:
             raise ValueError(
                 "Argument `steps` must be an int >= 1 (the gradients summed in "
                 f"the push). Received: {steps!r}"

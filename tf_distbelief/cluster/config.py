@@ -35,7 +35,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from tf_distbelief import console, errors
+from tf_distbelief import checks, console, errors
 from tf_distbelief.cluster import addresses
 
 ALLOWED_JOBS = ("chief", "worker", "ps", "evaluator")
@@ -173,7 +173,7 @@ def validate_cluster(
                 f"Task type {task_type!r} is not a known job; allowed are "
                 f"{', '.join(ALLOWED_JOBS)}."
             )
-        if not isinstance(task_id, int) or isinstance(task_id, bool):
+        if not checks.is_int(task_id):
             raise ClusterConfigError(
                 f"Task index of `{task_type}` must be an integer. Received: {task_id!r}"
             )

@@ -44,7 +44,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 
-from tf_distbelief import errors
+from tf_distbelief import checks, errors
 
 # The CUDA_VISIBLE_DEVICES value that hides every GPU from a process.
 NO_GPU = ""
@@ -149,9 +149,7 @@ def assign_gpus(
       ValueError: `gpus_per_worker` is negative or not an integer.
     """
     if gpus_per_worker is not None and (
-        not isinstance(gpus_per_worker, int)
-        or isinstance(gpus_per_worker, bool)
-        or gpus_per_worker < 0
+        not checks.is_int(gpus_per_worker) or gpus_per_worker < 0
     ):
         raise ValueError(
             "Argument `gpus_per_worker` must be None (share the host's GPUs "

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 import portpicker
 from absl import logging
 
+from tf_distbelief import checks
 from tf_distbelief.cluster import config as config_lib
 from tf_distbelief.cluster import gpus as gpus_lib
 from tf_distbelief.cluster import isolation
@@ -117,7 +118,7 @@ class LocalCluster:
             ("max_restarts", max_restarts, 0),
             ("intra_op_threads", intra_op_threads, 0),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            if not checks.is_int(value) or value < least:
                 rule = "a positive integer" if least else "an integer >= 0"
                 raise ValueError(
                     f"Argument `{name}` must be {rule}. Received: {value!r}"

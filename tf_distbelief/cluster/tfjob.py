@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from tf_distbelief import checks
+
 __all__ = [
     "JOB_NAME_LABEL",
     "REPLICA_TYPES",
@@ -191,7 +193,7 @@ class TFJobConfig:
             ("backoff_limit", 0),
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            if not checks.is_int(value) or value < low:
                 raise ValueError(
                     f"`{name}` must be an integer >= {low}. Received: {value!r}"
                 )

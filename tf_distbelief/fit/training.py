@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import console, hooks, paths
+from tf_distbelief import checks, console, hooks, paths
 from tf_distbelief.faults import exactly_once, resume
 from tf_distbelief.faults import nonfinite as nonfinite_lib
 from tf_distbelief.fit import validation
@@ -154,7 +154,7 @@ class FitResult:
 
 
 def _check_count(name, value, why=""):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not checks.is_int(value) or value < 1:
         raise ValueError(
             f"Argument `{name}` must be an int >= 1{why}. Received: {value!r}"
         )
@@ -233,11 +233,7 @@ def fit(
         "dataset, whose length tf_keras cannot infer: an epoch is this many "
         "steps over all workers)",
     )
-    if (
-        isinstance(checkpoint_every_steps, bool)
-        or not isinstance(checkpoint_every_steps, (int, np.integer))
-        or checkpoint_every_steps < 0
-    ):
+    if not checks.is_int(checkpoint_every_steps) or checkpoint_every_steps < 0:
         raise ValueError(
             "Argument `checkpoint_every_steps` must be an int >= 0 (0: at "
             f"epoch ends only). Received: {checkpoint_every_steps!r}"

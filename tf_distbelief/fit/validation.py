@@ -37,7 +37,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import errors
+from tf_distbelief import checks, errors
 
 # The compile arguments the twin takes over (not the optimizer: it never trains).
 _COMPILE_ARGS = ("metrics", "loss_weights", "weighted_metrics")
@@ -53,13 +53,11 @@ class InfiniteValidationDataError(errors.DistBeliefError, ValueError):
 
 
 def _check_freq(validation_freq):
-    if isinstance(validation_freq, bool):
-        ok = False
-    elif isinstance(validation_freq, (int, np.integer)):
+    if checks.is_int(validation_freq):
         ok = validation_freq >= 1
     else:
         ok = isinstance(validation_freq, Collection) and all(
-            isinstance(e, (int, np.integer)) and e >= 1 for e in validation_freq
+            checks.is_int(e) and e >= 1 for e in validation_freq
         )
     if not ok:
         raise ValueError(
@@ -155,9 +153,7 @@ class ExactValidation(tf_keras.callbacks.Callback):
         self._x, self._y, self._sample_weight = _unpack(validation_data)
         _check_freq(validation_freq)
         if validation_steps is not None and (
-            isinstance(validation_steps, bool)
-            or not isinstance(validation_steps, (int, np.integer))
-            or validation_steps < 1
+            not checks.is_int(validation_steps) or validation_steps < 1
         ):
             raise ValueError(
                 "Argument `validation_steps` must be an int >= 1 or None (the "

@@ -14,6 +14,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from tf_distbelief import checks
 from tf_distbelief.adagrad import ops as adagrad_ops
 
 # `tf_distbelief.adagrad.Adagrad` (tf_keras) is recognised by its module, so that this
@@ -47,7 +48,7 @@ class Adagrad:
             ("epsilon", 0.0, False),
         ):
             value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = checks.is_number(value)
             ok = ok and float(value) < float("inf")
             ok = ok and (value > low if strict else value >= low)
             if not ok:

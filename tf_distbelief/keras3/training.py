@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import console
+from tf_distbelief import checks, console
 from tf_distbelief.faults import nonfinite
 from tf_distbelief.keras3 import optimizer as optimizer_lib
 from tf_distbelief.keras3 import variables as variables_lib
@@ -53,7 +53,7 @@ def _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size):
         ("steps_per_epoch", steps_per_epoch),
         ("batch_size", batch_size),
     ):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if not checks.is_int(value):
             raise ValueError(
                 f"Argument `{name}` must be an int >= 1. Received: {value!r}"
             )
@@ -262,8 +262,7 @@ def fit(
     """
     _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size)
     if (
-        isinstance(steps_per_execution, bool)
-        or not isinstance(steps_per_execution, (int, np.integer))
+        not checks.is_int(steps_per_execution)
         or steps_per_execution < 1
         or steps_per_epoch % steps_per_execution
     ):

@@ -221,7 +221,7 @@ def minimize(
     checks.check_int("max_line_search_evals", max_line_search_evals, 1)
     checks.check_nonnegative("gtol", gtol)
     checks.check_nonnegative("ftol", ftol)
-    checks.check_wolfe_constants(c1, c2)
+    line_search.check_wolfe_constants(c1, c2)
     if two_loop not in TWO_LOOPS:
         raise ValueError(
             f"Argument `two_loop` must be one of {TWO_LOOPS}. Received: {two_loop!r}"

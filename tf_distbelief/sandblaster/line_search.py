@@ -58,6 +58,15 @@ class LineSearchResult:
     success: bool
 
 
+def check_wolfe_constants(c1: float, c2: float) -> None:
+    """Raises `ValueError` unless `0 < c1 < c2 < 1` (strong Wolfe conditions)."""
+    if not 0.0 < c1 < c2 < 1.0:
+        raise ValueError(
+            "Arguments `c1` and `c2` must satisfy 0 < c1 < c2 < 1 (Nocedal & Wright "
+            f"use c1=1e-4, c2=0.9). Received: c1={c1!r}, c2={c2!r}"
+        )
+
+
 def _interpolate(lo: tuple, hi: tuple) -> float:
     """Safeguarded cubic minimiser on the bracket (Nocedal & Wright, eq. 3.59)."""
     (t_lo, p_lo, dp_lo), (t_hi, p_hi, dp_hi) = lo, hi
@@ -139,7 +148,7 @@ def wolfe_line_search(
         raise ValueError(
             f"Argument `step0` must be finite and positive. Received: {step0!r}"
         )
-    checks.check_wolfe_constants(c1, c2)
+    check_wolfe_constants(c1, c2)
     checks.check_int("max_evals", max_evals, 1)
 
     num_evals = 0

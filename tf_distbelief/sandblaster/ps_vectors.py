@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_distbelief import checks
 from tf_distbelief.sandblaster import ps_batched, vector_ops
 
 __all__ = ["PsVector", "PsVectorOps", "shard_sizes"]
@@ -199,7 +200,7 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
             )
         if num_shards is None:
             num_shards = len(self._ps_devices)
-        if isinstance(num_shards, bool) or not isinstance(num_shards, int):
+        if not checks.is_int(num_shards):
             raise TypeError(
                 "Argument `num_shards` must be an int or None. Received: "
                 f"{num_shards!r}"

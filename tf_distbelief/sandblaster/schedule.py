@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tf_distbelief import checks
+
 __all__ = ["PortionLedger", "SandblasterStats", "SlotPool", "portion_bounds"]
 
 
@@ -31,7 +33,7 @@ def portion_bounds(num_examples: int, portions: int) -> list[int]:
     Raises:
       ValueError: `portions` is not in `[1, num_examples]`.
     """
-    if isinstance(portions, bool) or not isinstance(portions, int):
+    if not checks.is_int(portions):
         raise TypeError(f"Argument `portions` must be an int. Received: {portions!r}")
     if not 1 <= portions <= num_examples:
         raise ValueError(
