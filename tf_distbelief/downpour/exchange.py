@@ -36,6 +36,10 @@ class Exchange:
       order: the `base.KindOrder` of `variables`.
       dense: the dense variables' handler.
       rows: the row-sparse variables' handler.
+      guard_context: the `push_guard.Guard` of the replica's `Downpour`: what
+        a refused push does (its `nonfinite` mode, read when traced).
+      tokens: the optimizer's `exactly_once.StepTokens`, or None.
+      rules: the `push_rules.PushRules`, or None when every rule is off.
     """
 
     def __init__(
@@ -46,6 +50,9 @@ class Exchange:
         order: base.KindOrder,
         dense: DenseVariables,
         rows: RowSparseVariables,
+        guard_context,
+        tokens,
+        rules,
     ):
         self.optimizer = optimizer
         self.config = config
@@ -55,12 +62,12 @@ class Exchange:
         self.rows = rows
         # What the non-finite guard does with a refused push: `replica.Downpour`
         # (its `nonfinite` mode, read when the step is traced).
-        self.guard_context = None
+        self.guard_context = guard_context
         # The optimizer's `exactly_once.StepTokens`: each push is gated by the
         # token of the step that ends it, when one is in scope.
-        self.tokens = None
-        # The `push_rules.PushRules` (`replica.Downpour`), None when all off.
-        self.rules = None
+        self.tokens = tokens
+        # The `push_rules.PushRules`, None when all off.
+        self.rules = rules
 
     def record(self, h: base.Handles):
         """The `DenseVariables.pull` `record` of delay compensation, or None."""

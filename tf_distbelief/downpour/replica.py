@@ -144,10 +144,16 @@ class Downpour:
         self.guard = push_guard.Guard(self)
         self.tokens = exactly_once.tokens_for(optimizer, strategy)
         self._exchange = Exchange(
-            optimizer, config, self.variables, self._order, self._dense, self._rows
+            optimizer,
+            config,
+            self.variables,
+            self._order,
+            self._dense,
+            self._rows,
+            guard_context=self.guard,
+            tokens=self.tokens,
+            rules=rules,
         )
-        self._exchange.guard_context, self._exchange.tokens = self.guard, self.tokens
-        self._exchange.rules = rules
 
     @property
     def _caches(self) -> list[tf.Variable]:  # One per variable.
