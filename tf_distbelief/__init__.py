@@ -35,6 +35,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
         "DistBeliefError": "errors",
         "DistBeliefStrategy": "strategy",
         "DownpourUnsupportedError": "downpour.variables",
+        "EmulatedNetworkError": "cluster.network",
         "ExactValidation": "fit.validation",
         "FileInput": "fit.data",
         "FitHooks": "hooks",

@@ -23,7 +23,7 @@ from absl import logging
 from tf_distbelief import checks
 from tf_distbelief.cluster import config as config_lib
 from tf_distbelief.cluster import gpus as gpus_lib
-from tf_distbelief.cluster import isolation
+from tf_distbelief.cluster import isolation, network
 from tf_distbelief.cluster import server as server_lib
 
 # A child server imports TensorFlow (4-5 s on this class of machine) before it
@@ -88,9 +88,17 @@ class LocalCluster:
         `TF_NUM_INTRAOP_THREADS`); 0 (default): as this process's environment
         gives (TensorFlow: one per core, so more tasks than cores on one host
         oversubscribe them); 1: each task a one-core machine, as the paper's.
+      nic_bandwidth: None (default): loopback as it is. A rate (`"1gbit"`,
+        `"100mbit"`, bits per second): an emulated network, each task behind
+        a NIC of that rate in and out (`cluster.network`); needs this process
+        in a private network namespace (`isolation.enter_private_network`).
+      ps_nic_bandwidth: the ps tasks' NIC rate; None: `nic_bandwidth`.
 
     Raises:
-      ValueError: a count, `max_restarts` or `intra_op_threads` out of range.
+      ValueError: a count, `max_restarts` or `intra_op_threads` out of range,
+        or a NIC rate `network.parse_rate` refuses.
+      EmulatedNetworkError: (`start`) an emulated network asked for where it
+        cannot be set up; raised before any task starts.
       GpuAssignmentError: `gpus_per_worker` asks for more GPUs than there are.
       ClusterStartError: a task died or did not listen in time (its log tail is
         in the message).
@@ -110,6 +118,8 @@ class LocalCluster:
         max_restarts: int = DEFAULT_MAX_RESTARTS,
         report: Callable[[str], None] | None = None,
         intra_op_threads: int = 0,
+        nic_bandwidth: str | int | None = None,
+        ps_nic_bandwidth: str | int | None = None,
     ):
         for name, value, least in (
             ("num_workers", num_workers, 1),
@@ -137,6 +147,8 @@ class LocalCluster:
                     f"tasks ({counts}). Received: {job!r}: {job_ports!r}"
                 )
         self._ports = ports
+        # None: loopback as it is; else each task's emulated NIC.
+        self.nic_rates = network.NicRates.create(nic_bandwidth, ps_nic_bandwidth)
         if visible_gpus is None:
             visible_gpus = gpus_lib.visible_gpus()
         # `{(job, index): CUDA_VISIBLE_DEVICES}`; empty on a host without GPUs.
@@ -232,6 +244,8 @@ class LocalCluster:
             job: [f"127.0.0.1:{p}" for p in job_ports]
             for job, job_ports in ports.items()
         }
+        if self.nic_rates is not None:  # Before any task starts.
+            network.shape(ports, self.nic_rates)
         _register_live(self)
         if any(self.gpu_assignment.values()):
             # Read when this process's TensorFlow first creates its GPU devices
@@ -407,6 +421,8 @@ class LocalCluster:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 proc.wait()
+        if self.nic_rates is not None:
+            network.unshape()
 
     def __enter__(self) -> LocalCluster:
         return self.start()
