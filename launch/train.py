@@ -43,6 +43,7 @@ if __name__ == "__main__":
 import models  # noqa: E402
 from launch import sandblaster_flags  # noqa: E402
 from tf_distbelief import downpour, errors, job  # noqa: E402
+from tf_distbelief.cluster import network  # noqa: E402
 from tf_distbelief.downpour import schedule as downpour_schedule  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -192,6 +193,18 @@ def define_flags() -> None:
         "(Linux user + network namespaces), so that TensorFlow's servers, which "
         "listen on every interface and run any op sent to them, are unreachable "
         "from the network. Off or unavailable: a warning names the open ports.",
+    )
+    flags.DEFINE_string(
+        "emulate_nic",
+        d.emulate_nic,
+        "Local cluster only: an emulated network, each task behind a NIC of "
+        "this rate in and out (1gbit, 100mbit, 10gbit, ...; tc htb in the job's "
+        "private network namespace, no added latency). Unset: loopback as is.",
+    )
+    flags.DEFINE_string(
+        "emulate_ps_nic",
+        d.emulate_ps_nic,
+        "With --emulate_nic: the ps tasks' NIC rate (default: --emulate_nic's).",
     )
     flags.DEFINE_float(
         "chief_gone_secs",
@@ -346,6 +359,21 @@ def define_flags() -> None:
             lambda value: value is None or math.isfinite(value),
             message=f"--{name} must be a finite number.",
         )
+    for name in ("emulate_nic", "emulate_ps_nic"):
+        flags.register_validator(
+            name,
+            lambda value: value is None or _is_rate(value),
+            message=f"--{name} must be a rate such as 1gbit, 100mbit or 10gbit "
+            "(units bit, kbit, mbit, gbit, tbit), between 10kbit and 1tbit.",
+        )
+
+
+def _is_rate(value: str) -> bool:
+    try:
+        network.parse_rate(value)
+    except ValueError:
+        return False
+    return True
 
 
 _FLOAT_FLAGS = (

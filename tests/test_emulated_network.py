@@ -9,6 +9,7 @@ faster.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -162,3 +163,53 @@ def test_a_fetch_through_the_emulated_nic_runs_at_its_rate():
     assert abs(measured["shaped"] / RATE_BITS_PER_SEC - 1) <= 0.15, measured
     # The same read with no emulated network, in the same namespace.
     assert measured["unshaped"] > 3 * RATE_BITS_PER_SEC, measured
+
+
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+
+
+def _train(args, **env):
+    return subprocess.run(
+        [sys.executable, TRAIN, "--model=digits", *args],
+        cwd=ROOT,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_a_bad_rate_fails_at_parse_time():
+    proc = _train(["--emulate_nic=1gbps"])
+    assert proc.returncode == 1
+    assert re.search(
+        r"flag --emulate_nic=1gbps: --emulate_nic must be a rate", proc.stderr
+    )
+    assert "local cluster" not in proc.stdout
+
+
+def test_tf_config_refuses_an_emulated_network_before_any_server():
+    tf_config = json.dumps(
+        {"cluster": {"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"],
+                     "worker": ["127.0.0.1:3"]}, "task": {"type": "ps", "index": 0}}
+    )  # fmt: skip
+    proc = _train(["--emulate_nic=1gbit"], TF_CONFIG=tf_config)
+    assert proc.returncode == 1
+    assert "`emulate_nic` emulates the local cluster's network" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"no namespaces: {_UNAVAILABLE}")
+def test_a_job_on_an_emulated_network_says_so_and_trains():
+    proc = _train(
+        ["--num_workers=1", "--num_ps=1", "--epochs=2", "--emulate_nic=1gbit",
+         "--emulate_ps_nic=100mbit"]
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "network: emulated, worker and chief NICs at 1 Gbit/s, ps NICs at 100 "
+        "Mbit/s, in and out (tc htb on the private namespace's loopback; no added "
+        "latency)"
+    ) in proc.stdout
+    accuracy = float(re.findall(r"^test accuracy: ([0-9.]+)$", proc.stdout, re.M)[-1])
+    assert accuracy >= 0.9

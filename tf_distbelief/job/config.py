@@ -15,6 +15,7 @@ from tf_distbelief import downpour as downpour_lib
 from tf_distbelief import sandblaster as sandblaster_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import connect as connect_lib
+from tf_distbelief.cluster import network
 from tf_distbelief.faults import nonfinite as nonfinite_lib
 from tf_distbelief.faults import recovery as recovery_lib
 from tf_distbelief.faults import step_watch
@@ -79,6 +80,11 @@ class JobConfig:
         (`CUDA_VISIBLE_DEVICES`; ps tasks none), >= 0; None shares the
         host's GPUs evenly (`cluster.gpus`); 0 trains on CPUs. Ignored with
         `TF_CONFIG` (the cluster manager assigns devices).
+      emulate_nic: local cluster only: None (default) uses loopback as it is;
+        a rate (`1gbit`, `100mbit`, ...) puts each task behind an emulated NIC
+        of that rate in and out (`cluster.network`; needs the private
+        network namespace). Refused with `TF_CONFIG`.
+      emulate_ps_nic: the ps tasks' emulated NIC rate; None: `emulate_nic`.
     """
 
     optimizer: str = "adagrad"
@@ -110,6 +116,8 @@ class JobConfig:
     )
     devices_per_replica: int = 1
     gpus_per_worker: int | None = None
+    emulate_nic: str | None = None
+    emulate_ps_nic: str | None = None
 
     def validate(self) -> JobConfig:
         """Checks every field; returns self.
@@ -188,6 +196,17 @@ class JobConfig:
                 "`checkpoint_every_steps` needs `model_dir` (where the "
                 f"checkpoints go). Received: {self.checkpoint_every_steps!r} "
                 "and model_dir=None"
+            )
+        for name in ("emulate_nic", "emulate_ps_nic"):
+            if getattr(self, name) is not None:
+                try:
+                    network.parse_rate(getattr(self, name), name)
+                except ValueError as e:
+                    raise errors.ConfigError(str(e)) from None
+        if self.emulate_ps_nic is not None and self.emulate_nic is None:
+            raise errors.ConfigError(
+                "`emulate_ps_nic` needs `emulate_nic` (the workers' and chief's "
+                f"NIC rate). Received: {self.emulate_ps_nic!r}"
             )
         for name in (
             "initial_accumulator_value",

@@ -364,6 +364,11 @@ def run(
     config.validate()
     trainer.check(config, spec)
     resolver = cluster.resolve_cluster()
+    if resolver is not None and config.emulate_nic is not None:
+        raise errors.ConfigError(
+            "`emulate_nic` emulates the local cluster's network; with "
+            f"`TF_CONFIG` the network is real. Received: {config.emulate_nic!r}"
+        )
     if config.export_dir and (resolver is None or resolver.task_type == "chief"):
         export.check_export_dir(config.export_dir, config.model_dir)
     if resolver is None:
@@ -374,6 +379,8 @@ def run(
             gpus_per_worker=config.gpus_per_worker,
             restart_lost_tasks=True,
             report=print_fn,
+            nic_bandwidth=config.emulate_nic,
+            ps_nic_bandwidth=config.emulate_ps_nic,
         ) as local:
             print_fn(
                 f"local cluster: {config.num_workers} workers, {config.num_ps} ps "
@@ -382,6 +389,11 @@ def run(
             )
             if any(local.gpu_assignment.values()):
                 print_fn(f"local cluster GPUs: {gpu_summary(local.gpu_assignment)}")
+            if local.nic_rates is not None:
+                print_fn(
+                    f"network: emulated, {local.nic_rates.describe()} (tc htb on "
+                    "the private namespace's loopback; no added latency)"
+                )
             return trainer.train(config, spec, local.resolver, print_fn)
     task_type = resolver.task_type
     logging.info("Task %s:%s", task_type, resolver.task_id)
