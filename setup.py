@@ -61,5 +61,15 @@ setuptools.setup(
         # benchmarks/: figures (matplotlib, Agg backend), process CPU times
         # (psutil), SciPy's L-BFGS-B (sandblaster_bench.py).
         "bench": ["matplotlib>=3.8", "psutil>=5.9", "scipy>=1.11"],
+        # The documentation site (mkdocs.yml, docs/), built by CI with --strict.
+        "docs": [
+            # The site generator; 1.6 for the hook's `File.generated` pages.
+            "mkdocs>=1.6,<2",
+            # The theme, and pymdown-extensions (snippets, admonitions) with it.
+            "mkdocs-material>=9.5,<10",
+            # The API reference from docstrings (static griffe analysis, no
+            # TensorFlow import).
+            "mkdocstrings[python]>=1.0,<2",
+        ],
     },
 )

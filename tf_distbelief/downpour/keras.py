@@ -262,7 +262,8 @@ class DownpourTrainer:
       downpour: the `Downpour` state.
 
     Raises:
-      As `install`.
+      ValueError: as for `install`.
+      TypeError: as for `install`.
     """
 
     def __init__(

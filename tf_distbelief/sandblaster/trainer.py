@@ -156,8 +156,11 @@ class SandblasterTrainer:
 
         Args:
           max_iters: most L-BFGS iterations; None means `config.max_iters`.
-          gtol, ftol, record_iterates: see `lbfgs.minimize` (the defaults are
-            SciPy L-BFGS-B's stopping rules).
+          gtol: see `lbfgs.minimize` (the default is SciPy L-BFGS-B's
+            stopping rule).
+          ftol: see `lbfgs.minimize` (the default is SciPy L-BFGS-B's
+            stopping rule).
+          record_iterates: see `lbfgs.minimize`.
           model_dir: where checkpoints go and are resumed from; None writes
             none.
           print_fn: where the line naming the checkpoint resumed from goes.
