@@ -12,9 +12,9 @@ each algorithm and the cluster keep their names in their own package:
 * `sandblaster`: Sandblaster L-BFGS (section 4.2).
 * `model_parallel`: one replica split across devices (section 3).
 * `keras3`: Keras 3 models on the same ps and strategy (`keras3.fit`).
-* `fit`: `Model.fit` with progress, checkpoints, exact resume, exact
-  validation (`ExactValidation`), per-worker training files (`FileInput`) and
-  export; `job`: the training job that `launch/train.py` runs.
+* `fit`: `fit.fit`, tf_keras `Model.fit` with progress, checkpoints, exact
+  resume, exact validation (`fit.ExactValidation`), per-worker training files
+  (`fit.FileInput`) and export; `job`: the training job `launch/train.py` runs.
 * `faults`: exactly-once steps, the non-finite guard, exact restore, ps
   recovery and the bounded wait for steps, under the algorithms.
 
@@ -36,8 +36,6 @@ __all__, __getattr__, __dir__ = _lazy.exports(
         "DistBeliefStrategy": "strategy",
         "DownpourUnsupportedError": "downpour.variables",
         "EmulatedNetworkError": "cluster.network",
-        "ExactValidation": "fit.validation",
-        "FileInput": "fit.data",
         "FitHooks": "hooks",
         "GpuAssignmentError": "cluster.gpus",
         "InfiniteValidationDataError": "fit.validation",

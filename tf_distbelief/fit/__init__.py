@@ -10,3 +10,21 @@ This layer imports no algorithm package (`downpour`, `sandblaster`,
 `model_parallel`): an algorithm reaches it through the `hooks.FitHooks` that
 its `install` attaches to the model.
 """
+
+from tf_distbelief import _lazy
+
+__all__, __getattr__, __dir__ = _lazy.exports(
+    __name__,
+    {
+        "ExactValidation": "validation",
+        "ExportPaths": "export",
+        "FileInput": "data",
+        "FitResult": "training",
+        "Progress": "progress",
+        "accuracy": "training",
+        "dataset_creator": "training",
+        "export_checkpoint": "export",
+        "export_model": "export",
+        "fit": "training",
+    },
+)
