@@ -210,9 +210,11 @@ def fit(
       checkpoint_every_steps: steps between checkpoints besides each epoch
         end, >= 0 (0: epoch ends only); needs `model_dir`.
       nonfinite: `raise` or `skip` (`tf_distbelief.faults.nonfinite.MODES`).
-      validation_data, validation_freq, validation_steps: as `Model.fit`'s,
-        evaluated exactly on the coordinator (`validation.ExactValidation`,
-        first among the callbacks); `val_*` figures reach every callback.
+      validation_data: as `Model.fit`'s, evaluated exactly on the
+        coordinator (`validation.ExactValidation`, first among the
+        callbacks); `val_*` figures reach every callback. None: no validation.
+      validation_freq: as `Model.fit`'s: every so many epochs, or the epochs.
+      validation_steps: as `Model.fit`'s: batches per validation, or None.
 
     Returns:
       A `FitResult`.
