@@ -147,7 +147,25 @@ def check_export_dir(export_dir: str, model_dir: str | None = None) -> None:
         )
 
 
-def _save(plain: tf_keras.Model, export_dir: str) -> ExportPaths:
+def _serving_signature(plain: tf_keras.Model, input_spec: tf.TensorSpec):
+    """`serving_default` taking `input_spec` (the training data's dtype and shape).
+
+    tf_keras derives a model's own signature from its input layer, float32
+    unless the model declares another: a model of int64 ids (an `Embedding`
+    fed by `Sequential`'s inferred input) would be served float32 ids.
+    """
+
+    def serve(inputs):
+        outputs = plain(inputs, training=False)
+        outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+        return dict(zip(plain.output_names, outputs))
+
+    return tf.function(serve, input_signature=[input_spec], autograph=False)
+
+
+def _save(
+    plain: tf_keras.Model, export_dir: str, input_spec: tf.TensorSpec | None = None
+) -> ExportPaths:
     """Saves both formats into a new folder, then moves them into place."""
     os.makedirs(export_dir, exist_ok=True)
     written = ExportPaths(
@@ -159,6 +177,9 @@ def _save(plain: tf_keras.Model, export_dir: str) -> ExportPaths:
             os.path.join(tmp, paths.SAVED_MODEL_SUBDIR),
             save_format="tf",
             include_optimizer=False,
+            signatures=None
+            if input_spec is None
+            else {"serving_default": _serving_signature(plain, input_spec)},
         )
         plain.save(os.path.join(tmp, paths.KERAS_FILE))  # It has no optimizer.
         # An earlier export is replaced whole, never mixed with this one.
@@ -196,6 +217,7 @@ def export_model(
     model: tf_keras.Model,
     build_model: Callable[[], tf_keras.Model],
     export_dir: str,
+    input_spec: tf.TensorSpec | None = None,
 ) -> ExportPaths:
     """Exports a model trained under `DistBeliefStrategy` for serving.
 
@@ -209,6 +231,10 @@ def export_model(
         architecture (the `ModelSpec`'s builder); called with no strategy.
       export_dir: where to write; created if needed. Files already there
         with other names are left alone.
+      input_spec: what `serving_default` takes, e.g.
+        `tf.TensorSpec([None, 20], tf.int64)` for a batch of 20 int64 ids
+        (the training data's dtype and shape, batch dimension None); None:
+        tf_keras's own signature, from the model's input layer.
 
     Returns:
       The `ExportPaths` written.
@@ -222,7 +248,7 @@ def export_model(
         path = tf.train.Checkpoint(model=model).save(os.path.join(tmp, "model"))
         plain = _plain_copy(build_model, getattr(model, "input_shape", None))
         _restore_into(plain, path)
-    return _save(plain, export_dir)
+    return _save(plain, export_dir, input_spec)
 
 
 def export_checkpoint(

@@ -245,16 +245,25 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
 
 
 def _export(config: JobConfig, spec: ModelSpec, model, print_fn) -> None:
-    """`export.export_model` into `config.export_dir`, if set (on the chief)."""
+    """`export.export_model` into `config.export_dir`, if set (on the chief).
+
+    The SavedModel's `serving_default` takes the test features' dtype and
+    shape (int64 ids for an embedding model), where the spec has test arrays.
+    """
     if not config.export_dir:
         return
     # A plain copy on one device: the same partitions on CPU:0 for a
     # model-parallel spec (as the evaluator builds it).
     devices = ["/device:CPU:0"] * config.devices_per_replica
-    paths = export.export_model(
-        model, lambda: build_model(config, spec, devices), config.export_dir
+    test = spec.test_arrays()
+    input_spec = None
+    if test is not None:
+        x = test[0]
+        input_spec = tf.TensorSpec([None, *x.shape[1:]], tf.as_dtype(x.dtype))
+    written = export.export_model(
+        model, lambda: build_model(config, spec, devices), config.export_dir, input_spec
     )
-    print_fn(f"exported: {paths.saved_model} {paths.keras_file}")
+    print_fn(f"exported: {written.saved_model} {written.keras_file}")
 
 
 def evaluate_checkpoints(
