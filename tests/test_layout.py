@@ -17,6 +17,11 @@ MAX_LINES = 450
 PURE_MODULES = [
     "tf_distbelief.adagrad.rule",
     "tf_distbelief.downpour.schedule",
+    "tf_distbelief.downpour.push_rules.rule",
+    "tf_distbelief.downpour.push_rules.reference",
+    "tf_distbelief.downpour.push_rules.outer_nesterov",
+    "tf_distbelief.downpour.push_rules.delay_compensation",
+    "tf_distbelief.downpour.push_rules.staleness_scaled",
     "tf_distbelief.sandblaster.lbfgs",
     "tf_distbelief.sandblaster.lbfgs_state",
     "tf_distbelief.sandblaster.schedule",
