@@ -70,7 +70,9 @@ class PushRules:
 
     Attributes:
       rules: the `rule.PushRule`s in effect.
-      states: per rule, its `ps_state` (one entry per variable, or `[]`).
+      states: per rule, its `ps_state` (one entry per variable, or `[]`);
+        also the attribute named by the rule's `state_name`, if any (e.g.
+        `momentums`, the outer optimizer's `m` per variable).
       fetched: per variable, the `[num_workers, ...]` copy of the values each
         replica last fetched, or `[]` when no rule needs it.
     """
@@ -90,6 +92,9 @@ class PushRules:
         self.states = [
             r.ps_state(optimizer, self.variables, strategy) for r in self.rules
         ]
+        for r, state in zip(self.rules, self.states):
+            if r.state_name:
+                setattr(self, r.state_name, state)
         self.updater = next(
             (k for k, r in enumerate(self.rules) if r.replaces_optimizer), None
         )

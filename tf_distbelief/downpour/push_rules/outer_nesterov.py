@@ -99,6 +99,7 @@ class OuterNesterov(rule.PushRule):
     )
     pushes_deltas = True
     replaces_optimizer = True
+    state_name = "momentums"  # `on_ps.PushRules.momentums`: `m` per variable.
 
     def __init__(self, config):
         super().__init__(config)

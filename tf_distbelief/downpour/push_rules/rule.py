@@ -107,6 +107,8 @@ class PushRule:
         the model, not checkpointed.
       replaces_optimizer: `update` applies the push in place of the ps
         optimizer (at most one rule in effect may).
+      state_name: the attribute of `on_ps.PushRules` that holds the rule's
+        `ps_state` (e.g. `"momentums"`), or `""` for none.
 
     Args:
       config: the `DownpourConfig`.
@@ -119,6 +121,7 @@ class PushRule:
     needs_staleness: bool = False
     needs_fetched: bool = False
     replaces_optimizer: bool = False
+    state_name: str = ""
 
     def __init__(self, config):
         del config  # A rule with settings reads them here.
