@@ -45,12 +45,14 @@ from launch import sandblaster_flags  # noqa: E402
 from tf_distbelief import downpour, errors, job  # noqa: E402
 from tf_distbelief.cluster import network  # noqa: E402
 from tf_distbelief.downpour import schedule as downpour_schedule  # noqa: E402
+from tf_distbelief.downpour.push_rules import rule as push_rule  # noqa: E402
 
 FLAGS = flags.FLAGS
 
-# Flags that only Downpour reads, one per `DownpourConfig` field: given without
-# --downpour they would be ignored, even at their default values.
-_DOWNPOUR_FLAGS = tuple(f.name for f in dataclasses.fields(downpour.DownpourConfig))
+# Flags that only Downpour reads, one per `DownpourConfig` field and push rule
+# setting (`DownpourConfig.setting_names`): given without --downpour they would
+# be ignored, even at their default values.
+_DOWNPOUR_FLAGS = downpour.DownpourConfig.setting_names()
 
 
 def define_flags() -> None:
@@ -284,35 +286,16 @@ def define_flags() -> None:
         "Downpour: drop pushes staler than this many ps updates (unset: apply all).",
         lower_bound=0,
     )
-    flags.DEFINE_float(
-        "outer_learning_rate",
-        dp.outer_learning_rate,
-        "Downpour push rule (DiLoCo, Douillard et al. 2023): pushes are the "
-        "local steps' sum (the parameter delta of a round) and the ps applies "
-        "Nesterov SGD with this rate to them (unset: off; needs --n_fetch, "
-        "--n_push >= 2).",
-        lower_bound=0.0,
-    )
-    flags.DEFINE_float(
-        "outer_momentum",
-        dp.outer_momentum,
-        "Downpour: the outer optimizer's Nesterov momentum, in [0, 1).",
-        lower_bound=0.0,
-        upper_bound=1.0,
-    )
-    flags.DEFINE_float(
-        "delay_compensation",
-        dp.delay_compensation,
-        "Downpour push rule (DC-ASGD, Zheng et al. 2017): lambda of "
-        "g + lambda*g*g*(w_now - w_fetched) on the ps (0: off).",
-        lower_bound=0.0,
-    )
-    flags.DEFINE_bool(
-        "staleness_scaled",
-        dp.staleness_scaled,
-        "Downpour push rule (Zhang et al. 2016): divide each push's step by its "
-        "staleness.",
-    )
+    # The push rules' settings, from their registry (`push_rules.rule`).
+    define = {"float": flags.DEFINE_float, "bool": flags.DEFINE_bool}
+    for setting in push_rule.settings():
+        bounds = {}
+        if setting.kind == "float":
+            bounds = {"lower_bound": setting.lower_bound}
+            bounds["upper_bound"] = setting.upper_bound
+        define[setting.kind](
+            setting.name, getattr(dp, setting.name), setting.help, **bounds
+        )
 
     @flags.multi_flags_validator(
         ["downpour", *_DOWNPOUR_FLAGS],
@@ -385,9 +368,7 @@ _FLOAT_FLAGS = (
     "step_stall_timeout_secs",
     "ps_recovery_secs",
     "local_learning_rate",
-    "outer_learning_rate",
-    "outer_momentum",
-    "delay_compensation",
+    *(s.name for s in push_rule.settings() if s.kind == "float"),
 )
 # `SandblasterConfig` field -> its flag.
 

@@ -29,8 +29,8 @@ from tests.test_downpour import (
     _strategy,
 )
 from tf_distbelief import adagrad, downpour
-from tf_distbelief.downpour import push_rules
 from tf_distbelief.downpour import schedule as downpour_schedule
+from tf_distbelief.downpour.push_rules import outer_nesterov as push_rules
 
 Config = downpour_schedule.DownpourConfig
 
@@ -118,9 +118,7 @@ def test_outer_nesterov_is_keras_sgd_nesterov():
     params, momentums = [w0], [np.zeros(5)]
     for d in deltas:
         sgd.apply_gradients([(tf.constant(d), variable)])
-        params, momentums = downpour_schedule.outer_nesterov(
-            params, momentums, [d], 0.5, 0.75
-        )
+        params, momentums = push_rules.nesterov(params, momentums, [d], 0.5, 0.75)
     np.testing.assert_allclose(params[0], variable.numpy(), rtol=0, atol=1e-12)
 
 

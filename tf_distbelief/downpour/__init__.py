@@ -5,8 +5,9 @@
 * `variables`: ps variables that read as a replica's cache (`enable`).
 * `base`, `dense`, `row_sparse`: a replica's per-worker state and ops, per
   variable kind (dense variables, tables read by rows).
-* `push_rules` (`push_rules_reference`, its NumPy side): the push rules on
-  the ps (outer Nesterov, delay compensation, staleness-scaled step).
+* `push_rules`: the push rules on the ps, one module each (outer Nesterov,
+  delay compensation, staleness-scaled step), with their registry (`rule`),
+  NumPy side (`reference`) and TF side (`on_ps`).
 * `replica`: `Downpour`, the replica's step on the cluster.
 * `replica_state`: `ReplicaState`, each replica's own state in checkpoints.
 * `keras`: `install` on a compiled tf_keras model, `DownpourTrainer`,

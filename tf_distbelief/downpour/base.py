@@ -273,7 +273,7 @@ class VariableKind(abc.ABC):
             dtype = self.variables[j].dtype
             alpha = tf.cast(plan.learning_rate, dtype)
             epsilon = tf.cast(plan.epsilon, dtype)
-            if accumulate and not plan.outer:
+            if accumulate and not plan.pushes_deltas:
                 ops += self._accumulate(kh, j, g)
             # Where this step's squared gradient goes: the squares to push,
             # or the local accumulator when no local AdaGrad step grows it.
@@ -287,7 +287,7 @@ class VariableKind(abc.ABC):
             if squares_into is not None:
                 ops.append(self._add(squares_into, _squared(g)))
             before = None
-            if plan.outer and accumulate:  # The cache's value before the step.
+            if plan.pushes_deltas and accumulate:  # The cache's value before the step.
                 before = self._read(kh.caches[j], j, None)
             with tf.control_dependencies([] if before is None else [before]):
                 if step and plan.local_optimizer == "adagrad":

@@ -1,22 +1,24 @@
 """Downpour's configuration: the cadence, the local update and the push rules.
 
-Dean et al. 2012, section 4.1; the push rules (`DownpourConfig`'s
-`outer_learning_rate`, `delay_compensation`, `staleness_scaled`) follow later
-papers, cited there. Pure Python and NumPy (no TensorFlow): the NumPy
-reference (`schedule.simulate`), the launch flags and the TF replica
+Dean et al. 2012, section 4.1; the push rules' settings (e.g.
+`outer_learning_rate`, `delay_compensation`, `staleness_scaled`) come from
+the registered push rules (`push_rules.rule`), each with its paper in its
+module. Pure Python and NumPy (no TensorFlow): the NumPy reference
+(`schedule.simulate`), the launch flags and the TF replica
 (`replica.Downpour`) all take a `DownpourConfig`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
+from tf_distbelief.downpour.push_rules import rule as push_rule
+
 __all__ = [
     "ADAGRAD_ACCUMULATORS",
-    "OUTER_MOMENTUM",
+    "FIELDS",
     "LOCAL_LEARNING_RATE",
     "LOCAL_OPTIMIZERS",
     "DownpourConfig",
@@ -29,9 +31,6 @@ LOCAL_LEARNING_RATE = 0.5
 # The values `DownpourConfig.local_optimizer` and `.adagrad_accumulator` take.
 LOCAL_OPTIMIZERS = ("adagrad", "sgd")
 ADAGRAD_ACCUMULATORS = ("squares", "mean", "sum")
-# The outer Nesterov momentum's default: DiLoCo's (Douillard et al. 2023,
-# section 3) and Async Local-SGD's (Liu et al. 2024) 0.9.
-OUTER_MOMENTUM = 0.9
 
 
 def _check_int(name: str, value, lower: int, rule: str) -> None:
@@ -41,34 +40,7 @@ def _check_int(name: str, value, lower: int, rule: str) -> None:
         raise ValueError(f"Argument `{name}` must be {rule}. Received: {value!r}")
 
 
-def _check_float(name: str, value, or_what: str = "", rule: str = "") -> None:
-    """Raises unless `value` is a real number, finite and, by `rule`, in range.
-
-    `rule` is `">= 0"`, `"> 0"` or `""` (any finite value).
-    """
-    alternative = f" or {or_what}" if or_what else ""
-    if isinstance(value, bool) or not isinstance(
-        value, (int, float, np.floating, np.integer)
-    ):
-        raise TypeError(
-            f"Argument `{name}` must be a float{alternative}. Received: {value!r}"
-        )
-    try:
-        finite = math.isfinite(float(value))
-    except OverflowError:  # An int beyond float range.
-        finite = False
-    if finite and rule == ">= 0":
-        finite = value >= 0
-    elif finite and rule == "> 0":
-        finite = value > 0
-    if not finite:
-        rule = f" and {rule}" if rule else ""
-        raise ValueError(
-            f"Argument `{name}` must be finite{rule}{alternative}. Received: {value!r}"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
 class DownpourConfig:
     """The Downpour cadence and local update (Dean et al. 2012, section 4.1).
 
@@ -112,65 +84,96 @@ class DownpourConfig:
         update (about `gamma` per push whatever `n_push` is, so `n_push`
         times fewer ps steps per example). All three agree at `n_push = 1`;
         other ps optimizers ignore it.
-      outer_learning_rate: None (default): off. A float > 0: the outer
-        optimizer on pushes (DiLoCo, Douillard et al. 2023, "DiLoCo:
-        Distributed Low-Communication Training of Language Models", algorithm
-        1; Async Local-SGD, Liu et al. 2024, "Asynchronous Local-SGD Training
-        for Language Modeling", section 3). A push then sends the replica's
-        *pseudo-gradient*: the sum of its local steps since its last push
-        (the cache's decrease), which with `n_fetch == n_push` and no dropped
-        push is the parameter delta since the last fetch, `w_fetched -
-        cache`; the ps applies SGD with Nesterov momentum to it in place of
-        the compiled optimizer: `m <- mu * m - eta * D`, `w <- w + mu * m -
-        eta * D` (tf_keras `SGD(nesterov=True)`; `eta` this rate, `mu`
-        `outer_momentum`). `m` is a slot of the compiled optimizer, on the
-        variable's ps shard, saved in checkpoints with the other slots. Needs
-        `n_fetch, n_push >= 2` and a local step (`local_learning_rate` not
-        0): otherwise the cache never moves and every push is 0. DiLoCo
-        used 0.7 with 0.9 momentum.
-      outer_momentum: `mu` of the outer optimizer, in `[0, 1)`; default 0.9
-        (`OUTER_MOMENTUM`); read only with `outer_learning_rate`.
-      delay_compensation: `lambda` of delay compensation on the ps (DC-ASGD,
-        Zheng et al. ICML 2017, "Asynchronous Stochastic Gradient Descent with
-        Delay Compensation", equation 10): a push of `G` is applied as `G +
-        lambda * G * G * (w_now - w_fetched)`, with `w_now` the ps value and
-        `w_fetched` the value this replica last fetched (AdaGrad's pushed
-        squares, if sent, are not changed). 0.0 (default): off.
-        The ps knows `w_fetched` without a second model on the network: at
-        each fetch it writes the values it sends into a ps-side copy per
-        replica (`[num_workers, ...]` per variable shard, on its ps task).
-        Bytes on the network: none more; ps memory: `num_workers` more
-        copies of the model (not checkpointed: a resumed replica fetches
-        first). Not with `outer_learning_rate` (the push is then no
-        gradient).
-      staleness_scaled: False (default): off. True: the staleness-aware step
-        (Zhang et al. IJCAI 2016, "Staleness-aware Async-SGD for Distributed
-        Deep Learning", section 3): each push's step is divided by its
-        staleness `s` (pushes by other replicas since this replica's fetch,
-        as counted for `max_staleness`), by `max(s, 1)`. The push's gradient
-        is divided by it; AdaGrad on the ps grows its accumulator by the
-        unscaled squares, so its step is the unscaled step over `max(s, 1)`.
-        The staleness is then read from the ps before the push is applied,
-        as with `max_staleness`. A push with staleness 0 or 1 is unchanged:
-        with 2 replicas and `n_fetch == n_push` it changes nothing.
+      **settings: the push rules' settings, keyword only: each registered
+        rule's (`push_rules.rule.settings()`), each an attribute too, at its
+        default when not given. This package's rules: `outer_learning_rate`
+        and `outer_momentum` (`push_rules.outer_nesterov`: DiLoCo's outer
+        Nesterov on the pushed parameter delta), `delay_compensation`
+        (`push_rules.delay_compensation`: DC-ASGD), `staleness_scaled`
+        (`push_rules.staleness_scaled`: the step over the staleness); all
+        off by default.
+
+    Attributes:
+      rule_settings: `(name, value)` of every push rule setting, in
+        registration order (compared and hashed with the fields).
+      rules: the `push_rules.rule.PushRule`s in effect, in registration order.
+
+    Raises:
+      TypeError: a value of the wrong type, or an unknown keyword argument.
+      ValueError: a value out of range, or settings that cannot be combined;
+        each naming the argument and the value received.
 
     Row-sparse variables (embedding tables) take none of the push rules:
     `replica.Downpour` raises naming the table.
     """
 
-    n_fetch: int = 1
-    n_push: int = 1
-    local_learning_rate: float | None = None
-    warmstart_steps: int = 0
-    max_staleness: int | None = None
-    local_optimizer: str = "adagrad"
-    adagrad_accumulator: str = "squares"
-    outer_learning_rate: float | None = None
-    outer_momentum: float = OUTER_MOMENTUM
-    delay_compensation: float = 0.0
-    staleness_scaled: bool = False
+    n_fetch: int
+    n_push: int
+    local_learning_rate: float | None
+    warmstart_steps: int
+    max_staleness: int | None
+    local_optimizer: str
+    adagrad_accumulator: str
+    rule_settings: tuple[tuple[str, object], ...]
 
-    def __post_init__(self):
+    def __init__(
+        self,
+        n_fetch: int = 1,
+        n_push: int = 1,
+        local_learning_rate: float | None = None,
+        warmstart_steps: int = 0,
+        max_staleness: int | None = None,
+        local_optimizer: str = "adagrad",
+        adagrad_accumulator: str = "squares",
+        **settings,
+    ):
+        values = (
+            n_fetch,
+            n_push,
+            local_learning_rate,
+            warmstart_steps,
+            max_staleness,
+            local_optimizer,
+            adagrad_accumulator,
+        )
+        for name, value in zip(FIELDS, values):
+            object.__setattr__(self, name, value)
+        defaults = {s.name: s.default for s in push_rule.settings()}
+        unknown = sorted(set(settings) - set(defaults))
+        if unknown:
+            raise TypeError(
+                f"DownpourConfig got unexpected keyword arguments: "
+                f"{', '.join(unknown)} (neither a field nor a registered push "
+                f"rule's setting: {', '.join(defaults)})"
+            )
+        object.__setattr__(
+            self,
+            "rule_settings",
+            tuple((name, settings.get(name, d)) for name, d in defaults.items()),
+        )
+        self._check()
+        object.__setattr__(self, "rules", push_rule.resolve(self))
+
+    def __getattr__(self, name: str):
+        # Only for names not found otherwise: a push rule's setting.
+        if not name.startswith("__"):
+            for key, value in vars(self).get("rule_settings", ()):
+                if key == name:
+                    return value
+        raise AttributeError(f"'DownpourConfig' object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        pairs = [(name, getattr(self, name)) for name in FIELDS]
+        pairs += list(self.rule_settings)
+        inner = ", ".join(f"{name}={value!r}" for name, value in pairs)
+        return f"DownpourConfig({inner})"
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """Every keyword argument: the fields, then the push rules' settings."""
+        return FIELDS + tuple(s.name for s in push_rule.settings())
+
+    def _check(self) -> None:
         _check_int("n_fetch", self.n_fetch, 1, ">= 1 (fetch every n_fetch steps)")
         _check_int("n_push", self.n_push, 1, ">= 1 (push every n_push steps)")
         _check_int("warmstart_steps", self.warmstart_steps, 0, ">= 0")
@@ -192,63 +195,20 @@ class DownpourConfig:
                 )
         lr = self.local_learning_rate
         if lr is not None:
-            _check_float(
+            push_rule.check_float(
                 "local_learning_rate", lr, "None (0 disables the local update)", ">= 0"
-            )
-        self._check_push_rules()
-
-    def _check_push_rules(self) -> None:
-        outer = self.outer_learning_rate
-        if outer is not None:
-            _check_float(
-                "outer_learning_rate", outer, "None (no outer optimizer)", "> 0"
-            )
-        _check_float("outer_momentum", self.outer_momentum)
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(
-                "Argument `outer_momentum` must be in [0, 1). Received: "
-                f"{self.outer_momentum!r}"
-            )
-        _check_float("delay_compensation", self.delay_compensation, "", ">= 0")
-        if not isinstance(self.staleness_scaled, (bool, np.bool_)):
-            raise TypeError(
-                "Argument `staleness_scaled` must be a bool. Received: "
-                f"{self.staleness_scaled!r}"
-            )
-        if outer is None:
-            return
-        if self.n_fetch < 2 or self.n_push < 2:
-            raise ValueError(
-                "Argument `outer_learning_rate` needs `n_fetch` and `n_push` >= 2 "
-                "(local rounds): with 1 the cache is replaced or pushed before a "
-                "local step moves it, and the pushed delta is 0. Received: "
-                f"n_fetch={self.n_fetch}, n_push={self.n_push}"
-            )
-        if self.local_learning_rate == 0:
-            raise ValueError(
-                "Argument `outer_learning_rate` needs a local step: "
-                "`local_learning_rate` 0 keeps the cache still and every "
-                "pushed delta 0. Received: local_learning_rate=0"
-            )
-        if self.delay_compensation:
-            raise ValueError(
-                "Arguments `outer_learning_rate` and `delay_compensation` cannot "
-                "be combined: delay compensation corrects a gradient, and with "
-                "the outer optimizer a push is a parameter delta. Received: "
-                f"delay_compensation={self.delay_compensation!r}; set it to 0."
             )
 
     @property
     def push_rules(self) -> tuple[str, ...]:
         """The names of the push rules in effect, e.g. `("staleness_scaled",)`."""
-        rules = []
-        if self.outer_learning_rate is not None:
-            rules.append("outer_learning_rate")
-        if self.delay_compensation:
-            rules.append("delay_compensation")
-        if self.staleness_scaled:
-            rules.append("staleness_scaled")
-        return tuple(rules)
+        return tuple(r.name for r in self.rules)
+
+    @property
+    def pushes_deltas(self) -> bool:
+        """True when pushes send the local steps summed (a rule's
+        `pushes_deltas`, e.g. the outer optimizer's), not the gradients."""
+        return any(r.pushes_deltas for r in self.rules)
 
     @property
     def pushes_squares(self) -> bool:
@@ -280,3 +240,9 @@ class DownpourConfig:
                 "rate is not a number (a schedule). Received: None"
             )
         return float(ps_learning_rate)
+
+
+# `DownpourConfig`'s own fields, in order (the push rules' settings follow).
+FIELDS = tuple(
+    f.name for f in dataclasses.fields(DownpourConfig) if f.name != "rule_settings"
+)

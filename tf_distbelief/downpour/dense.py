@@ -85,7 +85,7 @@ class DenseVariables(base.VariableKind):
           pack: pack by group, as above.
           record: optional `(j, value on the ps) -> ops`, called with each
             value read (delay compensation's copy of what a replica fetched,
-            `push_rules.PushRules.record_fetch`); its ops go to `records`.
+            `push_rules.on_ps.PushRules.record_fetch`); its ops go to `records`.
           records: the list `record`'s ops are appended to.
         """
         if not pack:

@@ -66,7 +66,7 @@ class Exchange:
         # The optimizer's `exactly_once.StepTokens`: each push is gated by the
         # token of the step that ends it, when one is in scope.
         self.tokens = tokens
-        # The `push_rules.PushRules`, None when all off.
+        # The `push_rules.on_ps.PushRules`, None when all off.
         self.rules = rules
 
     def record(self, h: base.Handles):
@@ -279,7 +279,7 @@ class Exchange:
         or counts the push as `n_push` updates (`apply_summed_gradient`), as
         `config.adagrad_accumulator` says. Gradient clipping, if the optimizer
         has it, applies to the gradients, not to their squares. With a push
-        rule on, `push_rules.PushRules.apply` applies it (`staleness`: read
+        rule on, `push_rules.on_ps.PushRules.apply` applies it (`staleness`: read
         before the push when the rule needs it; `worker`: the replica's
         index).
 

@@ -42,8 +42,8 @@ class Plan:
         AdaGrad's `initial_accumulator_value` (0.1 for another optimizer).
       epsilon: the local AdaGrad's `epsilon`, as the ps AdaGrad's (1e-7).
       squares: what a push sends as squared gradients.
-      outer: pushes send the local steps summed, not the gradients (the
-        outer optimizer, `DownpourConfig.outer_learning_rate`).
+      pushes_deltas: pushes send the local steps summed, not the gradients
+        (`DownpourConfig.pushes_deltas`: the outer optimizer's push rule).
     """
 
     local_optimizer: str
@@ -51,7 +51,7 @@ class Plan:
     initial_accumulator: float
     epsilon: float
     squares: PushedSquares
-    outer: bool = False
+    pushes_deltas: bool = False
 
     @classmethod
     def create(cls, config: DownpourConfig, optimizer) -> Plan:
@@ -61,9 +61,9 @@ class Plan:
           ValueError: no local step size (`config.local_learning_rate_for`).
         """
         squares = PushedSquares.NONE
-        outer = config.outer_learning_rate is not None
+        deltas = config.pushes_deltas
         # Squares go along only where AdaGrad on the ps can use them.
-        ps_adagrad = isinstance(optimizer, adagrad.Adagrad) and not outer
+        ps_adagrad = isinstance(optimizer, adagrad.Adagrad) and not deltas
         if config.pushes_squares and ps_adagrad:
             local_adagrad = config.local_optimizer == "adagrad"
             squares = PushedSquares.LOCAL if local_adagrad else PushedSquares.SUMMED
@@ -77,7 +77,7 @@ class Plan:
             ),
             epsilon=float(getattr(optimizer, "epsilon", 1e-7)),
             squares=squares,
-            outer=outer,
+            pushes_deltas=deltas,
         )
 
     @property

@@ -9,9 +9,8 @@ parameter-server cluster:
 * each worker keeps its caches, accumulators and counters in
   `per_worker_variable=True` variables (the cadence is counted by the worker
   that runs the step; checkpointed by `replica_state`); each variable kind has
-  its handler, `dense` and `row_sparse` (`base.VariableKind`), and `exchange`
-  fetches and pushes; the ps keeps an update counter (one per push), for
-  staleness, and applies pushes with the optimizer or `push_rules`;
+  its handler, `dense` and `row_sparse` (`base.VariableKind`); `exchange`
+  fetches and pushes, applied by the optimizer or `push_rules.on_ps`, counted;
 * under `fit` with `n_fetch, n_push > 1`, the local steps between two ps
   exchanges run in a loop with no ps op at all (`Downpour.run_steps`): a ps op
   in a step, even in a branch not taken, costs messages at every step. The
@@ -29,12 +28,13 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import _tf_internals, substitution
-from tf_distbelief.downpour import base, push_guard, push_rules, schedule
+from tf_distbelief.downpour import base, push_guard, schedule
 from tf_distbelief.downpour import plan as plan_lib
 from tf_distbelief.downpour import variables as downpour_variables
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.dense import DenseVariables
 from tf_distbelief.downpour.exchange import Exchange
+from tf_distbelief.downpour.push_rules import on_ps
 from tf_distbelief.downpour.row_sparse import RowSparseVariables
 from tf_distbelief.downpour.row_sparse import flags as row_sparse_flags
 from tf_distbelief.downpour.schedule import ReplicaStats
@@ -126,7 +126,7 @@ class Downpour:
             if not getattr(optimizer, "_built", False):
                 optimizer.build(variables)
             dense, rows = self._order.split(self.variables)
-            rules = push_rules.create(config, optimizer, dense, rows, strategy)
+            rules = on_ps.create(config, optimizer, dense, rows, strategy)
             self._dense = DenseVariables(dense, self.plan)
             self._rows = RowSparseVariables(rows, self.plan)
             self._seen = base.per_worker("downpour/seen", [], tf.int64)

@@ -23,13 +23,15 @@ At local step `t` a replica does, in this order:
    push is not staleness). Otherwise the push is dropped and the replica
    fetches at its next step. Either way `acc <- 0` and `sq <- 0`.
 
-**Push rules** (`DownpourConfig`, each off by default), at step 5 in this
-order: with `outer_learning_rate`, step 4 sums the local steps, `acc <- acc +
-(cache before step 3 - cache after)`, and the ps applies Nesterov SGD to
-`acc` in place of its optimizer (`outer_nesterov`); with `delay_compensation`
-`lambda`, `acc <- acc + lambda * acc * acc * (ps - fetched)`, `fetched` the
-ps values at the replica's last fetch (DC-ASGD); with `staleness_scaled`, the
-step is divided by `max(staleness, 1)` (`staleness_scaled_update`).
+**Push rules** (`DownpourConfig.rules`, each off by default; one module each
+in `push_rules`), at step 5 as `push_rules.reference.ReferenceRules` composes
+them: each rule's correction of `acc` (e.g. DC-ASGD's `acc + lambda * acc *
+acc * (ps - fetched)`, `fetched` the ps values at the replica's last fetch),
+the step's factors (e.g. `1 / max(staleness, 1)`), then the rule replacing
+the ps optimizer (e.g. outer Nesterov SGD) or the ps optimizer's scaled step.
+With a rule that `pushes_deltas` (the outer optimizer), step 4 sums the local
+steps, `acc <- acc + (cache before step 3 - cache after)`, and no squares go
+along.
 
 **Row-sparse variables** (large embedding tables) are not copied whole: a
 fetch only marks the replica's cached rows stale, and at step 2 each row the
@@ -73,10 +75,7 @@ from tf_distbelief.downpour.config import (
     LOCAL_OPTIMIZERS,
     DownpourConfig,
 )
-from tf_distbelief.downpour.push_rules_reference import (
-    outer_nesterov,
-    staleness_scaled_update,
-)
+from tf_distbelief.downpour.push_rules.reference import ReferenceRules
 
 __all__ = [
     # Re-exported from `config`, where they are defined.
@@ -84,9 +83,6 @@ __all__ = [
     "LOCAL_LEARNING_RATE",
     "LOCAL_OPTIMIZERS",
     "DownpourConfig",
-    # Re-exported from `push_rules_reference`.
-    "outer_nesterov",
-    "staleness_scaled_update",
     # The step order.
     "ReplicaStats",
     "adagrad_ps",
@@ -299,7 +295,7 @@ def simulate(
     model_bytes = sum(p.nbytes for i, p in enumerate(ps) if i not in sparse)
     # Sent per push: `G`, and the squares where the ps optimizer takes them.
     takes_squares = config.pushes_squares and getattr(update, "takes_squares", False)
-    takes_squares = takes_squares and config.outer_learning_rate is None
+    takes_squares = takes_squares and not config.pushes_deltas
     copies = 2 if takes_squares else 1
     row_bytes = {i: ps[i][0].nbytes for i in sparse}
     if sparse and config.push_rules:
@@ -307,8 +303,8 @@ def simulate(
             f"Push rules {', '.join(config.push_rules)} take no row-sparse "
             f"variables. Received: row_sparse={list(row_sparse)}"
         )
-    outer = config.outer_learning_rate is not None
-    momentums = [np.zeros_like(p) for p in ps]  # The outer optimizer's `m`.
+    deltas = config.pushes_deltas
+    rules = ReferenceRules(config, ps)
     fetched = [None] * n  # Per replica: the ps values at its last fetch.
     valid = [{i: set() for i in sparse} for _ in range(n)]  # Rows since a fetch.
     touched = [{i: set() for i in sparse} for _ in range(n)]  # Since a push.
@@ -350,7 +346,7 @@ def simulate(
             ]
             caches[r] = [c for c, _ in stepped]
             local_accs[r] = [b for _, b in stepped]
-        if outer:  # The pushed pseudo-gradient: the local steps' sum.
+        if deltas:  # The pushed pseudo-gradient: the local steps' sum.
             g_acc = [b - c for b, c in zip(before, caches[r])]
         else:
             g_acc = g
@@ -362,34 +358,16 @@ def simulate(
             s.max_staleness_seen = max(s.max_staleness_seen, staleness)
             if config.max_staleness is None or staleness <= config.max_staleness:
                 mode = config.adagrad_accumulator
-                pushed = accs[r]
-                if config.delay_compensation:  # DC-ASGD, Zheng et al. 2017.
-                    lam = config.delay_compensation
-                    pushed = [
-                        a + lam * a * a * (w - f)
-                        for a, w, f in zip(pushed, ps, fetched[r])
-                    ]
-                args = (
-                    pushed,
+                ps, ps_state = rules.apply(
+                    update,
+                    ps,
+                    ps_state,
+                    accs[r],
                     config.n_push if mode == "mean" else 1,
                     squares[r] if takes_squares else None,
+                    staleness,
+                    fetched[r],
                 )
-                if outer:
-                    if config.staleness_scaled:
-                        pushed = [d / max(staleness, 1) for d in pushed]
-                    ps, momentums = outer_nesterov(
-                        ps,
-                        momentums,
-                        pushed,
-                        config.outer_learning_rate,
-                        config.outer_momentum,
-                    )
-                elif config.staleness_scaled:
-                    ps, ps_state = staleness_scaled_update(
-                        update, ps, ps_state, *args, staleness
-                    )
-                else:
-                    ps, ps_state = update(ps, ps_state, *args)
                 ps_count += 1
                 seen[r] += 1
                 s.pushes += 1

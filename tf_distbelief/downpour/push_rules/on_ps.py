@@ -1,28 +1,13 @@
-"""Downpour's push rules on the ps: outer Nesterov, delay compensation, staleness.
+"""The push rules on the ps, in TensorFlow: `PushRules`, one per replica.
 
-The TF side of the `DownpourConfig` push rules (each off by default; the
-papers and the exact rules are in `DownpourConfig`'s docstring, the NumPy
-reference in `schedule.simulate` and `push_rules_reference`):
-
-* `outer_learning_rate`: a push is the replica's pseudo-gradient (its local
-  steps summed, `base.VariableKind.local_ops`) and the ps applies SGD with
-  Nesterov momentum to it (`ResourceApplyKerasMomentum`, tf_keras
-  `SGD(nesterov=True)`'s update) in place of the compiled optimizer. The
-  momentum is a slot of the compiled optimizer, made by its
-  `add_variable_from_reference`: on the variable's ps shard, coalesced into
-  one `ShardedVariable` per sharded variable in the optimizer's variables, so
-  checkpoints save and `resume.restore` restores it like AdaGrad's
-  accumulators (whole, into any number of ps tasks).
-* `delay_compensation`: DC-ASGD's `G + lambda * G * G * (w_now - w_fetched)`,
-  computed on the ps. `w_fetched` is a ps-side copy per replica of the values
-  it last fetched: a variable of shape `[num_workers, *shard_shape]` next to
-  each shard, whose row `worker` each fetch writes from the very tensor it
-  sends (`DenseVariables.pull`). No byte more on the network; ps memory
-  `num_workers` copies of the model. Not checkpointed: every replica fetches
-  first after a resume, which rewrites its row.
-* `staleness_scaled`: the push's step divided by `max(staleness, 1)`.
-
-Row-sparse variables take none of them (`check_row_sparse`).
+The composition of `rule` (corrections, the step's factors, then the rule
+replacing the ps optimizer or the ps optimizer's scaled step), with each
+rule's TF hooks, on each variable's ps task; `reference` is the NumPy side.
+For rules that `needs_fetched`, a ps-side copy per replica of the values it
+last fetched: a variable of shape `[num_workers, *shard_shape]` next to each
+shard, whose row `worker` each fetch writes from the very tensor it sends
+(`DenseVariables.pull`). Row-sparse variables take no rule
+(`check_row_sparse`).
 """
 
 from __future__ import annotations
@@ -34,11 +19,7 @@ from tf_distbelief.adagrad import optimizer as adagrad
 from tf_distbelief.downpour import base
 from tf_distbelief.downpour.config import DownpourConfig
 
-__all__ = ["MOMENTUM_SLOT", "PushRules", "check_row_sparse", "create"]
-
-# The name of the outer optimizer's slots in the compiled optimizer
-# (`outer_momentum/<variable>`).
-MOMENTUM_SLOT = "outer_momentum"
+__all__ = ["PushRules", "check_row_sparse", "create"]
 
 
 def check_row_sparse(config: DownpourConfig, row_sparse_names: list[str]) -> None:
@@ -81,16 +62,19 @@ class PushRules:
     Create it under the strategy's scope, after the optimizer is built.
 
     Args:
-      config: the `DownpourConfig`.
-      optimizer: the compiled tf_keras optimizer (holds the momentum slots).
+      config: the `DownpourConfig` (its `rules`).
+      optimizer: the compiled tf_keras optimizer (holds the rules' slots).
       variables: the dense `DownpourVariable` shards, in the kind's order.
       num_workers: workers in the cluster (rows of the fetched copies).
       strategy: the strategy (its `colocate_vars_with`).
 
     Attributes:
-      momentums: the outer optimizer's `m` per variable, or `[]`.
+      rules: the `rule.PushRule`s in effect.
+      states: per rule, its `ps_state` (one entry per variable, or `[]`);
+        also the attribute named by the rule's `state_name`, if any (e.g.
+        `momentums`, the outer optimizer's `m` per variable).
       fetched: per variable, the `[num_workers, ...]` copy of the values each
-        replica last fetched, or `[]`.
+        replica last fetched, or `[]` when no rule needs it.
     """
 
     def __init__(
@@ -104,15 +88,18 @@ class PushRules:
         self.config = config
         self.optimizer = optimizer
         self.variables = list(variables)
-        self.outer = config.outer_learning_rate is not None
-        self.momentums = []
-        if self.outer:
-            self.momentums = [
-                optimizer.add_variable_from_reference(v, MOMENTUM_SLOT)
-                for v in self.variables
-            ]
+        self.rules = config.rules
+        self.states = [
+            r.ps_state(optimizer, self.variables, strategy) for r in self.rules
+        ]
+        for r, state in zip(self.rules, self.states):
+            if r.state_name:
+                setattr(self, r.state_name, state)
+        self.updater = next(
+            (k for k, r in enumerate(self.rules) if r.replaces_optimizer), None
+        )
         self.fetched = []
-        if config.delay_compensation:
+        if any(r.needs_fetched for r in self.rules):
             for v in self.variables:
                 with strategy.extended.colocate_vars_with(v):
                     self.fetched.append(
@@ -126,15 +113,15 @@ class PushRules:
     @property
     def any(self) -> bool:
         """True when a push rule is on."""
-        return bool(self.config.push_rules)
+        return bool(self.rules)
 
     @property
     def reads_staleness_first(self) -> bool:
         """True when a push needs its staleness before it is applied."""
-        return self.config.staleness_scaled
+        return any(r.needs_staleness for r in self.rules)
 
     def record_fetch(self, j: int, value_on_ps: tf.Tensor, worker) -> list:
-        """Ops writing replica `worker`'s copy of variable `j` (DC-ASGD).
+        """Ops writing replica `worker`'s copy of variable `j` (`needs_fetched`).
 
         Args:
           j: the variable's index.
@@ -158,8 +145,8 @@ class PushRules:
         """Applies one push of dense `grads` (on their ps tasks) by the rules.
 
         Args:
-          grads: the pushed gradients (pseudo-gradients with the outer
-            optimizer), tensors on the variables' ps tasks, clipped.
+          grads: the pushed gradients (pseudo-gradients with a rule that
+            `pushes_deltas`), tensors on the variables' ps tasks, clipped.
           squares: the pushed squares per variable, or Nones.
           steps: the gradients summed per push as AdaGrad counts them
             (`n_push` with `adagrad_accumulator="mean"`, else 1).
@@ -167,33 +154,28 @@ class PushRules:
             applied, or None when `reads_staleness_first` is False.
           worker: the replica's worker index, an integer scalar tensor.
         """
-        cfg, opt = self.config, self.optimizer
+        opt = self.optimizer
         for j, (g, sq, v) in enumerate(zip(grads, squares, self.variables)):
             with tf.device(v.device):
-                if cfg.delay_compensation:
-                    lam = tf.cast(cfg.delay_compensation, v.dtype)
+                w_fetched = None
+                if self.fetched:
                     index = tf.reshape(tf.cast(worker, tf.int64), [1])
                     w_fetched = base.gather(_handle(self.fetched[j]), index, v.dtype)
-                    w_now = base.read(v.handle, v.dtype)
-                    g = g + lam * g * g * (w_now - w_fetched[0])
+                    w_fetched = w_fetched[0]
+                for r in self.rules:
+                    g = r.correct(g, v, w_fetched, staleness)
                 scale = None
-                if cfg.staleness_scaled:
-                    most = tf.maximum(staleness, tf.constant(1, staleness.dtype))
-                    scale = 1 / tf.cast(most, v.dtype)
-                if self.outer:
+                for r in self.rules:
+                    factor = r.scale(staleness, v.dtype)
+                    if factor is not None:
+                        scale = factor if scale is None else scale * factor
+                if self.updater is not None:
                     if scale is not None:
                         g = g * scale
-                    tf.raw_ops.ResourceApplyKerasMomentum(
-                        var=v.handle,
-                        accum=self.momentums[j].handle,
-                        lr=tf.cast(cfg.outer_learning_rate, v.dtype),
-                        grad=g,
-                        momentum=tf.cast(cfg.outer_momentum, v.dtype),
-                        use_locking=False,
-                        use_nesterov=True,
-                    )
+                    k = self.updater
+                    self.rules[k].update(v, self.states[k][j], g)
                 elif scale is not None and isinstance(opt, adagrad.Adagrad):
-                    # The step, not the accumulator, is divided.
+                    # The step, not the accumulator, is scaled.
                     if sq is None:
                         sq = g * g / tf.cast(steps, v.dtype)
                     opt.apply_gradient_and_squares(g * scale, sq, v)

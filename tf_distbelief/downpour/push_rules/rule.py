@@ -1,0 +1,365 @@
+"""A push rule's base class, its settings, and the registry of push rules.
+
+A push rule changes how the ps applies a replica's push (Downpour,
+`DownpourConfig`). Each rule is one `PushRule` subclass in one file, holding:
+
+* its `Setting`s: `DownpourConfig` keyword arguments and attributes, and the
+  launch flags of the same names (`launch/train.py` defines them from
+  `settings()`), with `check` validating them;
+* its NumPy reference (the `reference_*` hooks), which `schedule.simulate`
+  applies through `reference.ReferenceRules`;
+* its TF update on the ps (the other hooks, importing TensorFlow when
+  called), which the replica applies through `on_ps.PushRules`.
+
+At a push the rules in effect compose, on each variable, in this order:
+
+1. `correct`: each rule's correction of the pushed gradient (`G`), in
+   registration order;
+2. `scale`: each rule's factor of the step, multiplied;
+3. the rule that `replaces_optimizer` applies the scaled push with its
+   `update`; without one the ps optimizer applies the scaled step (AdaGrad
+   grows its accumulator by the unscaled squares: its step, not its
+   accumulator, is scaled).
+
+Each module of this package but `_NOT_RULES` is a rule file: it names its
+rule class `RULE`, and the registry registers them first, in module name
+order (`rules()`), so a new rule is one new file. Other rules (a test's)
+register with `register` or, for a `with` block, `registered`. Pure: no
+TensorFlow at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import math
+import pkgutil
+
+import numpy as np
+
+__all__ = [
+    "PushRule",
+    "Setting",
+    "check_float",
+    "register",
+    "registered",
+    "resolve",
+    "rules",
+    "settings",
+    "unregister",
+]
+
+# The modules of this package that hold no rule.
+_NOT_RULES = frozenset({"rule", "on_ps", "reference"})
+# Registered rules by name, in registration order.
+_RULES: dict[str, type[PushRule]] = {}
+_loaded = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One setting of a push rule: a `DownpourConfig` field and a launch flag.
+
+    Attributes:
+      name: the keyword argument, attribute and flag name.
+      default: its value when not given.
+      kind: the flag's type, `"float"` or `"bool"` (absl parses the value;
+        a float flag is refused unless finite).
+      help: the flag's help.
+      lower_bound: a float flag's lowest value, or None.
+      upper_bound: a float flag's highest value, or None.
+    """
+
+    name: str
+    default: object
+    kind: str
+    help: str
+    lower_bound: float | None = None
+    upper_bound: float | None = None
+
+    def __post_init__(self):
+        if self.kind not in ("float", "bool"):
+            raise ValueError(
+                f"Argument `kind` of setting {self.name!r} must be one of float, "
+                f"bool. Received: {self.kind!r}"
+            )
+
+
+class PushRule:
+    """A rule the ps applies to a replica's push; subclass and `register` it.
+
+    A subclass sets the class attributes and overrides the hooks it needs;
+    the base's hooks change nothing. It is constructed by `resolve` from a
+    valid `DownpourConfig` in which it is on, and reads its settings there.
+
+    Class attributes:
+      name: the rule's name in `DownpourConfig.push_rules` and in errors: the
+        setting whose value turns it on (`is_on`).
+      title: the rule in words, for errors (e.g. "the outer optimizer").
+      settings: its `Setting`s.
+      pushes_deltas: a push sends the replica's local steps summed (its cache's
+        decrease since the last push) in place of its gradients, and no
+        squared gradients.
+      needs_staleness: the push's staleness is read before it is applied.
+      needs_fetched: the ps keeps a copy of the values each replica last
+        fetched (`fetched` of `correct`); ps memory: `num_workers` copies of
+        the model, not checkpointed.
+      replaces_optimizer: `update` applies the push in place of the ps
+        optimizer (at most one rule in effect may).
+      state_name: the attribute of `on_ps.PushRules` that holds the rule's
+        `ps_state` (e.g. `"momentums"`), or `""` for none.
+
+    Args:
+      config: the `DownpourConfig`.
+    """
+
+    name: str = ""
+    title: str = ""
+    settings: tuple[Setting, ...] = ()
+    pushes_deltas: bool = False
+    needs_staleness: bool = False
+    needs_fetched: bool = False
+    replaces_optimizer: bool = False
+    state_name: str = ""
+
+    def __init__(self, config):
+        del config  # A rule with settings reads them here.
+
+    @classmethod
+    def is_on(cls, config) -> bool:
+        """True when the rule is in effect: its setting `name` is set (truthy)."""
+        return bool(getattr(config, cls.name))
+
+    @classmethod
+    def check(cls, config) -> None:
+        """Raises unless the rule's settings in `config` are valid.
+
+        Each setting is checked whether the rule is on or not; what the rule
+        needs of `config`'s other fields, when it is on.
+
+        Raises:
+          TypeError, ValueError: naming the argument and the value received.
+        """
+
+    @classmethod
+    def check_combination(cls, config, others: tuple[type[PushRule], ...]) -> None:
+        """Raises if the rule, on in `config`, cannot work with `others` on.
+
+        Raises:
+          ValueError: naming both rules.
+        """
+
+    # --- The NumPy reference (`schedule.simulate`), pure ----------------------
+
+    def reference_state(self, params: list) -> object:
+        """The rule's ps state at the start (e.g. momentums), or None."""
+        return None
+
+    def reference_correct(self, grads, params, fetched, staleness) -> list:
+        """The pushed `grads` corrected (step 1).
+
+        Args:
+          grads: the pushed gradients (parameter deltas with `pushes_deltas`),
+            one array per parameter.
+          params: the ps parameters before the push.
+          fetched: the ps parameters at the pushing replica's last fetch.
+          staleness: the push's staleness, an int >= 0.
+        """
+        return grads
+
+    def reference_scale(self, staleness: int) -> float | None:
+        """The factor of the push's step (step 2), or None for none."""
+        return None
+
+    def reference_update(self, params, state, grads) -> tuple[list, object]:
+        """`(params, state)` after the push of `grads`, with `replaces_optimizer`."""
+        raise NotImplementedError(f"Push rule {self.name} replaces no optimizer.")
+
+    # --- TensorFlow on the ps (`on_ps.PushRules`) -----------------------------
+
+    def ps_state(self, optimizer, variables: list, strategy) -> list:
+        """The rule's ps state per variable (e.g. optimizer slots), or [].
+
+        Called once under the strategy's scope, after the optimizer is built.
+
+        Args:
+          optimizer: the compiled tf_keras optimizer.
+          variables: the dense ps variables (shards).
+          strategy: the `DistBeliefStrategy`.
+        """
+        return []
+
+    def correct(self, grad, variable, fetched, staleness):
+        """`grad` of `variable` corrected, on its ps task (step 1).
+
+        Args:
+          grad: the pushed gradient, a tensor on the variable's ps task.
+          variable: the ps variable (shard).
+          fetched: the value the pushing replica last fetched (`needs_fetched`),
+            or None.
+          staleness: the push's staleness, an int64 scalar (`needs_staleness`),
+            or None.
+        """
+        return grad
+
+    def scale(self, staleness, dtype):
+        """The factor of the push's step, a `dtype` tensor (step 2), or None."""
+        return None
+
+    def update(self, variable, state, grad):
+        """The op applying `grad` to `variable`, with `replaces_optimizer`.
+
+        Args:
+          variable: the ps variable (shard).
+          state: the rule's `ps_state` entry of the variable.
+          grad: the pushed gradient, corrected and scaled.
+        """
+        raise NotImplementedError(f"Push rule {self.name} replaces no optimizer.")
+
+
+def check_float(name: str, value, or_what: str = "", rule: str = "") -> None:
+    """Raises unless `value` is a real number, finite and, by `rule`, in range.
+
+    Args:
+      name: the argument's name, for the error.
+      value: its value.
+      or_what: what else it may be (e.g. "None (off)"), for the error.
+      rule: `">= 0"`, `"> 0"` or `""` (any finite value).
+
+    Raises:
+      TypeError: not a number (a bool is not one).
+      ValueError: not finite or out of range.
+    """
+    alternative = f" or {or_what}" if or_what else ""
+    if isinstance(value, bool) or not isinstance(
+        value, (int, float, np.floating, np.integer)
+    ):
+        raise TypeError(
+            f"Argument `{name}` must be a float{alternative}. Received: {value!r}"
+        )
+    try:
+        finite = math.isfinite(float(value))
+    except OverflowError:  # An int beyond float range.
+        finite = False
+    if finite and rule == ">= 0":
+        finite = value >= 0
+    elif finite and rule == "> 0":
+        finite = value > 0
+    if not finite:
+        rule = f" and {rule}" if rule else ""
+        raise ValueError(
+            f"Argument `{name}` must be finite{rule}{alternative}. Received: {value!r}"
+        )
+
+
+def register(rule: type[PushRule]) -> type[PushRule]:
+    """Registers a push rule class; returns it (usable as a decorator).
+
+    Its settings become `DownpourConfig` keyword arguments for configs
+    created from now on.
+
+    Raises:
+      TypeError: `rule` is not a `PushRule` subclass.
+      ValueError: its `name` is not one of its settings, or its name or a
+        setting's is taken (by a registered rule or a `DownpourConfig` field).
+    """
+    from tf_distbelief.downpour import config as config_lib
+
+    _load_builtins()
+    if not (isinstance(rule, type) and issubclass(rule, PushRule)):
+        raise TypeError(
+            f"Argument `rule` must be a PushRule subclass. Received: {rule!r}"
+        )
+    names = [s.name for s in rule.settings]
+    if rule.name not in names:
+        raise ValueError(
+            f"Push rule {rule.__name__}'s `name` must be one of its settings "
+            f"({', '.join(names) or 'none'}). Received: {rule.name!r}"
+        )
+    taken = {s.name for other in _RULES.values() for s in other.settings}
+    taken |= set(_RULES) | set(config_lib.FIELDS)
+    clash = sorted(taken.intersection(names))
+    if clash or len(set(names)) != len(names):
+        raise ValueError(
+            f"Push rule {rule.__name__}'s settings must have new, distinct names. "
+            f"Received: {', '.join(names)} (taken: {', '.join(clash) or 'none'})"
+        )
+    _RULES[rule.name] = rule
+    return rule
+
+
+def unregister(rule: type[PushRule]) -> None:
+    """Removes a registered push rule class.
+
+    Raises:
+      ValueError: `rule` is not registered.
+    """
+    if _RULES.get(getattr(rule, "name", None)) is not rule:
+        raise ValueError(f"Push rule {rule!r} is not registered.")
+    del _RULES[rule.name]
+
+
+@contextlib.contextmanager
+def registered(rule: type[PushRule]):
+    """Registers `rule` for the `with` block, and unregisters it after.
+
+    Raises:
+      As `register`.
+    """
+    register(rule)
+    try:
+        yield rule
+    finally:
+        unregister(rule)
+
+
+def _load_builtins() -> None:
+    """Registers the `RULE` of each rule module of this package, once."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    package = importlib.import_module(__package__)
+    for module in sorted(m.name for m in pkgutil.iter_modules(package.__path__)):
+        if module not in _NOT_RULES:
+            register(importlib.import_module(f"{__package__}.{module}").RULE)
+
+
+def rules() -> tuple[type[PushRule], ...]:
+    """The registered push rule classes, in registration order."""
+    _load_builtins()
+    return tuple(_RULES.values())
+
+
+def settings() -> tuple[Setting, ...]:
+    """The settings of every registered push rule, in registration order."""
+    return tuple(s for rule in rules() for s in rule.settings)
+
+
+def resolve(config) -> tuple[PushRule, ...]:
+    """Checks `config`'s push rule settings; returns the rules in effect.
+
+    Args:
+      config: a `DownpourConfig`, its fields set.
+
+    Returns:
+      One `PushRule` per rule on, in registration order.
+
+    Raises:
+      TypeError, ValueError: a rule's `check` or `check_combination`, or two
+        rules on that both replace the ps optimizer.
+    """
+    known = rules()
+    for rule in known:
+        rule.check(config)
+    on = tuple(rule for rule in known if rule.is_on(config))
+    for rule in on:
+        rule.check_combination(config, tuple(o for o in on if o is not rule))
+    replacing = [rule.name for rule in on if rule.replaces_optimizer]
+    if len(replacing) > 1:
+        raise ValueError(
+            f"Push rules {' and '.join(replacing)} cannot be combined: each "
+            "applies the push in place of the ps optimizer. Received both on."
+        )
+    return tuple(rule(config) for rule in on)
