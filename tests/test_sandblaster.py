@@ -21,7 +21,7 @@ import tensorflow as tf
 import tf_keras
 
 import models.digits
-from tests import stragglers
+from benchmarks import stragglers
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.sandblaster import config as config_lib
 from tf_distbelief.sandblaster import flat_params, lbfgs, ps_vectors

@@ -52,7 +52,7 @@ CHILD = textwrap.dedent(
 
     import numpy as np
 
-    from tests import stragglers
+    from benchmarks import stragglers
     from tests.test_sandblaster import CE, _digits_train, _logistic_model
     from tf_distbelief import cluster
     from tf_distbelief import strategy as strategy_lib
@@ -133,7 +133,7 @@ RECOVER_CHILD = textwrap.dedent(
 
     import numpy as np
 
-    from tests import stragglers
+    from benchmarks import stragglers
     from tests.test_sandblaster import (
         CE, _digits_train, _logistic_model, numpy_fun_and_grad,
     )

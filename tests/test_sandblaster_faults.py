@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests import stragglers
+from benchmarks import stragglers
 from tests.test_sandblaster import (
     CE,
     _digits_train,

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 
-from tests import stragglers
+from benchmarks import stragglers
 from tests.test_sandblaster import CE, _digits_train, _full_batch_grad, _logistic_model
 from tests.test_sandblaster_exit import _run_child
 from tf_distbelief import sandblaster
