@@ -10,9 +10,9 @@ import time
 import portpicker
 import pytest
 
+from tests.fixtures.launch import ROOT
 from tf_distbelief.cluster import connect
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.test_training import _shard_passes
+from tests.fixtures.fit import _shard_passes
+from tests.fixtures.launch import ROOT
 from tf_distbelief import job
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.fit import data
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 
 

@@ -11,40 +11,25 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from tests.fixtures.downpour import (
+    BATCH_SIZE,
+    LEARNING_RATE,
+    NUM_CLASSES,
+    NUM_FEATURES,
+    STEPS,
+    _batches,
+    _ps_params,
+    _simulate,
+    _softmax_data,
+    _softmax_grad,
+    _softmax_model,
+    _strategy,
+)
+from tests.fixtures.launch import ROOT
 from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import config, schedule
 from tf_distbelief.downpour import schedule as downpour_schedule
-
-NUM_FEATURES, NUM_CLASSES, BATCH_SIZE, STEPS = 6, 3, 4, 12
-LEARNING_RATE = 0.1
-
-
-def _softmax_data(seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(STEPS * BATCH_SIZE, NUM_FEATURES))
-    y = rng.integers(0, NUM_CLASSES, size=STEPS * BATCH_SIZE)
-    kernel = rng.normal(size=(NUM_FEATURES, NUM_CLASSES)) * 0.1
-    bias = rng.normal(size=NUM_CLASSES) * 0.1
-    return x, y, [kernel, bias]
-
-
-def _softmax_grad(params, batch):
-    """Gradient of the mean softmax cross-entropy of `x @ kernel + bias`."""
-    (kernel, bias), (x, y) = params, batch
-    logits = x @ kernel + bias
-    p = np.exp(logits - logits.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
-    p[np.arange(len(y)), y] -= 1
-    p /= len(y)
-    return [x.T @ p, p.sum(axis=0)]
-
-
-def _batches(x, y):
-    return [
-        (x[i : i + BATCH_SIZE], y[i : i + BATCH_SIZE])
-        for i in range(0, len(x), BATCH_SIZE)
-    ]
 
 
 def _sequential_adagrad(params, batches):
@@ -153,7 +138,7 @@ def test_schedule_and_config_import_without_tensorflow():
         "from tf_distbelief.downpour import config, schedule\n"
         "assert 'tensorflow' not in sys.modules, sorted(sys.modules)\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     env = {**os.environ, "PYTHONPATH": root}
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True
@@ -214,55 +199,6 @@ def test_reference_warm_start_trains_replica_0_only():
 
 
 # --- One worker: exact semantics on the cluster ------------------------------
-
-
-def _strategy(local_cluster, partitioner=None, num_workers=1):
-    resolver = local_cluster.resolver_for(num_workers=num_workers, num_ps=2)
-    strategy = strategy_lib.DistBeliefStrategy(resolver, partitioner)
-    downpour.enable(strategy)
-    return strategy
-
-
-def _softmax_model(strategy, params, steps_per_execution=1):
-    kernel, bias = params
-    with strategy.scope():
-        model = tf_keras.Sequential(
-            [
-                tf_keras.layers.InputLayer(
-                    input_shape=(NUM_FEATURES,), dtype="float64"
-                ),
-                tf_keras.layers.Dense(
-                    NUM_CLASSES,
-                    dtype="float64",
-                    kernel_initializer=tf_keras.initializers.Constant(kernel),
-                    bias_initializer=tf_keras.initializers.Constant(bias),
-                ),
-            ]
-        )
-        model.compile(
-            adagrad.Adagrad(LEARNING_RATE),
-            loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            steps_per_execution=steps_per_execution,
-        )
-    return model
-
-
-def _ps_params(model):
-    """The kernel and the bias, each shard concatenated along axis 0."""
-    kernel = [v.numpy() for v in model.trainable_variables if v.shape.rank == 2]
-    bias = [v.numpy() for v in model.trainable_variables if v.shape.rank == 1]
-    return [np.concatenate(kernel), np.concatenate(bias)]
-
-
-def _simulate(params, x, y, config):
-    got, _ = downpour_schedule.simulate(
-        params,
-        _softmax_grad,
-        [_batches(x, y)],
-        config,
-        downpour_schedule.adagrad_ps(LEARNING_RATE),
-    )
-    return got
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,10 @@ import sys
 import pytest
 from absl import flags
 
+from tests.fixtures.launch import ROOT
+
 _PATH = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    ROOT,
     "benchmarks",
     "downpour_bench.py",
 )

@@ -12,7 +12,8 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tests.helpers import cluster_bytes
+from tests.fixtures.downpour import _TiedLogits
+from tests.fixtures.helpers import cluster_bytes
 from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import schedule as downpour_schedule
@@ -192,20 +193,6 @@ def test_row_sparse_errors(local_cluster):
         row_sparse=embedding_layer.embeddings,
     )
     assert replicas.row_sparse == [True] * 2 + [False] * 4
-
-
-class _TiedLogits(tf_keras.layers.Layer):
-    """Adds 0 x `h @ table^T` to the logits: reads the whole table."""
-
-    def __init__(self, embedding_layer, **kwargs):
-        super().__init__(**kwargs)
-        self.embedding_layer = embedding_layer
-
-    def call(self, inputs):
-        h, logits = inputs
-        table = tf.convert_to_tensor(self.embedding_layer.embeddings)
-        tied = tf.matmul(h, table, transpose_b=True)
-        return logits + 0.0 * tf.reduce_sum(tied, axis=1, keepdims=True)
 
 
 def test_reading_a_sharded_row_sparse_table_whole_names_it(local_cluster):

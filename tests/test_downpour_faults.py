@@ -11,7 +11,7 @@ import tf_keras
 
 import models
 from models import digits
-from tests.helpers import wait_for_worker_recovery
+from tests.fixtures.helpers import wait_for_worker_recovery
 from tf_distbelief import job
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import DownpourConfig

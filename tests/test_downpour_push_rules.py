@@ -16,8 +16,8 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tests import test_launch
-from tests.test_downpour import (
+from tests.fixtures import launch
+from tests.fixtures.downpour import (
     BATCH_SIZE,
     LEARNING_RATE,
     STEPS,
@@ -340,7 +340,7 @@ def test_push_rules_reject_row_sparse_before_training(local_cluster):
     ],
 )
 def test_bad_push_rule_flags_fail_at_parse_time(args, message):
-    proc = test_launch._train(args, uuid.uuid4().hex, timeout=300)
+    proc = launch._train(args, uuid.uuid4().hex, timeout=300)
     assert proc.returncode == 1
     assert re.search(message, proc.stderr), proc.stderr[-2000:]
     assert "Flags parsing error" in proc.stderr  # Before any server.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.test_downpour import (
+from tests.fixtures.downpour import (
     BATCH_SIZE,
     STEPS,
     _ps_params,

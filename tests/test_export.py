@@ -12,6 +12,7 @@ import tensorflow as tf
 import tf_keras
 
 from models import digits
+from tests.fixtures.launch import ROOT
 from tf_distbelief import adagrad
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.fit import export, training
@@ -166,7 +167,6 @@ def test_export_from_a_missing_checkpoint_names_it(tmp_path):
         )
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 
 

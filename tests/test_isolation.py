@@ -20,7 +20,7 @@ import psutil
 import pytest
 from absl import logging
 
-from tests.test_launch import (
+from tests.fixtures.launch import (
     README_ARGS,
     ROOT,
     TRAIN,

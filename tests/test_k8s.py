@@ -18,7 +18,7 @@ import portpicker
 import pytest
 import yaml
 
-from tests.test_launch import ROOT, _accuracy, _env, _wait_no_marked
+from tests.fixtures.launch import ROOT, _accuracy, _env, _wait_no_marked
 from tf_distbelief.cluster import tfjob
 
 kubernetes_client = pytest.importorskip("kubernetes.client")

@@ -11,13 +11,13 @@ import pytest
 import tensorflow as tf
 
 from models import digits
+from tests.fixtures.launch import ROOT
 from tf_distbelief import job, keras3
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.adagrad import rule
 from tf_distbelief.keras3 import job as keras3_job
 from tf_distbelief.keras3 import variables as variables_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXED2 = tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -307,7 +307,7 @@ def test_only_models_with_a_keras3_builder_take_keras_3():
 
 @pytest.mark.slow
 def test_launch_keras_3_trains_digits_and_exports_a_keras_file(tmp_path):
-    from tests.test_launch import _accuracy, _train_ok
+    from tests.fixtures.launch import _accuracy, _train_ok
 
     export_dir = str(tmp_path / "export")
     output = _train_ok(
@@ -334,7 +334,7 @@ def test_launch_keras_3_trains_digits_and_exports_a_keras_file(tmp_path):
 
 
 def _keras3_softmax_model(params):
-    from tests import test_downpour as tdp
+    from tests.fixtures import downpour as tdp
 
     kernel, bias = params
     return keras.Sequential(
@@ -367,7 +367,7 @@ def test_downpour_matches_the_numpy_reference(
     adagrad_accumulator,
 ):
     """The same run as tests/test_downpour.py's, with a Keras 3 model."""
-    from tests import test_downpour as tdp
+    from tests.fixtures import downpour as tdp
     from tf_distbelief.downpour import schedule
 
     x, y, params = tdp._softmax_data()

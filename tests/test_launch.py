@@ -5,14 +5,12 @@ inherits, so "no process left behind" is checked across the whole machine.
 """
 
 import json
-import os
 import re
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 
 import numpy as np
@@ -20,67 +18,19 @@ import portpicker
 import pytest
 import tensorflow as tf
 
-from tests.helpers import tensorboard_scalars
+from tests.fixtures.helpers import tensorboard_scalars
+from tests.fixtures.launch import (
+    README_ARGS,
+    ROOT,
+    TRAIN,
+    _accuracy,
+    _env,
+    _marked_pids,
+    _train,
+    _train_ok,
+    _wait_no_marked,
+)
 from tf_distbelief import cluster
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(ROOT, "launch", "train.py")
-# The main job of README.md (without its install step).
-README_ARGS = ["--model=digits", "--optimizer=adagrad", "--num_workers=2", "--num_ps=2"]
-
-
-def _env(marker, **extra):
-    env = dict(os.environ, TFDB_TEST_MARKER=marker, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
-    env.update(extra)
-    return env
-
-
-def _marked_pids(marker):
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"TFDB_TEST_MARKER={marker}".encode() in f.read().split(b"\0"):
-                    pids.append(int(pid))
-        except OSError:
-            continue
-    return pids
-
-
-def _wait_no_marked(marker, timeout_secs=30.0):
-    deadline = time.monotonic() + timeout_secs
-    while _marked_pids(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return _marked_pids(marker)
-
-
-def _train(args, marker, timeout=900, **env):
-    """Runs `launch/train.py args` to completion; returns the CompletedProcess."""
-    return subprocess.run(
-        [sys.executable, TRAIN, *args],
-        env=_env(marker, **env),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def _train_ok(args):
-    """Runs a local-cluster job that must exit 0 and leave no process; its stdout."""
-    marker = uuid.uuid4().hex
-    proc = _train(args, marker)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _wait_no_marked(marker) == []
-    return proc.stdout
-
-
-def _accuracy(output):
-    found = re.findall(r"^test accuracy: ([0-9.]+)$", output, re.MULTILINE)
-    assert found, output[-3000:]
-    return float(found[-1])
-
 
 # A line of TensorFlow's C++ logging (Abseil's prefix), or Abseil's banner.
 CPP_LOG_LINE = re.compile(

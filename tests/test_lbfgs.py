@@ -6,18 +6,8 @@ import numpy as np
 import pytest
 import scipy.optimize
 
+from tests.fixtures.lbfgs import dense_bfgs_inverse_hessian, rosenbrock
 from tf_distbelief.sandblaster import lbfgs
-
-
-def rosenbrock(x):
-    loss = 100.0 * (x[1] - x[0] ** 2) ** 2 + (1.0 - x[0]) ** 2
-    grad = np.array(
-        [
-            -400.0 * x[0] * (x[1] - x[0] ** 2) - 2.0 * (1.0 - x[0]),
-            200.0 * (x[1] - x[0] ** 2),
-        ]
-    )
-    return float(loss), grad
 
 
 def log_barrier(x):
@@ -68,19 +58,6 @@ def test_numpy_vector_ops_match_numpy():
 
 
 # ----------------------------------------------------------- two-loop recursion
-
-
-def dense_bfgs_inverse_hessian(s_list, y_list, gamma):
-    """H_k from H_0 = gamma I and the explicit BFGS update, oldest pair first."""
-    n = s_list[0].size
-    h = gamma * np.eye(n)
-    eye = np.eye(n)
-    for s, y in zip(s_list, y_list):
-        rho = 1.0 / (s @ y)
-        h = (eye - rho * np.outer(s, y)) @ h @ (
-            eye - rho * np.outer(y, s)
-        ) + rho * np.outer(s, s)
-    return h
 
 
 @pytest.mark.parametrize("num_pairs", [0, 1, 3, 6])

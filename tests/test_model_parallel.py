@@ -24,6 +24,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from tests.fixtures.launch import ROOT
 from tf_distbelief import cluster
 from tf_distbelief.model_parallel import dense as partitioned_dense
 from tf_distbelief.model_parallel import devices as model_parallel
@@ -804,7 +805,7 @@ class TestFourDevices:
     @pytest.fixture(scope="class")
     @classmethod
     def report(cls):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = ROOT
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         result = subprocess.run(

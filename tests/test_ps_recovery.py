@@ -7,104 +7,33 @@ environment and its `TF_CONFIG`.
 """
 
 import functools
-import json
 import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
 
-import psutil
 import pytest
 import tensorflow as tf
 
-from tests import conftest
-from tests.test_sandblaster_resume import _VALUE, _latest_iteration, _relative_errors
+from tests.fixtures import launch
+from tests.fixtures.launch import ROOT
+from tests.fixtures.ps_kill import (
+    _kill_ps0_when,
+    _launch,
+    run_ps0_killed_after_second_checkpoint,
+)
+from tests.fixtures.sandblaster import _VALUE, _latest_iteration, _relative_errors
 from tf_distbelief import job, paths
 from tf_distbelief.cluster import local as local_lib
 from tf_distbelief.faults import recovery
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
-
-
-def _environ(pid):
-    try:
-        return psutil.Process(pid).environ()
-    except psutil.Error:  # Gone, a zombie, or not ours to read.
-        return {}
-
-
-def _pids(marker):
-    return [
-        pid for pid in psutil.pids() if _environ(pid).get("TFDB_TEST_MARKER") == marker
-    ]
-
-
-def _task_pid(marker, job_name, index):
-    for pid in _pids(marker):
-        task = json.loads(_environ(pid).get("TF_CONFIG") or "{}").get("task")
-        if task == {"type": job_name, "index": index}:
-            return pid
-    return None
-
-
-def _launch(args, marker, folder):
-    """Starts `launch/train.py args`, stdout and stderr to files in `folder`
-    (a pipe nobody reads while the job runs could fill and block it)."""
-    env = dict(os.environ, TFDB_TEST_MARKER=marker, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
-    with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
-        return subprocess.Popen(
-            [sys.executable, "-u", TRAIN, *args],
-            env=env,
-            cwd=ROOT,
-            stdout=out,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-        )
-
-
-def _kill_ps0_when(proc, marker, folder, ready, timeout_secs=600.0):
-    """SIGKILLs ps 0 once `ready()`; returns (returncode, stdout, stderr)."""
-    deadline = time.monotonic() + timeout_secs
-    try:
-        while not ready():
-            assert proc.poll() is None, (folder / "err").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the moment to kill ps 0 never came"
-            time.sleep(0.05)
-        os.kill(_task_pid(marker, "ps", 0), signal.SIGKILL)
-        proc.wait(timeout=900)
-    finally:
-        proc.kill()
-    deadline = time.monotonic() + 30
-    while _pids(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _pids(marker) == [], "processes left behind"
-    return proc.returncode, (folder / "out").read_text(), (folder / "err").read_text()
 
 
 def _accuracy(output):
     return float(re.findall(r"^test accuracy: ([0-9.]+)$", output, re.M)[-1])
-
-
-def run_ps0_killed_after_second_checkpoint(folder, args):
-    """`launch/train.py args` with checkpoints every 20 steps in `folder`, ps 0
-    SIGKILLed once the second (step 40) is written; (returncode, stdout,
-    stderr)."""
-    marker = uuid.uuid4().hex
-    model_dir = folder / "model"
-    second = model_dir / "checkpoints" / "ckpt-40.index"
-    proc = _launch(
-        [*args, f"--model_dir={model_dir}", "--checkpoint_every_steps=20"],
-        marker,
-        folder,
-    )
-    return _kill_ps0_when(proc, marker, folder, second.exists)
 
 
 @pytest.mark.slow
@@ -156,14 +85,14 @@ def test_ps_killed_during_sandblaster_resumes_to_the_uninterrupted_result(
     resumes from that checkpoint and ends where an uninterrupted run ends (the
     reference, `conftest.lbfgs_digits_reference`, runs the same job in this
     process, for tests/test_sandblaster_resume.py's chief-loss test too)."""
-    total = conftest.LBFGS_REFERENCE_ITERS
+    total = launch.LBFGS_REFERENCE_ITERS
     marker = uuid.uuid4().hex
     checkpoints = paths.sandblaster_dir(str(tmp_path / "model"))
     proc = _launch(
         [
             "--model=digits",
             "--optimizer=lbfgs",
-            f"--portions={conftest.LBFGS_REFERENCE_PORTIONS}",
+            f"--portions={launch.LBFGS_REFERENCE_PORTIONS}",
             f"--lbfgs_max_iters={total}",
             "--num_workers=2",
             "--num_ps=2",

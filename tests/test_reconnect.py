@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tests.test_downpour_embeddings import _TiedLogits
+from tests.fixtures.downpour import _TiedLogits
 from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
 

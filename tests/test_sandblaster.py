@@ -7,8 +7,6 @@ Cluster tests use the session's `local_cluster` (3 workers, 3 ps) through
 from __future__ import annotations
 
 import collections
-import itertools
-import math
 import subprocess
 import sys
 import time
@@ -22,20 +20,21 @@ import tf_keras
 
 import models.digits
 from benchmarks import stragglers
-from tf_distbelief import strategy as strategy_lib
+from tests.fixtures.sandblaster import (
+    CE,
+    EQUAL_PORTIONS,
+    _digits_train,
+    _full_batch_grad,
+    _logistic_model,
+    _strategy,
+    numpy_fun_and_grad,
+)
 from tf_distbelief.sandblaster import config as config_lib
 from tf_distbelief.sandblaster import flat_params, lbfgs, ps_vectors
 from tf_distbelief.sandblaster import objective as sandblaster_objective
 from tf_distbelief.sandblaster import portion as sandblaster_portion
 from tf_distbelief.sandblaster import schedule as schedule_lib
 from tf_distbelief.sandblaster import trainer as sandblaster
-
-# Exactly representable in float32, so tf_keras's float32 regularisation
-# constant equals the NumPy reference's: kernel penalty `L2 * sum(W ** 2)`.
-L2 = 2.0**-6
-NUM_CLASSES = 10
-CE = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
 
 # --- Pure: portions, ledger, slots, flat layout -------------------------------
 
@@ -147,20 +146,6 @@ def _op_types(concrete):
     }
 
 
-def _logistic_model(dtype="float64"):
-    return tf_keras.Sequential(
-        [
-            tf_keras.layers.InputLayer(input_shape=(64,), dtype=dtype),
-            tf_keras.layers.Dense(
-                NUM_CLASSES,
-                dtype=dtype,
-                kernel_initializer="zeros",
-                kernel_regularizer=tf_keras.regularizers.L2(L2),
-            ),
-        ]
-    )
-
-
 @pytest.mark.parametrize(
     "dtypes, expected",
     [
@@ -240,53 +225,6 @@ def test_flat_layout_and_evaluate_at():
 # --- NumPy reference ----------------------------------------------------------
 
 
-def _digits_train():
-    (x, y), _ = models.digits.load_data(dtype=np.float64)
-    return x, y
-
-
-def _numpy_portion_shares(w, x, y, bounds):
-    """Loss share and gradient of each portion, as Sandblaster defines them."""
-    kernel, bias = w[:640].reshape(64, NUM_CLASSES), w[640:]
-    shares = []
-    for begin, end in itertools.pairwise(bounds):
-        xs, ys = x[begin:end], y[begin:end]
-        z = xs @ kernel + bias
-        z = z - z.max(axis=1, keepdims=True)
-        log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-        weight = (end - begin) / len(x)
-        loss = -log_p[np.arange(len(ys)), ys].sum() / len(x)
-        loss += weight * L2 * np.sum(kernel * kernel)
-        p = np.exp(log_p)
-        p[np.arange(len(ys)), ys] -= 1.0
-        grad_kernel = xs.T @ p / len(x) + weight * 2 * L2 * kernel
-        shares.append((loss, np.concatenate([grad_kernel.ravel(), p.sum(0) / len(x)])))
-    return shares
-
-
-def numpy_fun_and_grad(x, y, portions):
-    """The objective summed in Sandblaster's portion order.
-
-    The distributed run sums per-portion loss shares (exactly rounded) and
-    per-portion gradients, in portion order, whichever worker computed them.
-    Summing the reference the same way keeps the two within a few ulps per
-    evaluation, so the iterates agree to 1e-9 after tens of L-BFGS steps (with
-    one full-batch sum they still would: the problem is strongly convex).
-    """
-    bounds = schedule_lib.portion_bounds(len(x), portions)
-
-    def fun_and_grad(w):
-        shares = _numpy_portion_shares(w, x, y, bounds)
-        return math.fsum(s for s, _ in shares), np.sum([g for _, g in shares], axis=0)
-
-    return fun_and_grad
-
-
-def _full_batch_grad(w, x, y):
-    return numpy_fun_and_grad(x, y, 1)(w)
-
-
-EQUAL_PORTIONS = 8
 LBFGS_ARGS = {"m": 10, "max_iters": 200, "record_iterates": True}
 
 
@@ -305,11 +243,6 @@ def numpy_reference():
 
 
 # --- On the cluster -----------------------------------------------------------
-
-
-def _strategy(local_cluster, num_workers, num_ps):
-    resolver = local_cluster.resolver_for(num_workers=num_workers, num_ps=num_ps)
-    return strategy_lib.DistBeliefStrategy(resolver)
 
 
 _LOCALHOST_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"

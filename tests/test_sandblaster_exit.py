@@ -18,32 +18,17 @@ benchmarks also use, is tested in `test_console`).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import time
 
 import numpy as np
 import pytest
 
-from tests.test_launch import ROOT, _env
+from tests.fixtures.launch import _run_child
 from tf_distbelief import sandblaster
 from tf_distbelief.sandblaster import objective as objective_lib
 
 STALL_SECS = 5
-
-
-def _run_child(code: str, marker: str, timeout_secs: float):
-    """Runs `code` in a new Python process, from the repository root."""
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=_env(f"{marker}-{os.getpid()}"),
-        capture_output=True,
-        text=True,
-        timeout=timeout_secs,
-    )
 
 
 CHILD = textwrap.dedent(
@@ -53,7 +38,7 @@ CHILD = textwrap.dedent(
     import numpy as np
 
     from benchmarks import stragglers
-    from tests.test_sandblaster import CE, _digits_train, _logistic_model
+    from tests.fixtures.sandblaster import CE, _digits_train, _logistic_model
     from tf_distbelief import cluster
     from tf_distbelief import strategy as strategy_lib
     from tf_distbelief.sandblaster import objective
@@ -134,7 +119,7 @@ RECOVER_CHILD = textwrap.dedent(
     import numpy as np
 
     from benchmarks import stragglers
-    from tests.test_sandblaster import (
+    from tests.fixtures.sandblaster import (
         CE, _digits_train, _logistic_model, numpy_fun_and_grad,
     )
     from tf_distbelief import cluster

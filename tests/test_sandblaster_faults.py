@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 from benchmarks import stragglers
-from tests.test_sandblaster import (
+from tests.fixtures.sandblaster import (
     CE,
     _digits_train,
     _logistic_model,

@@ -21,16 +21,22 @@ import pytest
 import tensorflow as tf
 
 import models
-from tests import conftest, test_launch
-from tests.test_sandblaster import CE, EQUAL_PORTIONS, _digits_train, _logistic_model
+from tests.fixtures import launch
+from tests.fixtures.sandblaster import (
+    _VALUE,
+    CE,
+    EQUAL_PORTIONS,
+    _digits_train,
+    _latest_iteration,
+    _logistic_model,
+    _relative_errors,
+)
 from tf_distbelief import job, paths
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.faults import nonfinite, resume
 from tf_distbelief.sandblaster import checkpoint
 from tf_distbelief.sandblaster import config as config_lib
 from tf_distbelief.sandblaster import trainer as sandblaster
-
-_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
 
 
 def _strategy(local_cluster, num_workers, num_ps):
@@ -50,13 +56,6 @@ def _trainer(strategy, history, model=None):
         portions=EQUAL_PORTIONS,
         history=history,
     )
-
-
-def _relative_errors(got, want):
-    return [
-        float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-        for a, b in zip(got, want, strict=True)
-    ]
 
 
 def _weights(trainer):
@@ -258,11 +257,6 @@ def test_job_path_resumes_and_ends_at_the_requested_iteration(local_cluster, tmp
     assert second["test_accuracy"] > 0.5
 
 
-def _latest_iteration(directory):
-    latest = tf.train.latest_checkpoint(directory)
-    return int(latest.rsplit("-", 1)[1]) if latest else 0
-
-
 @pytest.mark.slow
 @pytest.mark.xdist_group("lbfgs_digits_reference")
 def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(
@@ -278,11 +272,11 @@ def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(
     deterministically, so the rerun's final parameter vector, loss and step
     histories, read from the last checkpoints, equal the reference's to 1e-9.
     """
-    total = conftest.LBFGS_REFERENCE_ITERS
+    total = launch.LBFGS_REFERENCE_ITERS
     args = [
         "--model=digits",
         "--optimizer=lbfgs",
-        f"--portions={conftest.LBFGS_REFERENCE_PORTIONS}",
+        f"--portions={launch.LBFGS_REFERENCE_PORTIONS}",
         f"--lbfgs_max_iters={total}",
         "--num_workers=2",
         "--num_ps=2",
@@ -291,9 +285,9 @@ def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(
 
     marker = uuid.uuid4().hex
     chief = subprocess.Popen(
-        [sys.executable, test_launch.TRAIN, *args, f"--model_dir={killed_dir}"],
-        env=test_launch._env(marker),
-        cwd=test_launch.ROOT,
+        [sys.executable, launch.TRAIN, *args, f"--model_dir={killed_dir}"],
+        env=launch._env(marker),
+        cwd=launch.ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -307,11 +301,11 @@ def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(
         assert chief.wait(30) == -signal.SIGKILL
     finally:
         chief.kill()
-    assert test_launch._wait_no_marked(marker) == []
+    assert launch._wait_no_marked(marker) == []
     killed_at = _latest_iteration(checkpoints)
     assert 3 <= killed_at < total
 
-    output = test_launch._train_ok([*args, f"--model_dir={killed_dir}"])
+    output = launch._train_ok([*args, f"--model_dir={killed_dir}"])
     assert re.search(
         rf"^Resumed L-BFGS from .*ckpt-{killed_at} at iteration {killed_at} ",
         output,

@@ -24,8 +24,13 @@ import numpy as np
 import pytest
 
 from benchmarks import stragglers
-from tests.test_sandblaster import CE, _digits_train, _full_batch_grad, _logistic_model
-from tests.test_sandblaster_exit import _run_child
+from tests.fixtures.launch import _run_child
+from tests.fixtures.sandblaster import (
+    CE,
+    _digits_train,
+    _full_batch_grad,
+    _logistic_model,
+)
 from tf_distbelief import sandblaster
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.job import config as job_config

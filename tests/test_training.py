@@ -2,7 +2,6 @@
 
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -11,7 +10,8 @@ import tf_keras
 
 import models
 from models import digits
-from tests.helpers import tensorboard_scalars, wait_for_worker_recovery
+from tests.fixtures.fit import _shard_passes
+from tests.fixtures.helpers import tensorboard_scalars, wait_for_worker_recovery
 from tf_distbelief import job, paths
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import DownpourConfig
@@ -177,41 +177,6 @@ def test_sigkill_of_a_worker_during_fit_does_not_stop_training(
     finally:
         local_cluster.restart("worker", 1)
         wait_for_worker_recovery(model.distribute_strategy)
-
-
-def _shard_passes(strategy, creator, min_passes=2, timeout_secs=120.0):
-    """`{worker index: [sorted records of each batch it read]}`.
-
-    Reads through the coordinator as tf_keras `fit` does with a
-    `DatasetCreator` (`create_per_worker_dataset` of
-    `distribute_datasets_from_function`, under the strategy's scope), until
-    every worker has read `min_passes` batches.
-    """
-    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-    with strategy.scope():
-        iterator = iter(
-            coordinator.create_per_worker_dataset(
-                lambda: strategy.distribute_datasets_from_function(creator)
-            )
-        )
-
-    @tf.function
-    def read(iterator):
-        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-        return worker, next(iterator)[0]
-
-    passes = {}
-    deadline = time.monotonic() + timeout_secs
-    while time.monotonic() < deadline and not (
-        len(passes) == strategy.num_workers
-        and all(len(p) >= min_passes for p in passes.values())
-    ):
-        results = [coordinator.schedule(read, args=(iterator,)) for _ in range(6)]
-        coordinator.join()
-        for result in results:
-            worker, batch = result.fetch()
-            passes.setdefault(int(worker), []).append(sorted(batch.tolist()))
-    return passes
 
 
 def test_each_replica_reads_its_own_records(local_cluster):

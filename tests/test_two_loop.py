@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import sklearn.datasets
 
-from tests import test_lbfgs
+from tests.fixtures.lbfgs import dense_bfgs_inverse_hessian, rosenbrock
 from tf_distbelief.sandblaster import lbfgs, lbfgs_state, two_loop, vector_ops
 
 
@@ -35,9 +35,7 @@ def test_coefficients_match_dense_bfgs_and_two_loop_on_vectors(num_pairs):
     assert coefficients.shape == (2 * num_pairs + 1,)
 
     dense = (
-        test_lbfgs.dense_bfgs_inverse_hessian(s_list, y_list, gamma)
-        if s_list
-        else np.eye(g.size)
+        dense_bfgs_inverse_hessian(s_list, y_list, gamma) if s_list else np.eye(g.size)
     )
     np.testing.assert_allclose(coefficients @ basis, dense @ g, rtol=0, atol=1e-12)
     ops = lbfgs.NumpyVectorOps()
@@ -111,7 +109,7 @@ def _digits_logistic(num_examples=300, l2=1e-2):
 
 
 def _rosenbrock():
-    return test_lbfgs.rosenbrock, np.array([-1.2, 1.0])
+    return rosenbrock, np.array([-1.2, 1.0])
 
 
 def _relative_errors(result, reference):
@@ -316,9 +314,9 @@ def test_bad_two_loop_and_bad_gram_are_errors_naming_them():
         match=r"`two_loop` must be one of \('vector_free', 'vectors'\). "
         r"Received: 'dense'",
     ):
-        lbfgs.minimize(test_lbfgs.rosenbrock, np.zeros(2), ops, two_loop="dense")
+        lbfgs.minimize(rosenbrock, np.zeros(2), ops, two_loop="dense")
     state = lbfgs.minimize(
-        test_lbfgs.rosenbrock, np.array([-1.2, 1.0]), ops, m=3, max_iters=4
+        rosenbrock, np.array([-1.2, 1.0]), ops, m=3, max_iters=4
     ).state
     assert state.num_pairs == 3
     bad = state.copy(ops)
@@ -333,6 +331,6 @@ def test_bad_two_loop_and_bad_gram_are_errors_naming_them():
     with pytest.raises(
         ValueError, match=r"Field `gram` of `initial_state` must be finite"
     ):
-        lbfgs.minimize(test_lbfgs.rosenbrock, None, ops, m=3, initial_state=bad)
+        lbfgs.minimize(rosenbrock, None, ops, m=3, initial_state=bad)
     with pytest.raises(ValueError, match=r"`gram` must be \[2p\+1, 2p\+1\] = \[3, 3\]"):
         two_loop.two_loop_coefficients(np.eye(2), [1.0], 1.0)

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from tests.fixtures.launch import ROOT
 from tf_distbelief import job
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 
 
