@@ -74,7 +74,7 @@ def downpour_launch_ps0_killed(tmp_path_factory):
     second checkpoint: `(returncode, stdout, stderr)`.
 
     `DOWNPOUR_LAUNCH_ARGS` with `--model_dir` and `--checkpoint_every_steps=20`.
-    tests/test_ps_recovery.py checks the recovery, tests/test_launch.py the
+    tests/faults/test_ps_recovery.py checks the recovery, tests/job/test_launch.py the
     Downpour progress lines and the test accuracy: one launch of about a minute
     (2 cores) serves both.
     """
@@ -92,7 +92,8 @@ def lbfgs_digits_reference(local_cluster, tmp_path_factory):
     `train.py --model=digits --optimizer=lbfgs --portions=8 --lbfgs_max_iters=8`
     on 2 workers and 2 ps, run in this process (`job.train` on the shared
     cluster): the reference that the chief-loss and ps-loss launch tests
-    (tests/test_sandblaster_resume.py, tests/test_ps_recovery.py) must end at.
+    (tests/sandblaster/test_sandblaster_resume.py,
+    tests/faults/test_ps_recovery.py) must end at.
     """
     import models
     from tf_distbelief import job

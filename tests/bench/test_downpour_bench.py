@@ -1,6 +1,7 @@
 """The tables of `benchmarks/downpour_bench.py`: medians, ratios, rows; no cluster.
 
-Its socket counters are `tf_distbelief.cluster.traffic`'s (tests/test_traffic.py).
+Its socket counters are `tf_distbelief.cluster.traffic`'s
+(tests/cluster/test_traffic.py).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def test_ps_killed_after_the_second_checkpoint_is_recovered(
     request, tmp_path, downpour
 ):
     """Stock: `--model=digits --num_workers=2 --num_ps=2` (5 epochs). Downpour:
-    the job tests/test_launch.py's Downpour test checks too (one launch,
+    the job tests/job/test_launch.py's Downpour test checks too (one launch,
     `conftest.downpour_launch_ps0_killed`; 1,000 steps for 0.95)."""
     if downpour:
         code, out, err = request.getfixturevalue("downpour_launch_ps0_killed")
@@ -84,7 +84,7 @@ def test_ps_killed_during_sandblaster_resumes_to_the_uninterrupted_result(
     L-BFGS checkpoint of iteration 3: the chief recovers in the same process,
     resumes from that checkpoint and ends where an uninterrupted run ends (the
     reference, `conftest.lbfgs_digits_reference`, runs the same job in this
-    process, for tests/test_sandblaster_resume.py's chief-loss test too)."""
+    process, for tests/sandblaster/test_sandblaster_resume.py's chief-loss test too)."""
     total = launch.LBFGS_REFERENCE_ITERS
     marker = uuid.uuid4().hex
     checkpoints = paths.sandblaster_dir(str(tmp_path / "model"))

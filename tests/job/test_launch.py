@@ -265,7 +265,7 @@ def test_downpour_through_the_launch_script(downpour_launch_ps0_killed):
     accuracy between 0.947 and 0.964 before AdaGrad counted a push as its
     steps, and once at 0.64 after; 1,000 steps gave 0.976-0.982 in 4 runs.
 
-    The launch is the one tests/test_ps_recovery.py SIGKILLs ps 0 of (with
+    The launch is the one tests/faults/test_ps_recovery.py SIGKILLs ps 0 of (with
     `--model_dir` and checkpoints every 20 steps): the job must show its
     Downpour progress and reach the accuracy through that loss as well, and
     one launch of about a minute serves both tests.

@@ -366,7 +366,7 @@ def test_downpour_matches_the_numpy_reference(
     local_learning_rate,
     adagrad_accumulator,
 ):
-    """The same run as tests/test_downpour.py's, with a Keras 3 model."""
+    """The same run as tests/downpour/test_downpour.py's, with a Keras 3 model."""
     from tests.fixtures import downpour as tdp
     from tf_distbelief.downpour import schedule
 

@@ -266,7 +266,7 @@ def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(
 
     The uninterrupted reference runs the same job in this process (`job.train`
     on the shared cluster, 2 workers and 2 ps as `train.py` starts;
-    `conftest.lbfgs_digits_reference`, which tests/test_ps_recovery.py's
+    `conftest.lbfgs_digits_reference`, which tests/faults/test_ps_recovery.py's
     Sandblaster test shares). The digits model is float32 (its objective is
     computed in float32 at the float64 parameter vector) and evaluated
     deterministically, so the rerun's final parameter vector, loss and step
