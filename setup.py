@@ -35,10 +35,10 @@ setuptools.setup(
     ],
     extras_require={
         "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
-        # psutil: tests/test_isolation.py reads the host's listening sockets,
-        # tests/test_gpus.py a task's environment.
+        # psutil: tests/cluster/test_isolation.py reads the host's listening sockets,
+        # tests/cluster/test_gpus.py a task's environment.
         # `kubernetes`: the official client's models check the generated pod
-        # templates (tests/test_k8s.py); no test talks to a cluster. Tested
+        # templates (tests/cluster/test_k8s.py); no test talks to a cluster. Tested
         # with 37, whose `ApiClient.deserialize` takes the JSON text (older
         # clients take a response object).
         "test": [
@@ -55,11 +55,11 @@ setuptools.setup(
             "ruff>=0.5",
             "psutil>=5.9",
             "kubernetes>=37",
-            # tests/test_bench_plots.py draws the benchmarks' figures.
+            # tests/bench/test_bench_plots.py draws the benchmarks' figures.
             "matplotlib>=3.8",
         ],
-        # benchmarks/: figures (matplotlib, Agg backend), process CPU times
-        # (psutil), SciPy's L-BFGS-B (sandblaster_bench.py).
+        # benchmarks/: figures (matplotlib, Agg backend), the tasks' environments
+        # (psutil, faults_bench.py), SciPy's L-BFGS-B (sandblaster_bench.py).
         "bench": ["matplotlib>=3.8", "psutil>=5.9", "scipy>=1.11"],
         # The documentation site (mkdocs.yml, docs/), built by CI with --strict.
         "docs": [

@@ -55,19 +55,19 @@ Then the throughput table of the earlier benchmark (`--throughput_table`):
 * `ex/s`, `x stock`: as above; `x stock` is the median over rounds of each
   round's ratio to that round's stock row.
 * `sock B/ex`: worker<->ps bytes per example on the sockets: the kernel's
-  per-connection TCP counters (`ss -tinpH state established`: `bytes_acked`
-  sent, `bytes_received` received), for every connection between a worker
-  process and a ps process (told apart by process id and peer port), summed
-  both ways, difference over the intervals after the first. It includes gRPC
-  framing and the fixed per-step messages (step ids, dead-branch signals,
-  loop control).
+  per-connection TCP counters (`tf_distbelief.cluster.traffic`: `ss -tinpH
+  state established`, `bytes_acked` sent, `bytes_received` received), for
+  every connection between a worker process and a ps process (told apart by
+  process id and peer port), summed both ways, difference over the intervals
+  after the first. It includes gRPC framing and the fixed per-step messages
+  (step ids, dead-branch signals, loop control).
 * `tensor B/ex`: the same from tensor sizes: stock moves the model twice per
   step (read the parameters, send the gradient); Downpour counts its fetches
   and pushes (`Downpour.stats`) times the model size.
 * `B x stock`: socket bytes per example over the stock row's.
 * `CPU ms/step`: CPU time of the chief, workers and ps together per step
-  (`psutil`; the evaluations left out); on 2 cores the rates follow it
-  (`--cpu_breakdown` splits it by process kind).
+  (`traffic.cpu_secs`, from `/proc/<pid>/stat`; the evaluations left out); on
+  2 cores the rates follow it (`--cpu_breakdown` splits it by process kind).
 * `test acc`, `test loss`: on the test set after all steps. On the speech data
   the most frequent class is about 10% of the examples (`models/speech.py`:
   Zipf-distributed classes, a Gaussian cluster each).
@@ -107,10 +107,7 @@ import collections
 import dataclasses
 import math
 import os
-import re
-import subprocess
 import time
-from collections.abc import Iterable, Mapping
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -118,11 +115,11 @@ import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import psutil  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from benchmarks import downpour_figures, plots  # noqa: E402
 from tf_distbelief import console  # noqa: E402  (no TensorFlow)
+from tf_distbelief.cluster import traffic  # noqa: E402  (no TensorFlow)
 
 # Steps between evaluations and in all, both workers together, of a full and
 # a `--quick` run: multiples of 2 workers x 20 steps per execution, so that
@@ -182,163 +179,7 @@ _SPEECH_TEST_EXAMPLES = 10_000
 _LEARNING_RATE = {"digits": 0.1, "speech": 0.2}
 _MODELS = ("digits", "speech")
 
-Endpoint = tuple[str, int]
 _KEEP_ALIVE = []
-
-
-# --- Socket counters: pure functions, tested in tests/test_downpour_bench.py --
-
-
-@dataclasses.dataclass(frozen=True)
-class TcpSocket:
-    """One established TCP socket, as `ss -tinpH state established` shows it.
-
-    Attributes:
-      local: `(host, port)` of this end.
-      peer: `(host, port)` of the other end.
-      pids: process ids holding the socket (empty when `ss` may not see them).
-      bytes_acked: bytes this end sent that the peer acknowledged.
-      bytes_received: bytes this end received.
-    """
-
-    local: Endpoint
-    peer: Endpoint
-    pids: tuple[int, ...]
-    bytes_acked: int
-    bytes_received: int
-
-
-_PID = re.compile(r"pid=(\d+)")
-_COUNTER = re.compile(r"\b(bytes_acked|bytes_received):(\d+)")
-
-
-def _endpoint(text: str) -> Endpoint:
-    """`127.0.0.1:80`, `[::1]:80`, `[::ffff:127.0.0.1]:80` -> `(host, port)`."""
-    host, _, port = text.rpartition(":")
-    host = host.strip("[]")
-    if host.startswith("::ffff:"):  # An IPv4 peer of an IPv6 socket.
-        host = host[len("::ffff:") :]
-    return host.split("%")[0], int(port)
-
-
-def parse_ss(text: str) -> list[TcpSocket]:
-    """Parses the output of `ss -tinpH state established`.
-
-    Each socket is a line `Recv-Q Send-Q local peer [users:((...pid=N...))]`
-    followed by an indented line of TCP info. `ss` leaves out counters that are
-    0, so a missing `bytes_acked` or `bytes_received` reads as 0.
-
-    Args:
-      text: the command's standard output.
-
-    Returns:
-      The sockets, in order.
-    """
-    sockets = []
-    current = None
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        if not line[0].isspace():
-            if current is not None:
-                sockets.append(TcpSocket(**current))
-            fields = line.split()
-            current = {
-                "local": _endpoint(fields[2]),
-                "peer": _endpoint(fields[3]),
-                "pids": tuple(int(p) for p in _PID.findall(line)),
-                "bytes_acked": 0,
-                "bytes_received": 0,
-            }
-        elif current is not None:
-            for name, value in _COUNTER.findall(line):
-                current[name] = int(value)
-    if current is not None:
-        sockets.append(TcpSocket(**current))
-    return sockets
-
-
-def cpu_secs(pid: int) -> float:
-    """User plus system CPU seconds of process `pid` (`psutil`)."""
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
-
-
-def read_sockets() -> list[TcpSocket]:
-    """Runs `ss -tinpH state established` and parses it."""
-    out = subprocess.run(
-        ["ss", "-tinpH", "state", "established"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return parse_ss(out.stdout)
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkBytes:
-    """Bytes between two groups of processes, seen from the first group.
-
-    Attributes:
-      sent: bytes the first group sent to the second (acknowledged).
-      received: bytes the first group received from the second.
-    """
-
-    sent: int = 0
-    received: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.sent + self.received
-
-
-def link_bytes(
-    before: Iterable[TcpSocket],
-    after: Iterable[TcpSocket],
-    pids: Iterable[int],
-    peer_pids: Iterable[int],
-    peer_ports: Mapping[int, int] | None = None,
-) -> LinkBytes:
-    """Bytes moved between processes `pids` and `peer_pids` from `before` to `after`.
-
-    Every connection between the two groups appears twice on loopback, once
-    from each end; it is counted once, from the end owned by `pids`. The other
-    end is attributed by its owner: the socket whose local endpoint is this
-    socket's peer, or else `peer_ports` (the groups' listening ports, for a peer
-    whose socket `ss` shows without a process). A connection opened after
-    `before` counts from 0; one closed before `after` is lost (gRPC keeps its
-    channels open, so none close during training).
-
-    Args:
-      before: the sockets at the start (`parse_ss`).
-      after: the sockets at the end.
-      pids: process ids of the first group (e.g. the workers).
-      peer_pids: process ids of the second group (e.g. the ps tasks).
-      peer_ports: optional `{listening port: pid}` of known servers.
-
-    Returns:
-      A `LinkBytes`.
-    """
-    after = list(after)
-    pids, peer_pids = set(pids), set(peer_pids)
-    owners: dict[Endpoint, set[int]] = collections.defaultdict(set)
-    for s in after:
-        owners[s.local].update(s.pids)
-    ports = dict(peer_ports or {})
-    start = {(s.local, s.peer): s for s in before}
-    sent = received = 0
-    for s in after:
-        if not pids.intersection(s.pids):
-            continue
-        peer_owners = owners.get(s.peer) or {ports.get(s.peer[1])}
-        if not peer_pids.intersection(peer_owners):
-            continue
-        old = start.get((s.local, s.peer))
-        if old is None or old.bytes_acked > s.bytes_acked:
-            old = TcpSocket(s.local, s.peer, s.pids, 0, 0)
-        sent += s.bytes_acked - old.bytes_acked
-        received += s.bytes_received - old.bytes_received
-    return LinkBytes(sent, received)
 
 
 # --- The benchmark -------------------------------------------------------------
@@ -533,22 +374,22 @@ class _Probe:
         self.accuracies: list[float] = []
         # CPU seconds per pid the evaluations took inside the measured window.
         self.eval_cpu: dict[int, float] = collections.Counter()
-        self.snaps: list[tuple[list[TcpSocket], dict, int]] = []
+        self.snaps: list[tuple[list[traffic.TcpSocket], dict, int]] = []
 
     def evaluate_point(self, count_cpu):
         """Appends the test accuracy now (before training, after each interval)."""
-        before = {pid: cpu_secs(pid) for pid in self.pids}
+        before = {pid: traffic.cpu_secs(pid) for pid in self.pids}
         self.accuracies.append(self.evaluate())
         if count_cpu:
             for pid in self.pids:
-                self.eval_cpu[pid] += cpu_secs(pid) - before[pid]
+                self.eval_cpu[pid] += traffic.cpu_secs(pid) - before[pid]
 
     def snap(self):
         moved = 0
         if self.replicas:
             moved = sum(s.bytes_fetched + s.bytes_pushed for s in self.replicas.stats())
-        cpu = {pid: cpu_secs(pid) for pid in self.pids}
-        sockets = read_sockets() if self.replicas is not False else []
+        cpu = {pid: traffic.cpu_secs(pid) for pid in self.pids}
+        sockets = traffic.read_sockets() if self.replicas is not False else []
         self.snaps.append((sockets, cpu, moved))
 
     def curve(self):
@@ -768,7 +609,7 @@ def _run(local, data, model_name, name, f, seed) -> Row:
             int(address.rpartition(":")[2]): local.processes[("ps", i)].pid
             for i, address in enumerate(local.jobs["ps"])
         }
-        socket_bytes = link_bytes(
+        socket_bytes = traffic.link_bytes(
             before, after, pids["worker"], pids["ps"], ps_ports
         ).total
     if kind == "stock":

@@ -4,7 +4,7 @@ Pure functions of the benchmark's rows (`downpour_bench.Row`: any object with
 the fields `model`, `name`, `examples_per_sec`, `speedup`,
 `socket_bytes_per_example`, `tensor_bytes_per_example`, `cpu_ms_per_step`,
 `test_accuracy`, `test_loss` and `curve`), so that they run and are tested
-without a cluster (tests/test_bench_plots.py). Run as a script, it redraws the
+without a cluster (tests/bench/test_bench_plots.py). Run as a script, it redraws the
 figures from the CSVs of an earlier run:
 
   python benchmarks/downpour_figures.py [out_dir]

@@ -4,7 +4,7 @@ Every benchmark in this folder prints its table and, with `--out_dir` (default
 `benchmarks/results/`), also writes its numbers as CSV and its figures as PNG
 through these functions. They take plain tables (lists of rows or of points),
 so that a figure can be redrawn from a CSV and tested from a small fixed
-table (tests/test_bench_plots.py).
+table (tests/bench/test_bench_plots.py).
 
 The figures follow Dean et al. 2012, section 5: Figure 4 plots test accuracy
 against wall-clock training time, one line per method; Figure 5 plots the time

@@ -12,7 +12,7 @@ workers as the largest count it uses, 2 ps) and prints three tables:
 * batch time (one objective evaluation: the whole training set, `--portions`
   portions) with no straggler, then with worker 1 made `--slowdown` times
   slower (each of its portions sleeps `(slowdown - 1) x` its compute time,
-  `tests.stragglers.slow_worker` passed as `portion_delay_fn`), without and
+  `benchmarks.stragglers.slow_worker` passed as `portion_delay_fn`), without and
   with backup tasks, as ratios to the no-straggler time (median of
   `--batches` batches after one warm-up), `--straggler_runs` times for each
   worker count of `--straggler_workers`. With W workers a 5x straggler leaves
@@ -58,7 +58,7 @@ import sys
 # Before TensorFlow starts, and inherited by the cluster's child processes.
 os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# The repository root, for `tests.stragglers` (the straggler is test code).
+# The repository root, for `benchmarks.stragglers` and `tf_distbelief`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import time
@@ -208,7 +208,7 @@ def _straggler_runs(make_objective, runs, batches, workers):
       `(rows, batch_times)`: a row per run (`[run, secs, ratio, ratio,
       backups]`), and `(setting, secs)` of the last run for the figure.
     """
-    from tests import stragglers
+    from benchmarks import stragglers
 
     straggler = stragglers.slow_worker(1, straggler_slowdown=FLAGS.slowdown)
     settings = [

@@ -15,6 +15,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 
+from tests.fixtures.launch import (
+    DOWNPOUR_LAUNCH_ARGS,
+    LBFGS_REFERENCE_ITERS,
+    LBFGS_REFERENCE_PORTIONS,
+)
 from tf_distbelief import cluster, paths, strategy  # noqa: E402
 
 NUM_WORKERS = 3
@@ -63,37 +68,19 @@ def local_cluster():
         yield local
 
 
-# `launch/train.py` flags of a Downpour job on the local cluster (2 workers, 2
-# ps): 1,000 steps, since 500 left test accuracy below 0.95 at times
-# (tests/test_launch.py).
-DOWNPOUR_LAUNCH_ARGS = (
-    "--model=digits",
-    "--downpour",
-    "--n_fetch=4",
-    "--n_push=4",
-    "--epochs=10",
-    "--num_workers=2",
-    "--num_ps=2",
-)
-# The Sandblaster job of `lbfgs_digits_reference` (`--portions`,
-# `--lbfgs_max_iters`).
-LBFGS_REFERENCE_PORTIONS = 8
-LBFGS_REFERENCE_ITERS = 8
-
-
 @pytest.fixture(scope="session")
 def downpour_launch_ps0_killed(tmp_path_factory):
     """One `launch/train.py` Downpour job whose ps 0 is SIGKILLed after its
     second checkpoint: `(returncode, stdout, stderr)`.
 
     `DOWNPOUR_LAUNCH_ARGS` with `--model_dir` and `--checkpoint_every_steps=20`.
-    tests/test_ps_recovery.py checks the recovery, tests/test_launch.py the
+    tests/faults/test_ps_recovery.py checks the recovery, tests/job/test_launch.py the
     Downpour progress lines and the test accuracy: one launch of about a minute
     (2 cores) serves both.
     """
-    from tests import test_ps_recovery
+    from tests.fixtures import ps_kill
 
-    return test_ps_recovery.run_ps0_killed_after_second_checkpoint(
+    return ps_kill.run_ps0_killed_after_second_checkpoint(
         tmp_path_factory.mktemp("downpour_ps0_killed"), list(DOWNPOUR_LAUNCH_ARGS)
     )
 
@@ -105,7 +92,8 @@ def lbfgs_digits_reference(local_cluster, tmp_path_factory):
     `train.py --model=digits --optimizer=lbfgs --portions=8 --lbfgs_max_iters=8`
     on 2 workers and 2 ps, run in this process (`job.train` on the shared
     cluster): the reference that the chief-loss and ps-loss launch tests
-    (tests/test_sandblaster_resume.py, tests/test_ps_recovery.py) must end at.
+    (tests/sandblaster/test_sandblaster_resume.py,
+    tests/faults/test_ps_recovery.py) must end at.
     """
     import models
     from tf_distbelief import job

@@ -14,12 +14,12 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tests import test_launch
-from tests.helpers import tensorboard_scalars
+from tests.fixtures import launch
+from tests.fixtures.helpers import tensorboard_scalars
+from tests.fixtures.launch import ROOT
 from tf_distbelief import console
 from tf_distbelief.fit import evaluation, progress
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A line of TensorFlow's C++ logging (Abseil's prefix), or Abseil's banner.
 CPP_LOG_LINE = re.compile(
     r"^([IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\]|WARNING: All log messages)",
@@ -286,7 +286,7 @@ def test_a_library_run_ends_with_at_most_one_grpc_line(tmp_path):
     ],
 )
 def test_an_option_refused_after_parsing_is_one_error_line(flags, message):
-    proc = test_launch._train(flags, uuid.uuid4().hex, timeout=300)
+    proc = launch._train(flags, uuid.uuid4().hex, timeout=300)
     assert proc.returncode == 1
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and re.fullmatch(
@@ -302,7 +302,7 @@ def test_an_unexpected_error_keeps_its_traceback(tmp_path):
         "def spec():\n    raise ValueError('a bug in the spec function')\n"
     )
     path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    proc = test_launch._train(
+    proc = launch._train(
         ["--model=buggy_spec:spec"], uuid.uuid4().hex, 300, PYTHONPATH=path
     )
     assert proc.returncode == 1

@@ -6,7 +6,7 @@ import tensorflow as tf
 import tf_keras
 
 from models import embedding
-from tests.helpers import cluster_bytes
+from tests.fixtures.helpers import cluster_bytes
 from tf_distbelief import strategy as strategy_lib
 
 PS0 = "/job:ps/replica:0/task:0/device:CPU:0"

@@ -3,9 +3,9 @@
 import ast
 import os
 
+from tests.fixtures.launch import ROOT
 from tf_distbelief import _tf_internals
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "tf_distbelief")
 
 

@@ -1,0 +1,344 @@
+"""Downpour's push rules (issue 14): outer Nesterov, delay compensation, staleness.
+
+The NumPy reference (`schedule.simulate`) against computations written out
+here, then the trainer on a real cluster against the reference, exactly: one
+worker, and two workers whose steps are run one at a time with the order
+they ran in read back from their step counters.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from tests.fixtures import launch
+from tests.fixtures.downpour import (
+    BATCH_SIZE,
+    LEARNING_RATE,
+    STEPS,
+    _batches,
+    _ps_params,
+    _softmax_data,
+    _softmax_grad,
+    _softmax_model,
+    _strategy,
+)
+from tf_distbelief import adagrad, downpour
+from tf_distbelief.downpour import schedule as downpour_schedule
+from tf_distbelief.downpour.push_rules import outer_nesterov as push_rules
+
+Config = downpour_schedule.DownpourConfig
+
+
+# --- Pure: config errors, the reference ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (
+            {"outer_learning_rate": 0.0, "n_fetch": 2, "n_push": 2},
+            ValueError,
+            r"`outer_learning_rate` must be finite and > 0.*Received: 0.0",
+        ),
+        (
+            {"outer_learning_rate": "0.7"},
+            TypeError,
+            r"`outer_learning_rate` must be a float.*'0.7'",
+        ),
+        (
+            {"outer_learning_rate": 0.7},
+            ValueError,
+            r"needs `n_fetch` and `n_push` >= 2.*n_fetch=1, n_push=1",
+        ),
+        (
+            {"outer_learning_rate": 0.7, "n_fetch": 4, "n_push": 4},
+            None,
+            None,
+        ),
+        (
+            {
+                "outer_learning_rate": 0.7,
+                "n_fetch": 4,
+                "n_push": 4,
+                "local_learning_rate": 0.0,
+            },
+            ValueError,
+            r"needs a local step.*local_learning_rate=0",
+        ),
+        (
+            {
+                "outer_learning_rate": 0.7,
+                "n_fetch": 4,
+                "n_push": 4,
+                "delay_compensation": 0.5,
+            },
+            ValueError,
+            r"`outer_learning_rate` and `delay_compensation` cannot be combined",
+        ),
+        ({"outer_momentum": 1.0}, ValueError, r"`outer_momentum` must be in \[0, 1\)"),
+        ({"outer_momentum": float("nan")}, ValueError, r"`outer_momentum`.*nan"),
+        (
+            {"delay_compensation": -0.1},
+            ValueError,
+            r"`delay_compensation` must be finite and >= 0.*-0.1",
+        ),
+        ({"staleness_scaled": 1}, TypeError, r"`staleness_scaled` must be a bool"),
+    ],
+)
+def test_config_errors(kwargs, error, match):
+    if error is None:
+        assert Config(**kwargs).push_rules == ("outer_learning_rate",)
+        return
+    with pytest.raises(error, match=match):
+        Config(**kwargs)
+
+
+def test_push_rules_default_off():
+    config = Config()
+    assert config.push_rules == ()
+    assert (config.outer_learning_rate, config.delay_compensation) == (None, 0.0)
+    assert not config.staleness_scaled
+    both = Config(3, 2, delay_compensation=0.5, staleness_scaled=True)
+    assert both.push_rules == ("delay_compensation", "staleness_scaled")
+
+
+def test_outer_nesterov_is_keras_sgd_nesterov():
+    """The reference's update equals tf_keras `SGD(nesterov=True)`'s (rates
+    exact in float32, as tf_keras keeps them)."""
+    rng = np.random.default_rng(0)
+    w0, deltas = rng.normal(size=5), [rng.normal(size=5) for _ in range(4)]
+    variable = tf.Variable(w0)
+    sgd = tf_keras.optimizers.SGD(0.5, momentum=0.75, nesterov=True)
+    params, momentums = [w0], [np.zeros(5)]
+    for d in deltas:
+        sgd.apply_gradients([(tf.constant(d), variable)])
+        params, momentums = push_rules.nesterov(params, momentums, [d], 0.5, 0.75)
+    np.testing.assert_allclose(params[0], variable.numpy(), rtol=0, atol=1e-12)
+
+
+def test_reference_outer_sgd_lr_1_no_momentum_is_local_training():
+    """With one replica, eta = 1 and mu = 0 the ps takes the cache's value at
+    each push: plain SGD, one batch at a time."""
+    x, y, params = _softmax_data()
+    config = Config(
+        4,
+        4,
+        local_learning_rate=0.3,
+        local_optimizer="sgd",
+        outer_learning_rate=1.0,
+        outer_momentum=0.0,
+    )
+    got, _ = downpour_schedule.simulate(
+        params, _softmax_grad, [_batches(x, y)], config, downpour_schedule.sgd_ps(9.0)
+    )
+    want = [p.copy() for p in params]
+    for batch in _batches(x, y):
+        want = [w - 0.3 * g for w, g in zip(want, _softmax_grad(want, batch))]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+
+
+def _sgd_with_delay_compensation(params, batches, lam, n_fetch):
+    """One replica, `n_push = 1`, no local step: SGD on the ps with DC-ASGD's
+    correction toward the values fetched, written out."""
+    ps = [p.copy() for p in params]
+    for t, batch in enumerate(batches):
+        if t % n_fetch == 0:
+            fetched = [p.copy() for p in ps]
+        g = _softmax_grad(fetched, batch)
+        g = [gi + lam * gi * gi * (w - f) for gi, w, f in zip(g, ps, fetched)]
+        ps = [w - 0.1 * gi for w, gi in zip(ps, g)]
+    return ps
+
+
+def test_reference_delay_compensation():
+    x, y, params = _softmax_data()
+    config = Config(3, 1, local_learning_rate=0.0, delay_compensation=5.0)
+    got, _ = downpour_schedule.simulate(
+        params, _softmax_grad, [_batches(x, y)], config, downpour_schedule.sgd_ps(0.1)
+    )
+    want = _sgd_with_delay_compensation(params, _batches(x, y), 5.0, 3)
+    plain = _sgd_with_delay_compensation(params, _batches(x, y), 0.0, 3)
+    for g, w, p in zip(got, want, plain):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+        assert np.abs(w - p).max() > 1e-6  # The correction is not nothing.
+
+
+def test_reference_staleness_scaled_divides_the_step():
+    """Three replicas in turn, `n_fetch = n_push = 3`, no local step: all fetch
+    the initial values, then push with staleness 0, 1 and 2; the SGD step of
+    the last push is halved."""
+    x, y, params = _softmax_data()
+    thirds = [_batches(x, y)[i::3] for i in range(3)]
+    config = Config(3, 3, local_learning_rate=0.0, staleness_scaled=True)
+    got, stats = downpour_schedule.simulate(
+        params, _softmax_grad, thirds, config, downpour_schedule.sgd_ps(0.1)
+    )
+    want = [p.copy() for p in params]
+    for r, scale in enumerate([1.0, 1.0, 0.5]):
+        for batch in thirds[r][:3]:
+            g = _softmax_grad(params, batch)
+            want = [w - 0.1 * scale * gi for w, gi in zip(want, g)]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+    assert [s.max_staleness_seen for s in stats] == [0, 1, 2]
+
+
+def test_reference_rejects_row_sparse():
+    x, y, params = _softmax_data()
+    with pytest.raises(ValueError, match=r"staleness_scaled take no row-sparse"):
+        downpour_schedule.simulate(
+            params,
+            _softmax_grad,
+            [_batches(x, y)],
+            Config(staleness_scaled=True),
+            downpour_schedule.sgd_ps(0.1),
+            row_sparse=[0],
+            rows_fn=lambda batch: {0: [0]},
+        )
+
+
+# --- The trainer on a cluster against the reference ---------------------------
+
+# One config per rule and its paths: the outer optimizer with each local step
+# and with `n_fetch != n_push`; delay compensation with a cached and an
+# uncached fetch (`n_fetch = 1`), and with AdaGrad's pushed squares; the
+# staleness-scaled step with each AdaGrad accumulator mode.
+CONFIGS = {
+    "outer_adagrad": Config(3, 3, outer_learning_rate=0.7),
+    "outer_sgd_2_4": Config(
+        2, 4, local_learning_rate=0.05, local_optimizer="sgd", outer_learning_rate=0.5
+    ),
+    "outer_staleness": Config(
+        3, 3, outer_learning_rate=0.7, outer_momentum=0.5, staleness_scaled=True
+    ),
+    "dc_4_2": Config(4, 2, delay_compensation=20.0),
+    "dc_fetch_every_step": Config(1, 2, delay_compensation=20.0),
+    "dc_sgd_mean": Config(
+        3,
+        2,
+        local_learning_rate=0.05,
+        local_optimizer="sgd",
+        adagrad_accumulator="mean",
+        delay_compensation=20.0,
+    ),
+    "staleness_squares": Config(3, 2, staleness_scaled=True),
+    "staleness_sum": Config(3, 2, adagrad_accumulator="sum", staleness_scaled=True),
+}
+
+
+def _dataset(x, y):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE)
+
+
+def _reference(params, batches, config, order=None):
+    got, stats = downpour_schedule.simulate(
+        params,
+        _softmax_grad,
+        batches,
+        config,
+        downpour_schedule.adagrad_ps(LEARNING_RATE),
+        order=order,
+    )
+    return got, stats
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_trainer_matches_reference_one_worker(local_cluster, name):
+    config = CONFIGS[name]
+    x, y, params = _softmax_data(seed=5)
+    model = _softmax_model(_strategy(local_cluster), params)
+    trainer = downpour.DownpourTrainer(model, config)
+    iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y)))
+    for _ in range(STEPS):
+        trainer.step(iterator)
+    trainer.join()
+    want, (want_stats,) = _reference(params, [_batches(x, y)], config)
+    for got, w in zip(_ps_params(model), want):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
+    assert np.abs(want[0] - params[0]).max() > 1e-3  # It trained.
+    (stats,) = trainer.stats()
+    assert (stats.fetches, stats.pushes, stats.bytes_pushed) == (
+        want_stats.fetches,
+        want_stats.pushes,
+        want_stats.bytes_pushed,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["outer_staleness", "dc_4_2", "staleness_squares"])
+def test_trainer_matches_reference_two_workers(local_cluster, name):
+    """Steps one at a time on whichever worker the coordinator picks; the
+    order is read back from the per-worker step counters and replayed."""
+    config = CONFIGS[name]
+    x, y, params = _softmax_data(seed=6)
+    model = _softmax_model(_strategy(local_cluster, num_workers=2), params)
+    trainer = downpour.DownpourTrainer(model, config)
+    iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y).repeat()))
+    steps_var = trainer.downpour._stats["steps"]
+    order, counts = [], [0, 0]
+    for _ in range(2 * STEPS):
+        trainer.step(iterator)
+        trainer.join()
+        now = [int(v.numpy()) for v in steps_var.read_all()]
+        (worker,) = [i for i in range(2) if now[i] == counts[i] + 1]
+        order.append(worker)
+        counts = now
+    assert set(order) == {0, 1}  # Both workers ran (they alternate here).
+    batches = [_batches(x, y) * 2] * 2  # Each worker reads the whole set.
+    want, want_stats = _reference(params, batches, config, order=order)
+    for got, w in zip(_ps_params(model), want):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
+    stats = trainer.stats()
+    assert [s.staleness_sum for s in stats] == [s.staleness_sum for s in want_stats]
+    assert [s.pushes for s in stats] == [s.pushes for s in want_stats]
+
+
+def test_push_rules_reject_row_sparse_before_training(local_cluster):
+    strategy = _strategy(local_cluster)
+    with strategy.scope():
+        model = tf_keras.Sequential(
+            [
+                tf_keras.layers.InputLayer(input_shape=(2,), dtype="int64"),
+                tf_keras.layers.Embedding(10, 3, name="table"),
+                tf_keras.layers.Flatten(),
+                tf_keras.layers.Dense(2),
+            ]
+        )
+        model.compile(adagrad.Adagrad(0.1), loss="mse")
+    config = Config(4, 4, delay_compensation=1.0)
+    with pytest.raises(
+        ValueError, match=r"delay_compensation take no row-sparse.*table"
+    ):
+        downpour.install(model, config)
+    # The tables moved whole: accepted.
+    state = downpour.install(model, config, row_sparse=[])
+    assert len(state._exchange.rules.fetched) == len(model.trainable_variables)
+    assert push_rules.MOMENTUM_SLOT == "outer_momentum"
+
+
+# --- Launch flags ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--downpour", "--outer_learning_rate=0.7"],
+            r"Downpour settings: Argument `outer_learning_rate` needs `n_fetch` and "
+            r"`n_push` >= 2.*n_fetch=1, n_push=1",
+        ),
+        (["--staleness_scaled"], r"--staleness_scaled are Downpour settings"),
+    ],
+)
+def test_bad_push_rule_flags_fail_at_parse_time(args, message):
+    proc = launch._train(args, uuid.uuid4().hex, timeout=300)
+    assert proc.returncode == 1
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert "Flags parsing error" in proc.stderr  # Before any server.

@@ -1,0 +1,387 @@
+"""The launch script and the cluster as separate OS processes (the slow tier).
+
+Processes are found by a marker in their environment, which every child
+inherits, so "no process left behind" is checked across the whole machine.
+"""
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import numpy as np
+import portpicker
+import pytest
+import tensorflow as tf
+
+import tf_distbelief as tfdb
+from tests.fixtures.helpers import tensorboard_scalars
+from tests.fixtures.launch import (
+    README_ARGS,
+    ROOT,
+    TRAIN,
+    _accuracy,
+    _env,
+    _marked_pids,
+    _train,
+    _train_ok,
+    _wait_no_marked,
+)
+from tf_distbelief import cluster
+
+# A line of TensorFlow's C++ logging (Abseil's prefix), or Abseil's banner.
+CPP_LOG_LINE = re.compile(
+    r"^([IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\]|WARNING: All log messages)",
+    re.M,
+)
+
+
+@pytest.mark.slow
+def test_readme_main_job_streams_its_progress_and_leaves_no_process():
+    """Issue 12: stdout is a pipe (docker, Kubernetes, `| tee`); each line
+    arrives as it is written, and stdout and stderr hold no TensorFlow C++ log
+    line on a CPU machine."""
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, *README_ARGS],
+        env=_env(marker, PYTHONUNBUFFERED="", TF_CPP_MIN_LOG_LEVEL="2"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = [proc.stdout.readline()]
+        # Before TensorFlow loads (tens of seconds on a loaded machine).
+        assert lines[0] == ("loading TensorFlow (local job: 2 workers, 2 ps)\n")
+        while not lines[-1].startswith("epoch 1/5:") and lines[-1]:
+            lines.append(proc.stdout.readline())
+        # The first epoch's line, read while the job still runs (4 epochs to go).
+        assert proc.poll() is None, lines
+        assert re.match(
+            r"^epoch 1/5: steps 100/500 loss=\d\.\d{4} accuracy=\d\.\d{4} "
+            r"\d+ examples/s, elapsed \d+s, ETA \d+s$",
+            lines[-1],
+        ), lines
+        rest, stderr = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    output = "".join(lines) + rest
+    assert "local cluster: 2 workers, 2 ps (127.0.0.1:" in output
+    # Lines as the finished steps pass each 100 (the step the follower saw).
+    assert re.search(r"^step \d+/500: \d+ examples/s, elapsed \d+s, ETA ", output, re.M)
+    last_epoch = r"^epoch 5/5: steps 500/500 .* examples/s, elapsed \d+s, ETA 0s$"
+    assert re.search(last_epoch, output, re.M)
+    # The job's full console output ends with the test accuracy.
+    assert re.fullmatch(r"test accuracy: 0\.\d{4}", output.splitlines()[-1])
+    assert _accuracy(output) >= 0.95
+    assert not CPP_LOG_LINE.search(output + stderr), (output + stderr)[-3000:]
+    assert _wait_no_marked(marker) == []
+
+
+@pytest.mark.parametrize(
+    "flag,message",
+    [
+        ("--num_workers=0", r"flag --num_workers=0: 0 is not a positive integer"),
+        ("--optimizer=adam", r"flag --optimizer=adam: value should be one of"),
+        ("--model=resnet", r"flag --model=resnet: value should be one of"),
+        ("--learning_rate=-1", r"flag --learning_rate=-1: -1.0 is not number >= 1e-12"),
+        ("--epsilon=inf", r"flag --epsilon=inf: --epsilon must be a finite number"),
+        ("--learning_rate=nan", r"flag --learning_rate=nan: --learning_rate must be"),
+        ("--local_optimizer=adam", r"flag --local_optimizer=adam: value should be"),
+        ("--gpus_per_worker=-1", r"flag --gpus_per_worker=-1: -1 is not a non-neg"),
+        (
+            "--lbfgs_checkpoint_every_iters=0",
+            r"flag --lbfgs_checkpoint_every_iters=0: 0 is not a positive integer",
+        ),
+        (
+            "--lbfgs_two_loop=dense",
+            r"flag --lbfgs_two_loop=dense: value should be one of <vector_free\|vec",
+        ),
+        (
+            "--portion_stall_timeout_secs=0",
+            r"flag --portion_stall_timeout_secs=0.0: --portion_stall_timeout_secs must",
+        ),
+        (
+            "--step_stall_timeout_secs=inf",
+            r"flag --step_stall_timeout_secs=inf: --step_stall_timeout_secs must be",
+        ),
+        (
+            "--adagrad_accumulator=mean",
+            r"--adagrad_accumulator.*are Downpour settings: add --downpour",
+        ),
+        (  # Its default value, yet ignored without --downpour.
+            "--adagrad_accumulator=squares",
+            r"--adagrad_accumulator: Downpour settings, ignored without --downpour",
+        ),
+    ],
+)
+def test_bad_flags_fail_at_parse_time(flag, message):
+    proc = _train([flag], uuid.uuid4().hex, timeout=300)
+    assert proc.returncode == 1
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert "local cluster" not in proc.stdout  # Nothing started.
+
+
+def test_bad_tf_config_fails_before_any_server():
+    marker = uuid.uuid4().hex
+    tf_config = json.dumps(
+        {"cluster": {"ps_hosts": ["127.0.0.1:1"]}, "task": {"type": "ps", "index": 0}}
+    )
+    proc = _train([], marker, timeout=300, TF_CONFIG=tf_config)
+    assert proc.returncode == 1
+    assert "Unknown job name(s) ['ps_hosts']" in proc.stderr
+
+
+def test_taken_port_is_a_clear_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        local = cluster.LocalCluster(num_workers=1, num_ps=1, ports={"worker": [port]})
+        with pytest.raises(
+            tfdb.ClusterStartError,
+            match=rf"Local task worker:0 at 127.0.0.1:{port} exited with code 1 "
+            rf"before listening \(port {port} is already in use\)",
+        ):
+            local.start()
+    assert all(p.poll() is not None for p in local.processes.values())
+
+
+@pytest.mark.slow
+def test_killed_chief_leaves_no_process():
+    marker = uuid.uuid4().hex
+    script = textwrap.dedent("""
+        import time
+        from tf_distbelief import cluster
+        cluster.LocalCluster(num_workers=2, num_ps=1).start()
+        print("up", flush=True)
+        time.sleep(600)
+    """)
+    chief = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=_env(marker),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert chief.stdout.readline().strip() == "up"
+        assert len(_marked_pids(marker)) == 4  # The chief and its 3 tasks.
+        chief.send_signal(signal.SIGKILL)
+        chief.wait(30)
+        assert _wait_no_marked(marker) == []
+    finally:
+        chief.kill()
+
+
+@pytest.mark.slow
+def test_tf_config_cluster_of_separate_processes(tmp_path):
+    """chief, 2 workers, 2 ps and an evaluator, each `launch/train.py` with its
+    own TF_CONFIG."""
+    marker = uuid.uuid4().hex
+    jobs = {
+        "chief": [f"127.0.0.1:{portpicker.pick_unused_port()}"],
+        "worker": [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(2)],
+        "ps": [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(2)],
+        "evaluator": [f"127.0.0.1:{portpicker.pick_unused_port()}"],
+    }
+    procs = {}
+    try:
+        for job in ("ps", "worker", "chief", "evaluator"):
+            for index in range(len(jobs[job])):
+                tf_config = json.dumps(
+                    {"cluster": jobs, "task": {"type": job, "index": index}}
+                )
+                procs[(job, index)] = subprocess.Popen(
+                    [
+                        sys.executable,
+                        TRAIN,
+                        "--model=digits",
+                        "--chief_gone_secs=3",
+                        f"--model_dir={tmp_path}",
+                    ],
+                    env=_env(marker, TF_CONFIG=tf_config),
+                    cwd=ROOT,
+                    stdout=open(tmp_path / f"{job}{index}.out", "w"),
+                    stderr=subprocess.STDOUT,
+                )
+        chief = procs[("chief", 0)]
+        assert chief.wait(900) == 0, (tmp_path / "chief0.out").read_text()[-3000:]
+        output = (tmp_path / "chief0.out").read_text()
+        assert "local cluster" not in output
+        assert _accuracy(output) >= 0.95
+        # Servers end by themselves once the chief is gone (--chief_gone_secs);
+        # the evaluator after the last epoch's checkpoint.
+        for key, proc in procs.items():
+            assert proc.wait(120) == 0, key
+        evaluator = (tmp_path / "evaluator0.out").read_text()
+        assert "evaluator: done" in evaluator
+        # Issue 12: every checkpoint (one per epoch) evaluated and named, its
+        # scalars at its step.
+        steps = [100, 200, 300, 400, 500]
+        for step in steps:
+            assert re.search(
+                rf"^evaluator: \S+/checkpoints/ckpt-{step} \(step {step}\): "
+                r"accuracy=0\.\d{4} loss=",
+                evaluator,
+                re.M,
+            ), evaluator[-2000:]
+        assert re.search(r"ckpt-500 \(step 500\): accuracy=0\.9[5-9]", evaluator)
+        scalars = tensorboard_scalars(tmp_path / "tensorboard" / "eval")
+        assert [s for s, _ in scalars["eval/accuracy"]] == steps
+        assert [s for s, _ in scalars["eval/loss"]] == steps
+        assert _wait_no_marked(marker) == []
+    finally:
+        for proc in procs.values():
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_sandblaster_through_the_launch_script():
+    output = _train_ok(
+        [
+            "--model=digits",
+            "--optimizer=lbfgs",
+            "--portions=16",
+            "--lbfgs_max_iters=100",
+            "--num_workers=2",
+            "--num_ps=2",
+        ]
+    )
+    assert re.search(r"^lbfgs: \d+ iterations, .*backup copies \d+", output, re.M)
+    assert _accuracy(output) >= 0.93
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("downpour_launch_ps0_killed")
+def test_downpour_through_the_launch_script(downpour_launch_ps0_killed):
+    """`conftest.DOWNPOUR_LAUNCH_ARGS`: `--downpour --n_fetch=4 --n_push=4` on 2
+    workers and 2 ps, 1,000 steps. 500 steps (the default 5 epochs) left test
+    accuracy between 0.947 and 0.964 before AdaGrad counted a push as its
+    steps, and once at 0.64 after; 1,000 steps gave 0.976-0.982 in 4 runs.
+
+    The launch is the one tests/faults/test_ps_recovery.py SIGKILLs ps 0 of (with
+    `--model_dir` and checkpoints every 20 steps): the job must show its
+    Downpour progress and reach the accuracy through that loss as well, and
+    one launch of about a minute serves both tests.
+    """
+    code, output, stderr = downpour_launch_ps0_killed
+    assert code == 0, stderr[-3000:]
+    assert re.search(
+        r"^epoch 10/10: .*bytes_pushed_per_step=.*replica1/staleness=", output, re.M
+    )
+    assert _accuracy(output) >= 0.95
+
+
+@pytest.mark.slow
+def test_model_parallel_replicas_through_the_launch_script():
+    """Downpour on 2 workers whose replicas each span 2 CPU devices."""
+    output = _train_ok(
+        [
+            "--model=digits",
+            "--devices_per_replica=2",
+            "--downpour",
+            "--n_fetch=4",
+            "--n_push=4",
+            "--epochs=8",
+            "--learning_rate=0.3",
+            "--num_workers=2",
+            "--num_ps=2",
+        ]
+    )
+    assert _accuracy(output) >= 0.9
+
+
+def test_devices_per_replica_needs_a_model_parallel_model():
+    proc = _train(
+        ["--model=embedding", "--devices_per_replica=2"], uuid.uuid4().hex, timeout=300
+    )
+    assert proc.returncode == 1
+    assert "`devices_per_replica` > 1 needs a model with a model-parallel " in (
+        proc.stderr
+    )
+    assert "local cluster" not in proc.stdout
+
+
+def _checkpoint_values(path, prefix=""):
+    reader = tf.train.load_checkpoint(path)
+    return {
+        key: reader.get_tensor(key)
+        for key in reader.get_variable_to_shape_map()
+        if key.startswith(prefix)
+    }
+
+
+@pytest.mark.slow
+def test_embedding_resume_keeps_every_adagrad_accumulator(tmp_path):
+    """Issue 10: a resumed run's accumulators never fall below the last run's."""
+    args = ["--model=embedding", "--steps_per_epoch=50", f"--model_dir={tmp_path}"]
+    _train_ok([*args, "--epochs=1"])
+    output = _train_ok([*args, "--epochs=2"])
+    assert re.search(r"^Resumed from .*ckpt-50 at step 50 \(epoch 1\)$", output, re.M)
+    checkpoints = tmp_path / "checkpoints"
+    first = _checkpoint_values(str(checkpoints / "ckpt-50"), "optimizer/")
+    second = _checkpoint_values(str(checkpoints / "ckpt-100"), "optimizer/")
+    assert first["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"] == 50
+    assert second["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"] == 100
+    accumulators = [k for k in first if k.startswith("optimizer/_variables/")]
+    # The embedding table (sharded over the 2 ps), the Dense kernel and bias.
+    assert len(accumulators) == 3
+    for key in accumulators:
+        assert (second[key] >= first[key]).all(), key
+        assert (second[key] > first[key]).any(), key  # The second run trained.
+
+
+@pytest.mark.slow
+def test_nonfinite_stops_the_job_naming_the_step_and_no_checkpoint_holds_it(
+    tmp_path,
+):
+    marker = uuid.uuid4().hex
+    proc = _train(
+        [
+            "--optimizer=sgd",
+            "--learning_rate=1e30",
+            f"--model_dir={tmp_path}",
+            # A checkpoint at every step, so that the last good one is there.
+            "--checkpoint_every_steps=1",
+            "--steps_per_execution=1",
+        ],
+        marker,
+    )
+    assert proc.returncode != 0
+    assert re.search(
+        r"NonFiniteError: Non-finite gradient \(NaN or inf\) at step \d+ for "
+        r"dense/kernel:0, ",
+        proc.stderr,
+    ), proc.stderr[-3000:]
+    assert "test accuracy" not in proc.stdout
+    assert _wait_no_marked(marker) == []
+    index_files = list((tmp_path / "checkpoints").glob("ckpt-*.index"))
+    assert index_files
+    for index in index_files:
+        for key, value in _checkpoint_values(str(index)[: -len(".index")]).items():
+            if getattr(value, "dtype", None) is not None and value.dtype.kind == "f":
+                assert np.isfinite(value).all(), (index.name, key)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--checkpoint_every_steps=5"],
+            r"--checkpoint_every_steps needs --model_dir",
+        ),
+        (["--nonfinite=ignore"], r"flag --nonfinite=ignore: value should be one of"),
+    ],
+)
+def test_reliability_flags_fail_at_parse_time(flags, message):
+    proc = _train(flags, uuid.uuid4().hex, timeout=300)
+    assert proc.returncode == 1
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert "local cluster" not in proc.stdout

@@ -1,0 +1,426 @@
+"""Keras 3 models trained on the ps (issue 13): `tf_distbelief.keras3`."""
+
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from models import digits
+from tests.fixtures.launch import ROOT
+from tf_distbelief import job, keras3
+from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.adagrad import rule
+from tf_distbelief.keras3 import job as keras3_job
+from tf_distbelief.keras3 import variables as variables_lib
+
+FIXED2 = tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def test_keras3_and_tf_keras_import_in_one_process():
+    import tf_keras
+
+    assert keras.__version__.startswith("3.")
+    assert keras.backend.backend() == "tensorflow"
+    assert tf_keras.__version__.startswith("2.")
+    assert not isinstance(digits.build_keras3_model(), tf_keras.Model)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"learning_rate": 0.0}, r"`learning_rate` must be a finite number > 0"),
+        ({"epsilon": -1.0}, r"`epsilon` must be a finite number >= 0"),
+        (
+            {"initial_accumulator_value": float("inf")},
+            r"`initial_accumulator_value` must be a finite number >= 0",
+        ),
+    ],
+)
+def test_adagrad_rejects_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        keras3.Adagrad(**kwargs)
+
+
+def test_adagrad_takes_tf_distbelief_adagrad_and_rejects_keras3_optimizers():
+    import tf_distbelief as tfdb
+
+    got = keras3.Adagrad.from_optimizer(tfdb.adagrad.Adagrad(0.25, 0.5, epsilon=1e-3))
+    assert got == keras3.Adagrad(0.25, 0.5, 1e-3)
+    with pytest.raises(ValueError, match=r"`optimizer` must be None, 'adagrad'.*Adam"):
+        keras3.Adagrad.from_optimizer(keras.optimizers.Adam())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"epochs": 0}, r"`epochs` must be an int >= 1. Received: 0"),
+        ({"steps_per_epoch": 2.5}, r"`steps_per_epoch` must be an int >= 1"),
+        ({"y": np.zeros(3)}, r"one label per example. Received: 4 examples and 3"),
+        ({"x": None, "y": None}, r"either `x` and `y`"),
+    ],
+)
+def test_fit_rejects_bad_arguments_before_any_variable(kwargs, match):
+    args = {"x": np.zeros((4, 64), np.float32), "y": np.zeros(4, np.int64)}
+    args.update(kwargs)
+    args.setdefault("steps_per_epoch", 1)
+    with pytest.raises(ValueError, match=match):
+        keras3.fit(digits.build_keras3_model(), strategy=None, **args)
+
+
+def test_fit_rejects_a_tf_keras_model():
+    with pytest.raises(TypeError, match=r"`model` must be a Keras 3 `keras.Model`"):
+        keras3.fit(
+            digits.build_model(),
+            np.zeros((4, 64)),
+            np.zeros(4),
+            strategy=None,
+            steps_per_epoch=1,
+        )
+
+
+def _softmax_regression(seed=3):
+    return keras.Sequential(
+        [
+            keras.Input(shape=(6,)),
+            keras.layers.Dense(
+                4,
+                kernel_initializer=keras.initializers.GlorotUniform(seed),
+                bias_initializer=keras.initializers.RandomNormal(seed=seed),
+            ),
+        ]
+    )
+
+
+def _numpy_steps(w, b, x, y, opt, steps):
+    """AdaGrad on softmax regression in float64 NumPy (the independent reference)."""
+    acc_w = np.full_like(w, opt.initial_accumulator_value)
+    acc_b = np.full_like(b, opt.initial_accumulator_value)
+    for _ in range(steps):
+        logits = x @ w + b
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        p[np.arange(len(y)), y] -= 1.0
+        gw, gb = x.T @ p / len(y), p.mean(0)
+        w, acc_w = rule.adagrad_update(w, acc_w, gw, opt.learning_rate, opt.epsilon)
+        b, acc_b = rule.adagrad_update(b, acc_b, gb, opt.learning_rate, opt.epsilon)
+    return w, b, acc_w, acc_b
+
+
+@pytest.mark.slow
+def test_ps_adagrad_matches_the_numpy_reference_and_shards(local_cluster):
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(2, 2), FIXED2)
+    model = _softmax_regression()
+    w0, b0 = (np.asarray(v.numpy(), np.float64) for v in model.trainable_variables)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 6)).astype(np.float32)
+    y = rng.integers(0, 4, size=8)
+    opt = keras3.Adagrad(0.3, initial_accumulator_value=0.2, epsilon=1e-3)
+    # One full batch per step, one step per epoch: the 3 steps run in order.
+    data = tf.data.Dataset.from_tensors((x, y))
+    history = keras3.fit(
+        model,
+        dataset=data,
+        strategy=strategy,
+        epochs=3,
+        steps_per_epoch=1,
+        loss=LOSS,
+        optimizer=opt,
+    )
+    weights = history.ps_weights
+    for variable, slots in zip(weights.trainable, weights.accumulators):
+        shards = variables_lib.shards_of(variable)
+        devices = [s.device for s in shards]
+        assert len(set(devices)) == 2 and all("/job:ps/" in d for d in devices)
+        assert devices == [a.device for a in slots]
+    w, b, acc_w, acc_b = _numpy_steps(w0, b0, x.astype(np.float64), y, opt, 3)
+    got_w, got_b = (v.numpy() for v in model.trainable_variables)
+    np.testing.assert_allclose(got_w, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_b, b, rtol=1e-5, atol=1e-6)
+    got = [np.concatenate([a.numpy() for a in slots]) for slots in weights.accumulators]
+    np.testing.assert_allclose(got[0], acc_w, rtol=1e-5)
+    np.testing.assert_allclose(got[1], acc_b, rtol=1e-5)
+
+    # Training on: the same ps variables and accumulators. A batch with NaN is
+    # refused before any ps variable changes.
+    before = weights.numpy()
+    bad = tf.data.Dataset.from_tensors((np.full_like(x, np.nan), y))
+    with pytest.raises(
+        FloatingPointError,
+        match=r"Epoch 1: a step's gradient of weight "
+        r"`sequential\w*/dense\w*/kernel` held NaN or inf",
+    ):
+        keras3.fit(
+            model,
+            dataset=bad,
+            strategy=strategy,
+            steps_per_epoch=1,
+            loss=LOSS,
+            optimizer=opt,
+            ps_weights=weights,
+        )
+    after = weights.numpy()
+    for old, new in zip(before[0] + before[1], after[0] + after[1]):
+        np.testing.assert_array_equal(old, new)
+    keras3.fit(
+        model,
+        dataset=data,
+        strategy=strategy,
+        steps_per_epoch=1,
+        loss=LOSS,
+        optimizer=opt,
+        ps_weights=weights,
+    )
+    w, b, _, _ = _numpy_steps(w0, b0, x.astype(np.float64), y, opt, 4)
+    np.testing.assert_allclose(
+        model.trainable_variables[0].numpy(), w, rtol=1e-5, atol=1e-6
+    )
+
+
+class _EpochLogs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+        self.ended = False
+
+    def on_epoch_end(self, epoch, logs=None):
+        # The model holds the epoch's trained weights when callbacks run.
+        kernel = self.model.trainable_variables[0].numpy()
+        self.logs.append((epoch, dict(logs), kernel.copy()))
+
+    def on_train_end(self, logs=None):
+        self.ended = True
+
+
+_LOAD_AND_PREDICT = """
+import sys, numpy as np, keras
+assert "TF_CONFIG" not in __import__("os").environ
+model = keras.models.load_model(sys.argv[1])
+np.save(sys.argv[3], model.predict(np.load(sys.argv[2]), batch_size=128, verbose=0))
+"""
+
+
+@pytest.mark.slow
+def test_digits_trains_to_95_percent_and_saves_as_keras(local_cluster, tmp_path):
+    (x_train, y_train), (x_test, y_test) = digits.load_data()
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(2, 2), FIXED2)
+    model = digits.build_keras3_model(seed=0)
+    initial = model.trainable_variables[0].numpy().copy()
+    epoch_logs = _EpochLogs()
+    history = keras3.fit(
+        model,
+        x_train,
+        y_train,
+        strategy=strategy,
+        epochs=5,
+        steps_per_epoch=100,
+        batch_size=32,
+        loss=LOSS,
+        metrics=["accuracy"],
+        callbacks=[epoch_logs],
+        validation_data=(x_test, y_test),
+    )
+    assert isinstance(history, keras.callbacks.History)
+    assert history.epoch == [0, 1, 2, 3, 4]
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert [e for e, _, _ in epoch_logs.logs] == history.epoch and epoch_logs.ended
+    assert epoch_logs.logs[-1][1] == {k: v[-1] for k, v in history.history.items()}
+    assert not np.array_equal(epoch_logs.logs[0][2], initial)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    # Every weight on both ps tasks, two shards each.
+    for variable in history.ps_weights.trainable:
+        assert len({s.device for s in variables_lib.shards_of(variable)}) == 2
+    # The trained values are in the Keras 3 model's own variables.
+    trained, _ = history.ps_weights.numpy()
+    for variable, value in zip(model.trainable_variables, trained):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    predictions = model.predict(x_test, batch_size=128, verbose=0)
+    accuracy = float(np.mean(predictions.argmax(1) == y_test))
+    assert accuracy >= 0.95, accuracy
+    assert history.history["val_accuracy"][-1] == pytest.approx(accuracy, abs=1e-6)
+
+    path = str(tmp_path / "digits.keras")
+    model.save(path)
+    np.save(tmp_path / "x.npy", x_test)
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _LOAD_AND_PREDICT,
+            path,
+            str(tmp_path / "x.npy"),
+            str(tmp_path / "p.npy"),
+        ],
+        check=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=300,
+    )
+    np.testing.assert_array_equal(np.load(tmp_path / "p.npy"), predictions)
+
+
+def test_training_imports_no_tf_keras():
+    code = (
+        "import sys, tf_distbelief.keras3 as k; k.fit, k.Adagrad, k.PsWeights; "
+        "assert 'tf_keras' not in sys.modules, 'tf_keras imported'"
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("optimizer", "sgd", r"`optimizer` must be 'adagrad' with Keras 3.*'sgd'"),
+        ("model_dir", "/tmp/x", r"`model_dir` must be None with Keras 3"),
+        ("devices_per_replica", 2, r"`devices_per_replica` must be 1 with Keras 3"),
+        ("nonfinite", "skip", r"`nonfinite` must be 'raise' with Keras 3"),
+    ],
+)
+def test_keras3_job_refuses_what_it_lacks_before_any_server(field, value, match):
+    config = job.JobConfig(**{field: value})
+    with pytest.raises(ValueError, match=match):
+        keras3_job.check_config(config)
+
+
+def test_keras3_job_takes_downpour():
+    from tf_distbelief import downpour
+
+    keras3_job.check_config(job.JobConfig(downpour=downpour.DownpourConfig(4, 4)))
+
+
+def test_only_models_with_a_keras3_builder_take_keras_3():
+    import models
+
+    spec = models.spec("digits", keras=3)
+    assert isinstance(spec.build_model(None), keras.Model)
+    with pytest.raises(ValueError, match=r"`model` must be one of digits with Keras 3"):
+        models.spec("speech", keras=3)
+
+
+@pytest.mark.slow
+def test_launch_keras_3_trains_digits_and_exports_a_keras_file(tmp_path):
+    from tests.fixtures.launch import _accuracy, _train_ok
+
+    export_dir = str(tmp_path / "export")
+    output = _train_ok(
+        [
+            "--keras=3",
+            "--model=digits",
+            "--num_workers=2",
+            "--num_ps=2",
+            "--partitioner=fixed",
+            f"--export_dir={export_dir}",
+        ]
+    )
+    assert re.search(r"^epoch 5/5: loss [0-9.]+ accuracy [0-9.]+", output, re.M)
+    assert _accuracy(output) >= 0.95
+    model = keras.models.load_model(os.path.join(export_dir, "model.keras"))
+    _, (x_test, y_test) = digits.load_data()
+    predicted = model.predict(x_test, verbose=0).argmax(1)
+    assert float(np.mean(predicted == y_test)) == pytest.approx(
+        _accuracy(output), abs=1e-4
+    )
+
+
+# --- Downpour ---------------------------------------------------------------
+
+
+def _keras3_softmax_model(params):
+    from tests.fixtures import downpour as tdp
+
+    kernel, bias = params
+    return keras.Sequential(
+        [
+            keras.Input(shape=(tdp.NUM_FEATURES,), dtype="float64"),
+            keras.layers.Dense(
+                tdp.NUM_CLASSES,
+                dtype="float64",
+                kernel_initializer=keras.initializers.Constant(kernel),
+                bias_initializer=keras.initializers.Constant(bias),
+            ),
+        ]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "partitioner, local_optimizer, local_learning_rate, adagrad_accumulator",
+    [
+        (None, "adagrad", None, "squares"),
+        (FIXED2, "sgd", 0.05, "mean"),
+    ],
+    ids=["whole", "sharded"],
+)
+def test_downpour_matches_the_numpy_reference(
+    local_cluster,
+    partitioner,
+    local_optimizer,
+    local_learning_rate,
+    adagrad_accumulator,
+):
+    """The same run as tests/downpour/test_downpour.py's, with a Keras 3 model."""
+    from tests.fixtures import downpour as tdp
+    from tf_distbelief.downpour import schedule
+
+    x, y, params = tdp._softmax_data()
+    config = schedule.DownpourConfig(
+        3,
+        2,
+        local_learning_rate=local_learning_rate,
+        local_optimizer=local_optimizer,
+        adagrad_accumulator=adagrad_accumulator,
+    )
+    strategy = strategy_lib.DistBeliefStrategy(
+        local_cluster.resolver_for(1, 2), partitioner
+    )
+    model = _keras3_softmax_model(params)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(tdp.BATCH_SIZE)
+    history = keras3.fit(
+        model,
+        dataset=data,
+        strategy=strategy,
+        steps_per_epoch=tdp.STEPS,
+        loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, dtype="float64"
+        ),
+        optimizer=keras3.Adagrad(tdp.LEARNING_RATE),
+        downpour=config,
+    )
+    got, _ = history.ps_weights.numpy()
+    for got_value, want in zip(got, tdp._simulate(params, x, y, config)):
+        np.testing.assert_allclose(got_value, want, rtol=0, atol=1e-6)
+    (stats,) = history.downpour.stats()
+    assert (stats.steps, stats.fetches, stats.pushes) == (12, 4, 6)
+
+
+@pytest.mark.slow
+def test_downpour_digits_two_workers_reach_95_percent(local_cluster):
+    from tf_distbelief.downpour import schedule
+
+    (x_train, y_train), (x_test, y_test) = digits.load_data()
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(2, 2), FIXED2)
+    model = digits.build_keras3_model(seed=0)
+    history = keras3.fit(
+        model,
+        x_train,
+        y_train,
+        strategy=strategy,
+        epochs=10,
+        steps_per_epoch=100,
+        loss=LOSS,
+        optimizer=keras3.Adagrad(0.2),
+        downpour=schedule.DownpourConfig(4, 4),
+    )
+    accuracy = float(np.mean(model.predict(x_test, verbose=0).argmax(1) == y_test))
+    assert accuracy >= 0.95, accuracy
+    stats = history.downpour.stats()
+    assert sum(s.steps for s in stats) == 1000
+    assert all(s.pushes == s.steps // 4 for s in stats)
