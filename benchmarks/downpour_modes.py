@@ -156,6 +156,7 @@ def _batches(train, replica, steps, seed):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    from tf_distbelief.downpour import config as downpour_config
     from tf_distbelief.downpour import schedule as downpour_schedule
 
     f = flags.FLAGS
@@ -177,7 +178,7 @@ def main(argv):
         batches = [_batches(train, r, f.steps // 2, seed) for r in range(2)]
         for n, local, mode, rule in configs:
             start = time.monotonic()
-            config = downpour_schedule.DownpourConfig(
+            config = downpour_config.DownpourConfig(
                 n, n, local_optimizer=local, adagrad_accumulator=mode, **RULES[rule]
             )
             got, _ = downpour_schedule.simulate(

@@ -44,7 +44,7 @@ import models  # noqa: E402
 from launch import sandblaster_flags  # noqa: E402
 from tf_distbelief import downpour, errors, job  # noqa: E402
 from tf_distbelief.cluster import network  # noqa: E402
-from tf_distbelief.downpour import schedule as downpour_schedule  # noqa: E402
+from tf_distbelief.downpour import config as downpour_config  # noqa: E402
 from tf_distbelief.downpour.push_rules import rule as push_rule  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -254,7 +254,7 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "local_optimizer",
         dp.local_optimizer,
-        downpour_schedule.LOCAL_OPTIMIZERS,
+        downpour_config.LOCAL_OPTIMIZERS,
         "Downpour: each worker's update of its cache: AdaGrad with the worker's "
         "own accumulator, or SGD.",
     )
@@ -269,7 +269,7 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "adagrad_accumulator",
         dp.adagrad_accumulator,
-        downpour_schedule.ADAGRAD_ACCUMULATORS,
+        downpour_config.ADAGRAD_ACCUMULATORS,
         "Downpour with AdaGrad: a push grows the ps accumulator by the pushed "
         "steps' squared gradients (squares: sent along, twice the push bytes), "
         "by G^2/n_push (mean) or by G^2 (sum).",

@@ -196,7 +196,7 @@ def _faces() -> dict[str, dict[str, str]]:
         package = _module_name(path)
         with open(path) as f:
             tree = ast.parse(f.read())
-        names = {}
+        lazy, imported = {}, {}
         for node in ast.walk(tree):
             if (  # `_lazy.exports(__name__, {name: module}, ...)`
                 isinstance(node, ast.Call)
@@ -205,13 +205,12 @@ def _faces() -> dict[str, dict[str, str]]:
                 and isinstance(node.args[1], ast.Dict)
             ):
                 for k, v in zip(node.args[1].keys, node.args[1].values):
-                    names[k.value] = f"{package}.{v.value}"
+                    lazy[k.value] = f"{package}.{v.value}"
             elif isinstance(node, ast.ImportFrom) and node.module:
                 for a in node.names:
-                    names[a.asname or a.name] = node.module
-        faces[package] = {
-            n: m for n, m in names.items() if n in (_all_of(tree) or names)
-        }
+                    imported[a.asname or a.name] = node.module
+        exported = _all_of(tree)
+        faces[package] = lazy or {n: m for n, m in imported.items() if n in exported}
     return faces
 
 
@@ -243,9 +242,11 @@ def test_every_public_name_has_one_import_path():
         for name, module in names.items():
             if not module.startswith(package + "."):
                 outside.append(f"{package}.{name} from {module}")
-            if name in seen:
-                twice.append(f"{name}: {seen[name]} and {package}")
-            seen[name] = package
+            # One object (its defining module and name), one face.
+            defined = f"{module}.{name}"
+            if defined in seen:
+                twice.append(f"{defined}: {seen[defined]} and {package}")
+            seen[defined] = package
     assert outside == []
     assert twice == []
 

@@ -28,7 +28,7 @@ from tests.fixtures.downpour import (
 from tests.fixtures.launch import ROOT
 from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
-from tf_distbelief.downpour import config, schedule
+from tf_distbelief.downpour import config as downpour_config
 from tf_distbelief.downpour import schedule as downpour_schedule
 
 
@@ -71,20 +71,20 @@ def _sequential_adagrad(params, batches):
 )
 def test_config_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
-        downpour_schedule.DownpourConfig(**kwargs)
+        downpour_config.DownpourConfig(**kwargs)
 
 
 def test_local_learning_rate_defaults():
-    config = downpour_schedule.DownpourConfig()
+    config = downpour_config.DownpourConfig()
     assert config.local_learning_rate_for(0.2) == 0.2  # The ps AdaGrad's gamma.
     with pytest.raises(ValueError, match=r"`local_learning_rate` must be set"):
         config.local_learning_rate_for(None)
-    sgd = downpour_schedule.DownpourConfig(local_optimizer="sgd")
-    assert sgd.local_learning_rate_for(None) == downpour_schedule.LOCAL_LEARNING_RATE
-    assert downpour_schedule.DownpourConfig(1, 1, 0.0).local_learning_rate_for(0.2) == 0
-    assert not downpour_schedule.DownpourConfig(4, 1).pushes_squares
-    assert downpour_schedule.DownpourConfig(1, 4).pushes_squares
-    assert not downpour_schedule.DownpourConfig(
+    sgd = downpour_config.DownpourConfig(local_optimizer="sgd")
+    assert sgd.local_learning_rate_for(None) == downpour_config.LOCAL_LEARNING_RATE
+    assert downpour_config.DownpourConfig(1, 1, 0.0).local_learning_rate_for(0.2) == 0
+    assert not downpour_config.DownpourConfig(4, 1).pushes_squares
+    assert downpour_config.DownpourConfig(1, 4).pushes_squares
+    assert not downpour_config.DownpourConfig(
         1, 4, adagrad_accumulator="mean"
     ).pushes_squares
 
@@ -96,7 +96,7 @@ def test_cadence_counts(n_fetch, n_push, steps):
     pushes = sum(downpour_schedule.is_push_step(t, n_push) for t in range(steps))
     assert fetches == downpour_schedule.num_fetches(steps, n_fetch)
     assert pushes == downpour_schedule.num_pushes(steps, n_push) == steps // n_push
-    config = downpour_schedule.DownpourConfig(n_fetch, n_push, 0.01)
+    config = downpour_config.DownpourConfig(n_fetch, n_push, 0.01)
     x, y, params = _softmax_data()
     _, (stats,) = downpour_schedule.simulate(
         params,
@@ -144,12 +144,11 @@ def test_schedule_and_config_import_without_tensorflow():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert schedule.DownpourConfig is config.DownpourConfig
 
 
 def test_reference_with_n_fetch_n_push_1_is_sequential_adagrad():
     x, y, params = _softmax_data()
-    config = downpour_schedule.DownpourConfig(1, 1, local_learning_rate=0.3)
+    config = downpour_config.DownpourConfig(1, 1, local_learning_rate=0.3)
     got, (stats,) = downpour_schedule.simulate(
         params,
         _softmax_grad,
@@ -167,7 +166,7 @@ def test_reference_staleness_and_drops_with_two_replicas():
     x, y, params = _softmax_data()
     halves = [_batches(x, y)[:6], _batches(x, y)[6:]]
     adagrad_ps = downpour_schedule.adagrad_ps(LEARNING_RATE)
-    config = downpour_schedule.DownpourConfig(n_fetch=2, n_push=1)
+    config = downpour_config.DownpourConfig(n_fetch=2, n_push=1)
     _, stats = downpour_schedule.simulate(
         params, _softmax_grad, halves, config, adagrad_ps
     )
@@ -176,7 +175,7 @@ def test_reference_staleness_and_drops_with_two_replicas():
     assert [s.staleness_sum for s in stats] == [3, 3]
     assert [s.max_staleness_seen for s in stats] == [1, 1]
     assert [s.pushes for s in stats] == [6, 6]
-    strict = downpour_schedule.DownpourConfig(2, 1, max_staleness=0)
+    strict = downpour_config.DownpourConfig(2, 1, max_staleness=0)
     _, stats = downpour_schedule.simulate(
         params, _softmax_grad, halves, strict, adagrad_ps
     )
@@ -189,7 +188,7 @@ def test_reference_staleness_and_drops_with_two_replicas():
 def test_reference_warm_start_trains_replica_0_only():
     x, y, params = _softmax_data()
     halves = [_batches(x, y)[:6], _batches(x, y)[6:]]
-    config = downpour_schedule.DownpourConfig(1, 1, warmstart_steps=3)
+    config = downpour_config.DownpourConfig(1, 1, warmstart_steps=3)
     _, stats = downpour_schedule.simulate(
         params, _softmax_grad, halves, config, downpour_schedule.sgd_ps(0.1)
     )
@@ -216,7 +215,7 @@ def test_trainer_matches_numpy_reference(
     local_cluster, local_optimizer, local_learning_rate, adagrad_accumulator
 ):
     x, y, params = _softmax_data()
-    config = downpour_schedule.DownpourConfig(
+    config = downpour_config.DownpourConfig(
         3,
         2,
         local_learning_rate=local_learning_rate,
@@ -258,7 +257,7 @@ def test_trainer_matches_numpy_reference_fetching_every_step(local_cluster):
     step runs, yet the local AdaGrad accumulator, whose growth is the pushed
     squares, still counts every step's squared gradient."""
     x, y, params = _softmax_data(seed=4)
-    config = downpour_schedule.DownpourConfig(1, 3)
+    config = downpour_config.DownpourConfig(1, 3)
     model = _softmax_model(_strategy(local_cluster), params)
     trainer = downpour.DownpourTrainer(model, config)
     iterator = iter(
@@ -289,7 +288,7 @@ def test_fit_with_n_fetch_n_push_1_is_sequential_adagrad(
     model = _softmax_model(
         _strategy(local_cluster, partitioner), params, steps_per_execution
     )
-    replicas = downpour.install(model, downpour_schedule.DownpourConfig(1, 1, 0.5))
+    replicas = downpour.install(model, downpour_config.DownpourConfig(1, 1, 0.5))
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE).repeat()
     model.fit(dataset, epochs=1, steps_per_epoch=STEPS, verbose=0)
     want = _sequential_adagrad(params, _batches(x, y))
@@ -306,11 +305,11 @@ def test_install_errors(local_cluster):
     with strategy.scope():
         model = tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(3,))])
     with pytest.raises(ValueError, match=r"`model` must be compiled"):
-        downpour.install(model, downpour_schedule.DownpourConfig())
+        downpour.install(model, downpour_config.DownpourConfig())
     with strategy.scope():
         model.compile(adagrad.Adagrad(0.1), loss="mse")
     with pytest.raises(TypeError, match=r"downpour.enable\(strategy\)"):
-        downpour.install(model, downpour_schedule.DownpourConfig())
+        downpour.install(model, downpour_config.DownpourConfig())
     with pytest.raises(TypeError, match=r"`config` must be a DownpourConfig"):
         downpour.Downpour(strategy, [], model.optimizer, {"n_fetch": 1})
     schedule = tf_keras.optimizers.schedules.ExponentialDecay(0.1, 100, 0.9)
@@ -319,7 +318,7 @@ def test_install_errors(local_cluster):
         model = tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(3,))])
         model.compile(adagrad.Adagrad(schedule), loss="mse")
     with pytest.raises(ValueError, match=r"`local_learning_rate` must be set"):
-        downpour.install(model, downpour_schedule.DownpourConfig(4, 4))
+        downpour.install(model, downpour_config.DownpourConfig(4, 4))
     with pytest.raises(TypeError, match=r"`strategy` must be a tf_distbelief"):
         downpour.enable(tf.distribute.get_strategy())
 
@@ -345,7 +344,7 @@ def _two_worker_trainer(local_cluster, config, steps):
 
 
 def test_cadence_is_counted_per_replica(local_cluster):
-    config = downpour_schedule.DownpourConfig(3, 2, local_learning_rate=0.01)
+    config = downpour_config.DownpourConfig(3, 2, local_learning_rate=0.01)
     trainer = _two_worker_trainer(local_cluster, config, steps=40)
     stats = trainer.stats()
     assert sum(s.steps for s in stats) == 40
@@ -361,7 +360,7 @@ def test_cadence_is_counted_per_replica(local_cluster):
 
 
 def test_max_staleness_drops_stale_pushes(local_cluster):
-    config = downpour_schedule.DownpourConfig(4, 1, max_staleness=0)
+    config = downpour_config.DownpourConfig(4, 1, max_staleness=0)
     trainer = _two_worker_trainer(local_cluster, config, steps=40)
     stats = trainer.stats()
     for s in stats:
@@ -408,7 +407,7 @@ def test_max_staleness_is_checked_after_the_gradient(
             adagrad.Adagrad(LEARNING_RATE),
             loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
-    config = downpour_schedule.DownpourConfig(
+    config = downpour_config.DownpourConfig(
         *cadence, local_learning_rate, max_staleness=0
     )
     trainer = downpour.DownpourTrainer(model, config)
@@ -432,7 +431,7 @@ def test_max_staleness_is_checked_after_the_gradient(
 
 
 def test_warm_start_trains_replica_0_only(local_cluster):
-    config = downpour_schedule.DownpourConfig(1, 1, warmstart_steps=10**6)
+    config = downpour_config.DownpourConfig(1, 1, warmstart_steps=10**6)
     trainer = _two_worker_trainer(local_cluster, config, steps=20)
     first, second = trainer.stats()
     assert (second.steps, second.fetches, second.pushes) == (0, 0, 0)
@@ -455,7 +454,7 @@ def test_digits_two_workers_reach_95_percent(local_cluster):
         )
         replicas = downpour.install(
             model,
-            downpour_schedule.DownpourConfig(n_fetch=4, n_push=4, warmstart_steps=20),
+            downpour_config.DownpourConfig(n_fetch=4, n_push=4, warmstart_steps=20),
         )
     dataset = (
         tf.data.Dataset.from_tensor_slices((x_train, y_train))

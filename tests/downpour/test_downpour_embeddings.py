@@ -16,12 +16,13 @@ from tests.fixtures.downpour import _TiedLogits
 from tests.fixtures.helpers import cluster_bytes
 from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.downpour import config as downpour_config
 from tf_distbelief.downpour import schedule as downpour_schedule
 from tf_distbelief.downpour import variables as downpour_variables
 
 VOCAB, DIM, IDS, CLASSES, BATCH, STEPS = 20, 4, 3, 3, 4, 12
 LEARNING_RATE = 0.1
-CONFIG = downpour_schedule.DownpourConfig(3, 2, local_learning_rate=0.05)
+CONFIG = downpour_config.DownpourConfig(3, 2, local_learning_rate=0.05)
 
 
 def _data(seed=0):
@@ -119,7 +120,7 @@ def _ps_params(model):
     ],
 )
 def test_embedding_rows_match_numpy_reference(local_cluster, loop, cadence, row_sparse):
-    config = downpour_schedule.DownpourConfig(*cadence, local_learning_rate=0.05)
+    config = downpour_config.DownpourConfig(*cadence, local_learning_rate=0.05)
     ids, y, params = _data()
     model = _model(local_cluster, params)
     table_shards = model.layers[0].embeddings.variables
@@ -268,7 +269,7 @@ def test_large_table_moves_rows_not_the_table(local_cluster):
                 loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             )
         trainer = downpour.DownpourTrainer(
-            model, downpour_schedule.DownpourConfig(4, 4, 0.05), row_sparse
+            model, downpour_config.DownpourConfig(4, 4, 0.05), row_sparse
         )
         iterator = iter(
             trainer.per_worker_dataset(

@@ -29,10 +29,11 @@ from tests.fixtures.downpour import (
     _strategy,
 )
 from tf_distbelief import adagrad, downpour
+from tf_distbelief.downpour import config as downpour_config
 from tf_distbelief.downpour import schedule as downpour_schedule
 from tf_distbelief.downpour.push_rules import outer_nesterov as push_rules
 
-Config = downpour_schedule.DownpourConfig
+Config = downpour_config.DownpourConfig
 
 
 # --- Pure: config errors, the reference ---------------------------------------

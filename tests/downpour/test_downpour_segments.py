@@ -16,6 +16,7 @@ from tests.fixtures.downpour import (
     _strategy,
 )
 from tf_distbelief import downpour
+from tf_distbelief.downpour import config as downpour_config
 from tf_distbelief.downpour import schedule as downpour_schedule
 
 
@@ -45,7 +46,7 @@ def test_fit_in_segments_matches_numpy_reference(
     local_cluster, n_fetch, n_push, steps_per_execution
 ):
     x, y, params = _softmax_data(seed=3)
-    config = downpour_schedule.DownpourConfig(n_fetch, n_push, 0.05)
+    config = downpour_config.DownpourConfig(n_fetch, n_push, 0.05)
     model = _softmax_model(_strategy(local_cluster), params, steps_per_execution)
     replicas = downpour.install(model, config)
     assert replicas.runs_segments
@@ -71,7 +72,7 @@ def test_fit_in_segments_matches_numpy_reference(
 
 def test_fit_in_segments_two_workers_with_drops(local_cluster):
     x, y, params = _softmax_data(seed=4)
-    config = downpour_schedule.DownpourConfig(4, 2, 0.01, max_staleness=0)
+    config = downpour_config.DownpourConfig(4, 2, 0.01, max_staleness=0)
     model = _softmax_model(_strategy(local_cluster, num_workers=2), params, 6)
     replicas = downpour.install(model, config)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE).repeat()
@@ -93,7 +94,7 @@ def test_run_steps_needs_segments(local_cluster):
         model.distribute_strategy,
         model.trainable_variables,
         model.optimizer,
-        downpour_schedule.DownpourConfig(1, 4),
+        downpour_config.DownpourConfig(1, 4),
     )
     assert not replicas.runs_segments
     with pytest.raises(ValueError, match=r"`run_steps` needs n_fetch > 1"):

@@ -368,10 +368,10 @@ def test_downpour_matches_the_numpy_reference(
 ):
     """The same run as tests/downpour/test_downpour.py's, with a Keras 3 model."""
     from tests.fixtures import downpour as tdp
-    from tf_distbelief.downpour import schedule
+    from tf_distbelief.downpour import config as downpour_config
 
     x, y, params = tdp._softmax_data()
-    config = schedule.DownpourConfig(
+    config = downpour_config.DownpourConfig(
         3,
         2,
         local_learning_rate=local_learning_rate,
@@ -403,7 +403,7 @@ def test_downpour_matches_the_numpy_reference(
 
 @pytest.mark.slow
 def test_downpour_digits_two_workers_reach_95_percent(local_cluster):
-    from tf_distbelief.downpour import schedule
+    from tf_distbelief.downpour import config as downpour_config
 
     (x_train, y_train), (x_test, y_test) = digits.load_data()
     strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(2, 2), FIXED2)
@@ -417,7 +417,7 @@ def test_downpour_digits_two_workers_reach_95_percent(local_cluster):
         steps_per_epoch=100,
         loss=LOSS,
         optimizer=keras3.Adagrad(0.2),
-        downpour=schedule.DownpourConfig(4, 4),
+        downpour=downpour_config.DownpourConfig(4, 4),
     )
     accuracy = float(np.mean(model.predict(x_test, verbose=0).argmax(1) == y_test))
     assert accuracy >= 0.95, accuracy

@@ -51,14 +51,8 @@ The ps applies pushes shard by shard as they arrive, with no locks; the
 reference below applies a whole push atomically (the two agree with one
 replica, and with several replicas as long as pushes do not overlap in time).
 
-Why the local AdaGrad step and the pushed squares are the defaults: with them
-the ps accumulator is the paper's `sum g^2` over every gradient computed, and a
-replica's path between pushes follows the per-parameter steps AdaGrad takes on
-the ps (an SGD step moves parameters by amounts unrelated to AdaGrad's). On the
-speech-shaped model early in training their effect on accuracy is within the
-noise of the comparisons made (`benchmarks/downpour_modes.py`, README).
-
-The configuration, `DownpourConfig`, is defined in `config` (re-exported here).
+The configuration, `DownpourConfig`, is defined in `config`; why the local
+AdaGrad step and the pushed squares are the defaults: docs/downpour.md.
 """
 
 from __future__ import annotations
@@ -70,19 +64,11 @@ import numpy as np
 
 from tf_distbelief.adagrad import rule as adagrad_rule
 from tf_distbelief.downpour.config import (
-    ADAGRAD_ACCUMULATORS,
-    LOCAL_LEARNING_RATE,
-    LOCAL_OPTIMIZERS,
     DownpourConfig,
 )
 from tf_distbelief.downpour.push_rules.reference import ReferenceRules
 
 __all__ = [
-    # Re-exported from `config`, where they are defined.
-    "ADAGRAD_ACCUMULATORS",
-    "LOCAL_LEARNING_RATE",
-    "LOCAL_OPTIMIZERS",
-    "DownpourConfig",
     # The step order.
     "ReplicaStats",
     "adagrad_ps",
