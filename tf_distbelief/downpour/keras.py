@@ -44,11 +44,12 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import _tf_internals, hooks
+from tf_distbelief import hooks
 from tf_distbelief.downpour import push_guard, replica_state
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.replica import Downpour
 from tf_distbelief.downpour.schedule import ReplicaStats
+from tf_distbelief.tf_internals import keras_model
 
 __all__ = ["DownpourMetrics", "DownpourTrainer", "embedding_tables", "install"]
 
@@ -154,14 +155,14 @@ def _make_segment_train_function(model, downpour: Downpour):
                 lambda data, y_pred: _update_metrics(model, data, y_pred),
                 first_token=first_token,
             )
-            counter = _tf_internals.train_counter(model)
+            counter = keras_model.train_counter(model)
             with tf.control_dependencies(
                 [counter.assign_add(tf.cast(done, counter.dtype))]
             ):
                 return tf.nest.map_structure(tf.identity, model.get_metrics_result())
 
-        coordinator = _tf_internals.cluster_coordinator(model)
-        spe = _tf_internals.steps_per_execution(model)
+        coordinator = keras_model.cluster_coordinator(model)
+        spe = keras_model.steps_per_execution(model)
 
         def schedule(iterator):
             # Tokens fixed now: a retry on another worker gets the same ones.

@@ -50,7 +50,7 @@ import weakref
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals
+from tf_distbelief.tf_internals import keras_model
 
 __all__ = [
     "SLOTS",
@@ -220,10 +220,10 @@ def _train_function_maker(model):
     def make_train_function(force=False):
         if model.train_function is not None and not force:
             return model.train_function
-        coordinator = _tf_internals.cluster_coordinator(model)
+        coordinator = keras_model.cluster_coordinator(model)
         if coordinator is None:  # No parameter-server training: tf_keras's own.
             return type(model).make_train_function(model, force)
-        counter = _tf_internals.train_counter(model)
+        counter = keras_model.train_counter(model)
         strategy = model.distribute_strategy
 
         def one_step(iterator):
@@ -235,7 +235,7 @@ def _train_function_maker(model):
                 return outputs
 
             outputs = strategy.run(run_step, args=(next(iterator),))
-            return _tf_internals.reduce_per_replica(model, outputs)
+            return keras_model.reduce_per_replica(model, outputs)
 
         @tf.function(reduce_retracing=True)
         def train_function(iterator, first_token, steps):
@@ -245,7 +245,7 @@ def _train_function_maker(model):
             return outputs
 
         tokens = tokens_for(model.optimizer, strategy)
-        spe = _tf_internals.steps_per_execution(model)
+        spe = keras_model.steps_per_execution(model)
 
         def schedule(iterator):
             steps = int(spe.numpy())
