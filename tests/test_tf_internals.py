@@ -3,23 +3,35 @@
 import ast
 import os
 
+import pytest
+
 from tests.fixtures.launch import ROOT
-from tf_distbelief import _tf_internals
+from tf_distbelief import tf_internals
 
 PACKAGE = os.path.join(ROOT, "tf_distbelief")
+INTERNALS = os.path.join(PACKAGE, "tf_internals")
 
 
 def test_internals_keep_their_shape():
     # Fails with a message naming the TensorFlow and tf_keras versions.
-    _tf_internals.check()
+    tf_internals.check()
 
 
-def test_only_the_internals_module_imports_tensorflow_python():
+@pytest.mark.parametrize(
+    "module", tf_internals.MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1]
+)
+def test_each_module_s_internals_keep_their_shape(module):
+    module.check()
+
+
+def test_only_the_internals_package_imports_tensorflow_python():
     offenders = []
     for folder, _, files in os.walk(PACKAGE):
+        if os.path.commonpath([folder, INTERNALS]) == INTERNALS:
+            continue
         for name in files:
             path = os.path.join(folder, name)
-            if not name.endswith(".py") or path.endswith("_tf_internals.py"):
+            if not name.endswith(".py"):
                 continue
             with open(path) as f:
                 tree = ast.parse(f.read())

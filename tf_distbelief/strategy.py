@@ -22,11 +22,12 @@ from collections.abc import Callable, Iterator
 import tensorflow as tf
 from absl import logging
 
-from tf_distbelief import _tf_internals, errors
 from tf_distbelief import cluster as cluster_lib
+from tf_distbelief import errors
 from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as connect_lib
 from tf_distbelief.faults import step_watch
+from tf_distbelief.tf_internals import coordinator as tf_coordinator
 
 # A shard smaller than this is not worth its RPC: TensorFlow's own suggested
 # value for `MinSizePartitioner` (256 KiB).
@@ -127,7 +128,7 @@ def wait_for_idle_coordinators(
     deadline = time.monotonic() + timeout_secs
     quiet = 0
     while quiet < 2:  # Idle at two looks in a row, not between two closures.
-        busy = _tf_internals.busy_coordinator_threads()
+        busy = tf_coordinator.busy_coordinator_threads()
         if not busy:
             quiet += 1
         else:
@@ -158,7 +159,7 @@ def wait_for_worker_recovery(strategy, timeout_secs: float = 120.0) -> None:
       TimeoutError: still recovering after `timeout_secs` seconds.
     """
     deadline = time.monotonic() + timeout_secs
-    while _tf_internals.worker_recovery_pending(strategy):
+    while tf_coordinator.worker_recovery_pending(strategy):
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"The coordinator was still recovering a worker after "

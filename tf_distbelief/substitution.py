@@ -10,8 +10,9 @@ respect to them, and the variables themselves are never read.
 
 Only variables of a class with the `Substitutable` mixin are redirected:
 `downpour.variables.DownpourVariable` has it; plain `tf.Variable`s get it for
-the length of a `substitutable(variables)` block (their `__class__` is swapped
-for a subclass with the mixin and back; the mixin adds no state).
+the length of a `substitutable(variables)` block (their class is swapped for a
+subclass with the mixin and back, `tf_internals.variables.swap_class`; the
+mixin adds no state).
 
 A variable paired with a `RowSource` (Downpour's row-sparse tables) reads rows
 on demand: its row lookups (`sparse_read`, which `tf.nn.embedding_lookup` and
@@ -32,6 +33,8 @@ import threading
 from collections.abc import Iterable, Iterator
 
 import tensorflow as tf
+
+from tf_distbelief.tf_internals import variables as tf_variables
 
 __all__ = ["RowSource", "Substitutable", "substitutable", "substitute"]
 
@@ -163,8 +166,8 @@ def substitutable(variables: Iterable[tf.Variable]) -> Iterator:
         for v in variables:
             if not isinstance(v, Substitutable):
                 swapped.append((v, type(v)))
-                v.__class__ = _substitutable_class(type(v))
+                tf_variables.swap_class(v, _substitutable_class(type(v)))
         yield
     finally:
         for v, cls in swapped:
-            v.__class__ = cls
+            tf_variables.swap_class(v, cls)

@@ -392,7 +392,7 @@ class LocalCluster:
         """Ends every task: SIGTERM, then SIGKILL after a grace period.
 
         First this process's eager context leaves the tasks while they still
-        answer (`_tf_internals.disconnect_from_tasks`), so that exiting later
+        answer (`eager_context.disconnect_from_tasks`), so that exiting later
         does not log a gRPC error per function and task.
         """
         _LIVE_CLUSTERS.discard(self)
@@ -402,11 +402,11 @@ class LocalCluster:
             # At most one task restart in progress (`start_timeout_secs`).
             supervisor.join(self.start_timeout_secs + _TERMINATE_GRACE_SECS)
         if "tensorflow" in sys.modules and self.jobs:
-            from tf_distbelief import _tf_internals
+            from tf_distbelief.tf_internals import eager_context
 
             tasks = [a for job in ("worker", "ps") for a in self.jobs.get(job, ())]
             try:
-                _tf_internals.disconnect_from_tasks(tasks)
+                eager_context.disconnect_from_tasks(tasks)
             except Exception as e:  # noqa: BLE001 (ending the tasks comes first)
                 logging.warning("Could not disconnect from the local cluster: %s", e)
         procs = [p for p in self.processes.values() if p.poll() is None]

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals
 from tf_distbelief.adagrad import optimizer as adagrad
 from tf_distbelief.downpour import base, push_guard, schedule
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.dense import DenseVariables
 from tf_distbelief.downpour.row_sparse import RowSparseVariables
 from tf_distbelief.faults import exactly_once
+from tf_distbelief.tf_internals import optimizers as tf_optimizers
 
 __all__ = ["Exchange"]
 
@@ -288,7 +288,7 @@ class Exchange:
         """
         opt, order = self.optimizer, self.order
         (dense_grads, dense_squares), (row_grads, row_squares) = pushed
-        clipped = _tf_internals.clip_gradients(opt, order.merge(dense_grads, row_grads))
+        clipped = tf_optimizers.clip_gradients(opt, order.merge(dense_grads, row_grads))
         dense_grads, row_grads = order.split(clipped)
         grads = order.merge(
             self.dense.to_ps(dense_grads, pack), self.rows.to_ps(row_grads)
@@ -312,6 +312,6 @@ class Exchange:
                 elif steps > 1 and isinstance(opt, adagrad.Adagrad):
                     opt.apply_summed_gradient(g, v, steps)
                 else:
-                    _tf_internals.update_step(opt, g, v)
+                    tf_optimizers.update_step(opt, g, v)
         opt.iterations.assign_add(1)
         return grads

@@ -44,11 +44,12 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import _tf_internals, hooks
+from tf_distbelief import hooks
 from tf_distbelief.downpour import push_guard, replica_state
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.replica import Downpour
 from tf_distbelief.downpour.schedule import ReplicaStats
+from tf_distbelief.tf_internals import keras_model
 
 __all__ = ["DownpourMetrics", "DownpourTrainer", "embedding_tables", "install"]
 
@@ -129,8 +130,8 @@ def _make_train_step(model, downpour: Downpour, downpour_logs: bool):
     return train_step
 
 
-def _make_segment_train_function(model, downpour: Downpour):
-    """`model.make_train_function` running `Downpour.run_steps` under `fit`.
+def _install_segment_train_function(model, downpour: Downpour) -> None:
+    """Makes `model.make_train_function` run `Downpour.run_steps` under `fit`.
 
     It mirrors tf_keras's coordinator path (`Model.make_train_function`): one
     scheduled `tf.function` runs `steps_per_execution` steps. The model's
@@ -141,12 +142,9 @@ def _make_segment_train_function(model, downpour: Downpour):
     a worker loss does not push a step's update twice.
     """
 
-    def make_train_function(force=False):
-        if model.train_function is not None and not force:
-            return model.train_function
-
+    def build():
         @tf.function(reduce_retracing=True)
-        def train_function(iterator, steps_per_execution, first_token):
+        def train_function(iterator, first_token, steps_per_execution):
             done = downpour.run_steps(
                 iterator,
                 steps_per_execution,
@@ -154,31 +152,17 @@ def _make_segment_train_function(model, downpour: Downpour):
                 lambda data, y_pred: _update_metrics(model, data, y_pred),
                 first_token=first_token,
             )
-            counter = _tf_internals.train_counter(model)
+            counter = keras_model.train_counter(model)
             with tf.control_dependencies(
                 [counter.assign_add(tf.cast(done, counter.dtype))]
             ):
                 return tf.nest.map_structure(tf.identity, model.get_metrics_result())
 
-        coordinator = _tf_internals.cluster_coordinator(model)
-        spe = _tf_internals.steps_per_execution(model)
+        # Tokens fixed when a function is scheduled: a retry on another worker
+        # gets the same ones.
+        return train_function, downpour.tokens
 
-        def schedule(iterator):
-            # Tokens fixed now: a retry on another worker gets the same ones.
-            steps = int(spe.numpy())
-            first = downpour.tokens.take(steps)
-            args = (
-                iterator,
-                tf.constant(steps, tf.int64),
-                tf.constant(first, tf.int64),
-            )
-            return coordinator.schedule(train_function, args=args)
-
-        model.train_tf_function = train_function
-        model.train_function = schedule
-        return model.train_function
-
-    return make_train_function
+    keras_model.override_train_function(model, build)
 
 
 def install(
@@ -217,15 +201,11 @@ def install(
     downpour = _make_downpour(model, config, row_sparse)
     # An instance attribute wins over `Model.train_step`; the cached train
     # function is dropped so that `fit` traces the new step.
-    object.__setattr__(
+    keras_model.override_method(
         model, "train_step", _make_train_step(model, downpour, downpour_logs=False)
     )
     if downpour.runs_segments:
-        object.__setattr__(
-            model,
-            "make_train_function",
-            _make_segment_train_function(model, downpour),
-        )
+        _install_segment_train_function(model, downpour)
     model.train_function = None
     hooks.attach(
         model,

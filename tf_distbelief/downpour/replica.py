@@ -27,7 +27,7 @@ from typing import Any
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import _tf_internals, substitution
+from tf_distbelief import substitution
 from tf_distbelief.downpour import base, push_guard, schedule
 from tf_distbelief.downpour import plan as plan_lib
 from tf_distbelief.downpour import variables as downpour_variables
@@ -39,6 +39,7 @@ from tf_distbelief.downpour.row_sparse import RowSparseVariables
 from tf_distbelief.downpour.row_sparse import flags as row_sparse_flags
 from tf_distbelief.downpour.schedule import ReplicaStats
 from tf_distbelief.faults import exactly_once
+from tf_distbelief.tf_internals import variables as tf_variables
 
 __all__ = ["Downpour"]
 
@@ -440,7 +441,7 @@ class Downpour:
 
     def stats(self) -> list[ReplicaStats]:
         """Reads every replica's counters (blocking). Index = worker index."""
-        if not _tf_internals.per_worker_values_exist(self._stats["steps"]):
+        if not tf_variables.per_worker_values_exist(self._stats["steps"]):
             return []
         columns = {
             name: [int(x.numpy()) for x in v.read_all()]

@@ -65,9 +65,9 @@ import re
 import tensorflow as tf
 from absl import logging
 
-from tf_distbelief import _tf_internals
 from tf_distbelief.downpour import base
 from tf_distbelief.downpour.replica import Downpour
+from tf_distbelief.tf_internals import variables as tf_variables
 
 __all__ = ["WAIT_SECS", "ReplicaState", "saved_replicas"]
 
@@ -168,7 +168,7 @@ class ReplicaState(tf.Module):
         """Worker `index`'s own variables by name; None if it is not there."""
         out = {}
         for name, v in self._named.items():
-            out[name] = _tf_internals.worker_variable(v, index, WAIT_SECS)
+            out[name] = tf_variables.worker_variable(v, index, WAIT_SECS)
             if out[name] is None:
                 return None
         return out

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals, substitution
+from tf_distbelief import substitution
 from tf_distbelief.downpour import base
 from tf_distbelief.downpour import plan as plan_lib
 from tf_distbelief.downpour.variables import RowSparseReadError, leaf_variables
+from tf_distbelief.tf_internals import variables as tf_variables
 
 __all__ = ["RowReader", "RowSparseVariables", "flags"]
 
@@ -34,7 +35,7 @@ def flags(variables: list, row_sparse) -> list[bool]:
       ValueError: a `row_sparse` variable is not among `variables`, or is a
         scalar.
     """
-    sharded = _tf_internals.ShardedVariable
+    sharded = tf_variables.ShardedVariable
     if isinstance(row_sparse, (tf.Variable, sharded)):
         row_sparse = [row_sparse]
     for v in row_sparse:

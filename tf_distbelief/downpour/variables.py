@@ -32,7 +32,8 @@ from collections.abc import Iterable, Iterator
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals, errors, substitution
+from tf_distbelief import errors, substitution
+from tf_distbelief.tf_internals import variables as tf_variables
 
 __all__ = [
     "DownpourUnsupportedError",
@@ -85,7 +86,7 @@ def local_steps() -> Iterator:
         _local.drop_writes = previous
 
 
-class DownpourVariable(substitution.Substitutable, _tf_internals.CachingVariable):
+class DownpourVariable(substitution.Substitutable, tf_variables.CachingVariable):
     """A ps variable whose reads can be redirected to a replica's cache.
 
     Reads follow `substitution.substitute`; writes to a non-trainable one are
@@ -114,15 +115,15 @@ class DownpourVariable(substitution.Substitutable, _tf_internals.CachingVariable
 def _wrap_variable(variable, **kwargs):
     """The `variable_wrapper` hook: wraps ps variables, leaves per-worker ones."""
     if kwargs.get("per_worker_variable") or isinstance(
-        variable, _tf_internals.PerWorkerVariable
+        variable, tf_variables.PerWorkerVariable
     ):
         return variable
-    if isinstance(variable, _tf_internals.ShardedVariable):
+    if isinstance(variable, tf_variables.ShardedVariable):
         # Each shard becomes its own cached slice; the optimizer sees shards too.
         for i, shard in enumerate(variable.variables):
-            _tf_internals.replace_shard(variable, i, _wrap_variable(shard))
+            tf_variables.replace_shard(variable, i, _wrap_variable(shard))
         return variable
-    if isinstance(variable, _tf_internals.AggregatingVariable):
+    if isinstance(variable, tf_variables.AggregatingVariable):
         raise DownpourUnsupportedError(
             f"Variable {variable.name} is an AggregatingVariable: TensorFlow "
             "wraps ps variables so when each worker has 2 or more GPUs (one "
@@ -133,7 +134,7 @@ def _wrap_variable(variable, **kwargs):
         )
     if isinstance(variable, DownpourVariable):
         return variable  # Already wrapped (a nested `strategy.scope()`).
-    if isinstance(variable, _tf_internals.CachingVariable):
+    if isinstance(variable, tf_variables.CachingVariable):
         return DownpourVariable(variable.get())
     return variable
 
@@ -159,7 +160,7 @@ def leaf_variables(variables: Iterable) -> list:
     """`variables` with each `ShardedVariable` replaced by its shards, in order."""
     leaves = []
     for v in variables:
-        if isinstance(v, _tf_internals.ShardedVariable):
+        if isinstance(v, tf_variables.ShardedVariable):
             leaves.extend(v.variables)
         else:
             leaves.append(v)

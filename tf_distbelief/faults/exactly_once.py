@@ -50,7 +50,7 @@ import weakref
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals
+from tf_distbelief.tf_internals import keras_model
 
 __all__ = [
     "SLOTS",
@@ -210,20 +210,11 @@ def install(model) -> None:
     Args:
       model: a compiled tf_keras model under a parameter-server strategy.
     """
-    if "make_train_function" in vars(model):
+    if keras_model.overrides(model, "make_train_function"):
         return
-    object.__setattr__(model, "make_train_function", _train_function_maker(model))
-    model.train_function = None
 
-
-def _train_function_maker(model):
-    def make_train_function(force=False):
-        if model.train_function is not None and not force:
-            return model.train_function
-        coordinator = _tf_internals.cluster_coordinator(model)
-        if coordinator is None:  # No parameter-server training: tf_keras's own.
-            return type(model).make_train_function(model, force)
-        counter = _tf_internals.train_counter(model)
+    def build():
+        counter = keras_model.train_counter(model)
         strategy = model.distribute_strategy
 
         def one_step(iterator):
@@ -235,7 +226,7 @@ def _train_function_maker(model):
                 return outputs
 
             outputs = strategy.run(run_step, args=(next(iterator),))
-            return _tf_internals.reduce_per_replica(model, outputs)
+            return keras_model.reduce_per_replica(model, outputs)
 
         @tf.function(reduce_retracing=True)
         def train_function(iterator, first_token, steps):
@@ -244,21 +235,6 @@ def _train_function_maker(model):
                     outputs = one_step(iterator)
             return outputs
 
-        tokens = tokens_for(model.optimizer, strategy)
-        spe = _tf_internals.steps_per_execution(model)
+        return train_function, tokens_for(model.optimizer, strategy)
 
-        def schedule(iterator):
-            steps = int(spe.numpy())
-            first = tokens.take(steps)
-            args = (
-                iterator,
-                tf.constant(first, tf.int64),
-                tf.constant(steps, tf.int64),
-            )
-            return coordinator.schedule(train_function, args=args)
-
-        model.train_tf_function = train_function
-        model.train_function = schedule
-        return schedule
-
-    return make_train_function
+    keras_model.override_train_function(model, build)

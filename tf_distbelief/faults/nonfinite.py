@@ -34,8 +34,10 @@ import weakref
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals, errors
+from tf_distbelief import errors
 from tf_distbelief.faults import exactly_once
+from tf_distbelief.tf_internals import optimizers as tf_optimizers
+from tf_distbelief.tf_internals import variables as tf_variables
 
 MODES = ("raise", "skip")
 # Marks the assertion a failed check raises on the worker, so that the error
@@ -90,7 +92,7 @@ class Guard:
             0, dtype=tf.int64, trainable=False, name="nonfinite_skipped"
         )
         self._optimizer = optimizer
-        _tf_internals.wrap_distributed_apply(optimizer, self._apply)
+        tf_optimizers.wrap_distributed_apply(optimizer, self._apply)
 
     def skipped_steps(self) -> int:
         """Steps skipped so far (reads the ps variable)."""
@@ -232,7 +234,7 @@ def error_from(error: Exception) -> NonFiniteError | None:
 def variable_name(variable) -> str:
     """`variable.name`; for a `ShardedVariable` (whose own name is the class
     name) the name its shards share, `embedding/embeddings:0`."""
-    if isinstance(variable, _tf_internals.ShardedVariable):
+    if isinstance(variable, tf_variables.ShardedVariable):
         return re.sub(r"/part_0(?=:\d+$)", "", variable.variables[0].name)
     return variable.name
 
@@ -254,7 +256,7 @@ def nonfinite_variables(variables) -> list[str]:
     for variable in variables:
         if not variable.dtype.is_floating:
             continue
-        if isinstance(variable, _tf_internals.ShardedVariable):
+        if isinstance(variable, tf_variables.ShardedVariable):
             parts = variable.variables
         else:
             parts = [variable]

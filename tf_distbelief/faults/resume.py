@@ -29,8 +29,10 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import _tf_internals, console, errors
+from tf_distbelief import console, errors
 from tf_distbelief.faults import nonfinite
+from tf_distbelief.tf_internals import saved_model
+from tf_distbelief.tf_internals import variables as tf_variables
 
 
 class RestoreError(errors.DistBeliefError, ValueError):
@@ -137,7 +139,7 @@ def _walk(root, children, key=id):
 
 
 def _is_variable(obj) -> bool:
-    return isinstance(obj, (tf.Variable, _tf_internals.ShardedVariable))
+    return isinstance(obj, (tf.Variable, tf_variables.ShardedVariable))
 
 
 def variable_keys(root) -> tuple[dict, dict]:
@@ -214,7 +216,7 @@ def mismatches(root, path: str) -> list[str]:
         problems.append(
             f"{key.removesuffix(_VALUE_SUFFIX)}: a value with no variable here"
         )
-    nodes = _tf_internals.saved_object_graph(path)
+    nodes = saved_model.saved_object_graph(path)
     saved_paths, _ = _walk(0, lambda i: nodes[i][0], key=int)
     saved_holders = {
         saved_paths[i]

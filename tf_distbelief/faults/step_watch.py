@@ -34,8 +34,9 @@ from collections.abc import Callable, Iterator, Mapping
 
 from absl import logging
 
-from tf_distbelief import _tf_internals, checks, errors
+from tf_distbelief import checks, errors
 from tf_distbelief.cluster import server as server_lib
+from tf_distbelief.tf_internals import coordinator as tf_coordinator
 
 # Longer than a local task's restart (4-5 s) and a Kubernetes pod's reschedule
 # (an image pull: minutes); as long as Sandblaster's portion wait.
@@ -120,7 +121,7 @@ class StepWatch:
             if strategy is None:
                 return
             if progress is None:
-                progress = _tf_internals.CoordinatorProgress.of(strategy)
+                progress = tf_coordinator.CoordinatorProgress.of(strategy)
             strategy = None
             if progress is None:
                 continue

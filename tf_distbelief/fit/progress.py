@@ -26,7 +26,8 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import _tf_internals, console, hooks
+from tf_distbelief import console, hooks
+from tf_distbelief.tf_internals import keras_model
 
 INTERVAL_PREFIX = "interval/"
 # How often the follower thread reads the finished-step counter (one small
@@ -160,7 +161,7 @@ class Progress(tf_keras.callbacks.Callback):
             try:
                 # A ps variable (the model is built under the strategy's
                 # scope): read while the workers run, without stopping them.
-                finished = int(_tf_internals.train_counter(self.model).numpy())
+                finished = int(keras_model.train_counter(self.model).numpy())
                 step = self._fit_base_step + finished
                 if step // every > self._last_interval_step // every:
                     self._log_interval(finished, step)

@@ -40,9 +40,10 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals, checks, paths
+from tf_distbelief import checks, paths
 from tf_distbelief.faults import nonfinite, resume
 from tf_distbelief.sandblaster import lbfgs_state, ps_vectors
+from tf_distbelief.tf_internals import variables as tf_variables
 
 __all__ = ["LbfgsCheckpointer", "describe_model"]
 
@@ -165,7 +166,7 @@ class LbfgsCheckpointer:
     def _as_sharded(self, vector: ps_vectors.PsVector):
         sharded = self._sharded.get(vector)
         if sharded is None:
-            sharded = _tf_internals.ShardedVariable(list(vector.shards), name="lbfgs")
+            sharded = tf_variables.ShardedVariable(list(vector.shards), name="lbfgs")
             self._sharded[vector] = sharded
         return sharded
 

@@ -36,7 +36,8 @@ from collections.abc import Iterator
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals, substitution
+from tf_distbelief import substitution
+from tf_distbelief.tf_internals import variables as tf_variables
 
 __all__ = ["FlatLayout", "evaluate_at"]
 
@@ -81,7 +82,7 @@ class FlatLayout:
                 f"{model.name!r}"
             )
         for v in variables:
-            if not isinstance(v, _tf_internals.ResourceVariable):
+            if not isinstance(v, tf_variables.ResourceVariable):
                 raise TypeError(
                     "Argument `model` must be built outside any distribution "
                     "strategy's scope: Sandblaster keeps the parameters on the ps "

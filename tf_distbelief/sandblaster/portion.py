@@ -37,8 +37,8 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals
 from tf_distbelief.sandblaster import flat_params
+from tf_distbelief.tf_internals import variables as tf_variables
 
 __all__ = [
     "SlotReduction",
@@ -107,7 +107,7 @@ def build_slot_reduction(worker_slots: list, worker_incarnations: list, outs: li
 
     Args:
       worker_slots: worker `w`'s own `[num_slots, size]` slot variable, for
-        every worker (`_tf_internals.worker_variable`).
+        every worker (`tf_variables.worker_variable`).
       worker_incarnations: worker `w`'s own int64 incarnation variable, for
         every worker.
       outs: `[shard_size]` float64 variables, one per ps shard (the gradient).
@@ -354,7 +354,7 @@ class SlotReduction:
         variables = []
         for index in range(self._num_workers):
             for per_worker in (self._slots, self._incarnation):
-                variable = _tf_internals.worker_variable(per_worker, index, _WAIT_SECS)
+                variable = tf_variables.worker_variable(per_worker, index, _WAIT_SECS)
                 if variable is None:
                     raise tf.errors.UnavailableError(
                         None,

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_distbelief import _tf_internals
 from tf_distbelief.adagrad import optimizer as adagrad
 from tf_distbelief.downpour import base
 from tf_distbelief.downpour.config import DownpourConfig
+from tf_distbelief.tf_internals import optimizers as tf_optimizers
 
 __all__ = ["PushRules", "check_row_sparse", "create"]
 
@@ -180,13 +180,13 @@ class PushRules:
                         sq = g * g / tf.cast(steps, v.dtype)
                     opt.apply_gradient_and_squares(g * scale, sq, v)
                 elif scale is not None:
-                    _tf_internals.update_step(opt, g * scale, v)
+                    tf_optimizers.update_step(opt, g * scale, v)
                 elif sq is not None:
                     opt.apply_gradient_and_squares(g, sq, v)
                 elif steps > 1 and isinstance(opt, adagrad.Adagrad):
                     opt.apply_summed_gradient(g, v, steps)
                 else:
-                    _tf_internals.update_step(opt, g, v)
+                    tf_optimizers.update_step(opt, g, v)
 
 
 def _handle(variable):

@@ -1,0 +1,40 @@
+"""The TensorFlow and tf_keras internals tf_distbelief relies on: the one place.
+
+Everything else in the package uses public APIs only (ruff's SLF001 rule is on
+for every module outside this package). Each entry says why it is needed and
+which public route was checked and found missing in TensorFlow 2.21 / tf_keras
+2.21; each module's `check()` verifies that its internals still have the shape
+relied on, and `check()` here runs them all (`tests/test_tf_internals.py`
+fails naming the TensorFlow version). One module per area:
+
+* `variables`: tf.distribute's variable classes (`CachingVariable`,
+  `PerWorkerVariable`, `AggregatingVariable`, `ShardedVariable`,
+  `ResourceVariable`), a sharded variable's shards, a per-worker variable's
+  copies, and a variable's class swap (`swap_class`, for `substitution`).
+* `optimizers`: a tf_keras optimizer's clipping, per-variable update and
+  cross-replica apply.
+* `keras_model`: what tf_keras `fit` keeps on a model (train counter,
+  coordinator, `steps_per_execution`, per-replica reduction), and method
+  overrides on a user's model (`override_method`, `override_train_function`).
+* `coordinator`: a `ClusterCoordinator`'s threads, worker recovery and
+  closure queue.
+* `eager_context`: leaving a cluster's tasks (`disconnect_from_tasks`).
+* `saved_model`: the object graph a checkpoint was saved from.
+"""
+
+from tf_distbelief.tf_internals import (
+    coordinator,
+    eager_context,
+    keras_model,
+    optimizers,
+    saved_model,
+    variables,
+)
+
+MODULES = (variables, optimizers, keras_model, coordinator, eager_context, saved_model)
+
+
+def check() -> None:
+    """Runs every module's `check()`; fails on the first internal changed."""
+    for module in MODULES:
+        module.check()

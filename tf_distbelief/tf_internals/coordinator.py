@@ -1,0 +1,149 @@
+"""`ClusterCoordinator` internals: its threads, its failure handler, its queue.
+
+Used by `strategy` (waiting before a new strategy connects) and by
+`faults.step_watch` (a step limit on the coordinator's closures).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from tensorflow.python.distribute.coordinator import cluster_coordinator as cc
+
+from tf_distbelief.tf_internals import _shapes
+
+# Where a coordinator thread waits when it has nothing to do: `(loop, idle)`,
+# the loop's function and the one it calls to wait.
+_IDLE_WAITS = (("_process_queue", "get"), ("_preemption_handler", "wait"))
+
+
+def busy_coordinator_threads() -> list[str]:
+    """Names of `ClusterCoordinator` threads with work in flight.
+
+    A coordinator's worker thread waits in `_CoordinatedClosureQueue.get` when
+    idle and its failure handler waits on an event; a thread anywhere else in
+    those loops is creating a per-worker resource (variable, iterator),
+    running a scheduled function, or reconnecting a worker. A new strategy
+    connecting while one is busy crashed the process (SIGSEGV in the eager
+    runtime). Public route checked: `ClusterCoordinator.join` waits for
+    scheduled functions only, not for resource creation or recovery.
+    """
+    frames = sys._current_frames()
+    busy = []
+    for thread in threading.enumerate():
+        frame, stack = frames.get(thread.ident), []
+        while frame is not None:
+            stack.append(frame.f_code.co_name)
+            frame = frame.f_back
+        for loop, idle in _IDLE_WAITS:
+            if loop in stack:
+                i = stack.index(loop)
+                if i == 0 or stack[i - 1] != idle:
+                    busy.append(thread.name)
+    return busy
+
+
+def worker_recovery_pending(strategy) -> bool:
+    """True while `strategy`'s coordinator is reconnecting a failed worker.
+
+    Its failure handler keeps calling `update_server_def` with this strategy's
+    cluster until the worker is back; a new strategy connecting meanwhile is
+    reconfigured under it. Public route checked: none.
+    """
+    coordinator = getattr(strategy, "_cluster_coordinator", None)
+    if coordinator is None:
+        return False
+    handler = coordinator._cluster.failure_handler
+    return handler._cluster_due_for_update_or_finish.is_set()
+
+
+class _CountingWatchDog:  # The queue's `WatchDog`, counting finished closures.
+    def __init__(self, inner):
+        self.inner, self.finished = inner, 0
+
+    def report_closure_done(self):
+        self.finished += 1
+        self.inner.report_closure_done()
+
+    def __getattr__(self, name):  # `stop`, and any other the queue calls.
+        return getattr(self.inner, name)
+
+
+class CoordinatorProgress:
+    """A `ClusterCoordinator`'s closures: finished, waiting; `fail` stops waits.
+
+    For `step_watch`: the queue's `WatchDog` (told of each closure finished by
+    `mark_finished`) is wrapped to count them; `fail` sets the error as a failed
+    closure's `mark_failed` does (the waiting `schedule` or `join` raises it) and
+    cancels the queued closures (frees a `schedule` blocked on a full queue).
+    Public route checked: `ClusterCoordinator.done` only says whether all are
+    finished. `of(strategy)`: None before the strategy has a coordinator.
+    """
+
+    @classmethod
+    def of(cls, strategy) -> CoordinatorProgress | None:
+        coordinator = getattr(strategy, "_cluster_coordinator", None)
+        return None if coordinator is None else cls(coordinator)
+
+    def __init__(self, coordinator):
+        self._queue = queue = coordinator._cluster.closure_queue
+        if not isinstance(queue._watchdog, _CountingWatchDog):
+            queue._watchdog = _CountingWatchDog(queue._watchdog)
+        self._counter = queue._watchdog
+
+    finished = property(lambda self: self._counter.finished)  # Since first watched.
+
+    def waiting(self) -> int:  # Closures queued or running.
+        queue = self._queue
+        return queue._queue.qsize() + queue.inflight_closure_count
+
+    def fail(self, error: Exception, finished: int) -> bool:  # False: one finished.
+        queue = self._queue
+        with queue._queue_lock:  # `mark_finished` counts under it.
+            if self._counter.finished != finished or not self.waiting():
+                return False
+            if queue._error is None:
+                queue._error = error
+            queue._stop_waiting_condition.notify_all()
+            queue._cancel_all_closures()
+        return True
+
+
+def check() -> None:
+    """Fails if an internal above no longer has the shape tf_distbelief needs.
+
+    Raises:
+      AssertionError: naming the internal and the TensorFlow and tf_keras
+        versions.
+    """
+    queue = cc._CoordinatedClosureQueue
+    names = {"_watchdog", "_queue", "_error", "_queue_lock", "_stop_waiting_condition"}
+    ok = names <= set(queue.__init__.__code__.co_names)
+    ok = ok and callable(getattr(queue, "_cancel_all_closures", None))
+    handlers = (cc.WorkerPreemptionHandler, cc.CoordinationServicePreemptionHandler)
+    _shapes.expect(
+        "coordinator",
+        [
+            ("_CoordinatedClosureQueue internals for step_watch", ok),
+            (
+                "Cluster.failure_handler._cluster_due_for_update_or_finish",
+                "failure_handler" in cc.Cluster.__init__.__code__.co_names
+                and all(
+                    "_cluster_due_for_update_or_finish"
+                    in handler.__init__.__code__.co_names
+                    for handler in handlers
+                ),
+            ),
+            (
+                "coordinator threads idle in Worker._process_queue (queue.get), "
+                "_preemption_handler (event.wait)",
+                callable(getattr(cc.Worker, "_process_queue", None))
+                and callable(getattr(queue, "get", None))
+                and all(
+                    callable(getattr(handler, "_preemption_handler", None))
+                    for handler in handlers
+                ),
+            ),
+        ],
+    )
