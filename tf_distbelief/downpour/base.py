@@ -30,7 +30,9 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from tf_distbelief.adagrad import ops as adagrad_ops
+from tf_distbelief.adagrad import optimizer as adagrad
 from tf_distbelief.downpour import plan as plan_lib
+from tf_distbelief.tf_internals import optimizers as tf_optimizers
 
 __all__ = [
     "Handles",
@@ -385,3 +387,35 @@ def _squared(grad):
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(grad.values * grad.values, grad.indices)
     return grad * grad
+
+
+def apply_push(optimizer, grad, squares, variable, steps: int, scale=None) -> None:
+    """Applies one pushed gradient to a ps variable with the ps optimizer.
+
+    The one dispatch over the ps optimizers, for plain pushes (`Exchange`)
+    and pushes through the push rules (`push_rules.on_ps`).
+
+    Args:
+      optimizer: the compiled optimizer (`adagrad.Adagrad` or any tf_keras
+        optimizer), on the ps.
+      grad: the pushed gradient (a sum over `steps` local steps), the
+        variable's shape and dtype.
+      squares: the pushed sum of squared gradients (AdaGrad's accumulator
+        grows by it), or None.
+      variable: the ps variable (a shard).
+      steps: local steps summed in `grad`; with AdaGrad and no `squares`
+        the accumulator grows by `grad^2 / steps` (`apply_summed_gradient`).
+      scale: a factor of the step (not of AdaGrad's accumulator), or None.
+    """
+    if scale is not None and isinstance(optimizer, adagrad.Adagrad):
+        if squares is None:
+            squares = grad * grad / tf.cast(steps, variable.dtype)
+        optimizer.apply_gradient_and_squares(grad * scale, squares, variable)
+    elif scale is not None:
+        tf_optimizers.update_step(optimizer, grad * scale, variable)
+    elif squares is not None:
+        optimizer.apply_gradient_and_squares(grad, squares, variable)
+    elif steps > 1 and isinstance(optimizer, adagrad.Adagrad):
+        optimizer.apply_summed_gradient(grad, variable, steps)
+    else:
+        tf_optimizers.update_step(optimizer, grad, variable)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_distbelief.adagrad import optimizer as adagrad
 from tf_distbelief.downpour import base, push_guard, schedule
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.dense import DenseVariables
@@ -307,11 +306,6 @@ class Exchange:
             return grads
         for g, sq, v in zip(grads, squares, self.variables):
             with tf.device(v.device):
-                if sq is not None:
-                    opt.apply_gradient_and_squares(g, sq, v)
-                elif steps > 1 and isinstance(opt, adagrad.Adagrad):
-                    opt.apply_summed_gradient(g, v, steps)
-                else:
-                    tf_optimizers.update_step(opt, g, v)
+                base.apply_push(opt, g, sq, v, steps)
         opt.iterations.assign_add(1)
         return grads

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_distbelief.adagrad import optimizer as adagrad
 from tf_distbelief.downpour import base
 from tf_distbelief.downpour.config import DownpourConfig
-from tf_distbelief.tf_internals import optimizers as tf_optimizers
 
 __all__ = ["PushRules", "check_row_sparse", "create"]
 
@@ -174,19 +172,8 @@ class PushRules:
                         g = g * scale
                     k = self.updater
                     self.rules[k].update(v, self.states[k][j], g)
-                elif scale is not None and isinstance(opt, adagrad.Adagrad):
-                    # The step, not the accumulator, is scaled.
-                    if sq is None:
-                        sq = g * g / tf.cast(steps, v.dtype)
-                    opt.apply_gradient_and_squares(g * scale, sq, v)
-                elif scale is not None:
-                    tf_optimizers.update_step(opt, g * scale, v)
-                elif sq is not None:
-                    opt.apply_gradient_and_squares(g, sq, v)
-                elif steps > 1 and isinstance(opt, adagrad.Adagrad):
-                    opt.apply_summed_gradient(g, v, steps)
-                else:
-                    tf_optimizers.update_step(opt, g, v)
+                else:  # The step, not AdaGrad's accumulator, is scaled.
+                    base.apply_push(opt, g, sq, v, steps, scale)
 
 
 def _handle(variable):
