@@ -293,3 +293,51 @@ def test_export_dir_with_a_users_file_is_refused_before_any_cluster(tmp_path):
     assert "also holds notes.txt" in proc.stderr, proc.stderr[-2000:]
     assert "local cluster" not in proc.stdout
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+# Serves the embedding model's SavedModel with int64 ids, in a plain process.
+_INT64_SERVER = """
+import sys
+import numpy as np
+import tensorflow as tf
+import tf_keras
+export_dir, inputs_path, out_path = sys.argv[1:]
+x = np.load(inputs_path)
+serve = tf.saved_model.load(export_dir + "/saved_model").signatures["serving_default"]
+(name, spec), = serve.structured_input_signature[1].items()
+assert spec.dtype == tf.int64, spec
+assert spec.shape.as_list() == [None, x.shape[1]], spec
+(served,) = serve(**{name: tf.constant(x)}).values()
+trained = tf_keras.models.load_model(export_dir + "/model.keras")
+np.savez(out_path, served=served.numpy(), trained=trained(x, training=False).numpy())
+"""
+
+
+@pytest.mark.slow
+def test_an_embedding_export_is_served_with_int64_ids(tmp_path):
+    import models
+
+    export_dir = tmp_path / "export"
+    proc = _launch(["--model=embedding", "--epochs=1", f"--export_dir={export_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (_, _), (x_test, _) = models.spec("embedding").load_data()
+    assert x_test.dtype == np.int64
+    np.save(tmp_path / "x.npy", x_test[:256])
+    served = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _INT64_SERVER,
+            str(export_dir),
+            str(tmp_path / "x.npy"),
+            str(tmp_path / "out.npz"),
+        ],
+        cwd=str(tmp_path),
+        env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert served.returncode == 0, served.stderr[-3000:]
+    out = np.load(tmp_path / "out.npz")
+    np.testing.assert_array_equal(out["served"], out["trained"])
