@@ -69,3 +69,25 @@ def test_relative_links_point_at_files(path):
         if not os.path.exists(os.path.join(os.path.dirname(path), file_part)):
             missing.append(target)
     assert missing == []
+
+
+@pytest.mark.slow
+def test_the_readme_python_example_trains(tmp_path):
+    import subprocess
+    import sys
+
+    blocks = re.findall(r"^```python\n(.*?)^```", _read(README), re.S | re.M)
+    assert len(blocks) == 1
+    code = blocks[0].replace('model_dir="/tmp/run"', f"model_dir={str(tmp_path)!r}")
+    assert str(tmp_path) in code
+    proc = subprocess.run(
+        [sys.executable, "-c", code + "\nimport os; os._exit(0)\n"],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) >= 0.95
+    assert os.listdir(os.path.join(tmp_path, "checkpoints"))
