@@ -46,7 +46,7 @@ from benchmarks import plots  # noqa: E402
 
 _LEARNING_RATE = 0.2  # AdaGrad gamma on the ps, as downpour_bench's speech.
 _BATCH_SIZE = 32
-# The push rules compared (`DownpourConfig` options, issue 14), by the name
+# The push rules compared (`DownpourConfig` options), by the name
 # the rows give them: "-" none; "outer" DiLoCo's outer Nesterov on the pushed
 # parameter delta (Douillard et al. 2023), "dc" DC-ASGD's delay compensation
 # (Zheng et al. 2017), "stale" the staleness-scaled step (Zhang et al. 2016).

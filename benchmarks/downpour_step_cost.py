@@ -1,6 +1,6 @@
 r"""What a Downpour replica's local step costs against a plain training step.
 
-Issue 14 asks Downpour at `n_fetch = n_push = 16` for at least 0.85x the
+The target for Downpour at `n_fetch = n_push = 16` is at least 0.85x the
 examples/s of one process with no cluster (`single` in
 `benchmarks/downpour_bench.py`). Between two exchanges with the ps a replica
 (`downpour.replica.Replica.run_steps`, Dean et al. 2012, section 4.1) takes

@@ -1,6 +1,6 @@
 r"""Examples/s of the Keras 3 path against the tf_keras path, side by side.
 
-Issue 13: a Keras 3 model trained by `tf_distbelief.keras3.fit` (each step a
+A Keras 3 model trained by `tf_distbelief.keras3.fit` (each step a
 scheduled function calling `model.stateless_call` on the ps values, AdaGrad on
 the ps shards) against the same model built with tf_keras and trained by its
 `Model.fit` under `DistBeliefStrategy` (the stock parameter-server path), on

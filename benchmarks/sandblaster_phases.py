@@ -1,4 +1,4 @@
-"""Where one Sandblaster objective evaluation spends its time (issue 15, part 2).
+"""Where one Sandblaster objective evaluation spends its time.
 
 `evaluation_phases` times the phases of `SandblasterObjective.__call__` on the
 coordinator by wrapping, on one objective instance only, the calls that start

@@ -17,7 +17,8 @@ loss and metrics of `models.speech` and `models.digits` apply unchanged:
 `ClusterCoordinator.schedule` runs on a worker they resolve to that worker's own
 devices. The worker servers must expose them (`LocalCluster(...,
 cpu_devices_per_worker=2)`, `cluster.server_config(cpu_devices=2)`); otherwise the
-ops silently run on `CPU:0` (see TF_NOTES.md, "Devices"). Variables still live on
+ops silently run on `CPU:0` (a worker's server exposes only the devices its
+`ConfigProto` gives it). Variables still live on
 the ps tasks, created by the strategy as usual.
 
 ```python

@@ -3,8 +3,8 @@
 Dean et al. 2012, section 4.1. A replica keeps, per trained variable, a cache
 of the parameters, the sum of its gradients since its last push, and as the
 `Plan` says, the squares to push and the accumulator of its local AdaGrad
-step, all in `per_worker_variable=True` variables (TF_NOTES.md: per-worker
-variables), so whichever worker runs a step uses its own.
+step, all in `per_worker_variable=True` variables (one copy per worker, made
+by the strategy), so whichever worker runs a step uses its own.
 
 `VariableKind` holds that state for the variables of one kind and writes the
 local step, the accumulation, the push's read and the restart once, from

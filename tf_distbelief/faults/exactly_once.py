@@ -4,7 +4,7 @@ TensorFlow's `ClusterCoordinator` runs a scheduled function again on another
 worker when the worker running it is lost. If the lost worker had already
 sent its update and the ps applied it, the retry applies the step a second
 time: 2 workers, 300 steps and 8 SIGKILLs of a worker gave an optimizer
-iteration count of 304 (issue 10).
+iteration count of 304.
 
 So each scheduled step carries a token fixed when it is scheduled: the
 closure's first token (`StepTokens.take`, a counter on the coordinator) plus

@@ -1,6 +1,6 @@
 """Training with tf_keras `Model.fit` on a DistBelief cluster.
 
-The pieces a launch script needs, kept out of the script (STYLE.md, habit 7):
+The pieces a launch script needs, kept out of the script:
 a per-worker dataset (`DatasetCreator`, one shard per replica), a progress
 callback (tf_keras refuses `verbose=1` under parameter-server training),
 checkpoints that let a rerun resume exactly (`resume`), a guard that keeps NaN

@@ -15,7 +15,7 @@ def clip_gradients(optimizer, grads: list) -> list:
     """Applies a tf_keras optimizer's `clipnorm`/`clipvalue` settings to `grads`.
 
     Downpour applies a push with the optimizer's per-variable update, outside
-    `apply_gradients` (which cannot run inside `tf.cond`, TF_NOTES.md).
+    `apply_gradients` (which fails inside `tf.cond` on a per-worker variable).
     Public route checked: none; `apply_gradients` clips and applies together.
     """
     return optimizer._clip_gradients(grads)
