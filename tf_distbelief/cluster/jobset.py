@@ -105,7 +105,7 @@ class JobSetConfig(manifest.PodsConfig):
                 hostname(self.job_name, role, count - 1) + _POD_NAME_SUFFIX
                 for role, count in self.role_counts().items()
             ],
-            "pod names (JobSet adds 5 random characters)",
+            "pod names",
         )
 
 
