@@ -21,8 +21,16 @@ import pytest
 import yaml
 
 from tests.fixtures import jobset_pods
-from tests.fixtures.k8s import IMAGE, manifest, round_trip, run_k8s
+from tests.fixtures.k8s import (
+    FULL_SETTINGS,
+    IMAGE,
+    README_COMMAND,
+    manifest,
+    round_trip,
+    run_k8s,
+)
 from tests.fixtures.launch import ROOT, TRAIN, _accuracy, _env, _wait_no_marked
+from tf_distbelief import console
 from tf_distbelief.cluster import config as config_lib
 from tf_distbelief.cluster import jobset
 
@@ -106,12 +114,7 @@ def test_jobset_is_the_default_kind_with_the_readme_job():
         pod = _pod(rjob)["spec"]
         assert pod["restartPolicy"] == ("Never" if name == "chief" else "OnFailure")
         (container,) = pod["containers"]
-        assert container["command"] + container["args"] == [
-            "python",
-            "launch/train.py",
-            "--model=digits",
-            "--optimizer=adagrad",
-        ]
+        assert container["command"] + container["args"] == README_COMMAND
         assert container["ports"] == [
             {"name": "grpc", "containerPort": 2222, "protocol": "TCP"}
         ]
@@ -158,15 +161,7 @@ def test_jobset_is_the_default_kind_with_the_readme_job():
 
 
 def _full_config():
-    return jobset.JobSetConfig(
-        image=IMAGE,
-        num_workers=3,
-        num_ps=2,
-        evaluator=True,
-        gpus_per_worker=2,
-        pvc="runs",
-        train_args=("--model=digits", "--epochs=5"),
-    )
+    return jobset.JobSetConfig(**FULL_SETTINGS)
 
 
 @pytest.mark.parametrize(
@@ -245,6 +240,18 @@ def test_bad_flags_are_named(args, message):
     assert re.search(message, proc.stderr), proc.stderr[-2000:]
 
 
+# What JobSet and Kubernetes give worker 1 of JobSet `mnist`.
+_ENVIRON = {
+    "JOB_COMPLETION_INDEX": "0",
+    "TFDB_JOBSET_NAME": "mnist",
+    "TFDB_JOBSET_REPLICATED_JOB": "worker",
+    "TFDB_JOBSET_JOB_INDEX": "1",
+    "TFDB_JOBSET_REPLICAS": "chief:1,worker:2,ps:1",
+    "TFDB_JOBSET_PORT": "2222",
+    "TFDB_JOBSET_SUBDOMAIN": "mnist",
+}
+
+
 def _pod_environ(document, rjob, index):
     env = jobset_pods.pod_env(document, rjob, index, "unused")
     return {k: v for k, v in env.items() if k.startswith(("TFDB_JOBSET", "JOB_"))}
@@ -253,15 +260,7 @@ def _pod_environ(document, rjob, index):
 def test_a_pod_builds_the_tf_config_of_its_identity():
     document, _ = manifest(f"--image={IMAGE}", "--job_name=mnist", "--num_ps=1")
     environ = _pod_environ(document, "worker", 1)
-    assert environ == {
-        "JOB_COMPLETION_INDEX": "0",
-        "TFDB_JOBSET_NAME": "mnist",
-        "TFDB_JOBSET_REPLICATED_JOB": "worker",
-        "TFDB_JOBSET_JOB_INDEX": "1",
-        "TFDB_JOBSET_REPLICAS": "chief:1,worker:2,ps:1",
-        "TFDB_JOBSET_PORT": "2222",
-        "TFDB_JOBSET_SUBDOMAIN": "mnist",
-    }
+    assert environ == _ENVIRON
     assert jobset.tf_config(environ) == {
         "cluster": {
             "chief": ["mnist-chief-0-0.mnist:2222"],
@@ -276,6 +275,11 @@ def test_a_pod_builds_the_tf_config_of_its_identity():
     for (rjob, index), host in hostnames.items():
         config = jobset.tf_config(_pod_environ(document, rjob, index))
         assert config["cluster"][rjob][index] == f"{host}:2222"
+
+
+def test_the_first_line_names_the_jobset_task():
+    line = console.starting_line([TRAIN], _ENVIRON, 2, 2)
+    assert line == "loading TensorFlow (JobSet task worker:1)"
 
 
 def test_the_jobset_environment_is_used_when_tf_config_is_not(monkeypatch):
@@ -298,17 +302,6 @@ def test_the_jobset_environment_is_used_when_tf_config_is_not(monkeypatch):
         r"identity, but `TF_CONFIG` is set too",
     ):
         config_lib.resolve_cluster(cluster_from="jobset")
-
-
-_ENVIRON = {
-    "JOB_COMPLETION_INDEX": "0",
-    "TFDB_JOBSET_NAME": "mnist",
-    "TFDB_JOBSET_REPLICATED_JOB": "worker",
-    "TFDB_JOBSET_JOB_INDEX": "1",
-    "TFDB_JOBSET_REPLICAS": "chief:1,worker:2,ps:1",
-    "TFDB_JOBSET_PORT": "2222",
-    "TFDB_JOBSET_SUBDOMAIN": "mnist",
-}
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import uuid
 import portpicker
 import pytest
 
-from tests.fixtures.k8s import IMAGE, manifest, run_k8s
+from tests.fixtures.k8s import FULL_SETTINGS, IMAGE, README_COMMAND, manifest, run_k8s
 from tests.fixtures.k8s import round_trip as _round_trip
 from tests.fixtures.launch import ROOT, _accuracy, _env, _wait_no_marked
 from tf_distbelief.cluster import tfjob
@@ -62,12 +62,7 @@ def test_only_image_gives_the_readme_default_job():
         container = _container(replica)
         assert container["name"] == "tensorflow"
         assert container["image"] == IMAGE
-        assert container["command"] + container["args"] == [
-            "python",
-            "launch/train.py",
-            "--model=digits",
-            "--optimizer=adagrad",
-        ]
+        assert container["command"] + container["args"] == README_COMMAND
         assert container["ports"] == [
             {"name": "tfjob-port", "containerPort": 2222, "protocol": "TCP"}
         ]
@@ -82,15 +77,7 @@ def test_only_image_gives_the_readme_default_job():
 
 
 def test_every_pod_template_and_the_policy_fit_the_kubernetes_models():
-    config = tfjob.TFJobConfig(
-        image=IMAGE,
-        num_workers=3,
-        num_ps=2,
-        evaluator=True,
-        gpus_per_worker=2,
-        pvc="runs",
-        train_args=("--model=digits", "--epochs=5"),
-    )
+    config = tfjob.TFJobConfig(**FULL_SETTINGS)
     job, policy = tfjob.manifests(config)
     assert list(_replicas(job)) == ["Chief", "Worker", "PS", "Evaluator"]
     for replica in _replicas(job).values():
