@@ -208,6 +208,19 @@ def test_gpus_volume_and_model_dir_go_where_they_are_used():
             ]
         else:
             assert "volumes" not in spec
+    # --checkpoint_every_steps needs --model_dir: only where it is.
+    config = jobset.JobSetConfig(
+        image=IMAGE, model_dir="gs://b/r", train_args=("--checkpoint_every_steps=9",)
+    )
+    for name, rjob in _rjobs(jobset.jobset(config)).items():
+        (container,) = _pod(rjob)["spec"]["containers"]
+        if name == "chief":
+            assert container["args"] == [
+                "--checkpoint_every_steps=9",
+                "--model_dir=gs://b/r",
+            ]
+        else:
+            assert container["args"] == []
     # An evaluator's failures never fail the JobSet.
     assert _rjobs(document)["evaluator"]["template"]["spec"]["backoffLimit"] == (
         2**31 - 1

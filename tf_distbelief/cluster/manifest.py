@@ -55,6 +55,10 @@ _OWNED_FLAGS = {
     "num_ps": "num_ps",
     "cluster_from": "the kind of manifest",
 }
+# Flags of `launch/train.py` that need `--model_dir` and only the chief reads:
+# dropped from the pods without `--model_dir` (workers, ps), whose flag checks
+# would refuse them.
+_CHIEF_FLAGS = ("checkpoint_every_steps",)
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(
@@ -233,12 +237,22 @@ def train_args(config: PodsConfig, role: str) -> list[str]:
     """The flags of `launch/train.py` in `role`'s pods.
 
     Every pod gets `config.train_args`; the chief (which writes checkpoints)
-    and the evaluator (which reads them) also get `--model_dir`.
+    and the evaluator (which reads them) also get `--model_dir`, and the
+    flags that need it (`--checkpoint_every_steps`) go to them only.
     """
     args = list(config.train_args)
     model_dir = config.effective_model_dir
     if model_dir and role in ("chief", "evaluator"):
         args.append(f"--model_dir={model_dir}")
+    else:
+        args = [
+            arg
+            for arg in args
+            if not (
+                arg.startswith("-")
+                and arg.lstrip("-").partition("=")[0] in _CHIEF_FLAGS
+            )
+        ]
     return args
 
 
