@@ -29,7 +29,7 @@ setuptools.setup(
         # `tf.summary` needs it to write TensorBoard scalars; TF 2.21 no longer
         # depends on it.
         "tensorboard>=2.21",
-        # `tf_distbelief.cluster.tfjob` writes Kubernetes manifests as YAML
+        # `tf_distbelief.cluster.manifest` writes Kubernetes manifests as YAML
         # (`launch/k8s.py`).
         "pyyaml>=6.0",
     ],
@@ -55,6 +55,9 @@ setuptools.setup(
             "ruff>=0.5",
             "psutil>=5.9",
             "kubernetes>=37",
+            # The JobSet manifests are validated against the OpenAPI schema of
+            # JobSet's CRD (tests/data/, tests/cluster/test_jobset.py).
+            "jsonschema>=4.18",
             # tests/bench/test_bench_plots.py draws the benchmarks' figures.
             "matplotlib>=3.8",
         ],

@@ -1,13 +1,17 @@
-"""Prints a Kubeflow TFJob manifest (and its NetworkPolicy) for a training job.
+"""Prints a Kubernetes manifest (and its NetworkPolicy) for a training job.
 
   python launch/k8s.py --image=registry.example.com/tf-distbelief:0.1 > job.yaml
   kubectl apply -f job.yaml
 
-Training flags for every pod come from --train_args or after `--`:
+--kind=jobset (the default) writes a JobSet (kubernetes-sigs/jobset), whose
+pods build their TF_CONFIG from their own identity; --kind=tfjob a Kubeflow
+TFJob (the v1 training operator). Training flags for every pod come from
+--train_args or after `--`:
 
   python launch/k8s.py --image=IMAGE --pvc=runs --evaluator -- --model=digits --epochs=5
 
-The manifest is built by `tf_distbelief.cluster.tfjob`; see its docstring.
+The manifests are built by `tf_distbelief.cluster.jobset` and
+`tf_distbelief.cluster.tfjob`; see their docstrings.
 """
 
 import dataclasses
@@ -20,18 +24,32 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from tf_distbelief.cluster import tfjob  # noqa: E402
+from tf_distbelief.cluster import jobset, manifest, tfjob  # noqa: E402
 
 FLAGS = flags.FLAGS
+# --kind -> (its configuration class, the function writing its documents).
+KINDS = {
+    "jobset": (jobset.JobSetConfig, jobset.manifests),
+    "tfjob": (tfjob.TFJobConfig, tfjob.manifests),
+}
 
 
 def define_flags() -> None:
-    """Defines the flags; defaults from `tfjob.TFJobConfig`."""
-    d = tfjob.TFJobConfig()
+    """Defines the flags; defaults from `manifest.PodsConfig`."""
+    d = manifest.PodsConfig()
+    flags.DEFINE_enum(
+        "kind",
+        "jobset",
+        list(KINDS),
+        "jobset: a JobSet (jobset.x-k8s.io/v1alpha2; pods compute their own "
+        "TF_CONFIG); tfjob: a Kubeflow TFJob (kubeflow.org/v1).",
+    )
     flags.DEFINE_string(
         "image", None, "Container image built from the repository's Dockerfile."
     )
-    flags.DEFINE_string("job_name", d.job_name, "TFJob name (a DNS-1035 label).")
+    flags.DEFINE_string(
+        "job_name", d.job_name, "JobSet or TFJob name (a DNS-1035 label)."
+    )
     flags.DEFINE_string("namespace", d.namespace, "Kubernetes namespace.")
     flags.DEFINE_integer(
         "num_workers", d.num_workers, "Worker replicas.", lower_bound=1
@@ -56,7 +74,7 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "model_dir",
         d.model_dir,
-        f"--model_dir of the Chief and Evaluator (default {tfjob.DEFAULT_MODEL_DIR} "
+        f"--model_dir of the Chief and Evaluator (default {manifest.DEFAULT_MODEL_DIR} "
         "with --pvc).",
     )
     flags.DEFINE_string(
@@ -69,7 +87,8 @@ def define_flags() -> None:
     flags.DEFINE_integer(
         "backoff_limit",
         d.backoff_limit,
-        "Container restarts before the operator fails the job.",
+        "Container restarts before the job fails (TFJob: all pods together; "
+        "JobSet: each role's Job).",
         lower_bound=0,
     )
 
@@ -81,16 +100,17 @@ def main(argv):
             "Give the training flags either in --train_args or after `--`, not "
             f"both. Received --train_args={FLAGS.train_args!r} and {after_dashes}."
         )
-    fields = {f.name for f in dataclasses.fields(tfjob.TFJobConfig)}
-    config = tfjob.TFJobConfig(
+    config_class, build = KINDS[FLAGS.kind]
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    config = config_class(
         **{name: FLAGS[name].value for name in fields - {"train_args"}},
         train_args=tuple(after_dashes or shlex.split(FLAGS.train_args)),
     )
     try:
-        documents = tfjob.manifests(config)
+        documents = build(config)
     except ValueError as e:
         sys.exit(f"launch/k8s.py: {e}")
-    sys.stdout.write(tfjob.to_yaml(documents))
+    sys.stdout.write(manifest.to_yaml(documents))
 
 
 if __name__ == "__main__":

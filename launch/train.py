@@ -43,6 +43,7 @@ if __name__ == "__main__":
 import models  # noqa: E402
 from launch import sandblaster_flags  # noqa: E402
 from tf_distbelief import downpour, errors, job  # noqa: E402
+from tf_distbelief.cluster import config as cluster_config  # noqa: E402
 from tf_distbelief.cluster import network  # noqa: E402
 from tf_distbelief.downpour import config as downpour_config  # noqa: E402
 from tf_distbelief.downpour.push_rules import rule as push_rule  # noqa: E402
@@ -207,6 +208,15 @@ def define_flags() -> None:
         "emulate_ps_nic",
         d.emulate_ps_nic,
         "With --emulate_nic: the ps tasks' NIC rate (default: --emulate_nic's).",
+    )
+    flags.DEFINE_enum(
+        "cluster_from",
+        d.cluster_from,
+        list(cluster_config.CLUSTER_SOURCES),
+        "auto: TF_CONFIG when set, else the pod's JobSet identity when its "
+        "environment is there (launch/k8s.py --kind=jobset), else the local "
+        "cluster; tf_config: TF_CONFIG or the local cluster; jobset: TF_CONFIG "
+        "built from the pod's JobSet identity (TFDB_JOBSET_* variables).",
     )
     flags.DEFINE_float(
         "chief_gone_secs",

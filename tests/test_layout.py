@@ -40,6 +40,10 @@ PURE_MODULES = [
     "tf_distbelief.sandblaster.vector_ops",
     "tf_distbelief.model_parallel.partition_math",
     "tf_distbelief.cluster.gpus",
+    # Kubernetes manifests, and a JobSet pod's cluster from its identity.
+    "tf_distbelief.cluster.manifest",
+    "tf_distbelief.cluster.jobset",
+    "tf_distbelief.cluster.tfjob",
     "tf_distbelief.errors",
     # The launch script's first line and start-up filter, before TensorFlow.
     "tf_distbelief.console",

@@ -106,8 +106,9 @@ def starting_line(
 
     Returns:
       `loading TensorFlow (local job: 2 workers, 2 ps)` or
-      `loading TensorFlow (TF_CONFIG task worker:1)`. It claims nothing
-      started: a bad flag still fails after it, before any task starts.
+      `loading TensorFlow (TF_CONFIG task worker:1)`, or in a JobSet's pod
+      (`cluster.jobset`) `loading TensorFlow (JobSet task worker:1)`. It
+      claims nothing started: a bad flag still fails after it, before any task starts.
     """
     from absl import flags
 
@@ -118,6 +119,14 @@ def starting_line(
         except (ValueError, AttributeError):
             name = "task (unreadable)"  # Validated, with a named error, once loaded.
         return f"loading TensorFlow (TF_CONFIG {name})"
+    # `cluster.jobset`'s ENV_REPLICAS, ENV_REPLICATED_JOB, ENV_JOB_INDEX;
+    # validated once loaded.
+    if environ.get("TFDB_JOBSET_REPLICAS"):
+        task = (
+            f"{environ.get('TFDB_JOBSET_REPLICATED_JOB')}:"
+            f"{environ.get('TFDB_JOBSET_JOB_INDEX')}"
+        )
+        return f"loading TensorFlow (JobSet task {task})"
     early = flags.FlagValues()
     flags.DEFINE_integer(
         "num_workers", default_num_workers, "", lower_bound=1, flag_values=early

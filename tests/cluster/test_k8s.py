@@ -1,4 +1,4 @@
-"""Kubernetes: the TFJob manifest of `launch/k8s.py` (issue 12 item 4).
+"""Kubernetes: the TFJob manifest of `launch/k8s.py --kind=tfjob`.
 
 The pod templates are checked against the official `kubernetes` client's models
 (field names and types); the slow test runs every replica the manifest
@@ -7,7 +7,6 @@ operator would give its pod.
 """
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -16,43 +15,21 @@ import uuid
 
 import portpicker
 import pytest
-import yaml
 
+from tests.fixtures.k8s import FULL_SETTINGS, IMAGE, README_COMMAND, manifest, run_k8s
+from tests.fixtures.k8s import round_trip as _round_trip
 from tests.fixtures.launch import ROOT, _accuracy, _env, _wait_no_marked
 from tf_distbelief.cluster import tfjob
 
-kubernetes_client = pytest.importorskip("kubernetes.client")
-
-K8S = os.path.join(ROOT, "launch", "k8s.py")
-IMAGE = "registry.example.com/tf-distbelief:0.1"
+pytest.importorskip("kubernetes.client")
 
 
 def _k8s(*args):
-    return subprocess.run(
-        [sys.executable, K8S, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_k8s("--kind=tfjob", *args)
 
 
 def _manifest(*args):
-    proc = _k8s(*args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return list(yaml.safe_load_all(proc.stdout))
-
-
-def _round_trip(document, model_name):
-    """`document` through the client's model `model_name` and back.
-
-    The models refuse a wrong type or a missing required field; a field name
-    they do not know is dropped, so a round trip that changes nothing also
-    proves every name is known.
-    """
-    api = kubernetes_client.ApiClient()
-    model = api.deserialize(json.dumps(document), model_name, "application/json")
-    return api.sanitize_for_serialization(model)
+    return manifest("--kind=tfjob", *args)
 
 
 def _replicas(job):
@@ -85,12 +62,7 @@ def test_only_image_gives_the_readme_default_job():
         container = _container(replica)
         assert container["name"] == "tensorflow"
         assert container["image"] == IMAGE
-        assert container["command"] + container["args"] == [
-            "python",
-            "launch/train.py",
-            "--model=digits",
-            "--optimizer=adagrad",
-        ]
+        assert container["command"] + container["args"] == README_COMMAND
         assert container["ports"] == [
             {"name": "tfjob-port", "containerPort": 2222, "protocol": "TCP"}
         ]
@@ -105,15 +77,7 @@ def test_only_image_gives_the_readme_default_job():
 
 
 def test_every_pod_template_and_the_policy_fit_the_kubernetes_models():
-    config = tfjob.TFJobConfig(
-        image=IMAGE,
-        num_workers=3,
-        num_ps=2,
-        evaluator=True,
-        gpus_per_worker=2,
-        pvc="runs",
-        train_args=("--model=digits", "--epochs=5"),
-    )
+    config = tfjob.TFJobConfig(**FULL_SETTINGS)
     job, policy = tfjob.manifests(config)
     assert list(_replicas(job)) == ["Chief", "Worker", "PS", "Evaluator"]
     for replica in _replicas(job).values():

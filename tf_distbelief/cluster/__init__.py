@@ -2,7 +2,8 @@
 `addresses`), a task's server (`server`), the local cluster of child processes
 (`local`), the GPUs each local task sees (`gpus`), and its network isolation
 (`isolation`), bounded start-up (`connect`), and Kubernetes manifests for a
-cluster of pods (`tfjob`).
+cluster of pods (`jobset`, whose pods build their `TF_CONFIG` themselves, and
+`tfjob`; what they share is `manifest`'s).
 
 The public names are re-exported here; `server_main` is the child tasks'
 entry point (`python -m tf_distbelief.cluster.server_main`).

@@ -24,7 +24,11 @@ parameter-server training (`tf.distribute.experimental.ParameterServerStrategy`)
 Addresses are checked before any server starts (`addresses`): ports in 1-65535,
 and no machine and port used by two tasks.
 
-With no `TF_CONFIG` and no explicit resolver, `tf_distbelief.cluster.local`
+In a JobSet's pod (`jobset`) the cluster comes from the pod's identity
+instead: `jobset.tf_config` builds the same dict, which goes through the same
+checks (`CLUSTER_SOURCES`, `resolve_cluster`'s `cluster_from`).
+
+With no cluster and no explicit resolver, `tf_distbelief.cluster.local`
 starts the ps and worker tasks as child processes on free 127.0.0.1 ports.
 """
 
@@ -44,6 +48,9 @@ SERVER_JOBS = ("worker", "ps")
 # calls the chief `master` in its older examples (replica type `Master`).
 JOB_ALIASES = {"master": "chief"}
 _TF_CONFIG = "TF_CONFIG"
+# Where a task's cluster comes from (`--cluster_from`): `auto` is `TF_CONFIG`
+# when set, else a JobSet's environment when present, else the local cluster.
+CLUSTER_SOURCES = ("auto", "tf_config", "jobset")
 
 
 class ClusterConfigError(errors.ConfigError):
@@ -203,12 +210,45 @@ def make_resolver(jobs, task_type, task_id, rpc_layer="grpc"):
     )
 
 
-def tf_config_given() -> bool:
-    """Whether `TF_CONFIG` is set (not empty): a cluster, not the local one."""
-    return bool(os.environ.get(_TF_CONFIG, "").strip())
+def cluster_source(cluster_from: str = "auto", environ=None) -> str | None:
+    """Where this task's cluster comes from: `"tf_config"`, `"jobset"`, or None
+    (the local cluster), for `cluster_from` in `CLUSTER_SOURCES`.
+
+    Raises:
+      ClusterConfigError: `cluster_from` is unknown, or `jobset` while
+        `TF_CONFIG` is set too (two clusters).
+    """
+    from tf_distbelief.cluster import jobset
+
+    environ = os.environ if environ is None else environ
+    given = bool(environ.get(_TF_CONFIG, "").strip())
+    if cluster_from not in CLUSTER_SOURCES:
+        raise ClusterConfigError(
+            f"`cluster_from` must be one of {', '.join(CLUSTER_SOURCES)}. "
+            f"Received: {cluster_from!r}"
+        )
+    if cluster_from == "jobset":
+        if given:
+            raise ClusterConfigError(
+                "--cluster_from=jobset builds the cluster from the pod's JobSet "
+                "identity, but `TF_CONFIG` is set too: unset `TF_CONFIG`, or "
+                "use --cluster_from=tf_config."
+            )
+        return "jobset"
+    if given:
+        return "tf_config"
+    if cluster_from == "auto" and jobset.in_jobset(environ):
+        return "jobset"
+    return None
 
 
-def resolve_cluster(cluster_resolver=None):
+def cluster_given() -> bool:
+    """Whether this task is part of a cluster (`TF_CONFIG`, or a JobSet's
+    environment), not the local one; for `cluster_from="auto"`."""
+    return cluster_source() is not None
+
+
+def resolve_cluster(cluster_resolver=None, cluster_from: str = "auto"):
     """Returns the validated cluster to train on, or None for a local cluster.
 
     An explicit `cluster_resolver` wins over `TF_CONFIG`. `TF_CONFIG` is parsed
@@ -216,19 +256,22 @@ def resolve_cluster(cluster_resolver=None):
     `SimpleClusterResolver` (sparse jobs with string keys are normalised, which
     `TFConfigClusterResolver` does not do; a `master` job and task type become
     `chief`; other `TF_CONFIG` fields, such as Kubeflow's `environment`, are
-    ignored).
+    ignored). In a JobSet's pod (`cluster_source`) `jobset.tf_config` builds
+    the same dict from the pod's identity, and it is checked the same way.
 
     Args:
       cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`, or
-        None to read `TF_CONFIG`.
+        None to read `TF_CONFIG` (or the JobSet environment).
+      cluster_from: one of `CLUSTER_SOURCES` (`--cluster_from`).
 
     Returns:
       A `tf.distribute.cluster_resolver.ClusterResolver`, or None when neither a
-      resolver nor `TF_CONFIG` is given.
+      resolver nor a cluster (`cluster_source`) is given.
 
     Raises:
-      ClusterConfigError: `TF_CONFIG` is not valid JSON, lacks `cluster`, or the
-        cluster fails `validate_cluster`.
+      ClusterConfigError: `TF_CONFIG` is not valid JSON, lacks `cluster`, a
+        JobSet variable is missing or inconsistent, or the cluster fails
+        `validate_cluster`.
     """
     if cluster_resolver is not None:
         spec = cluster_resolver.cluster_spec().as_dict()
@@ -238,16 +281,29 @@ def resolve_cluster(cluster_resolver=None):
         return make_resolver(
             jobs, task_type, task_id, cluster_resolver.rpc_layer or "grpc"
         )
-    text = os.environ.get(_TF_CONFIG, "").strip()
-    if not text:
+    source = cluster_source(cluster_from)
+    if source is None:
         return None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ClusterConfigError(
-            f"`TF_CONFIG` is not valid JSON ({e.msg} at line {e.lineno} column "
-            f"{e.colno}). Received: {console.shorten(text, 200)!r}"
-        ) from None
+    if source == "jobset":
+        from tf_distbelief.cluster import jobset
+
+        config = jobset.tf_config(os.environ)
+        text = json.dumps(config)
+    else:
+        text = os.environ[_TF_CONFIG].strip()
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ClusterConfigError(
+                f"`TF_CONFIG` is not valid JSON ({e.msg} at line {e.lineno} column "
+                f"{e.colno}). Received: {console.shorten(text, 200)!r}"
+            ) from None
+    return resolve_tf_config(config, text)
+
+
+def resolve_tf_config(config: Any, text: str | None = None):
+    """The resolver of a parsed `TF_CONFIG` (`text`: as given, for errors)."""
+    text = json.dumps(config) if text is None else text
     if not isinstance(config, dict) or "cluster" not in config:
         raise ClusterConfigError(
             "`TF_CONFIG` must be a JSON object with a `cluster` field and a `task` "

@@ -121,7 +121,8 @@ def decide(
     Args:
       requested: isolation asked for (`--isolate_network`, the default).
       inside: this process is already in a private namespace.
-      tf_config_given: `TF_CONFIG` names a cluster (its tasks must be reachable).
+      tf_config_given: `TF_CONFIG`, or a JobSet's environment, names a cluster
+        (its tasks must be reachable).
       platform: `sys.platform`.
       running: TensorFlow is imported, threads run, or the program is
         interactive or read from stdin (re-executing would redo or lose that
@@ -209,7 +210,7 @@ def enter_private_network(requested: bool = True) -> Decision:
     decision = decide(
         requested=requested,
         inside=inside_private_network(),
-        tf_config_given=config_lib.tf_config_given(),
+        tf_config_given=config_lib.cluster_given(),
         platform=sys.platform,
         running="tensorflow" in sys.modules
         or threading.active_count() > 1

@@ -14,6 +14,7 @@ from tf_distbelief import console, errors
 from tf_distbelief import downpour as downpour_lib
 from tf_distbelief import sandblaster as sandblaster_lib
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as connect_lib
 from tf_distbelief.cluster import network
 from tf_distbelief.faults import nonfinite as nonfinite_lib
@@ -85,6 +86,9 @@ class JobConfig:
         of that rate in and out (`cluster.network`; needs the private
         network namespace). Refused with `TF_CONFIG`.
       emulate_ps_nic: the ps tasks' emulated NIC rate; None: `emulate_nic`.
+      cluster_from: where the cluster comes from (`cluster.config.CLUSTER_SOURCES`):
+        `auto` (`TF_CONFIG`, else a JobSet's environment, else the local
+        cluster), `tf_config`, or `jobset` (the pod's JobSet identity).
     """
 
     optimizer: str = "adagrad"
@@ -118,6 +122,7 @@ class JobConfig:
     gpus_per_worker: int | None = None
     emulate_nic: str | None = None
     emulate_ps_nic: str | None = None
+    cluster_from: str = "auto"
 
     def validate(self) -> JobConfig:
         """Checks every field; returns self.
@@ -131,6 +136,7 @@ class JobConfig:
             ("optimizer", OPTIMIZERS),
             ("partitioner", PARTITIONERS),
             ("nonfinite", NONFINITE_MODES),
+            ("cluster_from", cluster_config.CLUSTER_SOURCES),
         ):
             if getattr(self, name) not in allowed:
                 raise errors.ConfigError(

@@ -372,7 +372,7 @@ def run(
     trainer = TF_KERAS if trainer is None else trainer
     config.validate()
     trainer.check(config, spec)
-    resolver = cluster.resolve_cluster()
+    resolver = cluster.resolve_cluster(cluster_from=config.cluster_from)
     if resolver is not None and config.emulate_nic is not None:
         raise errors.ConfigError(
             "`emulate_nic` emulates the local cluster's network; with "
