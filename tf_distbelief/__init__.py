@@ -41,6 +41,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
         "InfiniteValidationDataError": "fit.validation",
         "Keras3Error": "strategy",
         "NonFiniteError": "faults.nonfinite",
+        "ModelDirInUseError": "paths",
         "PsLostError": "faults.recovery",
         "RestoreError": "faults.resume",
         "RowSparseReadError": "downpour.variables",

@@ -10,6 +10,7 @@ computed on the coordinator.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -222,6 +223,8 @@ def fit(
     Raises:
       ValueError: `epochs` or `steps_per_epoch` not an int >= 1, a bad
         `checkpoint_every_steps` or `nonfinite`.
+      paths.ModelDirInUseError: another process trains into `model_dir`
+        (`paths.ModelDirLock`, held for the run; re-entrant in one process).
       resume.RestoreError: the latest checkpoint in `model_dir` does not
         restore exactly into the model (nothing is deleted).
       nonfinite.NonFiniteError: a step's gradients held a NaN or inf
@@ -247,6 +250,46 @@ def fit(
             "model_dir=None"
         )
     nonfinite_lib.check_mode(nonfinite)
+    # One job per model_dir: no other process writes checkpoints between ours.
+    lock = contextlib.nullcontext()
+    if model_dir:
+        lock = paths.ModelDirLock(model_dir, print_fn)
+    with lock:
+        return _fit(
+            model,
+            data,
+            epochs,
+            steps_per_epoch,
+            batch_size,
+            model_dir,
+            log_every_steps,
+            callbacks,
+            print_fn,
+            checkpoint_every_steps,
+            nonfinite,
+            validation_data,
+            validation_freq,
+            validation_steps,
+        )
+
+
+def _fit(
+    model,
+    data,
+    epochs,
+    steps_per_epoch,
+    batch_size,
+    model_dir,
+    log_every_steps,
+    callbacks,
+    print_fn,
+    checkpoint_every_steps,
+    nonfinite,
+    validation_data,
+    validation_freq,
+    validation_steps,
+) -> FitResult:
+    """`fit` after its checks, holding the model_dir's lock."""
     progress = Progress(
         batch_size,
         log_every_steps,

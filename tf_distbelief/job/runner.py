@@ -367,6 +367,8 @@ def run(
 
     Raises:
       ValueError: a bad `config` field or cluster (`ClusterConfigError`).
+      ModelDirInUseError: another live job trains into `config.model_dir`
+        (the chief, or a local job, holds `paths.ModelDirLock` for its life).
       ClusterStartError: a local task failed to start.
     """
     trainer = TF_KERAS if trainer is None else trainer
@@ -378,8 +380,19 @@ def run(
             "`emulate_nic` emulates the local cluster's network; with "
             f"`TF_CONFIG` the network is real. Received: {config.emulate_nic!r}"
         )
-    if config.export_dir and (resolver is None or resolver.task_type == "chief"):
+    trains = resolver is None or resolver.task_type == "chief"
+    if config.export_dir and trains:
         export.check_export_dir(config.export_dir, config.model_dir)
+    if trains and config.model_dir:
+        # One job per model_dir, refused before any server starts; the
+        # evaluator only reads it.
+        with paths.ModelDirLock(config.model_dir, print_fn):
+            return _run(config, spec, print_fn, trainer, resolver)
+    return _run(config, spec, print_fn, trainer, resolver)
+
+
+def _run(config, spec, print_fn, trainer, resolver) -> dict | None:
+    """`run` after validation (and the model_dir's lock, on the chief)."""
     if resolver is None:
         with cluster.LocalCluster(
             config.num_workers,
