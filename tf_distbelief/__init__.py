@@ -28,6 +28,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
     __name__,
     {
         "AddressError": "cluster.addresses",
+        "CheckpointWriteError": "faults.resume",
         "ClusterConfigError": "cluster.config",
         "ClusterConnectError": "cluster.connect",
         "ClusterStartError": "cluster.config",
