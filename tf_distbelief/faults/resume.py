@@ -376,12 +376,22 @@ class Checkpointer(tf_keras.callbacks.Callback):
       every_steps: steps between checkpoints; 0 saves at epoch ends only.
       before_save: None, or a callable run after the checks, before each
         write (e.g. `downpour.replica_state.ReplicaState.capture`).
+      goodput: None, or the job's `goodput.Goodput`: each save's time (the
+        wait, the checks, the write) counts as `checkpoints`.
     """
 
     def __init__(
-        self, manager, step, epoch, steps_per_epoch, every_steps=0, before_save=None
+        self,
+        manager,
+        step,
+        epoch,
+        steps_per_epoch,
+        every_steps=0,
+        before_save=None,
+        goodput=None,
     ):
         super().__init__()
+        self.goodput = goodput
         self.before_save = before_save
         # Batch hooks under parameter-server training are allowed only for
         # callbacks that take remote logs; this one never reads them.
@@ -416,6 +426,14 @@ class Checkpointer(tf_keras.callbacks.Callback):
           nonfinite.NonFiniteError: a value holds NaN or inf (nothing written).
           CheckpointWriteError: the write failed (nothing of it kept).
         """
+        if self.goodput is None:
+            return self._save()
+        with self.goodput.timing("checkpoints"):
+            path = self._save()
+        self.goodput.step_done(self.done)
+        return path
+
+    def _save(self) -> str:
         strategy = self.model.distribute_strategy
         if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
             # The coordinator `fit` made (one per strategy).

@@ -19,6 +19,7 @@ import tf_keras
 
 from tf_distbelief import checks, console, hooks, paths
 from tf_distbelief.faults import exactly_once, resume
+from tf_distbelief.faults import goodput as goodput_lib
 from tf_distbelief.faults import nonfinite as nonfinite_lib
 from tf_distbelief.fit import validation
 from tf_distbelief.fit.progress import Progress
@@ -176,6 +177,7 @@ def fit(
     validation_data=None,
     validation_freq=1,
     validation_steps: int | None = None,
+    goodput: goodput_lib.Goodput | None = None,
 ) -> FitResult:
     """Runs `model.fit` with progress, checkpoints, exact resume and a NaN guard.
 
@@ -216,6 +218,10 @@ def fit(
         callbacks); `val_*` figures reach every callback. None: no validation.
       validation_freq: as `Model.fit`'s: every so many epochs, or the epochs.
       validation_steps: as `Model.fit`'s: batches per validation, or None.
+      goodput: the job's `goodput.Goodput`, fed with when training runs,
+        the steps done and the checkpoints' time; None: the job's
+        (`goodput.current()`), or else one of this run's own, whose line
+        `fit` prints at the end.
 
     Returns:
       A `FitResult`.
@@ -270,6 +276,7 @@ def fit(
             validation_data,
             validation_freq,
             validation_steps,
+            goodput,
         )
 
 
@@ -288,8 +295,12 @@ def _fit(
     validation_data,
     validation_freq,
     validation_steps,
+    goodput,
 ) -> FitResult:
     """`fit` after its checks, holding the model_dir's lock."""
+    own_goodput = goodput is None and goodput_lib.current() is None
+    if goodput is None:
+        goodput = goodput_lib.current() or goodput_lib.Goodput()
     progress = Progress(
         batch_size,
         log_every_steps,
@@ -297,6 +308,7 @@ def _fit(
         print_fn,
         epochs=epochs,
         steps_per_epoch=steps_per_epoch,
+        goodput=goodput,
     )
     # The caller's callbacks first, so that logs they add are printed.
     all_callbacks = list(callbacks)
@@ -369,6 +381,7 @@ def _fit(
                 steps_per_epoch,
                 checkpoint_every_steps,
                 before_save=None if replicas is None else replicas.capture,
+                goodput=goodput,
             )
         )
     progress.steps_done = initial_step
@@ -376,6 +389,8 @@ def _fit(
     if initial_step >= epochs * steps_per_epoch:
         print_fn(f"Already trained {initial_epoch} epochs (>= --epochs={epochs}).")
     else:
+        goodput.begin_training(initial_step)
+        failed = True
         try:
             if into:
                 # The rest of the epoch the checkpoint stopped in.
@@ -397,6 +412,7 @@ def _fit(
                     callbacks=all_callbacks,
                     verbose=0,
                 )
+            failed = False
         except tf.errors.InvalidArgumentError as e:
             error = nonfinite_lib.error_from(e)
             if error is None:
@@ -404,6 +420,9 @@ def _fit(
             raise error from None
         finally:
             progress.close()
+            goodput.end_training(max(initial_step, progress.steps_done), failed)
+    if own_goodput:
+        print_fn(goodput.line())
     return FitResult(
         initial_epoch=initial_step // steps_per_epoch,
         epochs=max(epochs, initial_step // steps_per_epoch),

@@ -8,6 +8,7 @@ accuracy. The model and its data come from a `ModelSpec`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from tf_distbelief import adagrad, cluster, console, downpour, errors, paths
 from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import config as cluster_config
-from tf_distbelief.faults import recovery
+from tf_distbelief.faults import goodput, recovery
 from tf_distbelief.fit import evaluation, export, training
 from tf_distbelief.job.config import JobConfig
 from tf_distbelief.job.spec import ModelSpec
@@ -222,7 +223,16 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
     )
     start = time.monotonic()
     # A rerun with the same `model_dir` resumes at the last L-BFGS checkpoint.
-    result = trainer.fit(model_dir=config.model_dir, print_fn=print_fn)
+    accountant = goodput.current()
+    if accountant is not None:  # Its checkpoints and iterations as training.
+        accountant.begin_training(0)
+    failed = True
+    try:
+        result = trainer.fit(model_dir=config.model_dir, print_fn=print_fn)
+        failed = False
+    finally:
+        if accountant is not None:
+            accountant.end_training(0, failed)
     train_secs = time.monotonic() - start
     stats = trainer.stats
     print_fn(
@@ -353,7 +363,10 @@ def run(
 ) -> dict | None:
     """Runs this process's part of the job; see the module docstring.
 
-    Everything is validated before any server starts.
+    Everything is validated before any server starts. On the chief (or a
+    local job) the run holds `config.model_dir`'s lock
+    (`paths.ModelDirLock`) and accounts its wall time from the process's
+    start (`faults.goodput`): its `goodput:` line ends the job's output.
 
     Args:
       config: the job.
@@ -372,6 +385,7 @@ def run(
       ClusterStartError: a local task failed to start.
     """
     trainer = TF_KERAS if trainer is None else trainer
+    accountant = goodput.Goodput(goodput.process_start_secs())
     config.validate()
     trainer.check(config, spec)
     resolver = cluster.resolve_cluster()
@@ -383,12 +397,18 @@ def run(
     trains = resolver is None or resolver.task_type == "chief"
     if config.export_dir and trains:
         export.check_export_dir(config.export_dir, config.model_dir)
-    if trains and config.model_dir:
+    if not trains:
+        return _run(config, spec, print_fn, trainer, resolver)
+    lock = contextlib.nullcontext()
+    if config.model_dir:
         # One job per model_dir, refused before any server starts; the
         # evaluator only reads it.
-        with paths.ModelDirLock(config.model_dir, print_fn):
-            return _run(config, spec, print_fn, trainer, resolver)
-    return _run(config, spec, print_fn, trainer, resolver)
+        lock = paths.ModelDirLock(config.model_dir, print_fn)
+    with lock, goodput.active(accountant):
+        result = _run(config, spec, print_fn, trainer, resolver)
+        if accountant.trained:
+            print_fn(accountant.line())
+    return result
 
 
 def _run(config, spec, print_fn, trainer, resolver) -> dict | None:
