@@ -15,12 +15,12 @@ from tf_distbelief.faults import goodput
 
 LINE = re.compile(
     r"^goodput: (?P<percent>[\d.]+)% \(train (?P<train>[\d.]+) s of "
-    r"(?P<wall>[\d.]+) s; checkpoints (?P<checkpoints>[\d.]+) s, recovery "
+    r"(?P<wall>[\d.]+) s; checkpointing (?P<checkpointing>[\d.]+) s, recovery "
     r"(?P<recovery>[\d.]+) s, start-up (?P<start_up>[\d.]+) s, redone "
     r"(?P<redone>[\d.]+) s, other (?P<other>[\d.]+) s\)$",
     re.M,
 )
-PARTS = ("train", "checkpoints", "recovery", "start_up", "redone", "other")
+PARTS = ("train", "checkpointing", "recovery", "start_up", "redone", "other")
 
 
 def _parse(line):
@@ -37,7 +37,7 @@ def test_parts_on_a_fake_clock_failure_recovery_and_redone_steps():
     now[0] = 20.0
     g.step_done(50)
     now[0] = 22.0
-    g.add("checkpoints", 2.0)  # Written from 20 to 22 s.
+    g.add("checkpointing", 2.0)  # Written from 20 to 22 s.
     now[0] = 30.0
     g.step_done(100)
     now[0] = 35.0
@@ -50,7 +50,7 @@ def test_parts_on_a_fake_clock_failure_recovery_and_redone_steps():
     assert g.totals() == pytest.approx(
         {
             "train": 18.0 + 10.0,
-            "checkpoints": 2.0,
+            "checkpointing": 2.0,
             "recovery": 5.0 + 5.0,
             "start-up": 10.0,
             "redone": 10.0,
@@ -118,7 +118,7 @@ def test_a_local_job_accounts_its_wall_time(tmp_path):
     assert sum(last[p] for p in PARTS) == pytest.approx(last["wall"], abs=0.4)
     assert last["wall"] == pytest.approx(seen_secs, abs=3.0)
     assert last["percent"] == pytest.approx(100 * last["train"] / last["wall"], abs=0.1)
-    assert last["checkpoints"] > 0 and last["start_up"] > 0 and last["train"] > 0
+    assert last["checkpointing"] > 0 and last["start_up"] > 0 and last["train"] > 0
     assert last["recovery"] == 0 and last["redone"] == 0
     scalars = tensorboard_scalars(paths.tensorboard_dir(model_dir))
     assert [s for s, _ in scalars["goodput/percent"]][-1] == 200
@@ -134,4 +134,4 @@ def test_a_lost_ps_costs_recovery_time(downpour_launch_ps0_killed):
     assert sum(last[p] for p in PARTS) == pytest.approx(last["wall"], abs=0.4)
     # Detecting the loss, the task's restart and the restore.
     assert last["recovery"] > 1.0
-    assert last["checkpoints"] > 0 and last["train"] > 0
+    assert last["checkpointing"] > 0 and last["train"] > 0

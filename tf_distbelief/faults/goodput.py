@@ -7,7 +7,7 @@ A `Goodput` accounts the wall time from the process's start (or from a
 * `redone`: steps done again after a fault: a run restored at step R after
   steps up to S had finished does steps R..S again (the step counter went
   back); their share of the time of the training that redid them;
-* `checkpoints`: writing checkpoints (waiting for the steps in flight,
+* `checkpointing`: writing checkpoints (waiting for the steps in flight,
   checking the values, the write);
 * `recovery`: from the last step seen finishing before a failure (a lost ps
   task) to the first step after it: detecting it, waiting for the task to
@@ -19,7 +19,7 @@ A `Goodput` accounts the wall time from the process's start (or from a
 Each part is fed by what knows it: `training.fit` says when training runs
 (`begin_training`, `end_training`), its progress callback and the
 `Checkpointer` say which steps are done (`step_done`), the `Checkpointer`
-times each write (`add("checkpoints", secs)`), and the job runner makes the
+times each write (`add("checkpointing", secs)`), and the job runner makes the
 accountant at the process's start (`process_start_secs`). `line()` is the
 job's closing line, `scalars()` its TensorBoard figures (`goodput/*`).
 
@@ -37,7 +37,7 @@ from collections.abc import Callable
 __all__ = ["PARTS", "Goodput", "active", "current", "process_start_secs"]
 
 # The parts of the wall time besides `train`, in the order `line` shows them.
-PARTS = ("checkpoints", "recovery", "start-up", "redone", "other")
+PARTS = ("checkpointing", "recovery", "start-up", "redone", "other")
 
 _CURRENT: list[Goodput] = []
 
@@ -189,7 +189,7 @@ class Goodput:
         return secs
 
     def line(self) -> str:
-        """`goodput: 93.1% (train 410.2 s of 440.6 s; checkpoints 8.1 s, ...)`."""
+        """`goodput: 93.1% (train 410.2 s of 440.6 s; checkpointing 8.1 s, ...)`."""
         t = self.totals()
         parts = ", ".join(f"{p} {t[p]:.1f} s" for p in PARTS)
         return (

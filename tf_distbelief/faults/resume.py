@@ -377,7 +377,7 @@ class Checkpointer(tf_keras.callbacks.Callback):
       before_save: None, or a callable run after the checks, before each
         write (e.g. `downpour.replica_state.ReplicaState.capture`).
       goodput: None, or the job's `goodput.Goodput`: each save's time (the
-        wait, the checks, the write) counts as `checkpoints`.
+        wait, the checks, the write) counts as `checkpointing`.
     """
 
     def __init__(
@@ -428,7 +428,7 @@ class Checkpointer(tf_keras.callbacks.Callback):
         """
         if self.goodput is None:
             return self._save()
-        with self.goodput.timing("checkpoints"):
+        with self.goodput.timing("checkpointing"):
             path = self._save()
         self.goodput.step_done(self.done)
         return path
