@@ -104,6 +104,7 @@ class Progress(tf_keras.callbacks.Callback):
         self.history: list[dict] = []
         self._run_start = None
         self._last_interval_step = -1
+        self._last_goodput_step = -1
         self._thread = None
         # Lines and scalars come from the training thread and the follower.
         self._lock = threading.Lock()
@@ -210,8 +211,7 @@ class Progress(tf_keras.callbacks.Callback):
                 + self._timing(step)
             )
         self._write(INTERVAL_PREFIX, scalars, step)
-        if self.goodput is not None:
-            self._write(GOODPUT_PREFIX, self.goodput.scalars(), step)
+        self._write_goodput(step)
 
     def on_epoch_end(self, epoch, logs=None):
         secs = time.monotonic() - self._epoch_start
@@ -240,7 +240,21 @@ class Progress(tf_keras.callbacks.Callback):
             self.goodput.step_done(self.steps_done)
             with self._lock:
                 self.print_fn(self.goodput.line())
-            self._write(GOODPUT_PREFIX, self.goodput.scalars(), self.steps_done)
+            self._write_goodput(self.steps_done)
+
+    def _write_goodput(self, step):
+        # From both cadences, on one axis: a point only past the last one
+        # (the follower may have seen steps beyond an epoch's end).
+        if self.goodput is None or self._writer is None:
+            return
+        with self._lock:
+            if step <= self._last_goodput_step:
+                return
+            self._last_goodput_step = step
+            with self._writer.as_default(step=step):
+                for name, value in self.goodput.scalars().items():
+                    tf.summary.scalar(GOODPUT_PREFIX + name, value)
+                self._writer.flush()
 
     def _write(self, prefix, scalars, step):
         if self._writer is None or not scalars:
