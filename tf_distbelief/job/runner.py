@@ -359,14 +359,18 @@ def gpu_summary(assignment) -> str:
 
 
 def run(
-    config: JobConfig, spec: ModelSpec, print_fn=console.echo, trainer=None
+    config: JobConfig,
+    spec: ModelSpec,
+    print_fn=console.echo,
+    trainer=None,
+    start_secs: float | None = None,
 ) -> dict | None:
     """Runs this process's part of the job; see the module docstring.
 
     Everything is validated before any server starts. On the chief (or a
     local job) the run holds `config.model_dir`'s lock
-    (`paths.ModelDirLock`) and accounts its wall time from the process's
-    start (`faults.goodput`): its `goodput:` line ends the job's output.
+    (`paths.ModelDirLock`) and accounts its wall time from `start_secs`
+    (`faults.goodput`): its `goodput:` line ends the job's output.
 
     Args:
       config: the job.
@@ -374,6 +378,8 @@ def run(
       print_fn: where progress lines go.
       trainer: the chief's `Trainer`; None means `TF_KERAS` (a tf_keras
         model). `tf_distbelief.keras3.job.TRAINER` trains a Keras 3 model.
+      start_secs: when the job started, on `time.monotonic`'s scale, for
+        its goodput (`main` passes the process's start); None: now.
 
     Returns:
       On the chief, `train`'s result; on other tasks, None.
@@ -385,7 +391,7 @@ def run(
       ClusterStartError: a local task failed to start.
     """
     trainer = TF_KERAS if trainer is None else trainer
-    accountant = goodput.Goodput(goodput.process_start_secs())
+    accountant = goodput.Goodput(start_secs)
     config.validate()
     trainer.check(config, spec)
     resolver = cluster.resolve_cluster()
@@ -465,6 +471,9 @@ TF_KERAS = Trainer("tf_keras", check_spec, train, evaluate_checkpoints)
 def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> None:
     """Runs `run(config, spec)` for a launch script, then ends the process at once.
 
+    The job's goodput counts from the process's start
+    (`goodput.process_start_secs`): TensorFlow's import is start-up.
+
     TensorFlow's interpreter teardown tries to remove functions from the cluster
     tasks that `run` has already ended, and logs an error per task; ending the
     process after flushing skips that teardown. A failed job too ends at once,
@@ -481,6 +490,13 @@ def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> 
         starts), for the launch script to print in one line. Any other
         `Exception` ends the process with status 1 and its traceback.
     """
+    start_secs = goodput.process_start_secs()
     console.exit_when_done(
-        run, config, spec, console.echo, trainer, keep=(errors.ConfigError,)
+        run,
+        config,
+        spec,
+        console.echo,
+        trainer,
+        start_secs,
+        keep=(errors.ConfigError,),
     )
