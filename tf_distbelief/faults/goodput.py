@@ -79,11 +79,17 @@ class Goodput:
 
     Args:
       origin_secs: when the job started, on `clock`'s scale (default: now).
-      clock: seconds, monotonic.
+      clock: seconds, monotonic (default: `time.monotonic`).
+
+    Attributes:
+      origin_secs: when the job started, on `clock`'s scale.
+      trained: whether training has begun (`begin_training`).
     """
 
     def __init__(
-        self, origin_secs: float | None = None, clock: Callable[[], float] = None
+        self,
+        origin_secs: float | None = None,
+        clock: Callable[[], float] | None = None,
     ):
         self._clock = clock or time.monotonic
         self.origin_secs = self._clock() if origin_secs is None else origin_secs
