@@ -28,6 +28,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
     __name__,
     {
         "AddressError": "cluster.addresses",
+        "CheckpointWriteError": "faults.resume",
         "ClusterConfigError": "cluster.config",
         "ClusterConnectError": "cluster.connect",
         "ClusterStartError": "cluster.config",
@@ -41,6 +42,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
         "InfiniteValidationDataError": "fit.validation",
         "Keras3Error": "strategy",
         "NonFiniteError": "faults.nonfinite",
+        "ModelDirInUseError": "paths",
         "PsLostError": "faults.recovery",
         "RestoreError": "faults.resume",
         "RowSparseReadError": "downpour.variables",

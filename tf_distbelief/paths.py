@@ -8,7 +8,9 @@ A job's `model_dir` holds:
 * `sandblaster/ckpt-<iteration>`: Sandblaster L-BFGS's checkpoints, numbered
   by L-BFGS iteration;
 * `tensorboard/` (and `tensorboard/eval/`, the evaluator's): TensorBoard
-  scalars.
+  scalars;
+* `.lock`: while a job trains into it, who (host, pid, since when);
+  `ModelDirLock` takes it, so that one job at a time writes a `model_dir`.
 
 An `export_dir` holds `saved_model/` (a SavedModel) and `model.keras`.
 
@@ -19,13 +21,24 @@ import: finding the latest checkpoint imports it when called.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
+import json
 import os
 import re
+import socket
+import threading
+
+from tf_distbelief import errors
 
 __all__ = [
     "CHECKPOINT_PREFIX",
     "KERAS_FILE",
+    "LOCK_FILE",
     "MAX_CHECKPOINTS_TO_KEEP",
+    "ModelDirInUseError",
+    "ModelDirLock",
     "SAVED_MODEL_SUBDIR",
     "checkpoint_dir",
     "checkpoint_number",
@@ -49,6 +62,9 @@ MAX_CHECKPOINTS_TO_KEEP = 3
 # An export_dir's contents.
 SAVED_MODEL_SUBDIR = "saved_model"
 KERAS_FILE = "model.keras"
+
+# Who trains into a model_dir: JSON `{"host", "pid", "since"}`.
+LOCK_FILE = ".lock"
 
 _NUMBER_RE = re.compile(r"-(\d+)$")
 
@@ -132,3 +148,173 @@ def latest_checkpoint(model_dir: str | None) -> str | None:
         ]
     found = [p for p in map(tf.train.latest_checkpoint, folders) if p]
     return max(found, key=lambda p: os.path.getmtime(p + ".index"), default=None)
+
+
+class ModelDirInUseError(errors.ConfigError):
+    """A job's `model_dir` is in use by another live job (`ModelDirLock`).
+
+    Attributes:
+      model_dir: the folder.
+      holder: the lock file's record of the other job, `{"host", "pid",
+        "since"}` (empty when it could not be read).
+    """
+
+    def __init__(self, message: str, model_dir: str, holder: dict):
+        super().__init__(message)
+        self.model_dir = model_dir
+        self.holder = dict(holder)
+
+
+def _describe_holder(holder: dict) -> str:
+    return (
+        f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, "
+        f"since {holder.get('since', '?')}"
+    )
+
+
+def _pid_alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # Someone else's process: alive.
+    return True
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        text = os.read(fd, 4096).decode("utf-8", "replace")
+        holder = json.loads(text) if text.strip() else {}
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+# Locks this process holds: `{real path of the lock file: [fd, depth]}`.
+_HELD: dict[str, list] = {}
+_HELD_LOCK = threading.Lock()
+
+
+class ModelDirLock:
+    """One job per `model_dir`: a context manager holding `model_dir/.lock`.
+
+    Entering creates the folder and the lock file (`O_EXCL`), writes who
+    holds it (host, pid, start time) and keeps an exclusive `fcntl.flock` on
+    it until exit, which removes the file. The kernel releases a flock when
+    its process ends, however it ends: a lock file left by a job that was
+    killed has a free flock, and the next job takes it over (and says so,
+    one line to `print_fn`). Where the file system has no flock, a holder on
+    this host whose pid is gone is taken over.
+
+    Re-entrant within a process: the job runner takes it for the whole job
+    and `fit.training.fit` takes it again for its run; only the outermost
+    exit releases it.
+
+    Args:
+      model_dir: the job's `model_dir`.
+      print_fn: where the line about a lock taken over goes (None: nowhere).
+
+    Raises:
+      ModelDirInUseError: on entering, when another live process holds it,
+        naming the folder and the holder.
+    """
+
+    def __init__(self, model_dir: str, print_fn=None):
+        self.model_dir = model_dir
+        self.path = os.path.join(model_dir, LOCK_FILE)
+        self._print_fn = print_fn
+        self._key: str | None = None
+
+    def __enter__(self) -> ModelDirLock:
+        os.makedirs(self.model_dir, exist_ok=True)
+        key = os.path.realpath(self.path)
+        with _HELD_LOCK:
+            if key in _HELD:
+                _HELD[key][1] += 1
+            else:
+                _HELD[key] = [self._acquire(), 1]
+        self._key = key
+        return self
+
+    def __exit__(self, *exc) -> None:
+        key, self._key = self._key, None
+        with _HELD_LOCK:
+            held = _HELD.get(key)
+            if held is None:
+                return
+            held[1] -= 1
+            if held[1] == 0:
+                del _HELD[key]
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+                os.close(held[0])  # Releases the flock.
+
+    def _acquire(self) -> int:
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+                created = True
+            except FileExistsError:
+                try:
+                    fd = os.open(self.path, os.O_RDWR)
+                except FileNotFoundError:
+                    continue  # Released meanwhile: create it.
+                created = False
+            try:
+                stale = self._lock_or_raise(fd, created)
+                # Removed (released) and made anew between our open and our
+                # flock: ours is a file nobody will look at again.
+                if os.fstat(fd).st_ino != os.stat(self.path).st_ino:
+                    os.close(fd)
+                    continue
+            except FileNotFoundError:
+                os.close(fd)
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            if stale and self._print_fn is not None:
+                self._print_fn(
+                    f"model_dir: took over {self.path} from a job that is gone "
+                    f"({_describe_holder(stale)})"
+                )
+            me = {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "since": datetime.datetime.now().astimezone().isoformat("T", "seconds"),
+            }
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+            os.fsync(fd)
+            return fd
+
+    def _lock_or_raise(self, fd: int, created: bool) -> dict | None:
+        """Takes the flock of `fd`; the stale holder's record (None: none)."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            flock = True
+        except BlockingIOError:
+            raise self._in_use(_read_holder(fd)) from None
+        except OSError:  # No flock on this file system: trust the pid.
+            flock = False
+        if created:
+            return None
+        holder = _read_holder(fd)
+        if not flock and holder.get("host") == socket.gethostname():
+            if _pid_alive(holder.get("pid")) and holder.get("pid") != os.getpid():
+                raise self._in_use(holder)
+        return holder
+
+    def _in_use(self, holder: dict) -> ModelDirInUseError:
+        return ModelDirInUseError(
+            f"--model_dir={self.model_dir} is in use by another job "
+            f"({_describe_holder(holder)}; lock file {self.path}). One job at "
+            "a time trains into a model_dir: wait for that job to end or stop "
+            "it, or give this one another --model_dir.",
+            self.model_dir,
+            holder,
+        )

@@ -5,8 +5,11 @@ must equal an uninterrupted one bit for bit: every weight, every AdaGrad
 accumulator, the iteration count and the step.
 """
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_distbelief as tfdb
+from tests.fixtures.launch import ROOT, _env
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.faults import resume
 from tf_distbelief.fit import training
@@ -254,3 +258,74 @@ def test_steps_per_epoch_none_is_a_named_error():
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         training.fit(None, None, epochs=1, steps_per_epoch=1, batch_size=1, **kwargs)
+
+
+# A child process trains a small model with step checkpoints, then its files
+# may grow to `LIMIT` bytes only (`RLIMIT_FSIZE`, SIGXFSZ ignored: a write
+# beyond fails with EFBIG, as on a full disk) and the next checkpoint fails.
+_FAILED_WRITE = """
+import json, resource, signal, sys
+import numpy as np, tensorflow as tf, tf_keras
+from tf_distbelief.faults import resume
+
+model_dir, limit = sys.argv[1], int(sys.argv[2])
+tf.random.set_seed(0)
+model = tf_keras.Sequential([tf_keras.Input([64]), tf_keras.layers.Dense(256)])
+model.compile(tf_keras.optimizers.Adagrad(0.1), "mse")
+step = tf.Variable(0, dtype=tf.int64)
+epoch = tf.Variable(0, dtype=tf.int64)
+manager = tf.train.CheckpointManager(
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step, epoch=epoch),
+    model_dir, max_to_keep=3)
+x, y = np.ones([12, 64], np.float32), np.zeros([12, 256], np.float32)
+saver = resume.Checkpointer(manager, step, epoch, steps_per_epoch=6, every_steps=2)
+model.fit(x, y, batch_size=2, epochs=1, callbacks=[saver], verbose=0)
+np.save(model_dir + ".npy", model.get_weights()[0])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+try:
+    model.fit(x, y, batch_size=2, epochs=2, initial_epoch=1, callbacks=[saver],
+              verbose=0)
+except resume.CheckpointWriteError as e:
+    print(json.dumps({"error": str(e), "cause": type(e.__context__).__name__}))
+"""
+
+
+def test_a_failed_checkpoint_write_leaves_only_whole_checkpoints(tmp_path):
+    model_dir = str(tmp_path / "checkpoints")
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAILED_WRITE, model_dir, str(16 * 1024)],
+        cwd=ROOT,
+        env=_env(f"failed-write-{os.getpid()}"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["cause"] == "OutOfRangeError"  # EFBIG: "File too large".
+    assert report["error"].startswith(f"Writing checkpoint {model_dir}/ckpt-8 failed")
+    assert "File too large" in report["error"]
+    assert f"the last whole checkpoint, {model_dir}/ckpt-6, is" in report["error"]
+    # Only the whole checkpoints 2, 4, 6 and the state file naming ckpt-6.
+    names = sorted(os.listdir(model_dir))
+    assert names == ["checkpoint"] + [
+        f"ckpt-{n}.{part}"
+        for n in (2, 4, 6)
+        for part in ("data-00000-of-00001", "index")
+    ], names
+    assert tf.train.latest_checkpoint(model_dir) == f"{model_dir}/ckpt-6"
+    # And training state restores from it exactly.
+    model = tf_keras.Sequential([tf_keras.Input([64]), tf_keras.layers.Dense(256)])
+    model.compile(tf_keras.optimizers.Adagrad(0.1), "mse")
+    resume.build(model)
+    step = tf.Variable(0, dtype=tf.int64)
+    epoch = tf.Variable(0, dtype=tf.int64)
+    resume.restore(
+        tf.train.Checkpoint(
+            model=model, optimizer=model.optimizer, step=step, epoch=epoch
+        ),
+        f"{model_dir}/ckpt-6",
+    )
+    assert (int(step.numpy()), int(epoch.numpy())) == (6, 1)
+    np.testing.assert_array_equal(model.get_weights()[0], np.load(model_dir + ".npy"))

@@ -77,8 +77,10 @@ def test_readme_main_job_streams_its_progress_and_leaves_no_process():
     assert re.search(r"^step \d+/500: \d+ examples/s, elapsed \d+s, ETA ", output, re.M)
     last_epoch = r"^epoch 5/5: steps 500/500 .* examples/s, elapsed \d+s, ETA 0s$"
     assert re.search(last_epoch, output, re.M)
-    # The job's full console output ends with the test accuracy.
-    assert re.fullmatch(r"test accuracy: 0\.\d{4}", output.splitlines()[-1])
+    # The job's full console output ends with the test accuracy and the
+    # job's goodput.
+    assert re.fullmatch(r"test accuracy: 0\.\d{4}", output.splitlines()[-2])
+    assert output.splitlines()[-1].startswith("goodput: ")
     assert _accuracy(output) >= 0.95
     assert not CPP_LOG_LINE.search(output + stderr), (output + stderr)[-3000:]
     assert _wait_no_marked(marker) == []

@@ -25,11 +25,15 @@ number of ps tasks (the checkpoint holds each variable whole).
 
 from __future__ import annotations
 
+import glob
+import os
+import shutil
+
 import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import console, errors
+from tf_distbelief import console, errors, paths
 from tf_distbelief.faults import nonfinite
 from tf_distbelief.tf_internals import saved_model
 from tf_distbelief.tf_internals import variables as tf_variables
@@ -38,6 +42,93 @@ from tf_distbelief.tf_internals import variables as tf_variables
 class RestoreError(errors.DistBeliefError, ValueError):
     """A checkpoint does not restore exactly into the model (nothing changed
     on disk)."""
+
+
+class CheckpointWriteError(errors.DistBeliefError, OSError):
+    """A checkpoint could not be written (disk full, a folder not writable, a
+    task lost mid-write); nothing of it was kept (`save_whole`). Its
+    `__cause__` is the error the write raised."""
+
+
+def _remove(path: str) -> None:
+    try:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logging.warning("Could not remove %s, part of a failed checkpoint: %s", path, e)
+
+
+def save_whole(manager: tf.train.CheckpointManager, number: int) -> str:
+    """`manager.save(checkpoint_number=number)`, all or nothing.
+
+    TensorFlow writes a checkpoint's shards into `<prefix>-<number>_temp/`,
+    merges them into `<prefix>-<number>.index` and `.data-*` files, and only
+    then points the `checkpoint` state file at it (written to a temporary
+    file, then renamed). A write that fails on the way (disk full, a folder
+    not writable, an exception mid-save) can leave the temporary folder, a
+    data file without its index, or a temporary state file; this removes
+    them, so the folder holds whole checkpoints only and the state file
+    still names the last whole one.
+
+    A failure after the checkpoint was whole and recorded (while deleting the
+    checkpoints beyond `max_to_keep`) keeps it, with a warning.
+
+    Args:
+      manager: the `tf.train.CheckpointManager` to save with.
+      number: the checkpoint's number (`<prefix>-<number>`).
+
+    Returns:
+      The checkpoint's path.
+
+    Raises:
+      CheckpointWriteError: naming the checkpoint, the cause (its
+        `__cause__`) and the last whole checkpoint, which is kept.
+    """
+    before = list(manager.checkpoints)
+    try:
+        return manager.save(checkpoint_number=number)
+    except Exception as error:  # noqa: BLE001  (cleaned up, then raised named)
+        # Raised here, so that the cause is its `__context__` too: tf_keras
+        # re-raises a callback's error `from None`.
+        path = f"{os.path.join(manager.directory, paths.CHECKPOINT_PREFIX)}-{number}"
+        if manager.latest_checkpoint == path and os.path.exists(path + ".index"):
+            logging.warning(
+                "Checkpoint %s is whole, but removing older ones failed: %s",
+                path,
+                error,
+            )
+            return path
+        _remove_partial(manager.directory, path, keep=path in before)
+        raise CheckpointWriteError(_write_failed(path, error, manager)) from error
+
+
+def _remove_partial(directory: str, path: str, keep: bool) -> None:
+    """Removes what a failed write of checkpoint `path` left in `directory`."""
+    folder = glob.escape(directory)
+    leftovers = [] if keep else glob.glob(glob.escape(path) + "[._]*")
+    leftovers += glob.glob(os.path.join(folder, "*_temp"))
+    leftovers += glob.glob(os.path.join(folder, "checkpoint.tmp*"))
+    for leftover in leftovers:
+        _remove(leftover)
+
+
+def _write_failed(path: str, error: BaseException, manager) -> str:
+    last = manager.latest_checkpoint
+    fix = "Fix the cause (a full disk, a folder not writable), then rerun"
+    return (
+        f"Writing checkpoint {path} failed: {type(error).__name__}: "
+        f"{console.shorten(str(error), 600)}. Nothing of it is kept"
+        + (
+            f"; the last whole checkpoint, {last}, is. {fix} with the same "
+            "model_dir to resume from it."
+            if last
+            else f"; there is no earlier checkpoint. {fix}."
+        )
+    )
 
 
 def input_spec(data):
@@ -285,12 +376,22 @@ class Checkpointer(tf_keras.callbacks.Callback):
       every_steps: steps between checkpoints; 0 saves at epoch ends only.
       before_save: None, or a callable run after the checks, before each
         write (e.g. `downpour.replica_state.ReplicaState.capture`).
+      goodput: None, or the job's `goodput.Goodput`: each save's time (the
+        wait, the checks, the write) counts as `checkpointing`.
     """
 
     def __init__(
-        self, manager, step, epoch, steps_per_epoch, every_steps=0, before_save=None
+        self,
+        manager,
+        step,
+        epoch,
+        steps_per_epoch,
+        every_steps=0,
+        before_save=None,
+        goodput=None,
     ):
         super().__init__()
+        self.goodput = goodput
         self.before_save = before_save
         # Batch hooks under parameter-server training are allowed only for
         # callbacks that take remote logs; this one never reads them.
@@ -319,7 +420,20 @@ class Checkpointer(tf_keras.callbacks.Callback):
             self.save()
 
     def save(self) -> str:
-        """Waits for the steps in flight, checks every value, writes; the path."""
+        """Waits for the steps in flight, checks every value, writes; the path.
+
+        Raises:
+          nonfinite.NonFiniteError: a value holds NaN or inf (nothing written).
+          CheckpointWriteError: the write failed (nothing of it kept).
+        """
+        if self.goodput is None:
+            return self._save()
+        with self.goodput.timing("checkpointing"):
+            path = self._save()
+        self.goodput.step_done(self.done)
+        return path
+
+    def _save(self) -> str:
         strategy = self.model.distribute_strategy
         if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
             # The coordinator `fit` made (one per strategy).
@@ -341,7 +455,7 @@ class Checkpointer(tf_keras.callbacks.Callback):
             self.before_save()
         self.step.assign(self.done)
         self.epoch.assign(self.done // self.steps_per_epoch)
-        path = self.manager.save(checkpoint_number=self.done)
+        path = save_whole(self.manager, self.done)
         self.saved_step = self.done
         logging.info("Saved checkpoint %s at step %d", path, self.done)
         return path

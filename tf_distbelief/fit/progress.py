@@ -35,6 +35,7 @@ INTERVAL_PREFIX = "interval/"
 _POLL_SECS = 0.5
 _JOIN_SECS = 10.0
 EPOCH_PREFIX = "epoch/"
+GOODPUT_PREFIX = "goodput/"
 
 
 def _format(value) -> str:
@@ -68,6 +69,9 @@ class Progress(tf_keras.callbacks.Callback):
       print_fn: where lines go (`console.echo`: stdout, flushed).
       epochs: the epoch the run ends at (for `epoch k/N` and ETA), or None.
       steps_per_epoch: steps per epoch (for `steps s/T`), or None.
+      goodput: the job's `faults.goodput.Goodput`, or None: told the steps
+        seen done; its line is printed after each epoch's, and its figures
+        written as `goodput/` scalars with the `interval/` and `epoch/` ones.
     """
 
     def __init__(
@@ -78,8 +82,10 @@ class Progress(tf_keras.callbacks.Callback):
         print_fn=console.echo,
         epochs=None,
         steps_per_epoch=None,
+        goodput=None,
     ):
         super().__init__()
+        self.goodput = goodput
         # Batch hooks are allowed under parameter-server training only for
         # callbacks that accept remote logs; this one never reads batch logs.
         self._supports_tf_logs = True
@@ -98,6 +104,7 @@ class Progress(tf_keras.callbacks.Callback):
         self.history: list[dict] = []
         self._run_start = None
         self._last_interval_step = -1
+        self._last_goodput_step = -1
         self._thread = None
         # Lines and scalars come from the training thread and the follower.
         self._lock = threading.Lock()
@@ -163,6 +170,8 @@ class Progress(tf_keras.callbacks.Callback):
                 # scope): read while the workers run, without stopping them.
                 finished = int(keras_model.train_counter(self.model).numpy())
                 step = self._fit_base_step + finished
+                if self.goodput is not None:
+                    self.goodput.step_done(step)
                 if step // every > self._last_interval_step // every:
                     self._log_interval(finished, step)
             except AttributeError:
@@ -202,6 +211,7 @@ class Progress(tf_keras.callbacks.Callback):
                 + self._timing(step)
             )
         self._write(INTERVAL_PREFIX, scalars, step)
+        self._write_goodput(step)
 
     def on_epoch_end(self, epoch, logs=None):
         secs = time.monotonic() - self._epoch_start
@@ -225,6 +235,26 @@ class Progress(tf_keras.callbacks.Callback):
                 f"{rate:.0f} examples/s, {self._timing(self.steps_done)}"
             )
         self._write(EPOCH_PREFIX, logs, self.steps_done)
+        if self.goodput is not None:
+            # The epoch's steps are done: tf_keras waited for them.
+            self.goodput.step_done(self.steps_done)
+            with self._lock:
+                self.print_fn(self.goodput.line())
+            self._write_goodput(self.steps_done)
+
+    def _write_goodput(self, step):
+        # From both cadences, on one axis: a point only past the last one
+        # (the follower may have seen steps beyond an epoch's end).
+        if self.goodput is None or self._writer is None:
+            return
+        with self._lock:
+            if step <= self._last_goodput_step:
+                return
+            self._last_goodput_step = step
+            with self._writer.as_default(step=step):
+                for name, value in self.goodput.scalars().items():
+                    tf.summary.scalar(GOODPUT_PREFIX + name, value)
+                self._writer.flush()
 
     def _write(self, prefix, scalars, step):
         if self._writer is None or not scalars:

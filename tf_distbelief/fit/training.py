@@ -10,6 +10,7 @@ computed on the coordinator.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -18,6 +19,7 @@ import tf_keras
 
 from tf_distbelief import checks, console, hooks, paths
 from tf_distbelief.faults import exactly_once, resume
+from tf_distbelief.faults import goodput as goodput_lib
 from tf_distbelief.faults import nonfinite as nonfinite_lib
 from tf_distbelief.fit import validation
 from tf_distbelief.fit.progress import Progress
@@ -175,6 +177,7 @@ def fit(
     validation_data=None,
     validation_freq=1,
     validation_steps: int | None = None,
+    goodput: goodput_lib.Goodput | None = None,
 ) -> FitResult:
     """Runs `model.fit` with progress, checkpoints, exact resume and a NaN guard.
 
@@ -215,6 +218,10 @@ def fit(
         callbacks); `val_*` figures reach every callback. None: no validation.
       validation_freq: as `Model.fit`'s: every so many epochs, or the epochs.
       validation_steps: as `Model.fit`'s: batches per validation, or None.
+      goodput: the job's `goodput.Goodput`, fed with when training runs,
+        the steps done and the checkpoints' time; None: the job's
+        (`goodput.current()`), or else one of this run's own, whose line
+        `fit` prints at the end.
 
     Returns:
       A `FitResult`.
@@ -222,6 +229,8 @@ def fit(
     Raises:
       ValueError: `epochs` or `steps_per_epoch` not an int >= 1, a bad
         `checkpoint_every_steps` or `nonfinite`.
+      paths.ModelDirInUseError: another process trains into `model_dir`
+        (`paths.ModelDirLock`, held for the run; re-entrant in one process).
       resume.RestoreError: the latest checkpoint in `model_dir` does not
         restore exactly into the model (nothing is deleted).
       nonfinite.NonFiniteError: a step's gradients held a NaN or inf
@@ -247,6 +256,51 @@ def fit(
             "model_dir=None"
         )
     nonfinite_lib.check_mode(nonfinite)
+    # One job per model_dir: no other process writes checkpoints between ours.
+    lock = contextlib.nullcontext()
+    if model_dir:
+        lock = paths.ModelDirLock(model_dir, print_fn)
+    with lock:
+        return _fit(
+            model,
+            data,
+            epochs,
+            steps_per_epoch,
+            batch_size,
+            model_dir,
+            log_every_steps,
+            callbacks,
+            print_fn,
+            checkpoint_every_steps,
+            nonfinite,
+            validation_data,
+            validation_freq,
+            validation_steps,
+            goodput,
+        )
+
+
+def _fit(
+    model,
+    data,
+    epochs,
+    steps_per_epoch,
+    batch_size,
+    model_dir,
+    log_every_steps,
+    callbacks,
+    print_fn,
+    checkpoint_every_steps,
+    nonfinite,
+    validation_data,
+    validation_freq,
+    validation_steps,
+    goodput,
+) -> FitResult:
+    """`fit` after its checks, holding the model_dir's lock."""
+    own_goodput = goodput is None and goodput_lib.current() is None
+    if goodput is None:
+        goodput = goodput_lib.current() or goodput_lib.Goodput()
     progress = Progress(
         batch_size,
         log_every_steps,
@@ -254,6 +308,7 @@ def fit(
         print_fn,
         epochs=epochs,
         steps_per_epoch=steps_per_epoch,
+        goodput=goodput,
     )
     # The caller's callbacks first, so that logs they add are printed.
     all_callbacks = list(callbacks)
@@ -326,6 +381,7 @@ def fit(
                 steps_per_epoch,
                 checkpoint_every_steps,
                 before_save=None if replicas is None else replicas.capture,
+                goodput=goodput,
             )
         )
     progress.steps_done = initial_step
@@ -333,6 +389,8 @@ def fit(
     if initial_step >= epochs * steps_per_epoch:
         print_fn(f"Already trained {initial_epoch} epochs (>= --epochs={epochs}).")
     else:
+        goodput.begin_training(initial_step)
+        failed = True
         try:
             if into:
                 # The rest of the epoch the checkpoint stopped in.
@@ -354,6 +412,7 @@ def fit(
                     callbacks=all_callbacks,
                     verbose=0,
                 )
+            failed = False
         except tf.errors.InvalidArgumentError as e:
             error = nonfinite_lib.error_from(e)
             if error is None:
@@ -361,6 +420,9 @@ def fit(
             raise error from None
         finally:
             progress.close()
+            goodput.end_training(max(initial_step, progress.steps_done), failed)
+    if own_goodput:
+        print_fn(goodput.line())
     return FitResult(
         initial_epoch=initial_step // steps_per_epoch,
         epochs=max(epochs, initial_step // steps_per_epoch),

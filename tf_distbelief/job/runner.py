@@ -8,6 +8,7 @@ accuracy. The model and its data come from a `ModelSpec`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from tf_distbelief import adagrad, cluster, console, downpour, errors, paths
 from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import config as cluster_config
-from tf_distbelief.faults import recovery
+from tf_distbelief.faults import goodput, recovery
 from tf_distbelief.fit import evaluation, export, training
 from tf_distbelief.job.config import JobConfig
 from tf_distbelief.job.spec import ModelSpec
@@ -222,7 +223,16 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
     )
     start = time.monotonic()
     # A rerun with the same `model_dir` resumes at the last L-BFGS checkpoint.
-    result = trainer.fit(model_dir=config.model_dir, print_fn=print_fn)
+    accountant = goodput.current()
+    if accountant is not None:  # Its checkpoints and iterations as training.
+        accountant.begin_training(0)
+    failed = True
+    try:
+        result = trainer.fit(model_dir=config.model_dir, print_fn=print_fn)
+        failed = False
+    finally:
+        if accountant is not None:
+            accountant.end_training(0, failed)
     train_secs = time.monotonic() - start
     stats = trainer.stats
     print_fn(
@@ -349,11 +359,18 @@ def gpu_summary(assignment) -> str:
 
 
 def run(
-    config: JobConfig, spec: ModelSpec, print_fn=console.echo, trainer=None
+    config: JobConfig,
+    spec: ModelSpec,
+    print_fn=console.echo,
+    trainer=None,
+    start_secs: float | None = None,
 ) -> dict | None:
     """Runs this process's part of the job; see the module docstring.
 
-    Everything is validated before any server starts.
+    Everything is validated before any server starts. On the chief (or a
+    local job) the run holds `config.model_dir`'s lock
+    (`paths.ModelDirLock`) and accounts its wall time from `start_secs`
+    (`faults.goodput`): its `goodput:` line ends the job's output.
 
     Args:
       config: the job.
@@ -361,15 +378,20 @@ def run(
       print_fn: where progress lines go.
       trainer: the chief's `Trainer`; None means `TF_KERAS` (a tf_keras
         model). `tf_distbelief.keras3.job.TRAINER` trains a Keras 3 model.
+      start_secs: when the job started, on `time.monotonic`'s scale, for
+        its goodput (`main` passes the process's start); None: now.
 
     Returns:
       On the chief, `train`'s result; on other tasks, None.
 
     Raises:
       ValueError: a bad `config` field or cluster (`ClusterConfigError`).
+      ModelDirInUseError: another live job trains into `config.model_dir`
+        (the chief, or a local job, holds `paths.ModelDirLock` for its life).
       ClusterStartError: a local task failed to start.
     """
     trainer = TF_KERAS if trainer is None else trainer
+    accountant = goodput.Goodput(start_secs)
     config.validate()
     trainer.check(config, spec)
     resolver = cluster.resolve_cluster(cluster_from=config.cluster_from)
@@ -378,8 +400,25 @@ def run(
             "`emulate_nic` emulates the local cluster's network; with "
             f"`TF_CONFIG` the network is real. Received: {config.emulate_nic!r}"
         )
-    if config.export_dir and (resolver is None or resolver.task_type == "chief"):
+    trains = resolver is None or resolver.task_type == "chief"
+    if config.export_dir and trains:
         export.check_export_dir(config.export_dir, config.model_dir)
+    if not trains:
+        return _run(config, spec, print_fn, trainer, resolver)
+    lock = contextlib.nullcontext()
+    if config.model_dir:
+        # One job per model_dir, refused before any server starts; the
+        # evaluator only reads it.
+        lock = paths.ModelDirLock(config.model_dir, print_fn)
+    with lock, goodput.active(accountant):
+        result = _run(config, spec, print_fn, trainer, resolver)
+        if accountant.trained:
+            print_fn(accountant.line())
+    return result
+
+
+def _run(config, spec, print_fn, trainer, resolver) -> dict | None:
+    """`run` after validation (and the model_dir's lock, on the chief)."""
     if resolver is None:
         with cluster.LocalCluster(
             config.num_workers,
@@ -432,6 +471,9 @@ TF_KERAS = Trainer("tf_keras", check_spec, train, evaluate_checkpoints)
 def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> None:
     """Runs `run(config, spec)` for a launch script, then ends the process at once.
 
+    The job's goodput counts from the process's start
+    (`goodput.process_start_secs`): TensorFlow's import is start-up.
+
     TensorFlow's interpreter teardown tries to remove functions from the cluster
     tasks that `run` has already ended, and logs an error per task; ending the
     process after flushing skips that teardown. A failed job too ends at once,
@@ -448,6 +490,13 @@ def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> 
         starts), for the launch script to print in one line. Any other
         `Exception` ends the process with status 1 and its traceback.
     """
+    start_secs = goodput.process_start_secs()
     console.exit_when_done(
-        run, config, spec, console.echo, trainer, keep=(errors.ConfigError,)
+        run,
+        config,
+        spec,
+        console.echo,
+        trainer,
+        start_secs,
+        keep=(errors.ConfigError,),
     )

@@ -26,7 +26,8 @@ into its own shards. Checkpoint keys:
 | `history` | the run's memory `m`, `[]` int64 |
 | `model` | one line per model weight, `"name shape dtype"`, `[num_weights]` string |
 
-Writes are atomic (the manager points at a checkpoint only once it is whole);
+Writes are atomic (the manager points at a checkpoint only once it is whole,
+and a failed write leaves no part of it: `resume.save_whole`);
 a state holding NaN or inf is never written; the manager deletes only its own
 `ckpt-N` files.
 """
@@ -189,6 +190,8 @@ class LbfgsCheckpointer:
           nonfinite.NonFiniteError: naming the iteration and each vector or
             number of `state` that holds NaN or inf; nothing is written and
             the earlier checkpoints are kept.
+          resume.CheckpointWriteError: the write failed; nothing of it is
+            kept and the earlier checkpoints are.
         """
         k = state.num_iters
         if k == self.saved_iters or not (force or k % self.every_iters == 0):
@@ -236,7 +239,7 @@ class LbfgsCheckpointer:
         tf_logger = tf.get_logger()
         tf_logger.addFilter(_QUIET)
         try:
-            path = self._manager.save(checkpoint_number=k)
+            path = resume.save_whole(self._manager, k)
         finally:
             tf_logger.removeFilter(_QUIET)
         self.saved_iters = k

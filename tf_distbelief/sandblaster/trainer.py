@@ -9,6 +9,7 @@ weights and writes the result back into them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -176,7 +177,19 @@ class SandblasterTrainer:
             `config.stall_timeout_secs` (no worker left to run them).
           RuntimeError: `objective.EVALUATION_ATTEMPTS` evaluations in a row
             lost gradient slots (workers restarting).
+          paths.ModelDirInUseError: another process trains into `model_dir`
+            (`paths.ModelDirLock`, held for the run).
         """
+        lock = contextlib.nullcontext()
+        if model_dir:
+            lock = paths.ModelDirLock(model_dir, print_fn)
+        with lock:
+            return self._fit(
+                max_iters, gtol, ftol, record_iterates, model_dir, print_fn
+            )
+
+    def _fit(self, max_iters, gtol, ftol, record_iterates, model_dir, print_fn):
+        """`fit`, holding the model_dir's lock."""
         if max_iters is None:
             max_iters = self.config.max_iters
         ops, layout = self.objective.ops, self.objective.layout

@@ -1,0 +1,85 @@
+"""The model_dir layout's lock: one job per model_dir, a dead holder taken over."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+import tf_distbelief as tfdb
+from tests.fixtures.launch import ROOT, _env
+from tf_distbelief import paths
+
+_HOLD = textwrap.dedent("""
+    import sys, time
+    from tf_distbelief import paths
+    with paths.ModelDirLock(sys.argv[1]):
+        print("held", flush=True)
+        time.sleep(600)
+""")
+
+
+def _holder(model_dir):
+    """A child process holding `model_dir`'s lock (no TensorFlow)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(model_dir)],
+        cwd=ROOT,
+        env=_env(uuid.uuid4().hex),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_live_holder_is_named_and_a_killed_one_is_taken_over(tmp_path):
+    model_dir = str(tmp_path / "model")
+    holder = _holder(model_dir)
+    try:
+        with pytest.raises(paths.ModelDirInUseError) as refused:
+            with paths.ModelDirLock(model_dir):
+                pass
+        message = str(refused.value)
+        assert f"--model_dir={model_dir} is in use by another job" in message
+        assert f"host {socket.gethostname()}, pid {holder.pid}, since " in message
+        assert refused.value.holder["pid"] == holder.pid
+        assert isinstance(refused.value, tfdb.ConfigError)
+        assert tfdb.ModelDirInUseError is paths.ModelDirInUseError
+        # A killed holder's flock is free; its lock file stays behind.
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+        assert os.path.exists(os.path.join(model_dir, paths.LOCK_FILE))
+        lines = []
+        with paths.ModelDirLock(model_dir, lines.append) as lock:
+            with open(lock.path) as f:
+                record = json.load(f)
+            assert record["pid"] == os.getpid()
+            assert record["host"] == socket.gethostname()
+        assert len(lines) == 1
+        assert lines[0].startswith(f"model_dir: took over {lock.path} from a job ")
+        assert f"pid {holder.pid}," in lines[0]
+        assert not os.path.exists(lock.path)  # Released: removed.
+    finally:
+        holder.kill()
+        holder.wait(30)
+
+
+def test_reentrant_in_one_process_and_released_on_error(tmp_path):
+    model_dir = str(tmp_path)
+    lock_file = os.path.join(model_dir, paths.LOCK_FILE)
+    with pytest.raises(RuntimeError, match="boom"):
+        with paths.ModelDirLock(model_dir):
+            with paths.ModelDirLock(os.path.join(model_dir, ".")):
+                pass
+            assert os.path.exists(lock_file)  # The outer one holds it still.
+            raise RuntimeError("boom")
+    assert not os.path.exists(lock_file)
+    # Free for another process now.
+    holder = _holder(model_dir)
+    holder.kill()
+    holder.wait(30)
