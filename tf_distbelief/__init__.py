@@ -41,7 +41,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
         "GpuAssignmentError": "cluster.gpus",
         "InfiniteValidationDataError": "fit.validation",
         "Keras3Error": "strategy",
-        "NonFiniteError": "faults.nonfinite",
+        "NonFiniteError": "errors",
         "ModelDirInUseError": "paths",
         "PsLostError": "faults.recovery",
         "RestoreError": "faults.resume",

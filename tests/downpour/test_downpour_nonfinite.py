@@ -14,7 +14,6 @@ import tf_keras
 import tf_distbelief as tfdb
 from tf_distbelief import downpour
 from tf_distbelief import strategy as strategy_lib
-from tf_distbelief.faults import nonfinite
 from tf_distbelief.fit import training
 
 FEATURES, CLASSES, BATCH = 4, 3, 8
@@ -95,7 +94,7 @@ def _assert_equal_weights(model, reference):
 def test_raise_stops_at_the_push_and_no_nan_reaches_the_ps(strategy):
     model = _model(strategy, 1)
     with pytest.raises(
-        nonfinite.NonFiniteError,
+        tfdb.NonFiniteError,
         match=r"Non-finite push \(NaN or inf\) from worker 0 at its step 3 for "
         r"logits/kernel/part_0:0, logits/kernel/part_1:0, logits/bias/part_0:0, "
         r"logits/bias/part_1:0: the push was not applied",

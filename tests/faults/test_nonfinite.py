@@ -86,7 +86,7 @@ def _weights(model):
 def test_raise_stops_at_the_step_and_no_nan_reaches_the_ps(strategy, tmp_path):
     model = _model(strategy)
     with pytest.raises(
-        nonfinite.NonFiniteError,
+        tfdb.NonFiniteError,
         match=r"Non-finite gradient \(NaN or inf\) at step 3 for "
         r"logits/kernel/part_0:0, logits/kernel/part_1:0, logits/bias/part_0:0, "
         r"logits/bias/part_1:0: the step was not applied",
@@ -134,7 +134,7 @@ def test_a_checkpoint_with_a_nan_is_refused(strategy, tmp_path):
     # Every step is skipped (NaN weights give NaN gradients); the epoch-end
     # checkpoint would hold the NaN kernel.
     with pytest.raises(
-        nonfinite.NonFiniteError,
+        tfdb.NonFiniteError,
         match=r"Refusing to write a checkpoint at step 2: logits/kernel/part_0:0, "
         r"logits/kernel/part_1:0 hold NaN or inf\. Nothing was written",
     ):

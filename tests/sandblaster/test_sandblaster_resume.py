@@ -21,6 +21,7 @@ import pytest
 import tensorflow as tf
 
 import models
+import tf_distbelief as tfdb
 from tests.fixtures import launch
 from tests.fixtures.sandblaster import (
     _VALUE,
@@ -33,7 +34,7 @@ from tests.fixtures.sandblaster import (
 )
 from tf_distbelief import job, paths, sandblaster
 from tf_distbelief import strategy as strategy_lib
-from tf_distbelief.faults import nonfinite, resume
+from tf_distbelief.faults import resume
 from tf_distbelief.sandblaster import checkpoint
 from tf_distbelief.sandblaster import config as config_lib
 
@@ -165,7 +166,7 @@ def test_resumed_trainer_equals_uninterrupted(local_cluster, tmp_path):
         tf.fill(state.s_history[2].shards[1].shape, np.float64(np.nan))
     )
     with pytest.raises(
-        nonfinite.NonFiniteError,
+        tfdb.NonFiniteError,
         match=r"Refusing to write an L-BFGS checkpoint at iteration 13: "
         r"s_history/2 hold NaN or inf. Nothing was written; the last checkpoint, "
         r".*ckpt-12, is kept",

@@ -8,7 +8,7 @@ written after it keeps the damage. The guard works at two points:
   optimizer's update of all its variables for a step runs inside one
   `tf.cond` on the worker that computed the gradients: with every gradient
   finite it applies them as the optimizer always does; otherwise it applies
-  none of them, and either stops the job (`mode="raise"`: a `NonFiniteError`
+  none of them, and either stops the job (`mode="raise"`: a `errors.NonFiniteError`
   naming the step and the variables) or counts the step as skipped
   (`mode="skip"`).
 * **Each checkpoint** (`nonfinite_variables`): every variable a checkpoint
@@ -46,21 +46,6 @@ _MARKER = "tf_distbelief non-finite gradient at step"
 # The same for a Downpour push (`downpour.push_guard`).
 PUSH_MARKER = "tf_distbelief non-finite push at step"
 _GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-class NonFiniteError(errors.DistBeliefError, FloatingPointError):
-    """A NaN or inf was kept from the ps variables or from a checkpoint.
-
-    Attributes:
-      step: the step (ps update number, 1-based) whose gradients were not
-        finite, or the step of the refused checkpoint; None if unknown.
-      variables: names of the variables concerned.
-    """
-
-    def __init__(self, message: str, step: int | None, variables: list[str]):
-        super().__init__(message)
-        self.step = step
-        self.variables = variables
 
 
 def check_mode(mode: str) -> str:
@@ -191,8 +176,8 @@ def install(model, mode: str = "raise") -> Guard:
     return guard
 
 
-def error_from(error: Exception) -> NonFiniteError | None:
-    """The `NonFiniteError` a failed check raised as `error`, or None.
+def error_from(error: Exception) -> errors.NonFiniteError | None:
+    """The `errors.NonFiniteError` a failed check raised as `error`, or None.
 
     A failed check stops the scheduled function with TensorFlow's
     `InvalidArgumentError`; the coordinator re-raises it from `fit`.
@@ -207,7 +192,7 @@ def error_from(error: Exception) -> NonFiniteError | None:
     if push:
         step, worker = int(push.group(1)), int(push.group(3))
         names = re.findall(r'"([^"]*)"', push.group(2)) or push.group(2).split()
-        return NonFiniteError(
+        return errors.NonFiniteError(
             f"Non-finite push (NaN or inf) from worker {worker} at its step "
             f"{step} for {', '.join(names)}: the push was not applied and "
             "training stopped (`nonfinite=raise`); no ps variable holds it. "
@@ -221,7 +206,7 @@ def error_from(error: Exception) -> NonFiniteError | None:
         return None
     step = int(found.group(1))
     names = re.findall(r'"([^"]*)"', found.group(2)) or found.group(2).split()
-    return NonFiniteError(
+    return errors.NonFiniteError(
         f"Non-finite gradient (NaN or inf) at step {step} for "
         f"{', '.join(names)}: the step was not applied and training stopped "
         "(`nonfinite=raise`); no ps variable holds it. Lower the learning "

@@ -365,7 +365,7 @@ class Checkpointer(tf_keras.callbacks.Callback):
     boundary at or after each multiple of `every_steps` (every step with
     `steps_per_execution=1`). Before writing, every variable is checked on its
     ps task; one NaN or inf and the checkpoint is refused
-    (`nonfinite.NonFiniteError`), the earlier ones kept.
+    (`errors.NonFiniteError`), the earlier ones kept.
 
     Args:
       manager: the `tf.train.CheckpointManager` to save with.
@@ -423,7 +423,7 @@ class Checkpointer(tf_keras.callbacks.Callback):
         """Waits for the steps in flight, checks every value, writes; the path.
 
         Raises:
-          nonfinite.NonFiniteError: a value holds NaN or inf (nothing written).
+          errors.NonFiniteError: a value holds NaN or inf (nothing written).
           CheckpointWriteError: the write failed (nothing of it kept).
         """
         if self.goodput is None:
@@ -442,7 +442,7 @@ class Checkpointer(tf_keras.callbacks.Callback):
         bad = nonfinite.nonfinite_variables(variables)
         if bad:
             latest = self.manager.latest_checkpoint
-            raise nonfinite.NonFiniteError(
+            raise errors.NonFiniteError(
                 f"Refusing to write a checkpoint at step {self.done}: "
                 f"{', '.join(bad)} hold NaN or inf. Nothing was written"
                 + (f"; the last checkpoint, {latest}, is kept" if latest else "")

@@ -233,7 +233,7 @@ def fit(
         (`paths.ModelDirLock`, held for the run; re-entrant in one process).
       resume.RestoreError: the latest checkpoint in `model_dir` does not
         restore exactly into the model (nothing is deleted).
-      nonfinite.NonFiniteError: a step's gradients held a NaN or inf
+      errors.NonFiniteError: a step's gradients held a NaN or inf
         (`nonfinite="raise"`), or a checkpoint would have.
     """
     _check_count("epochs", epochs)

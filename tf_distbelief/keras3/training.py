@@ -17,8 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import checks, console
-from tf_distbelief.faults import nonfinite
+from tf_distbelief import checks, console, errors
 from tf_distbelief.keras3 import optimizer as optimizer_lib
 from tf_distbelief.keras3 import variables as variables_lib
 
@@ -354,7 +353,7 @@ def fit(
             if _NONFINITE_TAG not in str(error):
                 raise
             found = re.search(re.escape(_NONFINITE_TAG) + r"(\S+)", str(error))
-            raise nonfinite.NonFiniteError(
+            raise errors.NonFiniteError(
                 f"Epoch {epoch + 1}: a step's gradient of weight `{found.group(1)}` "
                 "held NaN or inf; no ps variable took that step. Check the data "
                 "and lower the learning rate.",

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import checks, paths
+from tf_distbelief import checks, errors, paths
 from tf_distbelief.faults import nonfinite, resume
 from tf_distbelief.sandblaster import lbfgs_state, ps_vectors
 from tf_distbelief.tf_internals import variables as tf_variables
@@ -187,7 +187,7 @@ class LbfgsCheckpointer:
           The checkpoint's path, or None if nothing was written.
 
         Raises:
-          nonfinite.NonFiniteError: naming the iteration and each vector or
+          errors.NonFiniteError: naming the iteration and each vector or
             number of `state` that holds NaN or inf; nothing is written and
             the earlier checkpoints are kept.
           resume.CheckpointWriteError: the write failed; nothing of it is
@@ -212,7 +212,7 @@ class LbfgsCheckpointer:
             bad.append("gram")
         if bad:
             latest = self.latest_checkpoint
-            raise nonfinite.NonFiniteError(
+            raise errors.NonFiniteError(
                 f"Refusing to write an L-BFGS checkpoint at iteration {k}: "
                 f"{', '.join(bad)} hold NaN or inf. Nothing was written"
                 + (f"; the last checkpoint, {latest}, is kept." if latest else "."),

@@ -172,7 +172,7 @@ class SandblasterTrainer:
         Raises:
           resume.RestoreError: the latest checkpoint in `model_dir` was written
             for another model or `history`, or does not restore exactly.
-          nonfinite.NonFiniteError: a state to checkpoint holds NaN or inf.
+          errors.NonFiniteError: a state to checkpoint holds NaN or inf.
           TimeoutError: no work portion finished within
             `config.stall_timeout_secs` (no worker left to run them).
           RuntimeError: `objective.EVALUATION_ATTEMPTS` evaluations in a row
