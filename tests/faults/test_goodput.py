@@ -127,6 +127,7 @@ def test_a_local_job_accounts_its_wall_time(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("downpour_launch_ps0_killed")
 def test_a_lost_ps_costs_recovery_time(downpour_launch_ps0_killed):
     returncode, stdout, stderr = downpour_launch_ps0_killed
     assert returncode == 0, stderr[-3000:]
