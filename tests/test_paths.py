@@ -83,3 +83,15 @@ def test_reentrant_in_one_process_and_released_on_error(tmp_path):
     holder = _holder(model_dir)
     holder.kill()
     holder.wait(30)
+
+
+def test_a_model_dir_that_is_a_file_is_refused_by_name(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.raises(tfdb.ConfigError, match=r"`model_dir` must be a directory"):
+        paths.check_model_dir(str(afile))
+    with pytest.raises(tfdb.ConfigError, match=r"cannot be made: .*afile"):
+        paths.check_model_dir(str(afile / "sub"))
+    paths.check_model_dir(str(tmp_path / "new" / "run"))  # Made when used.
+    paths.check_model_dir(str(tmp_path))
+    assert afile.read_text() == "mine"

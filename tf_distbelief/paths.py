@@ -40,6 +40,7 @@ __all__ = [
     "ModelDirInUseError",
     "ModelDirLock",
     "SAVED_MODEL_SUBDIR",
+    "check_model_dir",
     "checkpoint_dir",
     "checkpoint_number",
     "describe_checkpoint",
@@ -67,6 +68,33 @@ KERAS_FILE = "model.keras"
 LOCK_FILE = ".lock"
 
 _NUMBER_RE = re.compile(r"-(\d+)$")
+
+
+def check_model_dir(model_dir: str) -> None:
+    """Checks, before any cluster starts, that `model_dir` can be a job's folder.
+
+    Allowed: an existing directory, or a new path whose nearest existing
+    parent is a writable directory.
+
+    Raises:
+      ConfigError: naming `model_dir`, the value and what is in the way.
+    """
+    path = os.path.abspath(model_dir)
+    if os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise errors.ConfigError(
+            f"`model_dir` must be a directory (new or existing). Received: "
+            f"{model_dir!r} (a file)"
+        )
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
+        raise errors.ConfigError(
+            f"`model_dir` {model_dir!r} cannot be made: {parent!r} is not a "
+            "writable directory."
+        )
 
 
 def checkpoint_dir(model_dir: str) -> str:
@@ -230,6 +258,7 @@ class ModelDirLock:
         self._key: str | None = None
 
     def __enter__(self) -> ModelDirLock:
+        check_model_dir(self.model_dir)
         os.makedirs(self.model_dir, exist_ok=True)
         key = os.path.realpath(self.path)
         with _HELD_LOCK:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tf_distbelief import console, errors
+from tf_distbelief import console, errors, paths
 from tf_distbelief import downpour as downpour_lib
 from tf_distbelief import sandblaster as sandblaster_lib
 from tf_distbelief import strategy as strategy_lib
@@ -203,6 +203,8 @@ class JobConfig:
                 f"checkpoints go). Received: {self.checkpoint_every_steps!r} "
                 "and model_dir=None"
             )
+        if self.model_dir:
+            paths.check_model_dir(self.model_dir)
         for name in ("emulate_nic", "emulate_ps_nic"):
             if getattr(self, name) is not None:
                 try:

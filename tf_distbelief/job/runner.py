@@ -21,6 +21,7 @@ from tf_distbelief import adagrad, cluster, console, downpour, errors, paths
 from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import config as cluster_config
+from tf_distbelief.cluster import connect as cluster_connect
 from tf_distbelief.faults import goodput, recovery
 from tf_distbelief.fit import evaluation, export, training
 from tf_distbelief.job.config import JobConfig
@@ -468,6 +469,11 @@ def _run(config, spec, print_fn, trainer, resolver) -> dict | None:
 TF_KERAS = Trainer("tf_keras", check_spec, train, evaluate_checkpoints)
 
 
+# What a launch script prints as one line, without a traceback: the message
+# names the setting or the tasks, the value and the fix.
+REFUSED_ERRORS = (errors.ConfigError, cluster_connect.ClusterConnectError)
+
+
 def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> None:
     """Runs `run(config, spec)` for a launch script, then ends the process at once.
 
@@ -486,9 +492,10 @@ def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> 
       trainer: the chief's `Trainer` (`run`'s).
 
     Raises:
-      errors.ConfigError: a refused setting (raised before any cluster
-        starts), for the launch script to print in one line. Any other
-        `Exception` ends the process with status 1 and its traceback.
+      REFUSED_ERRORS: a refused setting (raised before any cluster starts),
+        or a cluster whose tasks do not answer within the connect timeout,
+        for the launch script to print in one line. Any other `Exception`
+        ends the process with status 1 and its traceback.
     """
     start_secs = goodput.process_start_secs()
     console.exit_when_done(
@@ -498,5 +505,5 @@ def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> 
         console.echo,
         trainer,
         start_secs,
-        keep=(errors.ConfigError,),
+        keep=REFUSED_ERRORS,
     )
