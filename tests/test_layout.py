@@ -40,6 +40,7 @@ PURE_MODULES = [
     "tf_distbelief.sandblaster.vector_ops",
     "tf_distbelief.model_parallel.partition_math",
     "tf_distbelief.cluster.gpus",
+    "tf_distbelief.planner.cost_model",
     "tf_distbelief.errors",
     # The launch script's first line and start-up filter, before TensorFlow.
     "tf_distbelief.console",
