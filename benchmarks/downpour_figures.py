@@ -225,9 +225,16 @@ def bandwidth_figure(path, rows, rate_bits, note=""):
         xs, ys = series.setdefault(r.name, ([], []))
         xs.append(xs_of[r.nic])
         ys.append(secs)
+    cut = {}
+    for r in rows:
+        if r.name != "single" and math.isnan(r.secs_to_target):
+            cut.setdefault(r.name, []).append(_rate_label(xs_of[r.nic]))
+    labelled = {}
     for name, (xs, ys) in series.items():
         order = sorted(range(len(xs)), key=xs.__getitem__)
-        series[name] = ([xs[i] for i in order], [ys[i] for i in order])
+        label = name + (f" (cut off at {', '.join(cut[name])})" if name in cut else "")
+        labelled[label] = ([xs[i] for i in order], [ys[i] for i in order])
+    series = labelled
     single = next((r for r in rows if r.name == "single"), None)
     hline = None
     if single is not None and not math.isnan(single.secs_to_target):
@@ -242,7 +249,7 @@ def bandwidth_figure(path, rows, rate_bits, note=""):
         path,
         series,
         title=f"{rows[0].model}: seconds to test accuracy {target:.3f} by NIC rate "
-        "(cut-off rows: at least)",
+        "(cut off: at least)",
         xlabel="NIC rate of every task, bits/s (log)",
         ylabel="training seconds to target (log)",
         hline=hline,
