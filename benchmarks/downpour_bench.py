@@ -1,110 +1,55 @@
 r"""Downpour SGD against stock and single-process training: time to accuracy.
 
 Dean et al. 2012 judge the methods by the time to reach a fixed test accuracy
-(Figure 5), not examples/s. This benchmark measures it on one `LocalCluster` (2
-workers, 1 ps by default), for each row:
+(Figure 5). Each row trains anew on one `LocalCluster` (2 workers,
+`--num_ps` ps, one intra-op thread per task) for `--steps` steps of both
+workers together, evaluating the test accuracy of the ps values every
+`--eval_every` steps off the clock; `--rounds` rounds (seed `--first_seed +
+r`) give medians and `[min-max]`. Rows (`--rows`):
 
-* `single`: plain tf_keras `fit` in the benchmark's own process (no cluster, no
-  strategy; same model, batch, AdaGrad gamma, steps per execution, and
-  TensorFlow's default threads, one per core): the limit on these cores;
-* `stock`: `DistBeliefStrategy` without Downpour (TensorFlow's
-  `ParameterServerStrategy` training: variables on the ps, every step reads them
-  and applies its gradient there);
-* `n=1`, `n=4`, `n=16` (and `n=32`, `n=64` by `--rows`): Downpour with
-  `n_fetch = n_push = n`;
-* `n=<n>+outer`, `+dc`, `+stale`: with a push rule on the ps (`DownpourConfig`):
-  outer Nesterov on the pushed parameter delta (`--outer_learning_rate`,
-  `--outer_momentum`), DC-ASGD's delay compensation (`--delay_compensation`),
-  the staleness-scaled step.
+* `single`: plain tf_keras `fit` in this process, no cluster (run once, at
+  the first NIC rate: it has no network);
+* `stock`: `DistBeliefStrategy` without Downpour (parameter-server training);
+* `n=<n>` (1, 4, 16, 32, 64): Downpour with `n_fetch = n_push = n`;
+* `n=<n>+outer`, `+dc`, `+stale`: with a push rule (outer Nesterov, DC-ASGD
+  delay compensation, staleness-scaled step).
 
-The cluster's ps and worker tasks run `--task_intra_op_threads` threads per op
-(`LocalCluster(intra_op_threads=...)`; default 1: each task a one-core machine,
-as in the paper and `sandblaster_bench.py`). With TensorFlow's default every
-task sizes its pool for all the host's cores, and 2 workers and a ps on 2
-cores oversubscribe them (measured, one round of `n=16`: 1899 ex/s at 28.6 CPU
-ms per step of the workers with the default, 2166 at 24.8 with 1 thread).
+`--nic_rates=unlimited,10gbit,1gbit,100mbit` runs every row behind emulated
+NICs of each rate (`LocalCluster(nic_bandwidth=)`; `--ps_nic_rate` for the ps
+tasks), first entering a private network namespace; `--max_row_secs` cuts a
+row off after the evaluation interval that passes that many training seconds
+("not reached in T s", counting as T). Next to each row the planner
+(`tf_distbelief.planner`) predicts its examples/s (`downpour_network.py` says
+how it is calibrated).
 
-Each row trains anew (a fresh strategy: `LocalCluster.resolver_for`, a new chief
-port on the same ps and worker tasks) for `--steps` steps of both workers
-together, every row the same examples. Every `--eval_every` steps `fit` ends
-an epoch (which joins the workers), and the coordinator evaluates the test
-accuracy of the ps values (`training.accuracy`; for `single`, of its model) off
-the clock: the training seconds are the epochs' own, from epoch begin to epoch
-end, evaluations and snapshots outside them. The first interval holds the
-tracing of the training functions (a fixed cost, longest for the cluster); it
-counts at the median seconds of the later intervals. `--rounds` rounds run all
-rows in turn, round `r` with seed `--first_seed + r` (initialisation, data order):
-the spread over rounds is over seeds as well as machine load.
+Printed: the headline table (seconds and examples to `--target_accuracy`,
+ratios to stock and single, final accuracy, ex/s, bytes per example; a `nic`
+column when shaped), the throughput table (`--throughput_table`: socket and
+tensor bytes, CPU ms per step; `--cpu_breakdown` by process kind), and with
+several rates the bandwidth table (measured vs predicted ex/s, bottleneck)
+and the best Downpour row per rate against stock and single.
 
-The headline table (Markdown, medians over rounds, `[min-max]` over rounds):
+Outputs (`--out_dir`, default `benchmarks/results/`):
+`downpour_time_to_accuracy.csv`, and per NIC rate (in `nic_<rate>/` when
+several) `downpour.csv`, `downpour_curves.csv` and per model
+`downpour_<model>_{accuracy,time_to_target,bytes}.png`; with several rates
+`downpour_bandwidth.csv` and `downpour_<model>_bandwidth.png` (seconds to
+target against the NIC rate, log axes). Measured figures: benchmarks/README.md.
 
-* `secs to target`, `examples to target`: training seconds and examples until
-  the test accuracy first reaches `--target_accuracy` (linear between two
-  evaluations; a round that never reaches it counts as the slowest, and
-  `reached` says in how many rounds it did);
-* `x stock`, `x single`: those seconds over the stock and single rows';
-* `final acc`: test accuracy after all steps (equal examples), `acc vs n=1`
-  its difference to the `n=1` row in points;
-* `ex/s`: training examples per second (both workers), the median over the
-  intervals after the first; `x stock ex/s`, `x single ex/s` its ratios;
-* `B/ex`, `B x stock`: worker<->ps bytes per example on the sockets (below)
-  and their ratio to stock's.
-
-Then the throughput table of the earlier benchmark (`--throughput_table`):
-
-* `ex/s`, `x stock`: as above; `x stock` is the median over rounds of each
-  round's ratio to that round's stock row.
-* `sock B/ex`: worker<->ps bytes per example on the sockets: the kernel's
-  per-connection TCP counters (`tf_distbelief.cluster.traffic`: `ss -tinpH
-  state established`, `bytes_acked` sent, `bytes_received` received), for
-  every connection between a worker process and a ps process (told apart by
-  process id and peer port), summed both ways, difference over the intervals
-  after the first. It includes gRPC framing and the fixed per-step messages
-  (step ids, dead-branch signals, loop control).
-* `tensor B/ex`: the same from tensor sizes: stock moves the model twice per
-  step (read the parameters, send the gradient); Downpour counts its fetches
-  and pushes (`Downpour.stats`) times the model size.
-* `B x stock`: socket bytes per example over the stock row's.
-* `CPU ms/step`: CPU time of the chief, workers and ps together per step
-  (`traffic.cpu_secs`, from `/proc/<pid>/stat`; the evaluations left out); on
-  2 cores the rates follow it (`--cpu_breakdown` splits it by process kind).
-* `test acc`, `test loss`: on the test set after all steps. On the speech data
-  the most frequent class is about 10% of the examples (`models/speech.py`:
-  Zipf-distributed classes, a Gaussian cluster each).
-
-The speech-shaped model (`models/speech.py`) defaults to 4 hidden layers of 256
-units and 8192 classes (2.4M parameters, 9.7 MB) instead of the paper's 2560
-units (42M), so that it trains on a 2-core machine; `--quick` uses 2048 classes.
-
-Outputs (`--out_dir`, default `benchmarks/results/`; `benchmarks/downpour_figures.py`):
-`downpour_time_to_accuracy.csv` (the headline table), `downpour.csv` (the
-throughput table), `downpour_curves.csv` (every round's curve), and per model
-`downpour_<model>_accuracy.png` (test accuracy against training seconds, the
-paper's Figure 4 form), `downpour_<model>_time_to_target.png` (Figure 5's
-measure) and `downpour_<model>_bytes.png`.
-
-On stderr, TensorFlow logs "Failed to remove function remotely" for functions
-of an earlier row's context (each row reconnects); they are harmless.
+TensorFlow logs "Failed to remove function remotely" for an earlier row's
+functions (each row reconnects); harmless.
 
 Usage:
   python benchmarks/downpour_bench.py            # about 20 minutes, 2 idle cores
   python benchmarks/downpour_bench.py --quick    # about 3 minutes
   python benchmarks/downpour_bench.py --rows=stock,n=16,n=16+outer --rounds=3
-
-Duration (speech, estimated from 1- and 2-round runs at load 8-20, scaled by
-the idle rates of issue 14: single 3,200-3,800 ex/s, stock 1,440, n=16 2,800):
-a row of 1600 steps takes about 25 s (single) to 55 s (stock, n=1) of wall
-time on 2 idle cores (setup, tracing, 11 evaluations of 10,000 examples,
-training), a round of the 8 default rows about 6 minutes, the default 3
-rounds about 17-20 minutes. Accuracy after equal examples differs by 2-4
-points between seeds, so a 1-point difference needs many more seeds than 3
-rounds: `--rows=n=1,n=16,n=16+outer --rounds=8` (about 18 minutes) for that.
+  python benchmarks/downpour_bench.py --rows=single,stock,n=16+outer \
+      --nic_rates=unlimited,1gbit,100mbit --rounds=1 --max_row_secs=150
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import os
 import time
@@ -117,9 +62,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
 
-from benchmarks import downpour_figures, plots  # noqa: E402
+from benchmarks import downpour_figures, downpour_network, plots  # noqa: E402
+from benchmarks.downpour_tables import (  # noqa: E402
+    UNLIMITED,
+    Row,
+    format_headline,
+    format_table,
+    median_rows,
+    to_target,
+    write_headline_csv,
+)
 from tf_distbelief import console  # noqa: E402  (no TensorFlow)
-from tf_distbelief.cluster import traffic  # noqa: E402  (no TensorFlow)
+from tf_distbelief.cluster import isolation, traffic  # noqa: E402  (no TensorFlow)
+
+if __name__ == "__main__":
+    # An emulated NIC needs the private network namespace: re-execute in it
+    # while no TensorFlow is loaded and no thread runs (launch/train.py does
+    # the same); unshaped runs stay in the host's namespace, as before.
+    if downpour_network.shaped_in_argv(sys.argv):
+        isolation.enter_private_network()
 
 # Steps between evaluations and in all, both workers together, of a full and
 # a `--quick` run: multiples of 2 workers x 20 steps per execution, so that
@@ -178,6 +139,11 @@ _SPEECH_TEST_EXAMPLES = 10_000
 # most frequent class.
 _LEARNING_RATE = {"digits": 0.1, "speech": 0.2}
 _MODELS = ("digits", "speech")
+
+# Test examples per forward pass of an evaluation: each pass reads every ps
+# variable, 9.7 MB for the speech model (20 passes of 512 would take 16 s
+# behind a 100 Mbit/s NIC; 2 of 5,000 take 1.6 s).
+_EVAL_BATCH = 5000
 
 _KEEP_ALIVE = []
 
@@ -297,6 +263,29 @@ def define_flags():
     flags.DEFINE_string(
         "out_dir", plots.DEFAULT_OUT_DIR, "CSV and PNG output folder ('' for none)."
     )
+    flags.DEFINE_list(
+        downpour_network.RATES_FLAG,
+        [UNLIMITED],
+        "NIC rates to run every row at, each on a new LocalCluster "
+        "(nic_bandwidth): unlimited (the bare loopback), or a rate such as "
+        "10gbit, 1gbit, 100mbit. Any shaped rate makes the benchmark enter a "
+        "private network namespace first.",
+    )
+    flags.register_validator(downpour_network.RATES_FLAG, downpour_network.check_rates)
+    flags.DEFINE_string(
+        downpour_network.PS_RATE_FLAG,
+        None,
+        "The ps tasks' NIC rate at every shaped --nic_rates entry (default: "
+        "that entry's rate); unlimited rows stay unshaped.",
+    )
+    flags.DEFINE_float(
+        "max_row_secs",
+        None,
+        "Cut a row off after the evaluation interval whose end passes this "
+        "many training seconds (reported as 'not reached in T s'); default: "
+        "every row runs all its steps.",
+        lower_bound=1.0,
+    )
     flags.DEFINE_float(
         "target_accuracy",
         None,
@@ -305,44 +294,10 @@ def define_flags():
     )
 
 
-@dataclasses.dataclass
-class Row:
-    """One row's measurements (one round, or medians over rounds)."""
-
-    model: str
-    name: str
-    examples_per_sec: float  # Median over the evaluation intervals after the first.
-    socket_bytes_per_example: float
-    tensor_bytes_per_example: float
-    cpu_ms_per_step: dict  # {"chief"|"worker"|"ps": CPU ms per step}.
-    test_accuracy: float  # After all steps: equal examples for every row.
-    test_loss: float
-    wall_secs: float
-    # Examples/s over the same round's stock row, median over rounds (set by
-    # `median_rows`); None: the ratio of the rates.
-    speedup: float | None = None
-    # `(training secs, test accuracy)` before training and after every
-    # `--eval_every` steps; the seconds leave the evaluations out (medians
-    # over rounds after `median_rows`).
-    curve: list = dataclasses.field(default_factory=list)
-    # Training seconds and examples to first reach `target` (linear between
-    # evaluations; NaN: not reached), medians over rounds after `median_rows`
-    # (a round that did not reach it counts as the slowest).
-    target: float = math.nan
-    secs_to_target: float = math.nan
-    examples_to_target: float = math.nan
-    # After `median_rows`: `{field: (min, max)}` over rounds of
-    # `secs_to_target`, `examples_to_target`, `test_accuracy`; and the
-    # rounds that reached the target.
-    spread: dict = dataclasses.field(default_factory=dict)
-    reached: int = 0
-    rounds: int = 1
-
-
 class _Probe:
     """Interval times and test accuracies; sockets, CPU and bytes after the first."""
 
-    def __init__(self, replicas, pids, evaluate):
+    def __init__(self, replicas, pids, evaluate, max_secs=None):
         import tf_keras
 
         probe = self
@@ -352,18 +307,26 @@ class _Probe:
                 probe.evaluate_point(count_cpu=False)
 
             def on_epoch_begin(self, epoch, logs=None):
+                if epoch == 0:
+                    probe.snap("begin")
                 probe.begin = time.monotonic()
 
             # `fit` joins the coordinator at the end of every epoch (one
             # evaluation interval), so each snapshot and evaluation sees every
-            # scheduled step finished; both are outside the clock.
+            # scheduled step finished; both are outside the clock. The cut-off
+            # comes at an epoch's end too: steps already scheduled cannot be
+            # taken back.
             def on_epoch_end(self, epoch, logs=None):
                 probe.epoch_secs.append(time.monotonic() - probe.begin)
-                last = epoch == self.params["epochs"] - 1
-                if epoch in (0, self.params["epochs"] - 1):
-                    probe.snap()
+                end = epoch == self.params["epochs"] - 1
+                if not end and max_secs and sum(probe.epoch_secs) >= max_secs:
+                    self.model.stop_training = probe.cut = end = True
+                if epoch == 0:
+                    probe.snap("first")
+                if end:
+                    probe.snap("last")
                 # After the last snapshot, its CPU is outside the window.
-                probe.evaluate_point(count_cpu=not last)
+                probe.evaluate_point(count_cpu=not end)
 
         self.callback = Callback()
         self.replicas = replicas
@@ -374,7 +337,9 @@ class _Probe:
         self.accuracies: list[float] = []
         # CPU seconds per pid the evaluations took inside the measured window.
         self.eval_cpu: dict[int, float] = collections.Counter()
-        self.snaps: list[tuple[list[traffic.TcpSocket], dict, int]] = []
+        # "begin" (before the first interval), "first" (after it), "last".
+        self.snaps: dict[str, tuple[list[traffic.TcpSocket], dict, int]] = {}
+        self.cut = False  # Stopped by `max_secs`.
 
     def evaluate_point(self, count_cpu):
         """Appends the test accuracy now (before training, after each interval)."""
@@ -384,13 +349,20 @@ class _Probe:
             for pid in self.pids:
                 self.eval_cpu[pid] += traffic.cpu_secs(pid) - before[pid]
 
-    def snap(self):
+    def window(self):
+        """`(before, after)` snapshots: after the first interval to the end,
+        or the first interval itself when it is the only one (cut off)."""
+        if len(self.epoch_secs) > 1:
+            return self.snaps["first"], self.snaps["last"]
+        return self.snaps["begin"], self.snaps["first"]
+
+    def snap(self, name):
         moved = 0
         if self.replicas:
             moved = sum(s.bytes_fetched + s.bytes_pushed for s in self.replicas.stats())
         cpu = {pid: traffic.cpu_secs(pid) for pid in self.pids}
         sockets = traffic.read_sockets() if self.replicas is not False else []
-        self.snaps.append((sockets, cpu, moved))
+        self.snaps[name] = (sockets, cpu, moved)
 
     def curve(self):
         """`[(training secs, accuracy)]`; the first interval at the later ones' rate.
@@ -409,27 +381,6 @@ class _Probe:
         for t in secs:
             times.append(times[-1] + t)
         return list(zip(times, self.accuracies))
-
-
-def to_target(curve, examples_per_point: float, target: float) -> tuple[float, float]:
-    """`(secs, examples)` to first reach `target` on `curve` (NaN: never).
-
-    Args:
-      curve: `[(training secs, test accuracy)]`, point k after
-        `k * examples_per_point` training examples.
-      examples_per_point: examples between two points.
-      target: the test accuracy to reach.
-
-    Returns:
-      Seconds and examples, each linearly interpolated between the two points
-      around the first crossing (`plots.time_to_target`).
-    """
-    accs = [a for _, a in curve]
-    secs = plots.time_to_target([t for t, _ in curve], accs, target)
-    examples = plots.time_to_target(
-        [k * examples_per_point for k in range(len(curve))], accs, target
-    )
-    return secs, examples
 
 
 def _row_kind(name: str) -> tuple[str, int | None, str | None]:
@@ -530,7 +481,7 @@ def _single_process_fit(model, x, y, config, probe, intervals, steps):
     )
 
 
-def _run(local, data, model_name, name, f, seed) -> Row:
+def _run(local, data, model_name, name, f, seed, nic=UNLIMITED) -> Row:
     """Trains one row (fresh strategy or, for `single`, no cluster); returns it."""
     import statistics
 
@@ -582,7 +533,10 @@ def _run(local, data, model_name, name, f, seed) -> Row:
     # tasks, which the reconnected context no longer knows (noisy errors).
     _KEEP_ALIVE.append(model)
     probe = _Probe(
-        replicas, list(roles), lambda: training.accuracy(model, x_test, y_test)
+        replicas,
+        list(roles),
+        lambda: training.accuracy(model, x_test, y_test, _EVAL_BATCH),
+        f.max_row_secs,
     )
     if kind == "single":
         _single_process_fit(model, x_train, y_train, config, probe, intervals, steps)
@@ -596,8 +550,8 @@ def _run(local, data, model_name, name, f, seed) -> Row:
             callbacks=[probe.callback],
             print_fn=lambda *_: None,
         )
-    (before, cpu0, moved0), (after, cpu1, moved1) = probe.snaps
-    timed_steps = (intervals - 1) * steps
+    (before, cpu0, moved0), (after, cpu1, moved1) = probe.window()
+    timed_steps = max(1, len(probe.epoch_secs) - 1) * steps
     examples = timed_steps * config.batch_size
     pids = {
         role: [p for p, r in roles.items() if r == role] for role in set(roles.values())
@@ -612,6 +566,7 @@ def _run(local, data, model_name, name, f, seed) -> Row:
         socket_bytes = traffic.link_bytes(
             before, after, pids["worker"], pids["ps"], ps_ports
         ).total
+    num_params = sum(v.shape.num_elements() for v in model.trainable_variables)
     if kind == "stock":
         # Stock training reads every parameter and sends every gradient once
         # per step.
@@ -628,7 +583,8 @@ def _run(local, data, model_name, name, f, seed) -> Row:
         for role, role_pids in pids.items()
     }
     rate = statistics.median(
-        steps * config.batch_size / s for s in probe.epoch_secs[1:]
+        steps * config.batch_size / s
+        for s in (probe.epoch_secs[1:] or probe.epoch_secs)
     )
     curve = probe.curve()
     target = _target(f, model_name)
@@ -641,227 +597,17 @@ def _run(local, data, model_name, name, f, seed) -> Row:
         tensor_bytes_per_example=tensor_bytes / examples,
         cpu_ms_per_step=cpu_ms,
         test_accuracy=curve[-1][1],
-        test_loss=_test_loss(model, x_test, y_test),
+        test_loss=_test_loss(model, x_test, y_test, _EVAL_BATCH),
         wall_secs=time.monotonic() - start,
         curve=curve,
         target=target,
         secs_to_target=secs,
         examples_to_target=examples_to,
         reached=int(not math.isnan(secs)),
+        nic=nic,
+        num_params=num_params,
+        cut_off_secs=curve[-1][0] if probe.cut else math.nan,
     )
-
-
-def _median_reached(values: list[float]) -> float:
-    """Median where NaN (not reached) counts as slower than any round; NaN if so."""
-    import statistics
-
-    value = statistics.median(math.inf if math.isnan(v) else v for v in values)
-    return math.nan if math.isinf(value) else value
-
-
-def median_rows(rows: list[Row]) -> list[Row]:
-    """One row per `(model, name)`, in first-seen order: medians over rounds.
-
-    `speedup` is the median over rounds of each round's examples/s over that
-    round's stock examples/s (the i-th row of a configuration is round i): the
-    two ran side by side, so a load change between rounds cancels out. The
-    time to the target is the median over rounds, a round that did not reach
-    it counting as the slowest; `spread` holds min and max over rounds.
-    """
-    import statistics
-
-    groups: dict[tuple[str, str], list[Row]] = {}
-    for r in rows:
-        groups.setdefault((r.model, r.name), []).append(r)
-    result = []
-    for (model, name), group in groups.items():
-        stock = groups.get((model, "stock"), group)
-        speedup = statistics.median(
-            r.examples_per_sec / s.examples_per_sec for r, s in zip(group, stock)
-        )
-
-        def med(key, group=group):
-            return statistics.median(getattr(r, key) for r in group)
-
-        def spread(key, group=group):
-            values = [getattr(r, key) for r in group]
-            finite = [v for v in values if not math.isnan(v)]
-            high = max(finite) if len(finite) == len(values) else math.nan
-            return (min(finite) if finite else math.nan, high)
-
-        roles = {k for r in group for k in r.cpu_ms_per_step}
-        result.append(
-            Row(
-                model=model,
-                name=name,
-                examples_per_sec=med("examples_per_sec"),
-                socket_bytes_per_example=med("socket_bytes_per_example"),
-                tensor_bytes_per_example=med("tensor_bytes_per_example"),
-                cpu_ms_per_step={
-                    k: statistics.median(r.cpu_ms_per_step.get(k, 0.0) for r in group)
-                    for k in sorted(roles)
-                },
-                test_accuracy=med("test_accuracy"),
-                test_loss=med("test_loss"),
-                wall_secs=sum(r.wall_secs for r in group),
-                speedup=speedup,
-                curve=downpour_figures.median_curve([r.curve for r in group]),
-                target=group[0].target,
-                secs_to_target=_median_reached([r.secs_to_target for r in group]),
-                examples_to_target=_median_reached(
-                    [r.examples_to_target for r in group]
-                ),
-                spread={
-                    k: spread(k)
-                    for k in ("secs_to_target", "examples_to_target", "test_accuracy")
-                },
-                reached=sum(r.reached for r in group),
-                rounds=len(group),
-            )
-        )
-    return result
-
-
-def _fmt(value: float, fmt: str) -> str:
-    return "not reached" if math.isnan(value) else format(value, fmt)
-
-
-def _fmt_range(low: float, high: float, fmt: str) -> str:
-    return f"{_fmt(low, fmt)}-{'n.r.' if math.isnan(high) else format(high, fmt)}"
-
-
-def format_headline(rows: list[Row], header: str) -> str:
-    """The time-to-accuracy table, Markdown: medians over rounds, [min-max].
-
-    `x stock`, `x single`: seconds to the target over the `stock` and `single`
-    rows' (of the same model, medians); `B x stock`: socket bytes per example
-    over stock's; `acc vs n=1`: final test accuracy minus the `n=1` row's, in
-    points (equal examples).
-    """
-    lines = [
-        header,
-        "",
-        "| model | row | target | secs to target | examples to target | reached "
-        "| x stock | x single | final acc | acc vs n=1 | ex/s | x stock ex/s "
-        "| x single ex/s | B/ex | B x stock |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    by_name = {(r.model, r.name): r for r in rows}
-    for r in rows:
-        stock = by_name.get((r.model, "stock"))
-        single = by_name.get((r.model, "single"))
-        n1 = by_name.get((r.model, "n=1"))
-        lo, hi = r.spread.get("secs_to_target", (r.secs_to_target,) * 2)
-        elo, ehi = r.spread.get("examples_to_target", (r.examples_to_target,) * 2)
-        alo, ahi = r.spread.get("test_accuracy", (r.test_accuracy,) * 2)
-
-        def ratio(value, base, fmt=".2f"):
-            if base is None or math.isnan(value) or math.isnan(base) or not base:
-                return "-"
-            return _fmt(value / base, fmt)
-
-        diff = "-"
-        if n1 is not None:
-            diff = f"{100 * (r.test_accuracy - n1.test_accuracy):+.1f}"
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r.model,
-                    r.name,
-                    f"{r.target:.3f}",
-                    f"{_fmt(r.secs_to_target, '.1f')} [{_fmt_range(lo, hi, '.1f')}]",
-                    f"{_fmt(r.examples_to_target, '.0f')} "
-                    f"[{_fmt_range(elo, ehi, '.0f')}]",
-                    f"{r.reached}/{r.rounds}",
-                    ratio(r.secs_to_target, stock and stock.secs_to_target),
-                    ratio(r.secs_to_target, single and single.secs_to_target),
-                    f"{r.test_accuracy:.4f} [{alo:.4f}-{ahi:.4f}]",
-                    diff,
-                    f"{r.examples_per_sec:.0f}",
-                    ratio(r.examples_per_sec, stock and stock.examples_per_sec),
-                    ratio(r.examples_per_sec, single and single.examples_per_sec),
-                    f"{r.socket_bytes_per_example:.0f}",
-                    ratio(
-                        r.socket_bytes_per_example,
-                        stock and stock.socket_bytes_per_example,
-                        ".3f",
-                    ),
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(lines)
-
-
-def write_headline_csv(path: str, rows: list[Row]) -> str:
-    """The headline table as CSV (one line per row, medians and min/max)."""
-    fields = ("secs_to_target", "examples_to_target", "test_accuracy")
-    return plots.write_csv(
-        path,
-        [
-            "model",
-            "row",
-            "target",
-            "secs_to_target",
-            "secs_min",
-            "secs_max",
-            "examples_to_target",
-            "examples_min",
-            "examples_max",
-            "test_accuracy",
-            "acc_min",
-            "acc_max",
-            "reached",
-            "rounds",
-            "examples_per_sec",
-            "socket_bytes_per_example",
-        ],
-        [
-            [
-                r.model,
-                r.name,
-                r.target,
-                *[
-                    v
-                    for k in fields
-                    for v in (getattr(r, k), *r.spread.get(k, (math.nan,) * 2))
-                ],
-                r.reached,
-                r.rounds,
-                r.examples_per_sec,
-                r.socket_bytes_per_example,
-            ]
-            for r in rows
-        ],
-    )
-
-
-def format_table(rows: list[Row], header: str) -> str:
-    """The results table; ratios are to the `stock` row of the same model.
-
-    `x stock` is `Row.speedup` where set, else the ratio of examples/s.
-    """
-    lines = [
-        header,
-        f"{'model':6} {'config':6} {'ex/s':>7} {'x stock':>7} {'sock B/ex':>10} "
-        f"{'tensor B/ex':>11} {'B x stock':>9} {'CPU ms/step':>11} {'test acc':>8} "
-        f"{'test loss':>9}",
-    ]
-    stock = {r.model: r for r in rows if r.name == "stock"}
-    for r in rows:
-        base = stock.get(r.model, r)
-        speedup = r.speedup
-        if speedup is None:
-            speedup = r.examples_per_sec / base.examples_per_sec
-        lines.append(
-            f"{r.model:6} {r.name:6} {r.examples_per_sec:7.0f} {speedup:7.2f} "
-            f"{r.socket_bytes_per_example:10.0f} {r.tensor_bytes_per_example:11.0f} "
-            f"{r.socket_bytes_per_example / base.socket_bytes_per_example:9.3f} "
-            f"{sum(r.cpu_ms_per_step.values()):11.1f} {r.test_accuracy:8.4f} "
-            f"{r.test_loss:9.3f}"
-        )
-    return "\n".join(lines)
 
 
 def _check_rows(names: list[str]) -> bool:
@@ -879,6 +625,95 @@ def _rows(f) -> list[str]:
     return f.rows or list(_QUICK_ROWS if f.quick else _DEFAULT_ROWS)
 
 
+def _print_round(round_index, rounds, r):
+    secs = "not reached" if math.isnan(r.secs_to_target) else f"{r.secs_to_target:.1f}"
+    cut = "" if math.isnan(r.cut_off_secs) else f" (cut off at {r.cut_off_secs:.0f} s)"
+    nic = "" if r.nic == UNLIMITED else f" nic={r.nic}"
+    print(
+        f"round {round_index + 1}/{rounds} {r.model}{nic} {r.name}: "
+        f"{secs} s to {r.target:.3f}{cut}, final {r.test_accuracy:.4f}, "
+        f"{r.examples_per_sec:.0f} ex/s, {r.wall_secs:.0f} s wall",
+        flush=True,
+    )
+
+
+def _header(f, rounds):
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    steps = ", ".join(f"{m} {_intervals(f, m)} x {_eval_every(f, m)}" for m in f.models)
+    nic = ""
+    if f.nic_rates != [UNLIMITED]:
+        nic = f" nic={','.join(f.nic_rates)}"
+        if f.ps_nic_rate:
+            nic += f" ps_nic={f.ps_nic_rate}"
+        if f.max_row_secs:
+            nic += f" max_row_secs={f.max_row_secs:g}"
+    return (
+        f"cores={os.cpu_count()} load={load} workers=2 ps={f.num_ps} "
+        f"batch={f.batch_size} steps_per_execution={f.steps_per_execution} "
+        f"steps=({steps}) medians of {rounds} rounds (seeds {f.first_seed}-"
+        f"{f.first_seed + rounds - 1}) lr="
+        + ",".join(f"{m}:{f.learning_rate or _LEARNING_RATE[m]}" for m in f.models)
+        + f" speech=440-{f.speech_hidden_units}x4-{_speech_classes(f)} "
+        f"outer={f.outer_learning_rate}/{f.outer_momentum} "
+        f"dc={f.delay_compensation}{nic}"
+    )
+
+
+def _write_outputs(f, rows, round_rows, header):
+    """The CSVs and figures; per NIC rate in `nic_<rate>/` when several."""
+    targets = {m: _target(f, m) for m in f.models}
+    paths = [
+        write_headline_csv(
+            os.path.join(f.out_dir, "downpour_time_to_accuracy.csv"), rows
+        )
+    ]
+    several = len(f.nic_rates) > 1
+    for k, nic in enumerate(f.nic_rates):
+        # `single` ran once, at the first rate; every rate's figures show it.
+        def here(r, nic=nic, k=k):
+            return r.nic == nic or (r.name == "single" and k > 0)
+
+        folder = os.path.join(f.out_dir, f"nic_{nic}") if several else f.out_dir
+        paths += downpour_figures.write_outputs(
+            folder,
+            [r for r in rows if here(r)],
+            [(i, r) for i, r in round_rows if here(r)],
+            header,
+            targets,
+        )
+    if several:
+        predicted = _predictions(f, rows)
+        paths.append(
+            downpour_network.write_bandwidth_csv(
+                os.path.join(f.out_dir, "downpour_bandwidth.csv"), rows, predicted
+            )
+        )
+        note = header.split(" workers=")[0] + " (shared machine: noisy timings)"
+        for model in f.models:
+            paths.append(
+                downpour_figures.bandwidth_figure(
+                    os.path.join(f.out_dir, f"downpour_{model}_bandwidth.png"),
+                    [r for r in rows if r.model == model],
+                    downpour_network.rate_bits,
+                    note,
+                )
+            )
+    for path in paths:
+        print(f"wrote {path}", flush=True)
+
+
+def _predictions(f, rows):
+    return downpour_network.predict_rows(
+        rows,
+        num_workers=2,
+        num_ps=f.num_ps,
+        batch_size=f.batch_size,
+        steps_per_execution=f.steps_per_execution,
+        accumulator=f.adagrad_accumulator,
+        ps_nic_rate=f.ps_nic_rate,
+    )
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -892,68 +727,59 @@ def main(argv):
     bad = [m for m in f.models if m not in _MODELS]
     if bad:
         raise app.UsageError(f"--models must be among {_MODELS}. Received: {bad}")
+    if f.ps_nic_rate is not None:
+        downpour_network.rate_bits(f.ps_nic_rate)  # Refused before any row runs.
     names = _rows(f)
     rounds = f.rounds or (1 if f.quick else 3)
     rows = []
     round_rows = []
     data = {m: _load_data(m, f) for m in f.models}
-    with cluster.LocalCluster(
-        num_workers=2, num_ps=f.num_ps, intra_op_threads=f.task_intra_op_threads
-    ) as local:
-        # Rounds interleave the rows, so that a change in the load of the
-        # machine spreads over all of them.
-        for round_index in range(rounds):
-            for model_name in f.models:
-                for name in names:
-                    seed = f.first_seed + round_index
-                    r = _run(local, data[model_name], model_name, name, f, seed)
-                    rows.append(r)
-                    round_rows.append((round_index, r))
-                    print(
-                        f"round {round_index + 1}/{rounds} {r.model} {r.name}: "
-                        f"{_fmt(r.secs_to_target, '.1f')} s to {r.target:.3f}, "
-                        f"final {r.test_accuracy:.4f}, "
-                        f"{r.examples_per_sec:.0f} ex/s, {r.wall_secs:.0f} s wall",
-                        flush=True,
-                    )
-        rows = median_rows(rows)
-        load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-        steps = ", ".join(
-            f"{m} {_intervals(f, m)} x {_eval_every(f, m)}" for m in f.models
+    for k, nic in enumerate(f.nic_rates):
+        shaped = nic != UNLIMITED
+        with cluster.LocalCluster(
+            num_workers=2,
+            num_ps=f.num_ps,
+            intra_op_threads=f.task_intra_op_threads,
+            nic_bandwidth=nic if shaped else None,
+            ps_nic_bandwidth=f.ps_nic_rate if shaped else None,
+        ) as local:
+            # Rounds interleave the rows, so that a change in the load of the
+            # machine spreads over all of them.
+            for round_index in range(rounds):
+                for model_name in f.models:
+                    for name in names:
+                        if name == "single" and k > 0:
+                            continue  # No network: once, at the first rate.
+                        seed = f.first_seed + round_index
+                        r = _run(
+                            local, data[model_name], model_name, name, f, seed, nic
+                        )
+                        rows.append(r)
+                        round_rows.append((round_index, r))
+                        _print_round(round_index, rounds, r)
+    rows = median_rows(rows)
+    header = _header(f, rounds)
+    for line in format_headline(rows, header).splitlines():
+        print(line, flush=True)
+    if f.throughput_table:
+        print(flush=True)
+        print(format_table(rows, "throughput (medians over rounds):"), flush=True)
+    if f.cpu_breakdown:
+        for r in rows:
+            cpu = " ".join(f"{k}={v:.1f}" for k, v in sorted(r.cpu_ms_per_step.items()))
+            print(f"{r.model} {r.nic} {r.name}: CPU ms/step {cpu}")
+    if len(f.nic_rates) > 1:
+        print(flush=True)
+        print(
+            "time to target by NIC rate; predicted: the planner calibrated on "
+            "the row's unlimited ex/s (else single's):",
+            flush=True,
         )
-        header = (
-            f"cores={os.cpu_count()} load={load} workers=2 ps={f.num_ps} "
-            f"batch={f.batch_size} steps_per_execution={f.steps_per_execution} "
-            f"steps=({steps}) medians of {rounds} rounds (seeds {f.first_seed}-"
-            f"{f.first_seed + rounds - 1}) lr="
-            + ",".join(f"{m}:{f.learning_rate or _LEARNING_RATE[m]}" for m in f.models)
-            + f" speech=440-{f.speech_hidden_units}x4-{_speech_classes(f)} "
-            f"outer={f.outer_learning_rate}/{f.outer_momentum} "
-            f"dc={f.delay_compensation}"
-        )
-        for line in format_headline(rows, header).splitlines():
+        print(downpour_network.format_bandwidth(rows, _predictions(f, rows)))
+        for line in downpour_network.best_downpour_lines(rows):
             print(line, flush=True)
-        if f.throughput_table:
-            print(flush=True)
-            print(format_table(rows, "throughput (medians over rounds):"), flush=True)
-        if f.cpu_breakdown:
-            for r in rows:
-                cpu = " ".join(
-                    f"{k}={v:.1f}" for k, v in sorted(r.cpu_ms_per_step.items())
-                )
-                print(f"{r.model} {r.name}: CPU ms/step {cpu}")
-        if f.out_dir:
-            targets = {m: _target(f, m) for m in f.models}
-            paths = [
-                write_headline_csv(
-                    os.path.join(f.out_dir, "downpour_time_to_accuracy.csv"), rows
-                ),
-                *downpour_figures.write_outputs(
-                    f.out_dir, rows, round_rows, header, targets
-                ),
-            ]
-            for path in paths:
-                print(f"wrote {path}", flush=True)
+    if f.out_dir:
+        _write_outputs(f, rows, round_rows, header)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ figures from the CSVs of an earlier run:
 from __future__ import annotations
 
 import csv
+import math
 import os
 import statistics
 import sys
@@ -193,6 +194,78 @@ def write_outputs(out_dir, rows, round_rows, header, target_accuracy=None):
             )
         )
     return paths
+
+
+def bandwidth_figure(path, rows, rate_bits, note=""):
+    """Seconds to the target accuracy against the NIC rate, one line per row.
+
+    Args:
+      path: the PNG to write.
+      rows: one model's rows (`downpour_tables.Row`) at several NIC rates;
+        the `single` row (no network) is a dashed line.
+      rate_bits: `nic -> bits/s or None` (`unlimited`, drawn right of the
+        fastest rate, at 10 times it).
+      note: the machine's line under the figure.
+
+    Returns:
+      `path`. A row cut off before the target (`cut_off_secs`) counts as its
+      cut-off seconds: a lower bound, said in the title.
+    """
+    bits = {r.nic: rate_bits(r.nic) for r in rows if r.name != "single"}
+    shaped = [b for b in bits.values() if b is not None]
+    unlimited_x = 10 * max(shaped) if shaped else 1e11
+    xs_of = {nic: unlimited_x if b is None else b for nic, b in bits.items()}
+    series = {}
+    for r in rows:
+        if r.name == "single":
+            continue
+        secs = r.secs_to_target
+        if math.isnan(secs):
+            secs = r.cut_off_secs
+        xs, ys = series.setdefault(r.name, ([], []))
+        xs.append(xs_of[r.nic])
+        ys.append(secs)
+    cut = {}
+    for r in rows:
+        if r.name != "single" and math.isnan(r.secs_to_target):
+            cut.setdefault(r.name, []).append(_rate_label(xs_of[r.nic]))
+    labelled = {}
+    for name, (xs, ys) in series.items():
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        label = name + (f" (cut off at {', '.join(cut[name])})" if name in cut else "")
+        labelled[label] = ([xs[i] for i in order], [ys[i] for i in order])
+    series = labelled
+    single = next((r for r in rows if r.name == "single"), None)
+    hline = None
+    if single is not None and not math.isnan(single.secs_to_target):
+        hline = (single.secs_to_target, f"single {single.secs_to_target:.1f} s")
+    ticks = sorted(set(xs_of.values()))
+    labels = [
+        "unlimited" if x == unlimited_x and None in bits.values() else _rate_label(x)
+        for x in ticks
+    ]
+    target = rows[0].target
+    return plots.line_plot(
+        path,
+        series,
+        title=f"{rows[0].model}: seconds to test accuracy {target:.3f} by NIC rate "
+        "(cut off: at least)",
+        xlabel="NIC rate of every task, bits/s (log)",
+        ylabel="training seconds to target (log)",
+        hline=hline,
+        logx=True,
+        logy=True,
+        xticks=ticks,
+        xticklabels=labels,
+        note=note,
+    )
+
+
+def _rate_label(bits: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:g} {unit}"
+    return f"{bits:g} bit/s"
 
 
 def read_outputs(out_dir):

@@ -78,6 +78,8 @@ def line_plot(
     logy: bool = False,
     note: str = "",
     xticks: Sequence[float] | None = None,
+    logx: bool = False,
+    xticklabels: Sequence[str] | None = None,
 ) -> str:
     """One line with markers per series, in the given order; returns `path`.
 
@@ -89,6 +91,8 @@ def line_plot(
       logy: a logarithmic y axis.
       note: a small text under the plot (e.g. the machine's load).
       xticks: the x axis ticks, or None for matplotlib's.
+      logx: a logarithmic x axis.
+      xticklabels: with `xticks`, their labels.
 
     Returns:
       `path`.
@@ -112,8 +116,13 @@ def line_plot(
         ax.axhline(hline[0], color="grey", linestyle="--", linewidth=1, label=hline[1])
     if logy:
         ax.set_yscale("log")
+    if logx:
+        ax.set_xscale("log")
     if xticks is not None:
         ax.set_xticks(list(xticks))
+        if xticklabels is not None:
+            ax.set_xticklabels(list(xticklabels))
+            ax.minorticks_off()
     _finish(fig, ax, path, title, xlabel, ylabel, note)
     plt.close(fig)
     return path

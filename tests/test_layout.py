@@ -44,6 +44,7 @@ PURE_MODULES = [
     "tf_distbelief.cluster.manifest",
     "tf_distbelief.cluster.jobset",
     "tf_distbelief.cluster.tfjob",
+    "tf_distbelief.planner.cost_model",
     "tf_distbelief.errors",
     # The launch script's first line and start-up filter, before TensorFlow.
     "tf_distbelief.console",

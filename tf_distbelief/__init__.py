@@ -15,6 +15,8 @@ each algorithm and the cluster keep their names in their own package:
 * `fit`: `fit.fit`, tf_keras `Model.fit` with progress, checkpoints, exact
   resume, exact validation (`fit.ExactValidation`), per-worker training files
   (`fit.FileInput`) and export; `job`: the training job `launch/train.py` runs.
+* `planner`: predicted examples/s and bottleneck of stock and Downpour
+  training from bytes per step and NIC rates (no TensorFlow).
 * `faults`: exactly-once steps, the non-finite guard, exact restore, ps
   recovery and the bounded wait for steps, under the algorithms.
 
@@ -57,6 +59,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
         "job",
         "keras3",
         "model_parallel",
+        "planner",
         "sandblaster",
     ),
 )

@@ -1,0 +1,147 @@
+"""The emulated-network part of `benchmarks/downpour_bench.py`: rates, the
+planner's calibrated predictions, the bandwidth table and figure; no cluster."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+from absl import flags
+
+from benchmarks import downpour_figures, downpour_network, downpour_tables
+
+
+def _row(name, nic, rate, secs, cut=math.nan, model="speech"):
+    return downpour_tables.Row(
+        model=model,
+        name=name,
+        examples_per_sec=rate,
+        socket_bytes_per_example=100.0,
+        tensor_bytes_per_example=100.0,
+        cpu_ms_per_step={"worker": 1.0},
+        test_accuracy=0.25,
+        test_loss=1.0,
+        wall_secs=1.0,
+        curve=[(0.0, 0.1), (secs if not math.isnan(secs) else cut, 0.3)],
+        target=0.2,
+        secs_to_target=secs,
+        reached=int(not math.isnan(secs)),
+        nic=nic,
+        num_params=1_000_000,
+        cut_off_secs=cut,
+    )
+
+
+def _rows():
+    return [
+        _row("single", "unlimited", 3200, 10.0),
+        _row("stock", "unlimited", 1000, 40.0),
+        _row("n=16", "unlimited", 2000, 20.0),
+        _row("stock", "1gbit", 500, 80.0),
+        _row("n=16", "1gbit", 1800, 22.0),
+        _row("stock", "100mbit", 50, math.nan, cut=150.0),
+        _row("n=16", "100mbit", 900, 30.0),
+    ]
+
+
+def _predicted(rows):
+    return downpour_network.predict_rows(
+        rows, num_workers=2, num_ps=1, batch_size=32, steps_per_execution=20
+    )
+
+
+def test_rates_and_the_argv_check_before_tensorflow():
+    assert downpour_network.rate_bits("unlimited") is None
+    assert downpour_network.rate_bits("100mbit") == 10**8
+    assert downpour_network.check_rates(["unlimited", "1gbit"])
+    for bad in (["fast"], ["1gbit", "1000mbit"], []):
+        with pytest.raises(flags.ValidationError, match="nic_rates"):
+            downpour_network.check_rates(bad)
+    shaped = downpour_network.shaped_in_argv
+    assert not shaped(["bench"])
+    assert not shaped(["bench", "--nic_rates=unlimited", "--rounds=1"])
+    assert shaped(["bench", "--rounds=1", "--nic_rates=unlimited,1gbit"])
+    assert shaped(["bench", "--nic_rates", "100mbit"])
+
+
+def test_predictions_are_calibrated_on_the_rows_unshaped_rate():
+    predicted = _predicted(_rows())
+    assert ("speech", "unlimited", "single") not in predicted
+    # Unshaped: the calibration itself.
+    p = predicted[("speech", "unlimited", "stock")]
+    assert (p.examples_per_sec, p.calibration) == (pytest.approx(1000), "row@unlimited")
+    # 1 Gbit/s: compute 2 x 32 / 1000 = 64 ms, transfer 8 x 2 x 4,002,048 bits
+    # at 1e9 (64.03 ms): 64 / 0.12803 s = 499.9 ex/s, the worker NIC's bound.
+    p = predicted[("speech", "1gbit", "stock")]
+    assert p.examples_per_sec == pytest.approx(64 / (0.064 + 0.064032768))
+    assert p.bottleneck == "worker NIC"
+    # Calibrated on single instead: compute 64 / 3200 = 20 ms.
+    assert p.single_examples_per_sec == pytest.approx(64 / (0.02 + 0.064032768))
+
+
+def test_bandwidth_table_counts_a_cut_off_row_as_its_cut_off():
+    rows = _rows()
+    table = downpour_network.format_bandwidth(rows, _predicted(rows))
+    lines = table.splitlines()
+    cells = {
+        tuple(c.strip() for c in line.strip("|").split("|")[1:3]): [
+            c.strip() for c in line.strip("|").split("|")
+        ]
+        for line in lines[2:]
+    }
+    stock = cells[("100mbit", "stock")]
+    assert stock[3] == "not reached in 150 s"
+    # Compute 64 ms + 8 x 8,004,096 bits at 1e8 (640.3 ms): 64 / 0.7043 s.
+    assert stock[7:10] == ["91", "1.82", "worker NIC"]
+    n16 = cells[("100mbit", "n=16")]
+    # 30 s against stock's >= 150 s: at most 0.20x; 3.00x single's 10 s.
+    assert n16[3:6] == ["30.0", "<=0.20", "3.00"]
+    assert cells[("1gbit", "stock")][9] == "worker NIC"
+    assert cells[("unlimited", "stock")][7:9] == ["1000", "1.00"]
+    best = downpour_network.best_downpour_lines(rows)
+    assert best[1] == (
+        "speech nic=1gbit: best Downpour row n=16, 22.0 s to 0.200: 0.28x stock "
+        "(80.0 s), 2.20x single"
+    )
+    assert best[2] == (
+        "speech nic=100mbit: best Downpour row n=16, 30.0 s to 0.200: <=0.20x "
+        "stock (not reached in 150 s), 3.00x single"
+    )
+
+
+def test_headline_gains_a_nic_column_when_shaped():
+    rows = downpour_tables.median_rows(_rows())
+    lines = downpour_tables.format_headline(rows, "header").splitlines()
+    assert lines[2].startswith("| model | nic | row | target |")
+    cells = [c.strip() for c in lines[-2].strip("|").split("|")]
+    assert cells[:5] == [
+        "speech",
+        "100mbit",
+        "stock",
+        "0.200",
+        "not reached in 150 s [not reached-n.r.]",
+    ]
+
+
+def test_bandwidth_csv_and_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = _rows()
+    path = downpour_network.write_bandwidth_csv(
+        str(tmp_path / "bw.csv"), rows, _predicted(rows)
+    )
+    with open(path, newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [t["nic"] for t in table][:4] == [
+        "unlimited",
+        "unlimited",
+        "unlimited",
+        "1gbit",
+    ]
+    assert table[3]["nic_bits_per_sec"] == "1000000000"
+    assert table[3]["bottleneck"] == "worker NIC"
+    png = downpour_figures.bandwidth_figure(
+        str(tmp_path / "bw.png"), rows, downpour_network.rate_bits, "note"
+    )
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

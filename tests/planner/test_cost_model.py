@@ -1,0 +1,164 @@
+"""The planner's cost model and command line: hand-computed predictions."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tf_distbelief.planner import cost_model as cm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cluster(**changes):
+    """1M parameters (4 MB), 2 workers, 1 ps, 1 Gbit/s, 10 ms a step."""
+    values = dict(
+        num_params=1_000_000,
+        num_workers=2,
+        num_ps=1,
+        worker_bits_per_sec=1e9,
+        ps_bits_per_sec=1e9,
+        compute_secs=0.01,
+        batch_size=32,
+        steps_per_execution=20,
+        function_secs=0.01,
+        overhead_bytes=2048,
+    )
+    values.update(changes)
+    return cm.Cluster(**values)
+
+
+def test_stock_is_limited_by_the_worker_nic():
+    p = cm.predict(_cluster(), cm.Setting.parse("stock"))
+    # 4,000,000 model bytes + 2,048 overhead each way, one exchange a step.
+    assert (p.traffic.to_worker_bytes, p.traffic.to_ps_bytes) == (4_002_048,) * 2
+    transfer = 8 * 8_004_096 / 1e9  # 0.064032768 s.
+    assert p.transfer_secs == pytest.approx(transfer)
+    assert p.examples_per_sec == pytest.approx(2 * 32 / (0.01 + transfer))  # 864.5
+    assert p.bottleneck == "worker NIC"
+    assert p.bounds[cm.PS_NIC] == pytest.approx(1e9 * 32 / (8 * 4_002_048))  # 999.5
+    assert p.bounds[cm.CHIEF] == pytest.approx(20 * 32 / 0.01)
+
+
+def test_downpour_squares_push_twice_the_model_and_the_outer_rule_once():
+    p = cm.predict(_cluster(), cm.Setting.parse("n=16"))
+    # Fetch 4e6/16, push 2 x 4e6/16, overhead 2048/16 a step each way.
+    assert p.traffic.to_worker_bytes == pytest.approx(250_128)
+    assert p.traffic.to_ps_bytes == pytest.approx(500_128)
+    assert p.examples_per_sec == pytest.approx(64 / (0.01 + 8 * 750_256 / 1e9))
+    assert p.bottleneck == "worker CPU"  # 6.0 ms of transfer < 10 ms.
+    assert p.bounds[cm.PS_NIC] == pytest.approx(32e9 / (8 * 500_128))
+    outer = cm.predict(_cluster(), cm.Setting.parse("n=16+outer"))
+    assert outer.traffic.to_ps_bytes == pytest.approx(250_128)
+    assert outer.examples_per_sec == pytest.approx(64 / (0.01 + 8 * 500_256 / 1e9))
+    # n_push = 1 sends no squares; "mean" never does.
+    assert cm.Setting(1, 1).push_copies == 1
+    assert cm.Setting(4, 4, accumulator="mean").push_copies == 1
+    assert cm.Setting(4, 1).exchanges_per_step == 1.0
+
+
+def test_the_ps_nic_limits_many_workers():
+    p = cm.predict(_cluster(num_workers=8), cm.Setting.parse("stock"))
+    assert p.bottleneck == "ps NIC"
+    assert p.examples_per_sec == pytest.approx(32e9 / (8 * 4_002_048))
+    # Two ps: each carries half the model and its own overhead.
+    p2 = cm.predict(_cluster(num_workers=8, num_ps=2), cm.Setting.parse("stock"))
+    assert p2.bounds[cm.PS_NIC] == pytest.approx(2e9 * 32 / (8 * 4_004_096))
+
+
+def test_the_chief_limits_short_functions_and_unlimited_nics_only_compute():
+    c = _cluster(worker_bits_per_sec=None, ps_bits_per_sec=None)
+    p = cm.predict(c, cm.Setting.parse("stock"))
+    assert (p.examples_per_sec, p.bottleneck) == (pytest.approx(6400), "worker CPU")
+    assert math.isinf(p.bounds[cm.PS_NIC])
+    p = cm.predict(c.replace(steps_per_execution=1), cm.Setting.parse("n=4"))
+    assert (p.examples_per_sec, p.bottleneck) == (
+        pytest.approx(3200),
+        "chief scheduling",
+    )
+    # 200 workers at 100 ms a step: 2,000 steps/s, 10 ms a function.
+    c = _cluster(num_workers=200, compute_secs=0.1)
+    assert cm.chief_steps_per_execution(c) == 20
+
+
+def test_smallest_ps_and_n():
+    # 100 workers at 10 Gbit/s, ps at 1 Gbit/s: busy is 90% of 320,000 ex/s.
+    # n=64+outer: ps bound 4e9 P / (62,500 + 32 P) >= 288,000 from P = 5.
+    c = _cluster(num_workers=100, worker_bits_per_sec=1e10)
+    setting = cm.Setting.parse("n=64+outer")
+    assert cm.smallest_ps(c, setting) == 5
+    assert cm.predict(c.replace(num_ps=4), setting).bounds[cm.PS_NIC] < 288_000
+    # Stock: 8 MB a step at 10 Gbit/s is 6.4 ms of transfer; never busy.
+    assert cm.smallest_ps(c, cm.Setting.parse("stock")) is None
+    # 2 workers at 1 Gbit/s: busy needs <= 138,889 bytes a step:
+    # (12e6 + 4096) / n without a rule (n >= 86.4), (8e6 + 4096) / n with it.
+    assert cm.smallest_n(_cluster()) == 128
+    assert cm.smallest_n(_cluster(), outer=True) == 64
+    assert cm.plan(_cluster(), outer=True) == (64, 1)
+    assert cm.plan(_cluster(), outer=True, busy_fraction=1.0) is None
+
+
+@pytest.mark.parametrize(
+    "value, count", [("42M", 42_000_000), ("2.4m", 2_400_000), ("500k", 500_000)]
+)
+def test_parse_count(value, count):
+    assert cm.parse_count(value) == count
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: cm.parse_count("lots"), r"`params`.*'lots'"),
+        (lambda: cm.Setting.parse("n=0"), r"`name`.*'n=0'"),
+        (lambda: cm.Setting(4, None), r"`n_fetch` and `n_push`"),
+        (lambda: cm.Setting(accumulator="cubes"), r"`accumulator`.*'cubes'"),
+        (lambda: _cluster(num_ps=0), r"`num_ps` must be positive. Received: 0"),
+        (lambda: _cluster(ps_bits_per_sec=-1), r"`ps_bits_per_sec`.*-1"),
+        (lambda: _cluster(compute_secs=math.nan), r"`compute_secs`.*nan"),
+        (lambda: cm.smallest_ps(_cluster(), cm.Setting(), 1.5), r"`busy_fraction`"),
+    ],
+)
+def test_bad_inputs_name_the_argument(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def _planner(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "tf_distbelief.planner", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_command_line_prints_every_row_and_the_plan():
+    proc = _planner(
+        "--params=1M", "--workers=2", "--nic=1gbit", "--step_ms=10",
+        "--steps_per_execution=20",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("params=1,000,000 (4.0 MB float32) workers=2 ps=1")
+    rows = {line.split()[0]: line.split() for line in lines[2:10]}
+    assert list(rows) == [
+        "stock", "n=1", "n=4", "n=4+outer", "n=16", "n=16+outer", "n=64",
+        "n=64+outer",
+    ]  # fmt: skip
+    assert rows["stock"][1:4] == ["864", "worker", "NIC"]
+    assert rows["n=16"][1:4] == ["3,999", "worker", "CPU"]
+    assert "plan without a push rule: n_fetch = n_push = 128, num_ps = 1" in lines
+    assert "plan with the outer rule: n_fetch = n_push = 64, num_ps = 1" in lines
+
+
+def test_command_line_refuses_bad_arguments():
+    proc = _planner("--params=1M", "--workers=2", "--nic=fast", "--step_ms=10")
+    assert proc.returncode == 2
+    assert "`--nic` must be a rate" in proc.stderr
+    proc = _planner("--params=1M", "--workers=0", "--step_ms=10")
+    assert proc.returncode == 2
+    assert "`--workers` must be positive. Received: 0" in proc.stderr

@@ -1,0 +1,28 @@
+"""The planner: predicted throughput of parameter-server training and Downpour.
+
+* `cost_model`: bytes per step, NIC rates, ps count, compute and the chief's
+  scheduling as bounds on examples/s; the fewest ps tasks and the smallest
+  `n_push` that keep the workers busy (pure Python, no TensorFlow).
+* `python -m tf_distbelief.planner --params=42M --workers=200 --ps=8
+  --nic=10gbit --step_ms=100` prints its table (docs/planning.md).
+"""
+
+from tf_distbelief import _lazy
+
+__all__, __getattr__, __dir__ = _lazy.exports(
+    __name__,
+    {
+        "Cluster": "cost_model",
+        "Prediction": "cost_model",
+        "Setting": "cost_model",
+        "Traffic": "cost_model",
+        "chief_steps_per_execution": "cost_model",
+        "parse_count": "cost_model",
+        "plan": "cost_model",
+        "predict": "cost_model",
+        "smallest_n": "cost_model",
+        "smallest_ps": "cost_model",
+        "standard_settings": "cost_model",
+        "step_traffic": "cost_model",
+    },
+)

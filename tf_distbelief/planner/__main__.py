@@ -1,0 +1,177 @@
+"""Prints the planner's table: examples/s and bottleneck of each setting.
+
+  python -m tf_distbelief.planner --params=42M --workers=200 --ps=8 \
+      --nic=10gbit --step_ms=100
+
+For stock parameter-server training and Downpour with n = n_fetch = n_push in
+1, 4, 16, 64 (with and without the outer rule): the predicted examples/s, the
+resource that saturates first, the bytes of a step, and the fewest ps tasks
+that keep the workers busy; then the smallest n and ps count that do
+(`cost_model.plan`). No TensorFlow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from tf_distbelief.cluster import network
+from tf_distbelief.planner import cost_model
+
+__all__ = ["format_table", "main", "parse_args"]
+
+
+# `Cluster`'s fields as the command line names them, for the messages.
+_FLAGS = {
+    "num_params": "--params",
+    "num_workers": "--workers",
+    "num_ps": "--ps",
+    "compute_secs": "--step_ms",
+    "batch_size": "--batch",
+    "function_secs": "--function_ms",
+}
+
+
+def _rate(value: str, name: str) -> float | None:
+    if value in ("unlimited", "none", ""):
+        return None
+    return network.parse_rate(value, name)
+
+
+def _describe(bits_per_sec: float | None) -> str:
+    return "unlimited" if bits_per_sec is None else network.describe_rate(bits_per_sec)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line; `SystemExit` (status 2) names a bad argument."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tf_distbelief.planner",
+        description="Predicted examples/s of parameter-server training and "
+        "Downpour SGD, and the resource that limits each.",
+    )
+    parser.add_argument("--params", required=True, help="Parameters: 42M, 2.4M.")
+    parser.add_argument("--workers", type=int, required=True, help="Workers.")
+    parser.add_argument("--ps", type=int, default=1, help="ps tasks.")
+    parser.add_argument(
+        "--nic", default="10gbit", help="Each task's NIC: 10gbit, 1gbit, unlimited."
+    )
+    parser.add_argument("--ps_nic", default=None, help="ps NICs (default --nic).")
+    parser.add_argument(
+        "--step_ms", type=float, required=True, help="One worker's compute per step."
+    )
+    parser.add_argument("--batch", type=int, default=cost_model.DEFAULT_BATCH_SIZE)
+    parser.add_argument(
+        "--steps_per_execution",
+        type=int,
+        default=cost_model.DEFAULT_STEPS_PER_EXECUTION,
+        help="Steps per scheduled function.",
+    )
+    parser.add_argument(
+        "--function_ms",
+        type=float,
+        default=cost_model.DEFAULT_FUNCTION_SECS * 1e3,
+        help="The chief's cost per scheduled function.",
+    )
+    parser.add_argument(
+        "--overhead_bytes",
+        type=float,
+        default=cost_model.DEFAULT_OVERHEAD_BYTES,
+        help="Fixed bytes per exchange per ps, each way.",
+    )
+    parser.add_argument(
+        "--accumulator", default="squares", choices=cost_model.ACCUMULATORS
+    )
+    parser.add_argument(
+        "--busy",
+        type=float,
+        default=0.9,
+        help="Workers are busy at this share of their compute-only rate.",
+    )
+    args = parser.parse_args(argv)
+    try:
+        nic = _rate(args.nic, "--nic")
+        ps_nic = nic if args.ps_nic is None else _rate(args.ps_nic, "--ps_nic")
+        args.cluster = cost_model.Cluster(
+            num_params=cost_model.parse_count(args.params, "--params"),
+            num_workers=args.workers,
+            num_ps=args.ps,
+            worker_bits_per_sec=nic,
+            ps_bits_per_sec=ps_nic,
+            compute_secs=args.step_ms / 1e3,
+            batch_size=args.batch,
+            steps_per_execution=args.steps_per_execution,
+            function_secs=args.function_ms / 1e3,
+            overhead_bytes=args.overhead_bytes,
+        )
+        if not 0 < args.busy <= 1:
+            raise ValueError(f"`--busy` must be in (0, 1]. Received: {args.busy!r}")
+    except (TypeError, ValueError) as e:
+        message = str(e).replace("Argument `", "`--")
+        for field, flag in _FLAGS.items():
+            message = message.replace(f"`--{field}`", f"`{flag}`")
+        parser.error(message)
+    return args
+
+
+def _fmt(value: float) -> str:
+    return "inf" if math.isinf(value) else f"{value:,.0f}"
+
+
+def format_table(
+    cluster: cost_model.Cluster, accumulator: str = "squares", busy: float = 0.9
+) -> str:
+    """The table `main` prints, one line per setting, then the plan lines."""
+    c = cluster
+    model_mb = c.num_params * cost_model.BYTES_PER_PARAM / 1e6
+    lines = [
+        f"params={c.num_params:,} ({model_mb:.1f} MB float32) "
+        f"workers={c.num_workers} ps={c.num_ps} "
+        f"nic={_describe(c.worker_bits_per_sec)} ps_nic={_describe(c.ps_bits_per_sec)} "
+        f"step={c.compute_secs * 1e3:g} ms batch={c.batch_size} "
+        f"steps_per_execution={c.steps_per_execution} "
+        f"function={c.function_secs * 1e3:g} ms accumulator={accumulator}",
+        f"{'row':10} {'ex/s':>10} {'bottleneck':16} {'workers':>10} {'ps NIC':>10} "
+        f"{'chief':>10} {'MB/st fetch':>11} {'MB/st push':>10} {'min ps':>6}",
+    ]
+    for setting in cost_model.standard_settings(accumulator):
+        p = cost_model.predict(c, setting)
+        fewest = cost_model.smallest_ps(c, setting, busy)
+        lines.append(
+            f"{setting.name:10} {_fmt(p.examples_per_sec):>10} {p.bottleneck:16} "
+            f"{_fmt(p.bounds['workers']):>10} {_fmt(p.bounds[cost_model.PS_NIC]):>10} "
+            f"{_fmt(p.bounds[cost_model.CHIEF]):>10} "
+            f"{p.traffic.to_worker_bytes / 1e6:11.3f} "
+            f"{p.traffic.to_ps_bytes / 1e6:10.3f} "
+            f"{'-' if fewest is None else fewest:>6}"
+        )
+    limit = c.num_workers * c.batch_size / c.compute_secs if c.compute_secs else 0
+    lines.append(
+        f"busy: at least {busy:.0%} of the workers' compute-only rate "
+        f"({_fmt(limit)} ex/s); min ps: the fewest ps tasks that keep them busy"
+    )
+    for outer in (False, True):
+        found = cost_model.plan(c, outer, accumulator, busy)
+        rule = "with the outer rule" if outer else "without a push rule"
+        if found is None:
+            lines.append(f"plan {rule}: none (n <= 1024): the worker NIC limits")
+        else:
+            n, count = found
+            lines.append(f"plan {rule}: n_fetch = n_push = {n}, num_ps = {count}")
+    spe = cost_model.chief_steps_per_execution(c)
+    if spe is not None:
+        lines.append(
+            f"chief: keeps up at steps_per_execution >= {spe} "
+            f"(now {c.steps_per_execution})"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    print(format_table(args.cluster, args.accumulator, args.busy))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
