@@ -42,7 +42,7 @@ if __name__ == "__main__":
 
 import models  # noqa: E402
 from launch import sandblaster_flags  # noqa: E402
-from tf_distbelief import downpour, job  # noqa: E402
+from tf_distbelief import downpour, errors, job  # noqa: E402
 from tf_distbelief.cluster import config as cluster_config  # noqa: E402
 from tf_distbelief.cluster import network  # noqa: E402
 from tf_distbelief.downpour import config as downpour_config  # noqa: E402
@@ -430,4 +430,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(console.refusals_in_one_line(main, (app.UsageError, *job.REFUSED_ERRORS)))
+    app.run(console.refusals_in_one_line(main, (app.UsageError, errors.ConfigError)))

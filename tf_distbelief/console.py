@@ -251,7 +251,12 @@ def refusals_in_one_line(main, refused: tuple[type[BaseException], ...]):
     return run_main
 
 
-def exit_when_done(fn, *args, keep: tuple[type[BaseException], ...] = ()) -> None:
+def exit_when_done(
+    fn,
+    *args,
+    keep: tuple[type[BaseException], ...] = (),
+    one_line: tuple[type[BaseException], ...] = (),
+) -> None:
     """Runs `fn(*args)`, then ends the process at once, skipping Python's teardown.
 
     A process that used a cluster it has already stopped cannot rely on the
@@ -269,6 +274,10 @@ def exit_when_done(fn, *args, keep: tuple[type[BaseException], ...] = ()) -> Non
       *args: passed to `fn`.
       keep: exception classes raised on as usual, for the caller to report
         (a launch script's refusals, raised before any cluster starts).
+      one_line: exception classes written as one line,
+        `<program>: error: <message>`, to stderr before the process ends with
+        status 1 (a cluster that did not answer: its message names the tasks
+        and the fix, which a traceback would bury).
 
     Raises:
       keep: as raised by `fn`. Any other `Exception` ends the process with
@@ -280,6 +289,11 @@ def exit_when_done(fn, *args, keep: tuple[type[BaseException], ...] = ()) -> Non
         fn(*args)
     except keep:
         raise
+    except one_line as e:
+        sys.stdout.flush()
+        sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {e}\n")
+        sys.stderr.flush()
+        os._exit(1)
     except Exception:  # noqa: BLE001 - written out whole, then the process ends.
         sys.stdout.flush()
         traceback.print_exc()

@@ -15,7 +15,6 @@ from tf_distbelief.job.config import (
     JobConfig,
 )
 from tf_distbelief.job.runner import (
-    REFUSED_ERRORS,
     TF_KERAS,
     Trainer,
     build_model,
@@ -34,7 +33,6 @@ __all__ = [
     "NONFINITE_MODES",
     "OPTIMIZERS",
     "PARTITIONERS",
-    "REFUSED_ERRORS",
     "JobConfig",
     "ModelSpec",
     "TF_KERAS",

@@ -469,11 +469,6 @@ def _run(config, spec, print_fn, trainer, resolver) -> dict | None:
 TF_KERAS = Trainer("tf_keras", check_spec, train, evaluate_checkpoints)
 
 
-# What a launch script prints as one line, without a traceback: the message
-# names the setting or the tasks, the value and the fix.
-REFUSED_ERRORS = (errors.ConfigError, cluster_connect.ClusterConnectError)
-
-
 def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> None:
     """Runs `run(config, spec)` for a launch script, then ends the process at once.
 
@@ -492,10 +487,11 @@ def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> 
       trainer: the chief's `Trainer` (`run`'s).
 
     Raises:
-      REFUSED_ERRORS: a refused setting (raised before any cluster starts),
-        or a cluster whose tasks do not answer within the connect timeout,
-        for the launch script to print in one line. Any other `Exception`
-        ends the process with status 1 and its traceback.
+      errors.ConfigError: a refused setting (raised before any cluster
+        starts), for the launch script to print in one line. A cluster whose
+        tasks do not answer within the connect timeout
+        (`ClusterConnectError`) ends the process with status 1 and one line
+        naming them; any other `Exception`, with its traceback.
     """
     start_secs = goodput.process_start_secs()
     console.exit_when_done(
@@ -505,5 +501,6 @@ def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> 
         console.echo,
         trainer,
         start_secs,
-        keep=REFUSED_ERRORS,
+        keep=(errors.ConfigError,),
+        one_line=(cluster_connect.ClusterConnectError,),
     )
