@@ -15,14 +15,21 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from tests.fixtures.downpour import (
+    BATCH_SIZE,
+    LEARNING_RATE,
+    NUM_CLASSES,
+    NUM_FEATURES,
+    STEPS,
+    _batches,
+    _softmax_data,
+    _softmax_grad,
+)
 from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import schedule
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.push_rules import rule
-
-NUM_FEATURES, NUM_CLASSES, BATCH_SIZE, STEPS = 6, 3, 4, 12
-LEARNING_RATE = 0.1
 
 
 class ScaledPush(rule.PushRule):
@@ -109,44 +116,17 @@ def test_register_refuses_a_rule_named_after_no_setting():
 # --- The reference, then the trainer on a cluster against it --------------------
 
 
-def _data(seed):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(STEPS * BATCH_SIZE, NUM_FEATURES))
-    y = rng.integers(0, NUM_CLASSES, size=STEPS * BATCH_SIZE)
-    kernel = rng.normal(size=(NUM_FEATURES, NUM_CLASSES)) * 0.1
-    bias = rng.normal(size=NUM_CLASSES) * 0.1
-    return x, y, [kernel, bias]
-
-
-def _grad(params, batch):
-    """Gradient of the mean softmax cross-entropy of `x @ kernel + bias`."""
-    (kernel, bias), (x, y) = params, batch
-    logits = x @ kernel + bias
-    p = np.exp(logits - logits.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
-    p[np.arange(len(y)), y] -= 1
-    p /= len(y)
-    return [x.T @ p, p.sum(axis=0)]
-
-
-def _batches(x, y):
-    return [
-        (x[i : i + BATCH_SIZE], y[i : i + BATCH_SIZE])
-        for i in range(0, len(x), BATCH_SIZE)
-    ]
-
-
 def test_reference_scales_each_push(scaled_push):
     """One replica, a push per step, no local step: SGD with the rate times
     the factor."""
-    x, y, params = _data(seed=0)
+    x, y, params = _softmax_data(seed=0)
     config = DownpourConfig(1, 1, local_learning_rate=0.0, push_scale=0.25)
     got, _ = schedule.simulate(
-        params, _grad, [_batches(x, y)], config, schedule.sgd_ps(0.4)
+        params, _softmax_grad, [_batches(x, y)], config, schedule.sgd_ps(0.4)
     )
     want = [p.copy() for p in params]
     for batch in _batches(x, y):
-        want = [w - 0.1 * g for w, g in zip(want, _grad(want, batch))]
+        want = [w - 0.1 * g for w, g in zip(want, _softmax_grad(want, batch))]
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
 
@@ -200,7 +180,7 @@ def _ps_params(model):
 )
 def test_trainer_matches_reference(local_cluster, scaled_push, kwargs):
     config = DownpourConfig(**kwargs, push_scale=3.0)
-    x, y, params = _data(seed=5)
+    x, y, params = _softmax_data(seed=5)
     model = _model(local_cluster, params)
     trainer = downpour.DownpourTrainer(model, config)
 
@@ -213,14 +193,14 @@ def test_trainer_matches_reference(local_cluster, scaled_push, kwargs):
     trainer.join()
     want, (want_stats,) = schedule.simulate(
         params,
-        _grad,
+        _softmax_grad,
         [_batches(x, y)],
         config,
         schedule.adagrad_ps(LEARNING_RATE),
     )
     plain, _ = schedule.simulate(
         params,
-        _grad,
+        _softmax_grad,
         [_batches(x, y)],
         DownpourConfig(**kwargs),
         schedule.adagrad_ps(LEARNING_RATE),
