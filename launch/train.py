@@ -228,8 +228,18 @@ def define_flags() -> None:
     flags.DEFINE_float(
         "connect_timeout_secs",
         d.connect_timeout_secs,
-        "The chief fails, naming them, when ps or worker tasks do not accept "
-        "connections within this many seconds.",
+        "The chief fails, naming them, when ps or worker tasks do not answer "
+        "as TensorFlow servers within this many seconds.",
+        lower_bound=1e-3,
+    )
+    flags.DEFINE_float(
+        "hung_task_timeout_secs",
+        d.hung_task_timeout_secs,
+        "A ps or worker task that accepts connections but has not answered a "
+        "status probe for this many seconds is hung and treated as lost: the "
+        "local cluster kills and restarts it (its step in flight runs again "
+        "elsewhere); with TF_CONFIG the chief names it and leaves it to the "
+        "orchestrator.",
         lower_bound=1e-3,
     )
     flags.DEFINE_float(
@@ -375,6 +385,7 @@ _FLOAT_FLAGS = (
     "epsilon",
     "chief_gone_secs",
     "connect_timeout_secs",
+    "hung_task_timeout_secs",
     "step_stall_timeout_secs",
     "ps_recovery_secs",
     "local_learning_rate",

@@ -30,6 +30,7 @@ from tests.fixtures.k8s import (
     run_k8s,
 )
 from tests.fixtures.launch import ROOT, TRAIN, _accuracy, _env, _wait_no_marked
+from tests.fixtures.ps_kill import checkpoint_written
 from tf_distbelief import console
 from tf_distbelief.cluster import config as config_lib
 from tf_distbelief.cluster import jobset
@@ -471,7 +472,7 @@ def test_a_ps_pod_killed_and_restarted_in_place_costs_the_job_nothing(tmp_path):
         "--train_args=--model=digits --checkpoint_every_steps=20",
     )
     marker = uuid.uuid4().hex
-    second = model_dir / "checkpoints" / "ckpt-40.index"
+    second = checkpoint_written(model_dir, 40)
     procs = {}
     with jobset_pods.PodNetwork(
         tmp_path, marker, jobset_pods.pod_hostnames(document)
@@ -479,7 +480,7 @@ def test_a_ps_pod_killed_and_restarted_in_place_costs_the_job_nothing(tmp_path):
         try:
             procs = _start_all(net, document, tmp_path, marker)
             deadline = time.monotonic() + 600
-            while not second.exists():
+            while not second():
                 assert procs[("chief", 0)].poll() is None
                 assert time.monotonic() < deadline, "no second checkpoint"
                 time.sleep(0.05)

@@ -21,8 +21,8 @@ from tests.fixtures import launch
 from tests.fixtures.launch import ROOT
 from tests.fixtures.ps_kill import (
     _kill_ps0_when,
-    _launch,
     run_ps0_killed_after_second_checkpoint,
+    start_job,
 )
 from tests.fixtures.sandblaster import _VALUE, _latest_iteration, _relative_errors
 from tf_distbelief import job, paths
@@ -88,7 +88,7 @@ def test_ps_killed_during_sandblaster_resumes_to_the_uninterrupted_result(
     total = launch.LBFGS_REFERENCE_ITERS
     marker = uuid.uuid4().hex
     checkpoints = paths.sandblaster_dir(str(tmp_path / "model"))
-    proc = _launch(
+    proc = start_job(
         [
             "--model=digits",
             "--optimizer=lbfgs",
@@ -138,7 +138,7 @@ def test_ps_killed_during_sandblaster_resumes_to_the_uninterrupted_result(
 @pytest.mark.slow
 def test_ps_lost_before_any_checkpoint_is_an_error_naming_the_task(tmp_path):
     marker = uuid.uuid4().hex
-    proc = _launch(
+    proc = start_job(
         ["--model=digits", "--num_workers=2", "--num_ps=1", "--log_every_steps=10"],
         marker,
         tmp_path,

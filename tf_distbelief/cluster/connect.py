@@ -2,8 +2,11 @@
 naming the ones it could not reach.
 
 TensorFlow's `ParameterServerStrategy` blocks without a message, and without a
-bound, while a ps or worker task does not answer; `wait_for_tasks` runs first,
-with a bound and a progress line that names what it waits for.
+bound, while a ps or worker task does not answer, and so it does at an
+address that accepts TCP connections but is not a TensorFlow server, or is a
+hung one; `wait_for_tasks` runs first, with a bound and a progress line that
+names what it waits for, and waits for an answer (`health.probe`), not for a
+TCP connection.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Callable, Mapping
 from absl import logging
 
 from tf_distbelief.cluster import config as config_lib
-from tf_distbelief.cluster import server as server_lib
+from tf_distbelief.cluster import health
 
 # A real cluster's tasks may start minutes after the chief (image pulls,
 # scheduling); a local cluster's tasks are already listening when it connects.
@@ -32,7 +35,7 @@ def wait_for_tasks(
     timeout_secs: float = DEFAULT_CONNECT_TIMEOUT_SECS,
     report: Callable[[str], None] | None = None,
 ) -> None:
-    """Waits until every `ps` and `worker` task accepts TCP connections.
+    """Waits until every `ps` and `worker` task answers as a TensorFlow server.
 
     Args:
       jobs: the cluster, `{job: {index: "host:port"}}` or `{job: [...]}`.
@@ -42,8 +45,9 @@ def wait_for_tasks(
 
     Raises:
       ValueError: `timeout_secs` is not > 0.
-      ClusterConnectError: naming every task not reachable in time, e.g.
-        `/job:ps/task:0 at 127.0.0.1:2222`.
+      ClusterConnectError: naming every task that did not answer in time and
+        what was found there, e.g. `/job:ps/task:0 at 127.0.0.1:2222 (does not
+        accept connections)`.
     """
     if not timeout_secs > 0:
         raise ValueError(
@@ -58,17 +62,26 @@ def wait_for_tasks(
             pending[f"/job:{job}/task:{index}"] = address
     start = time.monotonic()
     next_report = start + _REPORT_EVERY_SECS
+    deadline = start + timeout_secs
     while True:
+        # A probe's deadline never carries the wait past `timeout_secs`.
+        probe_secs = max(
+            0.1, min(health.DEFAULT_PROBE_TIMEOUT_SECS, deadline - time.monotonic())
+        )
+        states = health.probe_all(pending, probe_secs)
         pending = {
             task: address
             for task, address in pending.items()
-            if not server_lib.is_listening(address)
+            if states[task] is not health.TaskState.ANSWERS
         }
         if not pending:
             return
         now = time.monotonic()
-        names = ", ".join(f"{task} at {address}" for task, address in pending.items())
-        if now - start > timeout_secs:
+        names = ", ".join(
+            f"{task} at {address} ({states[task].describe()})"
+            for task, address in pending.items()
+        )
+        if now >= deadline:
             raise ClusterConnectError(
                 f"Could not reach {names} within --connect_timeout_secs="
                 f"{timeout_secs:g} s. Start those tasks (or check their addresses "

@@ -23,7 +23,7 @@ from absl import logging
 from tf_distbelief import checks
 from tf_distbelief.cluster import config as config_lib
 from tf_distbelief.cluster import gpus as gpus_lib
-from tf_distbelief.cluster import isolation, network
+from tf_distbelief.cluster import health, hung_tasks, isolation, network
 from tf_distbelief.cluster import server as server_lib
 
 # A child server imports TensorFlow (4-5 s on this class of machine) before it
@@ -35,6 +35,11 @@ _POLL_SECS = 0.1
 # How often the supervisor looks for exited tasks; a lost task is down for
 # this plus its start-up (4-5 s).
 _SUPERVISE_POLL_SECS = 0.2
+# How long `stop` asks each task whether it answers before leaving it.
+_STOP_PROBE_SECS = 2.0
+# How long `stop` lets a coordinator finish reconnecting a restarted task (a
+# restart serves in 5-10 s; the reconnect follows within seconds).
+_RECOVERY_AT_STOP_SECS = 30.0
 # Restarts over the life of one local cluster: a task that keeps dying is a
 # fault restarts will not fix.
 DEFAULT_MAX_RESTARTS = 10
@@ -93,10 +98,19 @@ class LocalCluster:
         a NIC of that rate in and out (`cluster.network`); needs this process
         in a private network namespace (`isolation.enter_private_network`).
       ps_nic_bandwidth: the ps tasks' NIC rate; None: `nic_bandwidth`.
+      hung_task_timeout_secs: a ps or worker task that accepts connections but
+        has not answered a status probe for this many seconds (stopped, or
+        stuck) is killed as lost (`cluster.hung_tasks`), so that TensorFlow's
+        recovery runs (and the supervisor, with `restart_lost_tasks`,
+        restarts it); None (default): hung tasks are not watched.
+
+    Attributes:
+      hung_task_watch: the `HungTaskWatch` while the cluster runs, else None.
 
     Raises:
       ValueError: a count, `max_restarts` or `intra_op_threads` out of range,
-        or a NIC rate `network.parse_rate` refuses.
+        a NIC rate `network.parse_rate` refuses, or `hung_task_timeout_secs`
+        not a finite number of seconds > 0.
       EmulatedNetworkError: (`start`) an emulated network asked for where it
         cannot be set up; raised before any task starts.
       GpuAssignmentError: `gpus_per_worker` asks for more GPUs than there are.
@@ -120,6 +134,7 @@ class LocalCluster:
         intra_op_threads: int = 0,
         nic_bandwidth: str | int | None = None,
         ps_nic_bandwidth: str | int | None = None,
+        hung_task_timeout_secs: float | None = None,
     ):
         for name, value, least in (
             ("num_workers", num_workers, 1),
@@ -147,6 +162,10 @@ class LocalCluster:
                     f"tasks ({counts}). Received: {job!r}: {job_ports!r}"
                 )
         self._ports = ports
+        if hung_task_timeout_secs is not None:
+            hung_task_timeout_secs = hung_tasks.check_timeout(hung_task_timeout_secs)
+        self.hung_task_timeout_secs = hung_task_timeout_secs
+        self.hung_task_watch: hung_tasks.HungTaskWatch | None = None
         # None: loopback as it is; else each task's emulated NIC.
         self.nic_rates = network.NicRates.create(nic_bandwidth, ps_nic_bandwidth)
         if visible_gpus is None:
@@ -270,7 +289,35 @@ class LocalCluster:
                 target=self._supervise, name="LocalClusterSupervisor", daemon=True
             )
             self._supervisor.start()
+        if self.hung_task_timeout_secs is not None:
+            self.hung_task_watch = hung_tasks.HungTaskWatch(
+                self._task_addresses,
+                self.hung_task_timeout_secs,
+                on_hung=self._kill_hung,
+                action=(
+                    "killed, to be restarted"
+                    if self.restart_lost_tasks
+                    else "killed (`restart_lost_tasks` is off)"
+                ),
+                report=self._report,
+            )
         return self
+
+    def _task_addresses(self) -> dict[str, str]:
+        """`{"/job:worker/task:0": "127.0.0.1:port", ...}`: ps and worker tasks."""
+        return {
+            f"/job:{job}/task:{index}": address
+            for job in ("worker", "ps")
+            for index, address in enumerate(self.jobs.get(job, ()))
+        }
+
+    def _kill_hung(self, task: str) -> None:
+        """SIGKILLs a hung task (a stopped one too); the supervisor restarts it."""
+        job, index = task.removeprefix("/job:").split("/task:")
+        with self._lock:
+            proc = self.processes[(job, int(index))]
+            if proc.poll() is None:
+                proc.kill()
 
     def _supervise(self) -> None:
         """Restarts each ps or worker task that exited (see the class docstring)."""
@@ -393,26 +440,44 @@ class LocalCluster:
 
         First this process's eager context leaves the tasks while they still
         answer (`eager_context.disconnect_from_tasks`), so that exiting later
-        does not log a gRPC error per function and task.
+        does not log a gRPC error per function and task; not if one of them
+        is hung (`health.probe`), as leaving would wait on it for ever. A
+        stopped task is sent SIGCONT after SIGTERM, so that it ends too. Every
+        wait is bounded: the hung task watch, the supervisor's restart in
+        progress, the probes (2 s), a coordinator's reconnect of a restarted
+        task (30 s; leaving the tasks meanwhile crashed the process), the
+        SIGTERM grace (10 s).
         """
         _LIVE_CLUSTERS.discard(self)
         self._stopping.set()
+        if self.hung_task_watch is not None:
+            self.hung_task_watch.stop()
         supervisor = self._supervisor
         if supervisor is not None and supervisor is not threading.current_thread():
             # At most one task restart in progress (`start_timeout_secs`).
             supervisor.join(self.start_timeout_secs + _TERMINATE_GRACE_SECS)
         if "tensorflow" in sys.modules and self.jobs:
-            from tf_distbelief.tf_internals import eager_context
+            # Leaving the tasks talks to each of them, and to a hung one for
+            # ever: only when all answer a probe (else the exit logs a line per
+            # function and task, and nothing waits).
+            tasks = self._task_addresses()
+            states = health.probe_all(tasks, _STOP_PROBE_SECS)
+            if all(
+                s is not health.TaskState.SILENT for s in states.values()
+            ) and _coordinators_idle(_RECOVERY_AT_STOP_SECS):
+                from tf_distbelief.tf_internals import eager_context
 
-            tasks = [a for job in ("worker", "ps") for a in self.jobs.get(job, ())]
-            try:
-                eager_context.disconnect_from_tasks(tasks)
-            except Exception as e:  # noqa: BLE001 (ending the tasks comes first)
-                logging.warning("Could not disconnect from the local cluster: %s", e)
+                try:
+                    eager_context.disconnect_from_tasks(list(tasks.values()))
+                except Exception as e:  # noqa: BLE001 (ending the tasks comes first)
+                    logging.warning(
+                        "Could not disconnect from the local cluster: %s", e
+                    )
         procs = [p for p in self.processes.values() if p.poll() is None]
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()
+                proc.send_signal(signal.SIGCONT)  # A stopped task handles it.
         deadline = time.monotonic() + _TERMINATE_GRACE_SECS
         for proc in procs:
             try:
@@ -429,6 +494,27 @@ class LocalCluster:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def _coordinators_idle(timeout_secs: float) -> bool:
+    """Waits until no `ClusterCoordinator` thread of this process has work in
+    flight (one may still be reconnecting a restarted task: a second server
+    def update beside its own crashed the process, SIGSEGV); False if one
+    still has after `timeout_secs`."""
+    from tf_distbelief.tf_internals import coordinator
+
+    deadline = time.monotonic() + timeout_secs
+    while busy := coordinator.busy_coordinator_threads():
+        if time.monotonic() > deadline:
+            logging.warning(
+                "Not leaving the local cluster's tasks politely: coordinator "
+                "threads %s still busy after %g s (reconnecting a task).",
+                busy,
+                timeout_secs,
+            )
+            return False
+        time.sleep(_POLL_SECS)
+    return True
 
 
 _LIVE_CLUSTERS: set[LocalCluster] = set()

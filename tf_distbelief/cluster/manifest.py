@@ -42,6 +42,25 @@ ROLES = ("chief", "worker", "ps", "evaluator")
 # `TFJobDefaultContainerName`, port 2222, `TFJobDefaultPort`).
 CONTAINER_NAME = "tensorflow"
 PORT = 2222
+# A ps or worker pod that accepts connections but does not answer a status
+# probe (`python -m tf_distbelief.cluster.health`, 3 s deadline) three times
+# in a row, 10 s apart, is hung: the kubelet restarts it, and the chief's
+# TensorFlow sees a lost task. 60 s after start: TensorFlow loads first.
+_LIVENESS_PROBE = {
+    "exec": {
+        "command": [
+            "python",
+            "-m",
+            "tf_distbelief.cluster.health",
+            f"127.0.0.1:{PORT}",
+            "3",
+        ]
+    },
+    "initialDelaySeconds": 60,
+    "periodSeconds": 10,
+    "timeoutSeconds": 10,
+    "failureThreshold": 3,
+}
 # The mount path of `--pvc` when `model_dir` is not given.
 DEFAULT_MODEL_DIR = "/mnt/model_dir"
 # The main job of the README: its flags of `launch/train.py` besides the
@@ -259,7 +278,8 @@ def train_args(config: PodsConfig, role: str) -> list[str]:
 def pod_spec(config: PodsConfig, role: str, port_name: str, env=()) -> dict:
     """The pod spec (a `V1PodSpec` as a dict) of one role: its one container,
     listening on `PORT` named `port_name`, with environment `env` (a list of
-    `V1EnvVar` dicts), and the `--model_dir` volume where the role uses it."""
+    `V1EnvVar` dicts), the `--model_dir` volume where the role uses it, and,
+    on ps and worker pods, a liveness probe that restarts a hung task."""
     resources = {"requests": {"cpu": str(config.cpu), "memory": str(config.memory)}}
     if role == "worker" and config.gpus_per_worker > 0:
         resources["limits"] = {"nvidia.com/gpu": str(config.gpus_per_worker)}
@@ -273,6 +293,8 @@ def pod_spec(config: PodsConfig, role: str, port_name: str, env=()) -> dict:
     }
     if env:
         container["env"] = list(env)
+    if role in ("ps", "worker"):
+        container["livenessProbe"] = dict(_LIVENESS_PROBE)
     spec = {"containers": [container]}
     if config.pvc and role in ("chief", "evaluator"):
         container["volumeMounts"] = [

@@ -440,13 +440,21 @@ class Downpour:
         return named | self._dense.worker_variables() | self._rows.worker_variables()
 
     def stats(self) -> list[ReplicaStats]:
-        """Reads every replica's counters (blocking). Index = worker index."""
+        """Reads every replica's counters (blocking). Index = worker index.
+
+        Empty before the replicas exist, and when a worker was lost since its
+        last step (killed, or hung and given up): its counters went with it,
+        and the coordinator recreates them, at zero, only once it is back.
+        """
         if not tf_variables.per_worker_values_exist(self._stats["steps"]):
             return []
-        columns = {
-            name: [int(x.numpy()) for x in v.read_all()]
-            for name, v in self._stats.items()
-        }
+        try:
+            columns = {
+                name: [int(x.numpy()) for x in v.read_all()]
+                for name, v in self._stats.items()
+            }
+        except tf.errors.CancelledError:  # "The corresponding function is aborted".
+            return []
         dense_bytes = self._dense.nbytes
         result = []
         for i in range(len(columns["steps"])):

@@ -17,11 +17,13 @@ does) resets the clock with its first finished step, so recovery is
 unchanged. Callers that bound their own waits, like
 `sandblaster.SandblasterObjective` (`stall_timeout_secs`), suspend the watch.
 
-Not covered: a worker that hangs, accepting connections but never answering
-(stopped with SIGSTOP, in a review). The watch fires and TensorFlow logs the
-`StepStallError`, but TensorFlow's cancellation then waits for that worker's
-step in flight without a bound, and so does the `join`; TensorFlow also
-registers and removes functions on every worker outside the step queue.
+A worker that hangs, accepting connections but never answering (SIGSTOP, a
+stuck driver), is `cluster.hung_tasks`'s: a local cluster kills it once it has
+been silent `hung_task_timeout_secs` (the coordinator then runs its step
+elsewhere), and with `TF_CONFIG` the chief names it and the pod's liveness
+probe restarts it. The watch's lines name hung workers apart from those not
+accepting connections. Failing the queue does not end a step in flight on a
+hung worker: TensorFlow's cancellation waits for it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping
 from absl import logging
 
 from tf_distbelief import checks, errors
-from tf_distbelief.cluster import server as server_lib
+from tf_distbelief.cluster import health
 from tf_distbelief.tf_internals import coordinator as tf_coordinator
 
 # Longer than a local task's restart (4-5 s) and a Kubernetes pod's reschedule
@@ -149,15 +151,26 @@ class StepWatch:
                 next_report = now + _REPORT_EVERY_SECS
 
     def _unreachable(self) -> str:
-        """Which workers do not accept connections, in words."""
-        gone = [
+        """Which workers do not answer (`health.probe`), and why, in words."""
+        states = health.probe_all(self._workers)
+        refused = [
             f"{task} at {address}"
             for task, address in self._workers.items()
-            if not server_lib.is_listening(address)
+            if states[task] is health.TaskState.REFUSED
         ]
-        if not gone:
-            return "every worker accepts connections (a step runs long, or hangs)"
-        return "not accepting connections: " + ", ".join(gone)
+        silent = [
+            f"{task} at {address}"
+            for task, address in self._workers.items()
+            if states[task] is health.TaskState.SILENT
+        ]
+        parts = []
+        if refused:
+            parts.append("not accepting connections: " + ", ".join(refused))
+        if silent:
+            parts.append(
+                "hung (accepting connections, not answering): " + ", ".join(silent)
+            )
+        return "; ".join(parts) or "every worker answers (a step runs long)"
 
     def _message(self, stalled: float, waiting: int) -> str:
         return (

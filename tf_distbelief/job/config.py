@@ -16,7 +16,7 @@ from tf_distbelief import sandblaster as sandblaster_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as connect_lib
-from tf_distbelief.cluster import network
+from tf_distbelief.cluster import hung_tasks, network
 from tf_distbelief.faults import nonfinite as nonfinite_lib
 from tf_distbelief.faults import recovery as recovery_lib
 from tf_distbelief.faults import step_watch
@@ -59,8 +59,14 @@ class JobConfig:
       chief_gone_secs: a ps/worker task exits once the chief has been gone this
         long (None: serve until SIGTERM).
       connect_timeout_secs: the chief fails, naming the tasks, when a ps or
-        worker task does not accept connections within this many seconds (> 0;
-        a local cluster's tasks already listen when it connects).
+        worker task does not answer as a TensorFlow server within this many
+        seconds (> 0; a local cluster's tasks already listen when it connects).
+      hung_task_timeout_secs: a ps or worker task that accepts connections but
+        has not answered a status probe for this many seconds is hung and
+        treated as lost (`cluster.hung_tasks`): the local cluster kills and
+        restarts it, so its step in flight runs again on another worker;
+        with `TF_CONFIG` the chief names it and leaves it to the orchestrator
+        (the pods' liveness probe). Finite, > 0.
       step_stall_timeout_secs: the chief fails, naming the workers not
         accepting connections, when scheduled steps wait this many seconds
         with none finishing (every worker gone; `step_watch`; finite, > 0).
@@ -112,6 +118,7 @@ class JobConfig:
     seed: int = 0
     chief_gone_secs: float | None = None
     connect_timeout_secs: float = connect_lib.DEFAULT_CONNECT_TIMEOUT_SECS
+    hung_task_timeout_secs: float = hung_tasks.DEFAULT_HUNG_TASK_TIMEOUT_SECS
     step_stall_timeout_secs: float = step_watch.DEFAULT_STEP_STALL_TIMEOUT_SECS
     ps_recovery_secs: float = recovery_lib.DEFAULT_PS_RECOVERY_SECS
     downpour: downpour_lib.DownpourConfig | None = None
@@ -166,6 +173,11 @@ class JobConfig:
             raise errors.ConfigError(
                 "`connect_timeout_secs` must be > 0. Received: "
                 f"{self.connect_timeout_secs!r}"
+            )
+        if not 0 < self.hung_task_timeout_secs < float("inf"):
+            raise errors.ConfigError(
+                "`hung_task_timeout_secs` must be a finite number of seconds > 0. "
+                f"Received: {self.hung_task_timeout_secs!r}"
             )
         if not 0 < self.step_stall_timeout_secs < float("inf"):
             raise errors.ConfigError(

@@ -22,6 +22,7 @@ from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as cluster_connect
+from tf_distbelief.cluster import hung_tasks
 from tf_distbelief.faults import goodput, recovery
 from tf_distbelief.fit import evaluation, export, training
 from tf_distbelief.job.config import JobConfig
@@ -194,8 +195,14 @@ def _train_attempt(config, spec, cluster_resolver, print_fn, more_callbacks) -> 
     train_secs = time.monotonic() - start
     test_accuracy = training.accuracy(model, *test) if test is not None else None
     if downpour_on:
-        for worker, stats in enumerate(model.downpour.stats()):
+        replica_stats = model.downpour.stats()
+        for worker, stats in enumerate(replica_stats):
             print_fn(f"downpour replica {worker}: {stats}")
+        if not replica_stats:
+            print_fn(
+                "downpour replicas: no counters (a worker lost during training "
+                "has not rejoined)"
+            )
     if test_accuracy is not None:
         print_fn(f"test accuracy: {test_accuracy:.4f}")
     _export(config, spec, model, print_fn)
@@ -430,6 +437,7 @@ def _run(config, spec, print_fn, trainer, resolver) -> dict | None:
             report=print_fn,
             nic_bandwidth=config.emulate_nic,
             ps_nic_bandwidth=config.emulate_ps_nic,
+            hung_task_timeout_secs=config.hung_task_timeout_secs,
         ) as local:
             print_fn(
                 f"local cluster: {config.num_workers} workers, {config.num_ps} ps "
@@ -462,7 +470,33 @@ def _run(config, spec, print_fn, trainer, resolver) -> dict | None:
             f"`TF_CONFIG` task type must be {roles} with {trainer.name}. "
             f"Received: {task_type!r}"
         )
-    return trainer.train(config, spec, resolver, print_fn)
+    watch = _report_hung_tasks(config, resolver, print_fn)
+    try:
+        return trainer.train(config, spec, resolver, print_fn)
+    finally:
+        watch.stop()
+
+
+def _report_hung_tasks(config, resolver, print_fn) -> hung_tasks.HungTaskWatch:
+    """The `TF_CONFIG` chief's watch: names a hung task; its pod's liveness
+    probe (`cluster.manifest`), or whatever runs it, restarts it."""
+    jobs = resolver.cluster_spec().as_dict()
+    tasks = {
+        f"/job:{job}/task:{index}": address
+        for job in cluster.SERVER_JOBS
+        for index, address in enumerate(jobs.get(job, ()))
+    }
+    return hung_tasks.HungTaskWatch(
+        lambda: tasks,
+        config.hung_task_timeout_secs,
+        on_hung=lambda task: None,
+        action=(
+            "left to the orchestrator, which restarts it (the pods' liveness "
+            "probe: python -m tf_distbelief.cluster.health); its step in flight "
+            "runs again once it is restarted"
+        ),
+        report=print_fn,
+    )
 
 
 # The tf_keras job: `Model.fit` (stock or Downpour) or Sandblaster L-BFGS.

@@ -1,0 +1,188 @@
+"""A hung task is a lost task: a ps or worker that accepts connections but never
+answers (SIGSTOP) is named, given up and killed; its step runs elsewhere.
+
+Without it the job waited on the stopped worker's step in flight until the
+step stall limit (600 s) and failed, and `LocalCluster.stop` waited on the
+stopped task for ever.
+"""
+
+import os
+import re
+import signal
+import socket
+import threading
+import time
+import uuid
+
+import portpicker
+import pytest
+
+from tests.fixtures.launch import _marked_pids
+from tests.fixtures.ps_kill import signal_task_when, start_job
+from tf_distbelief.cluster import health, hung_tasks
+from tf_distbelief.cluster import local as local_lib
+
+# A test cluster's hung task is given up after this long.
+HUNG_SECS = 4
+
+
+def _test_accuracy(stdout):
+    return float(re.search(r"test accuracy: ([\d.]+)", stdout).group(1))
+
+
+def test_probe_tells_a_silent_listener_from_a_closed_port():
+    closed = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        silent = f"127.0.0.1:{listener.getsockname()[1]}"
+        start = time.monotonic()
+        states = health.probe_all({"silent": silent, "closed": closed}, 1.0)
+        elapsed = time.monotonic() - start
+    assert states == {
+        "silent": health.TaskState.SILENT,
+        "closed": health.TaskState.REFUSED,
+    }
+    assert elapsed < 3.0, elapsed  # Probed at once, each within its deadline.
+    assert health.main([closed, "1"]) == 1
+    assert health.main([closed, "0"]) == 2
+
+
+def test_watch_gives_up_a_silent_task_once_and_names_it():
+    lines, hung = [], []
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        watch = hung_tasks.HungTaskWatch(
+            lambda: {"/job:worker/task:3": address},
+            timeout_secs=1.0,
+            on_hung=hung.append,
+            action="killed, to be restarted",
+            report=lines.append,
+        )
+        deadline = time.monotonic() + 15
+        while not hung and time.monotonic() < deadline:
+            time.sleep(0.1)
+        watch.stop()
+    assert hung[:1] == ["/job:worker/task:3"]
+    assert re.search(
+        rf"hung task: /job:worker/task:3 at {address} has accepted connections "
+        r"without answering for \d+ s \(--hung_task_timeout_secs=1\); given up at "
+        r"\d\d:\d\d:\d\d and treated as lost: killed, to be restarted",
+        lines[0],
+    ), lines
+    assert watch.given_up[0][0] == "/job:worker/task:3"
+    assert watch.given_up[0][1] >= 1.0
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan"), "5"])
+def test_hung_task_timeout_is_validated(value):
+    with pytest.raises(ValueError, match=r"`hung_task_timeout_secs`"):
+        local_lib.LocalCluster(1, 1, hung_task_timeout_secs=value)
+
+
+@pytest.mark.slow
+def test_local_cluster_kills_a_stopped_task_restarts_it_and_stops_in_time():
+    lines = []
+    cluster = local_lib.LocalCluster(
+        num_workers=1,
+        num_ps=1,
+        restart_lost_tasks=True,
+        hung_task_timeout_secs=HUNG_SECS,
+        report=lines.append,
+    ).start()
+    try:
+        ps = cluster.jobs["ps"][0]
+        assert health.probe(ps) is health.TaskState.ANSWERS
+        cluster.kill("ps", 0, signal.SIGSTOP)
+        deadline = time.monotonic() + 120
+        while cluster.restarts != [("ps", 0)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert cluster.restarts == [("ps", 0)], lines
+        # `restarts` names a restart as it begins; the new task serves after.
+        while health.probe(ps) is not health.TaskState.ANSWERS:
+            assert time.monotonic() < deadline, cluster.log_tail("ps", 0)
+            time.sleep(0.2)
+        assert any(
+            line.startswith(f"hung task: /job:ps/task:0 at {ps} ") for line in lines
+        ), lines
+        # A hung task does not hold the cluster's stop.
+        cluster.kill("worker", 0, signal.SIGSTOP)
+        start = time.monotonic()
+    finally:
+        cluster.stop()
+    assert time.monotonic() - start < 20
+    assert all(proc.poll() is not None for proc in cluster.processes.values())
+
+
+def _stop_when_training(tmp_path, args, job, index, resume_after_secs=None):
+    """Runs `launch/train.py args`; SIGSTOPs `job:index` once epoch 1 ends
+    (and SIGCONTs it `resume_after_secs` later, if it still exists)."""
+    marker = uuid.uuid4().hex
+    proc = start_job([*args, f"--hung_task_timeout_secs={HUNG_SECS}"], marker, tmp_path)
+
+    def resume(pid):
+        if resume_after_secs is None:
+            return
+
+        def cont():
+            time.sleep(resume_after_secs)
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # Given up and killed first.
+
+        threading.Thread(target=cont, daemon=True).start()
+
+    result = signal_task_when(
+        proc,
+        marker,
+        tmp_path,
+        lambda: "epoch 1/" in (tmp_path / "out").read_text(),
+        job=job,
+        index=index,
+        sig=signal.SIGSTOP,
+        then=resume,
+    )
+    assert _marked_pids(marker) == []
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--downpour", "--n_fetch=4", "--n_push=4"]],
+    ids=["stock", "downpour"],
+)
+def test_a_worker_stopped_for_good_is_given_up_and_the_job_finishes(tmp_path, extra):
+    code, out, err = _stop_when_training(
+        tmp_path, ["--model=digits", "--epochs=4", *extra], "worker", 0
+    )
+    assert code == 0, err[-3000:]
+    assert re.search(
+        r"hung task: /job:worker/task:0 at 127\.0\.0\.1:\d+ has accepted "
+        r"connections without answering for \d+ s .* given up at \d\d:\d\d:\d\d",
+        out,
+    ), out
+    assert "local cluster: worker:0 at" in out and "exited (code -9)" in out
+    assert _test_accuracy(out) >= 0.95
+
+
+@pytest.mark.slow
+def test_a_ps_stopped_for_20_s_is_a_lost_ps_and_the_job_finishes(tmp_path):
+    code, out, err = _stop_when_training(
+        tmp_path,
+        [
+            "--model=digits",
+            "--epochs=4",
+            f"--model_dir={tmp_path / 'model'}",
+            "--checkpoint_every_steps=50",
+        ],
+        "ps",
+        0,
+        resume_after_secs=20,
+    )
+    assert code == 0, err[-3000:]
+    assert "hung task: /job:ps/task:0 at" in out, out
+    assert _test_accuracy(out) >= 0.95
