@@ -90,8 +90,10 @@ class Downpour:
     Worker memory, per replica: the cache and the gradient accumulator, plus
     the local AdaGrad accumulator (`config.local_optimizer == "adagrad"`) and,
     when pushes send the squared gradients (`plan.PushedSquares`), its value
-    at the last push (local SGD: a sum of squared gradients instead): up to 4
-    copies of the model (`worker_variables`; checkpointed per replica by
+    at the last push (local SGD: a sum of squared gradients instead), and
+    with a compressing push rule the residual of what pushes have not sent
+    (`push_rules.compression`): up to 4 copies of the model (5 with
+    compression; `worker_variables`; checkpointed per replica by
     `replica_state`). The local step size is `config.local_learning_rate_for`
     the optimizer's learning rate; the local AdaGrad takes the optimizer's
     `initial_accumulator_value` and `epsilon` (0.1 and 1e-7 without them).
