@@ -294,11 +294,39 @@ def test_trainer_matches_reference_one_worker(local_cluster, name):
     assert max(np.abs(r).max() for r in residuals) > 0
 
 
+def test_fit_in_segments_matches_reference(local_cluster):
+    """`fit` runs the local steps between exchanges in segments
+    (`Downpour.run_steps`): the same pushes and residuals."""
+    config = Config(
+        3, 2, 0.05, adagrad_accumulator="mean", top_k_fraction=0.4, quantize_bits=2
+    )
+    x, y, params = _softmax_data(seed=3)
+    model = _softmax_model(_strategy(local_cluster), params, steps_per_execution=4)
+    replicas = downpour.install(model, config)
+    assert replicas.runs_segments
+    model.fit(_dataset(x, y).repeat(), epochs=1, steps_per_epoch=STEPS, verbose=0)
+    want, (want_stats,) = _reference(params, [_batches(x, y)], config)
+    for got, w in zip(_ps_params(model), want):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
+    assert replicas.stats()[0].bytes_pushed == want_stats.bytes_pushed
+
+
 @pytest.mark.slow
 def test_trainer_matches_reference_two_workers(local_cluster):
     """Steps one at a time on whichever worker the coordinator picks; the
-    order is read back from the per-worker step counters and replayed."""
-    config = CONFIGS["top_k_chunks_q8_sum"]
+    order is read back from the per-worker step counters and replayed. With
+    `max_staleness=0` the second of two pushes after a fetch is dropped, and
+    leaves its replica's residual as it was."""
+    config = Config(
+        2,
+        2,
+        adagrad_accumulator="sum",
+        max_staleness=0,
+        top_k_fraction=0.5,
+        top_k_chunk=4,
+        quantize_bits=8,
+        quantize_chunk=3,
+    )
     x, y, params = _softmax_data(seed=6)
     model = _softmax_model(_strategy(local_cluster, num_workers=2), params)
     trainer = downpour.DownpourTrainer(model, config)
@@ -320,6 +348,8 @@ def test_trainer_matches_reference_two_workers(local_cluster):
     stats = trainer.stats()
     assert [s.pushes for s in stats] == [s.pushes for s in want_stats]
     assert [s.bytes_pushed for s in stats] == [s.bytes_pushed for s in want_stats]
+    assert [s.dropped_pushes for s in stats] == [s.dropped_pushes for s in want_stats]
+    assert sum(s.dropped_pushes for s in stats) > 0
 
 
 def test_compressed_push_sends_only_the_encoded_tensors():
