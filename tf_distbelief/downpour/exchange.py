@@ -8,7 +8,10 @@ applies the user's tf_keras optimizer to them on each variable's ps shard,
 and counts the update on the ps; a push with a NaN or inf is never applied
 (`push_guard`). The variables of each kind move as that kind
 says (`dense.DenseVariables`, `row_sparse.RowSparseVariables`); both run in
-`tf.cond` branches, so that a step without them sends nothing.
+`tf.cond` branches, so that a step without them sends nothing. With a
+compressing push rule the dense sums plus the replica's residual are encoded
+on the worker and only the encoded parts move (`push_rules.compression`); an
+applied push keeps what it did not send in the residual.
 """
 
 from __future__ import annotations
@@ -165,6 +168,10 @@ class Exchange:
         this push's increment, less 1, less the count at the fetch (a push
         landing between the increment and the read is counted too). With
         `max_staleness` it is read before the push, which then waits for it.
+
+        With compression, the finiteness check is of the dense sums plus the
+        residual (what is left unsent too), and only an applied push updates
+        the residual.
         """
         int64, one = tf.int64, tf.constant(1, tf.int64)
         (dense_grads, dense_squares), (row_grads, row_squares) = pushed

@@ -5,15 +5,15 @@ A compressing push rule (`rule.PushRule.selects` or `.codes`; `top_k`,
 residual `e` (one `per_worker_variable=True` variable per dense variable, of
 its shape and dtype) and encodes `u = acc + e` on its worker: the selecting
 rule's int32 positions and the kept values, coded by the coding rule if one is
-on. Only those tensors cross to the ps, one message per tensor per ps task
-and dtype (each variable's parts concatenated, as `dense.DenseVariables`
-packs); the ps decodes them into a dense tensor (0 where nothing was sent)
-that the push rules and the ps optimizer apply as any push. The replica
-decodes the same tensors, and an applied push sets `e <- u - decoded`; a
-push dropped (`max_staleness`), refused (a NaN or inf) or already applied
-(`exactly_once`) leaves `e` as it was. The residuals are among the replica's
-state (`Downpour.worker_variables`, `dense/residual/j`), checkpointed for an
-exact resume. `reference.compress` is the NumPy side.
+on. Only those tensors cross to the ps, one message per part per ps task and
+dtype (each variable's parts concatenated, as `dense.DenseVariables` packs);
+the ps decodes them into a dense tensor (0 where nothing was sent) that the
+push rules and the ps optimizer apply as any push. The replica decodes the
+same tensors, and an applied push sets `e <- u - decoded`; a push dropped
+(`max_staleness`), refused (a NaN or inf) or already applied (`exactly_once`)
+leaves `e` as it was. The residuals are among the replica's state
+(`Downpour.worker_variables`, `dense/residual/j`), checkpointed for an exact
+resume. `reference.compress` is the NumPy side.
 """
 
 from __future__ import annotations
