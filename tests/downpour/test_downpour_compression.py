@@ -352,6 +352,35 @@ def test_trainer_matches_reference_two_workers(local_cluster):
     assert sum(s.dropped_pushes for s in stats) > 0
 
 
+def test_a_refused_push_leaves_the_residual_as_it_was(local_cluster):
+    """A push with a NaN (`nonfinite="skip"`) is refused whole: neither the ps
+    nor the replica's residual changes, and the next push goes on."""
+    config = Config(1, 1, quantize_bits=2, quantize_chunk=4)
+    x, y, params = _softmax_data(seed=7)
+    x[2 * BATCH_SIZE, 0] = np.nan  # In the third batch.
+    model = _softmax_model(_strategy(local_cluster), params)
+    trainer = downpour.DownpourTrainer(model, config)
+    trainer.downpour.nonfinite = "skip"
+    iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y)))
+    residuals = trainer.downpour._exchange.compression.residuals
+
+    def state():
+        trainer.join()
+        return [r.read_all()[0].numpy() for r in residuals] + _ps_params(model)
+
+    for _ in range(2):
+        trainer.step(iterator)
+    before = state()
+    trainer.step(iterator)  # The NaN batch.
+    after = state()
+    for a, b in zip(after, before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert all(np.isfinite(r).all() and np.abs(r).max() > 0 for r in after[:2])
+    trainer.step(iterator)
+    assert np.abs(state()[0] - after[0]).max() > 0
+    assert trainer.stats()[0].nonfinite_pushes == 1
+
+
 def test_compressed_push_sends_only_the_encoded_tensors():
     """The parts that cross to the ps: positions, codes and scales, sized as
     `push_nbytes` counts them; decoded, they are `reference.compress`."""
