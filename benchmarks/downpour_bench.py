@@ -12,7 +12,9 @@ r`) give medians and `[min-max]`. Rows (`--rows`):
 * `stock`: `DistBeliefStrategy` without Downpour (parameter-server training);
 * `n=<n>` (1, 4, 16, 32, 64): Downpour with `n_fetch = n_push = n`;
 * `n=<n>+outer`, `+dc`, `+stale`: with a push rule (outer Nesterov, DC-ASGD
-  delay compensation, staleness-scaled step).
+  delay compensation, staleness-scaled step);
+* `n=<n>+outer+topk`, `+outer+q8`, `+outer+topk+q8`: the outer rule's pushes
+  compressed (top-k of `--top_k_fraction`, 8-bit values).
 
 `--nic_rates=unlimited,10gbit,1gbit,100mbit` runs every row behind emulated
 NICs of each rate (`LocalCluster(nic_bandwidth=)`; `--ps_nic_rate` for the ps
@@ -106,6 +108,12 @@ _DELAY_COMPENSATION = 0.04
 # Rows: "single" (one process, no cluster), "stock", "n=<n>" (Downpour,
 # n_fetch = n_push = n), "n=<n>+<rule>" (with a push rule).
 _RULES = ("outer", "dc", "stale")
+# Compressed outer pushes (`+outer+topk`...): the pseudo-gradient sends no
+# squares, so AdaGrad's default 'squares' accumulator mode is kept.
+_COMPRESSED = ("outer+topk", "outer+q8", "outer+topk+q8")
+# The `+topk` rows' fraction: 1% of each tensor, top-k's usual regime (Lin et
+# al. 2018 send 0.1%, with momentum correction).
+_TOP_K_FRACTION = 0.01
 _DEFAULT_ROWS = (
     "single",
     "stock",
@@ -127,6 +135,7 @@ def _known_rows():
     for n in _NS:
         names.append(f"n={n}")
         names += [f"n={n}+{r}" for r in _RULES if not (n == 1 and r == "outer")]
+        names += [f"n={n}+{r}" for r in _COMPRESSED if n > 1]
     return names
 
 
@@ -241,6 +250,13 @@ def define_flags():
         "delay_compensation",
         _DELAY_COMPENSATION,
         "The `+dc` rows: DownpourConfig.delay_compensation (DC-ASGD lambda).",
+    )
+    flags.DEFINE_float(
+        "top_k_fraction",
+        _TOP_K_FRACTION,
+        "The `+topk` rows: DownpourConfig.top_k_fraction.",
+        lower_bound=0.0,
+        upper_bound=1.0,
     )
     flags.DEFINE_integer("speech_hidden_units", 256, "Speech model width.")
     flags.DEFINE_integer("speech_classes", 8192, "Speech model softmax width.")
@@ -384,7 +400,8 @@ class _Probe:
 
 
 def _row_kind(name: str) -> tuple[str, int | None, str | None]:
-    """`"single"|"stock"|"n=16+outer"` -> `(kind, n, rule)`."""
+    """`"single"|"stock"|"n=16+outer"` -> `(kind, n, rules)`, `rules` such as
+    `"outer+topk"`."""
     if name in ("single", "stock"):
         return name, None, None
     n, _, rule = name.partition("+")
@@ -394,15 +411,19 @@ def _row_kind(name: str) -> tuple[str, int | None, str | None]:
 def _downpour_config(n, rule, f):
     from tf_distbelief import downpour
 
-    rules = {
-        None: {},
+    settings = {
         "outer": {
             "outer_learning_rate": f.outer_learning_rate,
             "outer_momentum": f.outer_momentum,
         },
         "dc": {"delay_compensation": f.delay_compensation},
         "stale": {"staleness_scaled": True},
-    }[rule]
+        "topk": {"top_k_fraction": f.top_k_fraction},
+        "q8": {"quantize_bits": 8},
+    }
+    rules = {}
+    for name in rule.split("+") if rule else ():
+        rules.update(settings[name])
     return downpour.DownpourConfig(
         n_fetch=n,
         n_push=n,
@@ -655,7 +676,7 @@ def _header(f, rounds):
         + ",".join(f"{m}:{f.learning_rate or _LEARNING_RATE[m]}" for m in f.models)
         + f" speech=440-{f.speech_hidden_units}x4-{_speech_classes(f)} "
         f"outer={f.outer_learning_rate}/{f.outer_momentum} "
-        f"dc={f.delay_compensation}{nic}"
+        f"dc={f.delay_compensation} topk={f.top_k_fraction}{nic}"
     )
 
 

@@ -96,12 +96,14 @@ class Predicted:
 
 
 def _setting(name: str, accumulator: str) -> cost_model.Setting:
-    """The planner's setting of a row; `+dc` and `+stale` push as plain Downpour."""
+    """The planner's setting of a row; `+dc` and `+stale` push as plain
+    Downpour, and `+topk`, `+q8` are predicted uncompressed (the planner does
+    not model compressed pushes)."""
     if name == "stock":
         return cost_model.Setting(accumulator=accumulator)
-    n, _, rule = name.partition("+")
+    n, _, rules = name.partition("+")
     n = int(n[len("n=") :])
-    return cost_model.Setting(n, n, rule == "outer", accumulator)
+    return cost_model.Setting(n, n, "outer" in rules.split("+"), accumulator)
 
 
 def predict_rows(

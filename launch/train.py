@@ -307,10 +307,14 @@ def define_flags() -> None:
         lower_bound=0,
     )
     # The push rules' settings, from their registry (`push_rules.rule`).
-    define = {"float": flags.DEFINE_float, "bool": flags.DEFINE_bool}
+    define = {
+        "float": flags.DEFINE_float,
+        "int": flags.DEFINE_integer,
+        "bool": flags.DEFINE_bool,
+    }
     for setting in push_rule.settings():
         bounds = {}
-        if setting.kind == "float":
+        if setting.kind in ("float", "int"):
             bounds = {"lower_bound": setting.lower_bound}
             bounds["upper_bound"] = setting.upper_bound
         define[setting.kind](

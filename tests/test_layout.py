@@ -33,6 +33,8 @@ PURE_MODULES = [
     "tf_distbelief.downpour.push_rules.outer_nesterov",
     "tf_distbelief.downpour.push_rules.delay_compensation",
     "tf_distbelief.downpour.push_rules.staleness_scaled",
+    "tf_distbelief.downpour.push_rules.top_k",
+    "tf_distbelief.downpour.push_rules.quantize",
     "tf_distbelief.sandblaster.lbfgs",
     "tf_distbelief.sandblaster.lbfgs_state",
     "tf_distbelief.sandblaster.schedule",

@@ -10,6 +10,7 @@ import importlib.util
 import math
 import os
 import sys
+import types
 
 import pytest
 from absl import flags
@@ -143,11 +144,32 @@ def test_headline_ratios_to_stock_single_and_n1():
         ("n=4", ("downpour", 4, None)),
         ("n=16+outer", ("downpour", 16, "outer")),
         ("n=64+outer", ("downpour", 64, "outer")),
+        ("n=16+outer+topk+q8", ("downpour", 16, "outer+topk+q8")),
     ],
 )
 def test_row_kind(name, kind):
     assert bench._row_kind(name) == kind
     assert name in bench._known_rows()
+
+
+def test_compressed_rows_combine_their_rules():
+    f = types.SimpleNamespace(
+        outer_learning_rate=0.35,
+        outer_momentum=0.9,
+        delay_compensation=0.04,
+        top_k_fraction=0.01,
+        local_learning_rate=None,
+        local_optimizer="adagrad",
+        adagrad_accumulator="squares",
+    )
+    config = bench._downpour_config(16, "outer+topk+q8", f)
+    assert config.push_rules == (
+        "outer_learning_rate",
+        "quantize_bits",
+        "top_k_fraction",
+    )
+    assert (config.top_k_fraction, config.quantize_bits) == (0.01, 8)
+    assert bench._downpour_config(16, None, f).push_rules == ()
 
 
 def test_unknown_rows_are_refused_when_the_flags_are_parsed():

@@ -145,3 +145,9 @@ def test_bandwidth_csv_and_figure(tmp_path):
     )
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compressed_outer_rows_are_predicted_as_the_outer_row():
+    setting = downpour_network._setting("n=16+outer+topk+q8", "squares")
+    assert setting == downpour_network._setting("n=16+outer", "squares")
+    assert setting.outer

@@ -133,6 +133,9 @@ class Handles(NamedTuple):
     count: tf.Tensor  # On the ps: pushes applied.
     skipped: tf.Tensor  # On the ps: pushes refused for a NaN or inf.
     worker: tf.Tensor  # The running worker's index (int64), for errors.
+    # Per-worker residuals of compressed pushes, one per dense variable
+    # (`push_rules.compression`); empty without compression.
+    residuals: list | tuple = ()
 
 
 class KindOrder:

@@ -90,8 +90,10 @@ class DownpourConfig:
         and `outer_momentum` (`push_rules.outer_nesterov`: DiLoCo's outer
         Nesterov on the pushed parameter delta), `delay_compensation`
         (`push_rules.delay_compensation`: DC-ASGD), `staleness_scaled`
-        (`push_rules.staleness_scaled`: the step over the staleness); all
-        off by default.
+        (`push_rules.staleness_scaled`: the step over the staleness),
+        `top_k_fraction` and `top_k_chunk` (`push_rules.top_k`), and
+        `quantize_bits` and `quantize_chunk` (`push_rules.quantize`): pushes
+        compressed with error feedback; all off by default.
 
     Attributes:
       rule_settings: `(name, value)` of every push rule setting, in

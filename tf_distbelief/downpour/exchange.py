@@ -8,7 +8,10 @@ applies the user's tf_keras optimizer to them on each variable's ps shard,
 and counts the update on the ps; a push with a NaN or inf is never applied
 (`push_guard`). The variables of each kind move as that kind
 says (`dense.DenseVariables`, `row_sparse.RowSparseVariables`); both run in
-`tf.cond` branches, so that a step without them sends nothing.
+`tf.cond` branches, so that a step without them sends nothing. With a
+compressing push rule the dense sums plus the replica's residual are encoded
+on the worker and only the encoded parts move (`push_rules.compression`); an
+applied push keeps what it did not send in the residual.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class Exchange:
         a refused push does (its `nonfinite` mode, read when traced).
       tokens: the optimizer's `exactly_once.StepTokens`, or None.
       rules: the `push_rules.PushRules`, or None when every rule is off.
+      compression: the `push_rules.compression.CompressedPush`, or None when
+        no rule compresses pushes.
     """
 
     def __init__(
@@ -52,6 +57,7 @@ class Exchange:
         guard_context,
         tokens,
         rules,
+        compression=None,
     ):
         self.optimizer = optimizer
         self.config = config
@@ -67,6 +73,15 @@ class Exchange:
         self.tokens = tokens
         # The `push_rules.on_ps.PushRules`, None when all off.
         self.rules = rules
+        self.compression = compression
+
+    @property
+    def push_nbytes(self) -> int:
+        """Bytes an applied push moves of the dense variables: compressed, or
+        the model (twice with the squares, `plan.Plan.push_copies`)."""
+        if self.compression is not None:
+            return self.compression.nbytes
+        return self.dense.plan.push_copies * self.dense.nbytes
 
     def record(self, h: base.Handles):
         """The `DenseVariables.pull` `record` of delay compensation, or None."""
@@ -153,6 +168,10 @@ class Exchange:
         this push's increment, less 1, less the count at the fetch (a push
         landing between the increment and the read is counted too). With
         `max_staleness` it is read before the push, which then waits for it.
+
+        With compression, the finiteness check is of the dense sums plus the
+        residual (what is left unsent too), and only an applied push updates
+        the residual.
         """
         int64, one = tf.int64, tf.constant(1, tf.int64)
         (dense_grads, dense_squares), (row_grads, row_squares) = pushed
@@ -160,9 +179,16 @@ class Exchange:
         squares = None
         if dense_squares is not None:
             squares = self.order.merge(dense_squares, row_squares)
-        flags = push_guard.finite_flags(
-            self.order.merge(dense_grads, row_grads), squares
-        )
+        coded = None  # A compressed push's parts (`CompressedPush.encode`).
+        checked = dense_grads
+        if self.compression is not None:
+            residuals = h.residuals
+            checked, coded, sent = self.compression.encode(residuals, dense_grads)
+
+            def kept_residuals():
+                return self.compression.keep_residuals(residuals, checked, sent)
+
+        flags = push_guard.finite_flags(self.order.merge(checked, row_grads), squares)
         if step is None:
             step = base.read(h.stats["steps"], int64) + 1
         guard = self.guard_context
@@ -186,7 +212,7 @@ class Exchange:
         if self.config.max_staleness is None and not reads_first:
 
             def apply_push():
-                arrived = self._apply(pushed, pack, None, h.worker)
+                arrived = self._apply(pushed, pack, None, h.worker, coded)
                 # Counted once the push has reached the ps, not before: a
                 # control edge on a tensor already there costs no message (one
                 # per ps task otherwise).
@@ -200,6 +226,8 @@ class Exchange:
                     base.add(h.stats["pushes"], one),
                     base.add(h.stats["row_bytes_pushed"], row_bytes),
                 ]
+                if coded is not None:
+                    ops += kept_residuals()
                 outputs = base.after(ops, staleness), base.after(ops, True)
                 return outputs, [count]  # `count`: on the ps, after the push.
 
@@ -209,7 +237,7 @@ class Exchange:
                 staleness = base.read(h.count, int64) - base.read(h.seen, int64)
 
                 def apply_fresh():
-                    arrived = self._apply(pushed, pack, staleness, h.worker)
+                    arrived = self._apply(pushed, pack, staleness, h.worker, coded)
                     with tf.control_dependencies(arrived[:1]):
                         increment = base.add(h.count, one)
                     ops = [
@@ -218,6 +246,8 @@ class Exchange:
                         base.add(h.stats["pushes"], one),
                         base.add(h.stats["row_bytes_pushed"], row_bytes),
                     ]
+                    if coded is not None:
+                        ops += kept_residuals()
                     return base.after(ops, True)
 
                 def drop_push():
@@ -268,7 +298,9 @@ class Exchange:
             sent = tf.where(applied, row_bytes, tf.constant(0, int64))
             return tf.identity(staleness), tf.identity(applied), sent
 
-    def _apply(self, pushed, pack: bool, staleness=None, worker=None) -> list:
+    def _apply(
+        self, pushed, pack: bool, staleness=None, worker=None, coded=None
+    ) -> list:
         """Applies one push with the optimizer, variable by variable on its shard.
 
         The update ops (and the optimizer's casts of its hyperparameters) run
@@ -280,18 +312,28 @@ class Exchange:
         has it, applies to the gradients, not to their squares. With a push
         rule on, `push_rules.on_ps.PushRules.apply` applies it (`staleness`: read
         before the push when the rule needs it; `worker`: the replica's
-        index).
+        index). A compressed push (`coded`: `CompressedPush.encode`'s parts)
+        sends the parts and applies them as decoded on the ps; clipping, if
+        the optimizer has it, applies to the decoded values.
 
         Returns:
           The pushed gradients, as tensors on the variables' ps tasks.
         """
         opt, order = self.optimizer, self.order
         (dense_grads, dense_squares), (row_grads, row_squares) = pushed
-        clipped = tf_optimizers.clip_gradients(opt, order.merge(dense_grads, row_grads))
-        dense_grads, row_grads = order.split(clipped)
-        grads = order.merge(
-            self.dense.to_ps(dense_grads, pack), self.rows.to_ps(row_grads)
-        )
+        if coded is not None:
+            # Rules take no row-sparse variables: all are dense, no squares.
+            decoded = self.compression.to_ps(coded, self.dense.groups())
+            grads = tf_optimizers.clip_gradients(opt, decoded)
+            dense_squares = None
+        else:
+            clipped = tf_optimizers.clip_gradients(
+                opt, order.merge(dense_grads, row_grads)
+            )
+            dense_grads, row_grads = order.split(clipped)
+            grads = order.merge(
+                self.dense.to_ps(dense_grads, pack), self.rows.to_ps(row_grads)
+            )
         squares = [None] * len(grads)
         if dense_squares is not None:
             squares = order.merge(

@@ -34,7 +34,7 @@ from tf_distbelief.downpour import variables as downpour_variables
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.dense import DenseVariables
 from tf_distbelief.downpour.exchange import Exchange
-from tf_distbelief.downpour.push_rules import on_ps
+from tf_distbelief.downpour.push_rules import compression, on_ps
 from tf_distbelief.downpour.row_sparse import RowSparseVariables
 from tf_distbelief.downpour.row_sparse import flags as row_sparse_flags
 from tf_distbelief.downpour.schedule import ReplicaStats
@@ -90,8 +90,10 @@ class Downpour:
     Worker memory, per replica: the cache and the gradient accumulator, plus
     the local AdaGrad accumulator (`config.local_optimizer == "adagrad"`) and,
     when pushes send the squared gradients (`plan.PushedSquares`), its value
-    at the last push (local SGD: a sum of squared gradients instead): up to 4
-    copies of the model (`worker_variables`; checkpointed per replica by
+    at the last push (local SGD: a sum of squared gradients instead), and
+    with a compressing push rule the residual of what pushes have not sent
+    (`push_rules.compression`): up to 4 copies of the model (5 with
+    compression; `worker_variables`; checkpointed per replica by
     `replica_state`). The local step size is `config.local_learning_rate_for`
     the optimizer's learning rate; the local AdaGrad takes the optimizer's
     `initial_accumulator_value` and `epsilon` (0.1 and 1e-7 without them).
@@ -130,6 +132,7 @@ class Downpour:
             rules = on_ps.create(config, optimizer, dense, rows, strategy)
             self._dense = DenseVariables(dense, self.plan)
             self._rows = RowSparseVariables(rows, self.plan)
+            self._compression = compression.create(config, dense)
             self._seen = base.per_worker("downpour/seen", [], tf.int64)
             self._refetch = base.per_worker("downpour/refetch", [], tf.int64)
             self._stats = {
@@ -154,6 +157,7 @@ class Downpour:
             guard_context=self.guard,
             tokens=self.tokens,
             rules=rules,
+            compression=self._compression,
         )
 
     @property
@@ -179,6 +183,7 @@ class Downpour:
             count=self.update_count.get().handle,
             skipped=self.nonfinite_skipped.get().handle,
             worker=tf.distribute.coordinator.experimental_get_current_worker_index(),
+            residuals=[] if self._compression is None else self._compression.handles(),
         )
 
     def _cached_values(self, h: base.Handles, after: list, active=None):
@@ -315,7 +320,7 @@ class Downpour:
         with tf.control_dependencies([counted]):
             zero = tf.constant(0, int64)
             dense_bytes = tf.constant(self._dense.nbytes, int64)
-            push_bytes = tf.constant(self.plan.push_copies * self._dense.nbytes, int64)
+            push_bytes = tf.constant(self._exchange.push_nbytes, int64)
             rows_fetched = self._rows.bytes_fetched(readers)
             metrics = {
                 "staleness": tf.identity(staleness),
@@ -437,6 +442,8 @@ class Downpour:
         """Every per-worker variable (a replica's state) by key (position)."""
         named = {"seen": self._seen, "refetch": self._refetch}
         named.update({f"stats/{n}": v for n, v in self._stats.items()})
+        if self._compression is not None:
+            named.update(self._compression.worker_variables())
         return named | self._dense.worker_variables() | self._rows.worker_variables()
 
     def stats(self) -> list[ReplicaStats]:
@@ -460,8 +467,6 @@ class Downpour:
         for i in range(len(columns["steps"])):
             s = ReplicaStats(**{name: columns[name][i] for name in _STAT_NAMES})
             s.bytes_fetched = s.fetches * dense_bytes + s.row_bytes_fetched
-            s.bytes_pushed = (
-                s.pushes * self.plan.push_copies * dense_bytes + s.row_bytes_pushed
-            )
+            s.bytes_pushed = s.pushes * self._exchange.push_nbytes + s.row_bytes_pushed
             result.append(s)
         return result

@@ -4,8 +4,9 @@ Dean et al. 2012, section 4.1, with TensorFlow's checkpoints
 (`tf.train.Checkpoint`). A replica keeps its state on its worker, in
 `per_worker_variable=True` variables (`Downpour.worker_variables`): its cache,
 its gradient sums not yet pushed, the squares to push, its local AdaGrad
-accumulator, its step counter (the fetch and push cadence), the ps update
-count its cache accounts for, and its counters (`Downpour.stats`). TensorFlow
+accumulator, the residual of compressed pushes, its step counter (the fetch
+and push cadence), the ps update count its cache accounts for, and its
+counters (`Downpour.stats`). TensorFlow
 saves only the coordinator's copy of such a variable, its initial value.
 
 `ReplicaState` is a `tf.Module` that `training.fit` puts in its checkpoint as
@@ -43,7 +44,7 @@ at their initial values, so it rebuilds from the ps (its next step fetches)
 and its unpushed gradients are dropped.
 
 Coordinator memory and checkpoint size: one copy of each replica's state, up
-to 4 copies of the model per replica (`Downpour`, "Worker memory"); a
+to 5 copies of the model per replica (`Downpour`, "Worker memory"); a
 row-sparse table's cache is saved whole. Each save reads them from the
 workers (bytes: that size, over the network).
 

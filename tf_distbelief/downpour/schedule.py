@@ -33,6 +33,10 @@ With a rule that `pushes_deltas` (the outer optimizer), step 4 sums the local
 steps, `acc <- acc + (cache before step 3 - cache after)`, and no squares go
 along.
 
+**Compressed pushes** (top-k, the quantiser): an applied push sends
+`C(acc + e)` and sets `e <- acc + e - C(acc + e)`, `e` the replica's residual
+(`push_rules.reference`); a dropped push leaves `e` as it was.
+
 **Row-sparse variables** (large embedding tables) are not copied whole: a
 fetch only marks the replica's cached rows stale, and at step 2 each row the
 batch looks up is fetched if it has not been since the last fetch (so a row
@@ -66,6 +70,7 @@ from tf_distbelief.adagrad import rule as adagrad_rule
 from tf_distbelief.downpour.config import (
     DownpourConfig,
 )
+from tf_distbelief.downpour.push_rules import reference as push_reference
 from tf_distbelief.downpour.push_rules.reference import ReferenceRules
 
 __all__ = [
@@ -291,6 +296,12 @@ def simulate(
         )
     deltas = config.pushes_deltas
     rules = ReferenceRules(config, ps)
+    # Compressed pushes: what each replica has not sent yet (error feedback).
+    residuals = [[np.zeros_like(p) for p in ps] for _ in range(n)]
+    compressed_bytes = push_reference.push_nbytes(config.rules, ps)
+    push_bytes = copies * model_bytes
+    if compressed_bytes is not None:
+        push_bytes = compressed_bytes
     fetched = [None] * n  # Per replica: the ps values at its last fetch.
     valid = [{i: set() for i in sparse} for _ in range(n)]  # Rows since a fetch.
     touched = [{i: set() for i in sparse} for _ in range(n)]  # Since a push.
@@ -344,11 +355,16 @@ def simulate(
             s.max_staleness_seen = max(s.max_staleness_seen, staleness)
             if config.max_staleness is None or staleness <= config.max_staleness:
                 mode = config.adagrad_accumulator
+                pushed = accs[r]
+                if compressed_bytes is not None:
+                    unsent = [a + e for a, e in zip(accs[r], residuals[r])]
+                    pushed = push_reference.compress(config.rules, unsent)
+                    residuals[r] = [u - p for u, p in zip(unsent, pushed)]
                 ps, ps_state = rules.apply(
                     update,
                     ps,
                     ps_state,
-                    accs[r],
+                    pushed,
                     config.n_push if mode == "mean" else 1,
                     squares[r] if takes_squares else None,
                     staleness,
@@ -357,7 +373,7 @@ def simulate(
                 ps_count += 1
                 seen[r] += 1
                 s.pushes += 1
-                s.bytes_pushed += copies * model_bytes
+                s.bytes_pushed += push_bytes
                 for i in sparse:
                     pushed_bytes = len(touched[r][i]) * (copies * row_bytes[i] + 8)
                     s.row_bytes_pushed += pushed_bytes

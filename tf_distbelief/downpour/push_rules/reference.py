@@ -2,12 +2,86 @@
 
 The composition of `rule` (corrections, the step's factors, then the rule
 replacing the ps optimizer or the ps optimizer's scaled step), with each
-rule's `reference_*` hooks; `on_ps` is the TF side. Pure: no TensorFlow.
+rule's `reference_*` hooks; `on_ps` is the TF side. Before them, what a
+compressing rule lets a push send (`compress`, `push_nbytes`; the TF side is
+`compression`). Pure: no TensorFlow.
 """
 
 from __future__ import annotations
 
-__all__ = ["ReferenceRules", "scaled_update"]
+import numpy as np
+
+from tf_distbelief.downpour.push_rules import rule
+
+__all__ = ["ReferenceRules", "compress", "push_nbytes", "scaled_update"]
+
+
+def _compressors(rules) -> tuple:
+    """`(selecting rule or None, coding rule or None)` among `rules`."""
+    selector = next((r for r in rules if r.selects), None)
+    return selector, next((r for r in rules if r.codes), None)
+
+
+def compress(rules, values: list) -> list:
+    """What the ps receives of a push of `values` (step 0), in NumPy.
+
+    Each array is flattened; a selecting rule keeps the entries at its
+    `reference_select` positions (the others are 0), a coding rule replaces
+    the kept values, in sending order, by its `reference_code`. The replica's
+    residual is then `values` less the result.
+
+    Args:
+      rules: the rules in effect (`DownpourConfig.rules`).
+      values: the arrays to push (gradient sums plus the residual).
+
+    Returns:
+      One array per value, its shape; `values` themselves when no rule
+      compresses.
+    """
+    selector, coder = _compressors(rules)
+    if selector is None and coder is None:
+        return values
+    out = []
+    for v in values:
+        flat = v.reshape(-1)
+        positions = (
+            np.arange(flat.size)
+            if selector is None
+            else selector.reference_select(flat)
+        )
+        kept = flat[positions]
+        if coder is not None:
+            kept = coder.reference_code(kept)
+        sent = np.zeros_like(flat)
+        sent[positions] = kept
+        out.append(sent.reshape(v.shape))
+    return out
+
+
+def push_nbytes(rules, params: list) -> int | None:
+    """Bytes a compressed push of arrays shaped like `params` sends.
+
+    Per array of `n` entries of `itemsize` bytes: `count` = the selecting
+    rule's `sent_count(n)` (else `n`) values, coded (`coded_nbytes`) or not
+    (`count * itemsize`), plus an int32 position per value
+    (`rule.POSITION_BYTES`) with a selecting rule.
+
+    Returns:
+      The bytes, or None when no rule compresses.
+    """
+    selector, coder = _compressors(rules)
+    if selector is None and coder is None:
+        return None
+    total = 0
+    for p in params:
+        count = p.size if selector is None else selector.sent_count(p.size)
+        if coder is None:
+            total += count * p.itemsize
+        else:
+            total += coder.coded_nbytes(count, p.itemsize)
+        if selector is not None:
+            total += rule.POSITION_BYTES * count
+    return total
 
 
 def scaled_update(update, params, state, grads, steps, squares, scale):

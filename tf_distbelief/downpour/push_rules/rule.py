@@ -21,6 +21,13 @@ At a push the rules in effect compose, on each variable, in this order:
    grows its accumulator by the unscaled squares: its step, not its
    accumulator, is scaled).
 
+Before all that, on the replica, a compressing rule may shrink what the push
+sends (step 0, `compressing`): a rule that `selects` keeps some entries of
+each pushed tensor (top-k), a rule that `codes` sends their values in fewer
+bits (a quantiser); at most one of each, composed in that order. What is not
+sent stays in the replica's residual and is added to its next push (error
+feedback; `reference.compress`, `compression.CompressedPush`).
+
 Each module of this package but `_NOT_RULES` is a rule file: it names its
 rule class `RULE`, and the registry registers them first, in module name
 order (`rules()`), so a new rule is one new file. Other rules (a test's)
@@ -39,9 +46,12 @@ import pkgutil
 import numpy as np
 
 __all__ = [
+    "POSITION_BYTES",
     "PushRule",
     "Setting",
+    "check_compressible",
     "check_float",
+    "check_int",
     "register",
     "registered",
     "resolve",
@@ -50,8 +60,11 @@ __all__ = [
     "unregister",
 ]
 
+# Bytes of a sent entry's position in a selecting rule's push (int32:
+# tensors of up to 2**31 entries).
+POSITION_BYTES = 4
 # The modules of this package that hold no rule.
-_NOT_RULES = frozenset({"rule", "on_ps", "reference"})
+_NOT_RULES = frozenset({"rule", "on_ps", "reference", "compression"})
 # Registered rules by name, in registration order.
 _RULES: dict[str, type[PushRule]] = {}
 _loaded = False
@@ -64,11 +77,11 @@ class Setting:
     Attributes:
       name: the keyword argument, attribute and flag name.
       default: its value when not given.
-      kind: the flag's type, `"float"` or `"bool"` (absl parses the value;
-        a float flag is refused unless finite).
+      kind: the flag's type, `"float"`, `"int"` or `"bool"` (absl parses the
+        value; a float flag is refused unless finite).
       help: the flag's help.
-      lower_bound: a float flag's lowest value, or None.
-      upper_bound: a float flag's highest value, or None.
+      lower_bound: a float or int flag's lowest value, or None.
+      upper_bound: a float or int flag's highest value, or None.
     """
 
     name: str
@@ -79,10 +92,10 @@ class Setting:
     upper_bound: float | None = None
 
     def __post_init__(self):
-        if self.kind not in ("float", "bool"):
+        if self.kind not in ("float", "int", "bool"):
             raise ValueError(
                 f"Argument `kind` of setting {self.name!r} must be one of float, "
-                f"bool. Received: {self.kind!r}"
+                f"int, bool. Received: {self.kind!r}"
             )
 
 
@@ -109,6 +122,12 @@ class PushRule:
         optimizer (at most one rule in effect may).
       state_name: the attribute of `on_ps.PushRules` that holds the rule's
         `ps_state` (e.g. `"momentums"`), or `""` for none.
+      selects: the replica sends only some entries of each pushed tensor
+        (`reference_select`, `select`, `sent_count`); the rest stays in its
+        residual. At most one rule in effect may.
+      codes: the replica sends the pushed values coded in fewer bits
+        (`reference_code`, `encode`, `decode`, `coded_nbytes`); the coding
+        error stays in its residual. At most one rule in effect may.
 
     Args:
       config: the `DownpourConfig`.
@@ -122,6 +141,8 @@ class PushRule:
     needs_fetched: bool = False
     replaces_optimizer: bool = False
     state_name: str = ""
+    selects: bool = False
+    codes: bool = False
 
     def __init__(self, config):
         del config  # A rule with settings reads them here.
@@ -149,6 +170,30 @@ class PushRule:
         Raises:
           ValueError: naming both rules.
         """
+
+    @property
+    def compresses(self) -> bool:
+        """True when the rule shrinks what a push sends (`selects` or `codes`)."""
+        return self.selects or self.codes
+
+    # --- Compression on the replica (step 0), pure ----------------------------
+
+    def sent_count(self, size: int) -> int:
+        """Entries of a tensor of `size` entries a push sends (`selects`)."""
+        raise NotImplementedError(f"Push rule {self.name} selects no entries.")
+
+    def coded_nbytes(self, count: int, itemsize: int) -> int:
+        """Bytes of `count` values of `itemsize` bytes once coded (`codes`)."""
+        raise NotImplementedError(f"Push rule {self.name} codes no values.")
+
+    def reference_select(self, flat) -> object:
+        """The positions of `flat` (a 1-D array) sent, in sending order, as an
+        int array of `sent_count(flat.size)` (`selects`)."""
+        raise NotImplementedError(f"Push rule {self.name} selects no entries.")
+
+    def reference_code(self, values) -> object:
+        """`values` (a 1-D array) as the ps decodes them (`codes`)."""
+        raise NotImplementedError(f"Push rule {self.name} codes no values.")
 
     # --- The NumPy reference (`schedule.simulate`), pure ----------------------
 
@@ -217,6 +262,20 @@ class PushRule:
         """
         raise NotImplementedError(f"Push rule {self.name} replaces no optimizer.")
 
+    # --- TensorFlow on the replica, then on the ps (`compression`) ------------
+
+    def select(self, flat):
+        """The int32 positions of `flat` (a 1-D tensor) sent (`selects`)."""
+        raise NotImplementedError(f"Push rule {self.name} selects no entries.")
+
+    def encode(self, values) -> tuple:
+        """`values` (a 1-D tensor) coded: a tuple of tensors (`codes`)."""
+        raise NotImplementedError(f"Push rule {self.name} codes no values.")
+
+    def decode(self, coded: tuple, count: int, dtype):
+        """The `count` values of `dtype` that `encode` coded (`codes`)."""
+        raise NotImplementedError(f"Push rule {self.name} codes no values.")
+
 
 def check_float(name: str, value, or_what: str = "", rule: str = "") -> None:
     """Raises unless `value` is a real number, finite and, by `rule`, in range.
@@ -250,6 +309,52 @@ def check_float(name: str, value, or_what: str = "", rule: str = "") -> None:
         rule = f" and {rule}" if rule else ""
         raise ValueError(
             f"Argument `{name}` must be finite{rule}{alternative}. Received: {value!r}"
+        )
+
+
+def check_int(name: str, value, lowest: int, meaning: str = "") -> None:
+    """Raises unless `value` is an integer >= `lowest`.
+
+    Args:
+      name: the argument's name, for the error.
+      value: its value.
+      lowest: the lowest value allowed.
+      meaning: what a value means (e.g. "0: the whole tensor"), for the error.
+
+    Raises:
+      TypeError: not an integer (a bool is not one).
+      ValueError: below `lowest`.
+    """
+    meaning = f" ({meaning})" if meaning else ""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"Argument `{name}` must be an integer{meaning}. Received: {value!r}"
+        )
+    if value < lowest:
+        raise ValueError(
+            f"Argument `{name}` must be >= {lowest}{meaning}. Received: {value!r}"
+        )
+
+
+def check_compressible(config, name: str) -> None:
+    """Raises if a compressing rule, `name` on, meets pushed squared gradients.
+
+    With AdaGrad's `adagrad_accumulator="squares"` and `n_push > 1` a push
+    sends the steps' squared gradients whole along with the gradient: as many
+    bytes as the uncompressed gradient, and no residual can carry what a
+    compressed square leaves out. Pushes of parameter deltas send no squares.
+
+    Raises:
+      ValueError: naming `name`, the accumulator mode and `n_push`.
+    """
+    deltas = any(r.pushes_deltas and r.is_on(config) for r in rules())
+    if config.pushes_squares and not deltas:
+        raise ValueError(
+            f"Argument `{name}` needs `adagrad_accumulator` 'mean' or 'sum' "
+            "when `n_push` > 1: with 'squares' each push also sends the "
+            "steps' squared gradients, uncompressed. Received: "
+            f"adagrad_accumulator={config.adagrad_accumulator!r}, "
+            f"n_push={config.n_push}"
         )
 
 
@@ -348,7 +453,8 @@ def resolve(config) -> tuple[PushRule, ...]:
 
     Raises:
       TypeError, ValueError: a rule's `check` or `check_combination`, or two
-        rules on that both replace the ps optimizer.
+        rules on that both replace the ps optimizer, both select or both
+        code.
     """
     known = rules()
     for rule in known:
@@ -356,10 +462,15 @@ def resolve(config) -> tuple[PushRule, ...]:
     on = tuple(rule for rule in known if rule.is_on(config))
     for rule in on:
         rule.check_combination(config, tuple(o for o in on if o is not rule))
-    replacing = [rule.name for rule in on if rule.replaces_optimizer]
-    if len(replacing) > 1:
-        raise ValueError(
-            f"Push rules {' and '.join(replacing)} cannot be combined: each "
-            "applies the push in place of the ps optimizer. Received both on."
-        )
+    for attribute, what in (
+        ("replaces_optimizer", "applies the push in place of the ps optimizer"),
+        ("selects", "selects the entries a push sends"),
+        ("codes", "codes the values a push sends"),
+    ):
+        both = [rule.name for rule in on if getattr(rule, attribute)]
+        if len(both) > 1:
+            raise ValueError(
+                f"Push rules {' and '.join(both)} cannot be combined: each "
+                f"{what}. Received both on."
+            )
     return tuple(rule(config) for rule in on)
