@@ -1,0 +1,287 @@
+r"""The punisher: one long job under faults at a set mean time between failures.
+
+`launch/train.py --model=digits` on its local cluster (2 workers, 2 ps,
+`--model_dir`, checkpoints every `--checkpoint_every_steps`) runs to its end
+while faults come at exponential intervals of mean `--mtbf_secs`: each picks
+a target (a worker, a ps or the chief, each kind equally likely, then a task
+of that kind) and a signal (SIGKILL or SIGSTOP, equally likely). A SIGSTOPped
+task stays stopped: the job's hung-task watch gives it up after
+`--hung_task_timeout_secs` and kills it (ps and workers), and this script,
+acting as the orchestrator, kills a chief whose output has been silent for
+`--chief_liveness_secs` (a liveness probe). A chief that exits, or is killed,
+is started again with the same command and `--model_dir`, as an orchestrator
+would; its cluster dies with it and restarts with it.
+
+A fault falls only while the job trains (a step line in the last 5 s) and,
+for a ps, once a checkpoint exists (before it a lost ps is an error by
+design: nothing to restore); a fault due earlier waits for that.
+
+Reported: the faults by target and signal, whether every one was survived
+(the job ends with exit 0 and no exit but the punisher's own kills), the
+steps redone (from each restore back to the last step seen before its
+fault), goodput (the job's own productive training seconds, summed over the
+chief's lives, over this run's wall time from the first start to the end),
+and the test accuracy against an unfaulted run of the same command.
+
+Usage:
+  python benchmarks/punisher.py --mtbf_secs=120 --steps=60000   # about 20 min
+  python benchmarks/punisher.py --mtbf_secs=20 --steps=6000 --no_reference
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+import uuid
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import faults_bench  # noqa: E402 - the benchmarks folder is not a package.
+
+_POLL_SECS = 0.2
+# A fault waits until the job has printed a step line within this long.
+_TRAINING_SECS = 5.0
+# How often the chief is started at most: a job that keeps failing by
+# itself is not one the punisher can judge.
+_MAX_LIVES = 200
+_GOODPUT_RE = re.compile(
+    r"^goodput: [0-9.]+% \(train ([0-9.]+) s of ([0-9.]+) s; .* redone ([0-9.]+) s"
+)
+_RESTORED_RE = re.compile(r"^(?:restored|Resumed from) .*?ckpt-(\d+)")
+_STEP_RE = re.compile(r"^(?:step|epoch \d+/\d+: steps) (\d+)/\d+")
+
+
+def define_flags():
+    flags.DEFINE_float(
+        "mtbf_secs", 120.0, "Mean seconds between faults.", lower_bound=1
+    )
+    flags.DEFINE_integer("steps", 60000, "Steps of the job.", lower_bound=100)
+    flags.DEFINE_integer("steps_per_epoch", 500, "Steps per epoch.", lower_bound=10)
+    flags.DEFINE_integer("checkpoint_every_steps", 500, "Checkpoint cadence.")
+    flags.DEFINE_float("hung_task_timeout_secs", 10.0, "The job's hung-task bound.")
+    flags.DEFINE_float(
+        "chief_liveness_secs", 30.0, "A training chief silent this long is killed."
+    )
+    flags.DEFINE_multi_enum(
+        "signals", ["SIGKILL", "SIGSTOP"], ["SIGKILL", "SIGSTOP"], "Faults to draw."
+    )
+    flags.DEFINE_integer("seed", 0, "Seed of the faults (times, targets, signals).")
+    flags.DEFINE_bool("reference", True, "Also run the job unfaulted, first.")
+    flags.DEFINE_string("out", None, "Also write the results as JSON here.")
+    flags.DEFINE_string(
+        "work_dir", None, "Keep the jobs' folders and logs here (default: temporary)."
+    )
+
+
+def job_args(model_dir: str) -> list[str]:
+    f = flags.FLAGS
+    return [
+        "--model=digits",
+        "--num_workers=2",
+        "--num_ps=2",
+        f"--epochs={max(1, f.steps // f.steps_per_epoch)}",
+        f"--steps_per_epoch={f.steps_per_epoch}",
+        f"--checkpoint_every_steps={f.checkpoint_every_steps}",
+        f"--hung_task_timeout_secs={f.hung_task_timeout_secs}",
+        f"--log_every_steps={max(10, f.steps_per_epoch // 10)}",
+        f"--model_dir={model_dir}",
+    ]
+
+
+class Life:
+    """One start of the chief: its process and what its lines say."""
+
+    def __init__(self, args, folder, number):
+        self.marker = uuid.uuid4().hex
+        self.job = faults_bench._Job(args, folder, f"life{number}", self.marker)
+        self.started = time.monotonic()
+        self.killed_by_us = False
+
+    def last_step_line_at(self) -> float | None:
+        seen = [at for at, line in self.job.poll_lines() if _STEP_RE.match(line)]
+        return seen[-1] if seen else None
+
+    def last_step(self) -> int:
+        steps = [int(m[1]) for _, line in self.job.lines if (m := _STEP_RE.match(line))]
+        return max(steps, default=0)
+
+    def goodput(self) -> tuple[float, float]:
+        return goodput_of(self.job)
+
+
+def goodput_of(job) -> tuple[float, float]:
+    """(train s, redone s) of a job's last goodput line; a chief killed after
+    it loses what it trained since (conservative)."""
+    found = [m for _, line in job.poll_lines() if (m := _GOODPUT_RE.match(line))]
+    if not found:
+        return 0.0, 0.0
+    return float(found[-1][1]), float(found[-1][3])
+
+
+def steps_redone(lives: list[Life]) -> int:
+    """Steps done twice: at each restore (a ps recovered, a chief started
+    again), from the highest step seen before it back to the checkpoint."""
+    redone, highest = 0, 0
+    for life in lives:
+        for _, line in life.job.lines:
+            if step := _STEP_RE.match(line):
+                highest = max(highest, int(step[1]))
+            elif restored := _RESTORED_RE.match(line):
+                redone += max(0, highest - int(restored[1]))
+                highest = int(restored[1])
+    return redone
+
+
+def _checkpointed(model_dir: str) -> bool:
+    return os.path.exists(os.path.join(model_dir, "checkpoints", "checkpoint"))
+
+
+def punish(folder: str) -> dict:
+    """The faulted run; returns its summary."""
+    f = flags.FLAGS
+    rng = random.Random(f.seed)
+    model_dir = os.path.join(folder, "model")
+    args = job_args(model_dir)
+    start = time.monotonic()
+    lives = [Life(args, folder, 0)]
+    faults, unexpected_exits = [], []
+    next_fault = start + rng.expovariate(1.0 / f.mtbf_secs)
+    while True:
+        life = lives[-1]
+        code = life.job.proc.poll()
+        now = time.monotonic()
+        if code is not None:
+            life.job.finish()
+            if code == 0:
+                break
+            if not life.killed_by_us:
+                unexpected_exits.append({"life": len(lives) - 1, "exit": code})
+            if len(lives) >= _MAX_LIVES:
+                break
+            lives.append(Life(args, folder, len(lives)))
+            continue
+        last_line = life.last_step_line_at()
+        silent = now - max(life.job.lines[-1][0] if life.job.lines else 0, life.started)
+        if last_line is not None and silent > f.chief_liveness_secs:
+            # The orchestrator's liveness probe: a chief that trained and went
+            # silent is hung.
+            life.killed_by_us = True
+            os.kill(life.job.proc.pid, signal.SIGKILL)
+            print(f"chief silent for {silent:.0f} s: killed (liveness)", flush=True)
+            continue
+        training = last_line is not None and now - last_line < _TRAINING_SECS
+        if now >= next_fault and training:
+            kind = rng.choice(("worker", "ps", "chief"))
+            sig = getattr(signal, rng.choice(f.signals))
+            if kind == "ps" and not _checkpointed(model_dir):
+                time.sleep(_POLL_SECS)
+                continue
+            index = 0 if kind == "chief" else rng.randrange(2)
+            try:
+                pid = (
+                    life.job.proc.pid
+                    if kind == "chief"
+                    else faults_bench._task_pid(life.marker, kind, index)
+                )
+            except RuntimeError:  # Being restarted: draw again later.
+                time.sleep(_POLL_SECS)
+                continue
+            # A stopped chief is killed by the liveness probe, also ours.
+            life.killed_by_us = life.killed_by_us or kind == "chief"
+            os.kill(pid, sig)
+            faults.append(
+                {
+                    "at s": round(now - start, 1),
+                    "target": f"{kind}:{index}",
+                    "signal": sig.name,
+                    "life": len(lives) - 1,
+                    "last step": life.last_step(),
+                }
+            )
+            print(json.dumps(faults[-1]), flush=True)
+            next_fault = now + rng.expovariate(1.0 / f.mtbf_secs)
+        time.sleep(_POLL_SECS)
+    wall = time.monotonic() - start
+    train = sum(life.goodput()[0] for life in lives)
+    redone_secs = sum(life.goodput()[1] for life in lives)
+    final = lives[-1]
+    accuracy = faults_bench._accuracy(final.job)
+    return {
+        "wall s": round(wall, 1),
+        "train s": round(train, 1),
+        "redone s": round(redone_secs, 1),
+        "goodput %": round(100 * train / wall, 1),
+        "faults": faults,
+        "chief lives": len(lives),
+        "unexpected exits": unexpected_exits,
+        "survived": final.job.proc.returncode == 0 and not unexpected_exits,
+        "steps redone": steps_redone(lives),
+        "test accuracy": accuracy,
+    }
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    with tempfile.TemporaryDirectory(prefix="punisher_") as temporary:
+        root = f.work_dir or temporary
+        reference = None
+        if f.reference:
+            folder = os.path.join(root, "unfaulted")
+            os.makedirs(folder)
+            begin = time.monotonic()
+            base = faults_bench._Job(
+                job_args(os.path.join(folder, "model")), folder, "run", uuid.uuid4().hex
+            )
+            code, _ = base.finish()
+            reference = faults_bench._accuracy(base)
+            train = goodput_of(base)[0]
+            print(
+                f"unfaulted: exit {code}, test accuracy {reference}, "
+                f"{time.monotonic() - begin:.0f} s, goodput "
+                f"{100 * train / (time.monotonic() - begin):.1f}%",
+                flush=True,
+            )
+        folder = os.path.join(root, "faulted")
+        os.makedirs(folder)
+        result = punish(folder)
+    result["unfaulted accuracy"] = reference
+    kinds: dict[str, int] = {}
+    for fault in result["faults"]:
+        key = f"{fault['target'].split(':')[0]} {fault['signal']}"
+        kinds[key] = kinds.get(key, 0) + 1
+    print()
+    columns = "faults | survived | goodput | train s | wall s | steps redone | "
+    columns += "chief lives | acc | unfaulted acc"
+    print(f"| {columns} |")
+    print("|---" * (columns.count("|") + 1) + "|")
+    drawn = ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items()))
+    cells = [
+        f"{len(result['faults'])} ({drawn})",
+        "yes" if result["survived"] else "no",
+        f"{result['goodput %']}%",
+        result["train s"],
+        result["wall s"],
+        result["steps redone"],
+        result["chief lives"],
+        result["test accuracy"],
+        reference,
+    ]
+    print("| " + " | ".join(map(str, cells)) + " |")
+    if result["unexpected exits"]:
+        print(f"unexpected exits: {result['unexpected exits']}")
+    if f.out:
+        with open(f.out, "w") as out:
+            json.dump(result, out, indent=1)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
