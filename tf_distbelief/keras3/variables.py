@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from tf_distbelief.tf_internals import variables as tf_variables
+
 
 def shards_of(variable) -> list:
     """The per-ps `tf.Variable`s of a ps variable (one when it is whole)."""
@@ -31,6 +33,12 @@ def read(variable) -> tf.Tensor:
     if len(shards) == 1:
         return shards[0].value()
     return tf.concat([s.value() for s in shards], axis=0)
+
+
+def _whole(shards: list):
+    """One variable for a checkpoint: a `ShardedVariable` of `shards` (saved
+    whole, so that it restores into any number of ps tasks), or the one."""
+    return shards[0] if len(shards) == 1 else tf_variables.ShardedVariable(shards)
 
 
 def _ps_name(keras_variable) -> str:
@@ -60,6 +68,11 @@ class PsWeights:
         `model.non_trainable_variables`.
       accumulators: per trainable variable, the list of its shards'
         accumulators (`tf.Variable`s on their ps tasks); empty without
+        `accumulators`.
+      checkpoint_model: a `tf.Module` tracking the ps variables by position
+        (`trainable/<i>`, `non_trainable/<i>`), for `tf.train.Checkpoint`.
+      checkpoint_optimizer: a `tf.Module` tracking the accumulators by
+        position (`accumulators/<i>`, a sharded one whole), or None without
         `accumulators`.
 
     Raises:
@@ -104,6 +117,19 @@ class PsWeights:
                             )
                         )
                 self.accumulators.append(slots)
+        # What a checkpoint holds, keyed by position (a Keras 3 path changes
+        # with the names Keras gives the layers: `dense_1` in a second model):
+        # `model/trainable/<i>`, `model/non_trainable/<i>` and
+        # `optimizer/accumulators/<i>`, each whole.
+        self.checkpoint_model = tf.Module(name="ps_weights")
+        self.checkpoint_model.trainable = list(self.trainable)
+        self.checkpoint_model.non_trainable = list(self.non_trainable)
+        self.checkpoint_optimizer = None
+        if accumulators:
+            self.checkpoint_optimizer = tf.Module(name="ps_adagrad")
+            self.checkpoint_optimizer.accumulators = [
+                _whole(slots) for slots in self.accumulators
+            ]
 
     @staticmethod
     def _create(keras_variable, trainable: bool):
