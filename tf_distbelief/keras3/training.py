@@ -289,7 +289,8 @@ def fit(
       validation_data: `(x_val, y_val)` NumPy arrays, evaluated on the
         coordinator with the epoch's trained weights.
       initial_epoch: the epoch to start at.
-      verbose: 1 prints one line per epoch with `print_fn`.
+      verbose: 1 prints one line per epoch with `print_fn`: `epoch 2/5: steps
+        200/500 loss 0.1234 accuracy 0.9700 (1.9 s)` (the global steps done).
       print_fn: where that line goes.
       seed: shuffle seed of the `x, y` pipeline; None shuffles each worker
         differently.
@@ -547,7 +548,7 @@ def _fit(
                     metrics,
                     metric_inits,
                 )
-                if skipped is not None:
+                if nonfinite == "skip":  # Else a non-finite step stops the run.
                     logs["nonfinite_skipped"] = int(skipped.numpy()) - skipped_before
                 if saver is not None:
                     _save(saver, done, goodput)
@@ -559,9 +560,13 @@ def _fit(
                         )
                     )
                 if verbose:
-                    values = " ".join(f"{k} {v:.4f}" for k, v in logs.items())
+                    values = " ".join(
+                        f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}"
+                        for k, v in logs.items()
+                    )
                     print_fn(
-                        f"epoch {epoch + 1}/{epochs}: {values} "
+                        f"epoch {epoch + 1}/{epochs}: steps {done}/"
+                        f"{epochs * steps_per_epoch} {values} "
                         f"({time.monotonic() - start:.1f} s)"
                     )
                 callback_list.on_epoch_end(epoch, logs)

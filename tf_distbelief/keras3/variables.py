@@ -15,8 +15,6 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief.tf_internals import variables as tf_variables
-
 
 def shards_of(variable) -> list:
     """The per-ps `tf.Variable`s of a ps variable (one when it is whole)."""
@@ -38,7 +36,13 @@ def read(variable) -> tf.Tensor:
 def _whole(shards: list):
     """One variable for a checkpoint: a `ShardedVariable` of `shards` (saved
     whole, so that it restores into any number of ps tasks), or the one."""
-    return shards[0] if len(shards) == 1 else tf_variables.ShardedVariable(shards)
+    if len(shards) == 1:
+        return shards[0]
+    # Imported here: `tf_internals` imports tf_keras, which training without
+    # checkpoints never needs.
+    from tf_distbelief.tf_internals import variables as tf_variables
+
+    return tf_variables.ShardedVariable(shards)
 
 
 def _ps_name(keras_variable) -> str:
@@ -117,19 +121,34 @@ class PsWeights:
                             )
                         )
                 self.accumulators.append(slots)
+        self._has_accumulators = accumulators
+        self._checkpoint_objects = None
+
+    def _objects(self) -> tuple:
         # What a checkpoint holds, keyed by position (a Keras 3 path changes
         # with the names Keras gives the layers: `dense_1` in a second model):
         # `model/trainable/<i>`, `model/non_trainable/<i>` and
-        # `optimizer/accumulators/<i>`, each whole.
-        self.checkpoint_model = tf.Module(name="ps_weights")
-        self.checkpoint_model.trainable = list(self.trainable)
-        self.checkpoint_model.non_trainable = list(self.non_trainable)
-        self.checkpoint_optimizer = None
-        if accumulators:
-            self.checkpoint_optimizer = tf.Module(name="ps_adagrad")
-            self.checkpoint_optimizer.accumulators = [
-                _whole(slots) for slots in self.accumulators
-            ]
+        # `optimizer/accumulators/<i>`, each whole. Made once, on first use.
+        if self._checkpoint_objects is None:
+            model = tf.Module(name="ps_weights")
+            model.trainable = list(self.trainable)
+            model.non_trainable = list(self.non_trainable)
+            optimizer = None
+            if self._has_accumulators:
+                optimizer = tf.Module(name="ps_adagrad")
+                optimizer.accumulators = [_whole(s) for s in self.accumulators]
+            self._checkpoint_objects = (model, optimizer)
+        return self._checkpoint_objects
+
+    @property
+    def checkpoint_model(self) -> tf.Module:
+        """The ps variables by position, for `tf.train.Checkpoint`."""
+        return self._objects()[0]
+
+    @property
+    def checkpoint_optimizer(self) -> tf.Module | None:
+        """The accumulators by position (a sharded one whole), or None."""
+        return self._objects()[1]
 
     @staticmethod
     def _create(keras_variable, trainable: bool):
