@@ -335,7 +335,9 @@ def fit(
       ValueError: bad arguments (named), an unbuilt model, a model without a
         loss, or an optimizer other than AdaGrad; before anything is created.
       NonFiniteError: a step's gradient held NaN or inf (named by
-        weight); that step changed no ps variable.
+        weight; `nonfinite="raise"`); that step changed no ps variable, and
+        the model holds the ps values of the steps before it. Or a
+        checkpoint would have held a NaN or inf (nothing written).
     """
     _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size)
     _check_reliability(model_dir, checkpoint_every_steps, nonfinite)
@@ -573,6 +575,11 @@ def _fit(
                 if model.stop_training:
                     break
             failed = False
+        except errors.NonFiniteError:
+            # The ps hold the steps before it, as a model after Keras's own
+            # `fit` failed holds its weights at the failure.
+            weights.write_to_model(model)
+            raise
         finally:
             if goodput is not None:
                 goodput.end_training(done, failed)
