@@ -310,9 +310,9 @@ def fit(
         replica state bit for bit, into any number of ps tasks; the step,
         mid-epoch if need be; verified by reading them back) and writes a
         checkpoint at each epoch end (`keras3.checkpoints`). Training goes
-        to `epochs * steps_per_epoch` steps in all; `initial_epoch` is then
-        the checkpoint's. The data restart from their beginning, as in the
-        tf_keras job.
+        to `epochs * steps_per_epoch` steps in all, from the checkpoint's
+        step rather than `initial_epoch`. The data restart from their
+        beginning, as in the tf_keras job.
       checkpoint_every_steps: steps between checkpoints besides each epoch
         end, >= 0 (0: epoch ends only); needs `model_dir`. The checkpoint of
         step `n` is written once the steps before it are done (the workers
@@ -504,7 +504,9 @@ def _fit(
             downpour=history_downpour,
             print_fn=print_fn,
         )
-        initial_step = saver.restore()
+        # A checkpoint's step wins over `initial_epoch` (never 0: none is
+        # written before a step).
+        initial_step = saver.restore() or initial_step
     goodput = _goodput()
 
     history = keras.callbacks.History()
