@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 
 from tests.fixtures.launch import (
     DOWNPOUR_LAUNCH_ARGS,
+    KERAS3_LAUNCH_ARGS,
     LBFGS_REFERENCE_ITERS,
     LBFGS_REFERENCE_PORTIONS,
 )
@@ -82,6 +83,28 @@ def downpour_launch_ps0_killed(tmp_path_factory):
 
     return ps_kill.run_ps0_killed_after_second_checkpoint(
         tmp_path_factory.mktemp("downpour_ps0_killed"), list(DOWNPOUR_LAUNCH_ARGS)
+    )
+
+
+@pytest.fixture(scope="session")
+def keras3_launch_ps0_killed(tmp_path_factory):
+    """One `launch/train.py --keras=3` job whose ps 0 is SIGKILLed after its
+    second checkpoint: `(returncode, stdout, stderr, export_dir)`.
+
+    `KERAS3_LAUNCH_ARGS` with `--model_dir`, `--checkpoint_every_steps=20` and
+    `--export_dir`. tests/faults/test_ps_recovery.py checks the recovery,
+    tests/keras3/test_keras3.py the training and the export: one launch (about
+    35 s on 2 cores) serves both.
+    """
+    from tests.fixtures import ps_kill
+
+    folder = tmp_path_factory.mktemp("keras3_ps0_killed")
+    export_dir = folder / "export"
+    return (
+        *ps_kill.run_ps0_killed_after_second_checkpoint(
+            folder, [*KERAS3_LAUNCH_ARGS, f"--export_dir={export_dir}"]
+        ),
+        export_dir,
     )
 
 

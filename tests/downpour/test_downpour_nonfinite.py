@@ -3,7 +3,9 @@ reaches a ps variable.
 
 One worker and a fixed cycle of batches (finite ones and one with a NaN
 feature) make every run deterministic: a guarded run must equal a run over
-the finite pushes alone, bit for bit.
+the finite pushes alone, bit for bit. The raise and skip tests run for a
+tf_keras model (`fit.training.fit`) and a Keras 3 model (`keras3.fit`), the
+same checks on each (`_Keras2`, `_Keras3`).
 """
 
 import numpy as np
@@ -91,35 +93,119 @@ def _assert_equal_weights(model, reference):
         np.testing.assert_array_equal(got, want)
 
 
-def test_raise_stops_at_the_push_and_no_nan_reaches_the_ps(strategy):
-    model = _model(strategy, 1)
+class _Keras2:
+    """The tf_keras model with `downpour.install` and `fit.training.fit`."""
+
+    id = "tf_keras"
+    names = r"logits/kernel/part_0:0, logits/kernel/part_1:0, logits/bias/part_0:0, "
+    names += r"logits/bias/part_1:0"
+    skipped_line = "nonfinite: 2 pushes skipped so far"
+
+    @staticmethod
+    def run(strategy, n, steps, pattern, **kwargs):
+        """`(model, downpour, nonfinite_skipped, lines)` of a 1-epoch run;
+        on an error, the error's `run` attribute holds `(model, downpour)`."""
+        model = _model(strategy, n)
+        try:
+            result, lines = _fit(model, steps, pattern, **kwargs)
+        except tfdb.NonFiniteError as error:
+            error.run = (model, model.downpour)
+            raise
+        assert result.history[0]["nonfinite_pushes"] == result.nonfinite_skipped
+        return model, model.downpour, result.nonfinite_skipped, lines
+
+    weights = staticmethod(_weights)
+
+
+class _Keras3:
+    """The same model in Keras 3, and `keras3.fit(downpour=...)`."""
+
+    id = "keras3"
+    names = r"sequential\w*_logits_kernel/part_0:0, sequential\w*_logits_kernel/"
+    names += r"part_1:0, sequential\w*_logits_bias/part_0:0, "
+    names += r"sequential\w*_logits_bias/part_1:0"
+    skipped_line = "nonfinite_skipped 2"
+
+    @staticmethod
+    def run(strategy, n, steps, pattern, **kwargs):
+        import keras
+
+        from tf_distbelief import keras3
+
+        model = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(
+                    CLASSES,
+                    kernel_initializer=keras.initializers.GlorotUniform(0),
+                    name="logits",
+                ),
+            ]
+        )
+        batches = [(X, Y) if good else (X_NAN, Y) for good in pattern]
+        xs, ys = zip(*batches)
+        lines = []
+        try:
+            history = keras3.fit(
+                model,
+                dataset=tf.data.Dataset.from_tensor_slices(
+                    (np.stack(xs), np.stack(ys))
+                ),
+                strategy=strategy,
+                epochs=1,
+                steps_per_epoch=steps,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=(),
+                optimizer=keras3.Adagrad(0.5),
+                downpour=downpour.DownpourConfig(n_fetch=n, n_push=n),
+                verbose=1,
+                print_fn=lines.append,
+                **kwargs,
+            )
+        except tfdb.NonFiniteError as error:
+            # The run's `Downpour` went with it; the model holds the ps values.
+            error.run = (model, None)
+            raise
+        return model, history.downpour, history.nonfinite_skipped, lines
+
+    @staticmethod
+    def weights(model):
+        return [np.asarray(v.numpy()) for v in model.trainable_variables]
+
+
+KERAS = pytest.mark.parametrize("k", [_Keras2, _Keras3], ids=lambda k: k.id)
+
+
+@KERAS
+def test_raise_stops_at_the_push_and_no_nan_reaches_the_ps(strategy, k):
     with pytest.raises(
         tfdb.NonFiniteError,
         match=r"Non-finite push \(NaN or inf\) from worker 0 at its step 3 for "
-        r"logits/kernel/part_0:0, logits/kernel/part_1:0, logits/bias/part_0:0, "
-        r"logits/bias/part_1:0: the push was not applied",
+        + k.names
+        + r": the push was not applied",
     ) as raised:
-        _fit(model, 6, [1, 1, 0])
+        k.run(strategy, 1, 6, [1, 1, 0])
     assert raised.value.step == 3
-    assert int(model.downpour.update_count.numpy()) == 2
-    assert int(model.optimizer.iterations.numpy()) == 2
-    reference = _model(strategy, 1)
-    _fit(reference, 2, [1])
-    _assert_equal_weights(model, reference)
+    model, state = raised.value.run
+    if state is not None:
+        assert int(state.update_count.numpy()) == 2
+        assert int(state.optimizer.iterations.numpy()) == 2
+    reference, _, _, _ = k.run(strategy, 1, 2, [1])
+    for got, want in zip(k.weights(model), k.weights(reference)):
+        np.testing.assert_array_equal(got, want)
 
 
-def test_skip_drops_and_counts_the_pushes(strategy):
-    model = _model(strategy, 1)
-    result, lines = _fit(model, 6, [1, 1, 0], nonfinite="skip")
-    assert result.nonfinite_skipped == 2
-    assert "nonfinite: 2 pushes skipped so far" in " ".join(lines)
-    assert result.history[0]["nonfinite_pushes"] == 2
-    (stats,) = model.downpour.stats()
+@KERAS
+def test_skip_drops_and_counts_the_pushes(strategy, k):
+    model, state, skipped, lines = k.run(strategy, 1, 6, [1, 1, 0], nonfinite="skip")
+    assert skipped == 2
+    assert k.skipped_line in " ".join(lines)
+    (stats,) = state.stats()
     assert (stats.steps, stats.pushes, stats.nonfinite_pushes) == (6, 4, 2)
-    assert int(model.optimizer.iterations.numpy()) == 4
-    reference = _model(strategy, 1)
-    _fit(reference, 4, [1])
-    _assert_equal_weights(model, reference)
+    assert int(state.optimizer.iterations.numpy()) == 4
+    reference, _, _, _ = k.run(strategy, 1, 4, [1])
+    for got, want in zip(k.weights(model), k.weights(reference)):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_skip_restarts_the_replica_from_its_last_push(strategy):

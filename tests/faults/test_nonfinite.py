@@ -2,7 +2,9 @@
 
 One worker and a fixed cycle of batches (two finite, one with a NaN feature)
 make every run deterministic: the guarded run must equal a run over the
-finite batches alone, bit for bit.
+finite batches alone, bit for bit. The guard's tests run for a tf_keras model
+(`fit.training.fit`) and a Keras 3 model (`keras3.fit`), the same checks on
+each (`_Keras2`, `_Keras3`).
 """
 
 import os
@@ -83,20 +85,125 @@ def _weights(model):
     return [w.numpy() for w in model.weights]
 
 
-def test_raise_stops_at_the_step_and_no_nan_reaches_the_ps(strategy, tmp_path):
-    model = _model(strategy)
-    with pytest.raises(
-        tfdb.NonFiniteError,
-        match=r"Non-finite gradient \(NaN or inf\) at step 3 for "
+class _Keras2:
+    """The tf_keras model and `fit.training.fit`."""
+
+    id = "tf_keras"
+    # What `raise` says at the third step, and the step it names.
+    raised = (
+        r"Non-finite gradient \(NaN or inf\) at step 3 for "
         r"logits/kernel/part_0:0, logits/kernel/part_1:0, logits/bias/part_0:0, "
-        r"logits/bias/part_1:0: the step was not applied",
-    ) as raised:
-        _fit(model, 6, 3, model_dir=str(tmp_path), checkpoint_every_steps=1)
-    assert raised.value.step == 3
-    assert model.optimizer.iterations.numpy() == 2
-    reference = _model(strategy)
-    _fit(reference, 2, 0)
-    for got, want in zip(_weights(model), _weights(reference)):
+        r"logits/bias/part_1:0: the step was not applied"
+    )
+    raised_step = 3
+    skipped_line = "nonfinite: 2 steps skipped so far"
+    refused = r"logits/kernel/part_0:0, logits/kernel/part_1:0 hold NaN or inf"
+
+    model = staticmethod(_model)
+
+    @staticmethod
+    def fit(model, steps, nan_every, **kwargs):
+        """`(nonfinite_skipped, the epoch's logs, lines)` of a 1-epoch run."""
+        result, lines = _fit(model, steps, nan_every, **kwargs)
+        return result.nonfinite_skipped, result.history[0], lines
+
+    @staticmethod
+    def iterations(model):
+        return model.optimizer.iterations.numpy()
+
+    @staticmethod
+    def weights(model):
+        return _weights(model)
+
+    @staticmethod
+    def set_nan_kernel(model):
+        kernel = model.get_layer("logits").kernel
+        kernel.assign(tf.fill(kernel.shape, np.float32(np.nan)))
+
+
+class _Keras3:
+    """The same model in Keras 3, and `keras3.fit` with the same settings."""
+
+    id = "keras3"
+    # Keras 3's steps keep no global count on the worker: the weight is named.
+    raised = r"a step's gradient of weight `sequential\w*/logits/kernel` held NaN"
+    raised_step = None
+    skipped_line = "nonfinite_skipped 2"
+    refused = r"sequential\w*_logits_kernel:0 hold NaN or inf"
+
+    @staticmethod
+    def model(strategy):
+        import keras
+
+        model = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(
+                    CLASSES,
+                    kernel_initializer=keras.initializers.GlorotUniform(0),
+                    name="logits",
+                ),
+            ]
+        )
+        return model, strategy
+
+    @staticmethod
+    def fit(model, steps, nan_every, **kwargs):
+        import keras
+
+        from tf_distbelief import keras3
+
+        model, strategy = model
+        good = tf.data.Dataset.from_tensors((X, Y))
+        data = good
+        if nan_every:  # `keras3.fit` repeats it.
+            bad = tf.data.Dataset.from_tensors((X_NAN, Y))
+            data = good.repeat(nan_every - 1).concatenate(bad)
+        lines = []
+        history = keras3.fit(
+            model,
+            dataset=data,
+            strategy=strategy,
+            epochs=1,
+            steps_per_epoch=steps,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=(),
+            optimizer=keras3.Adagrad(0.5),
+            verbose=1,
+            print_fn=lines.append,
+            **kwargs,
+        )
+        logs = {k: v[0] for k, v in history.history.items()}
+        return history.nonfinite_skipped, logs, lines
+
+    @staticmethod
+    def iterations(model):
+        return None  # Keras 3's AdaGrad on the ps keeps no iteration count.
+
+    @staticmethod
+    def weights(model):
+        return [np.asarray(v.numpy()) for v in model[0].weights]
+
+    @staticmethod
+    def set_nan_kernel(model):
+        kernel = model[0].get_layer("logits").kernel
+        kernel.assign(np.full(kernel.shape, np.nan, np.float32))
+
+
+KERAS = pytest.mark.parametrize("k", [_Keras2, _Keras3], ids=lambda k: k.id)
+
+
+@KERAS
+def test_raise_stops_at_the_step_and_no_nan_reaches_the_ps(strategy, tmp_path, k):
+    model = k.model(strategy)
+    with pytest.raises(tfdb.NonFiniteError, match=k.raised) as raised:
+        k.fit(model, 6, 3, model_dir=str(tmp_path), checkpoint_every_steps=1)
+    assert raised.value.step == k.raised_step
+    if k.iterations(model) is not None:
+        assert k.iterations(model) == 2
+    reference = k.model(strategy)
+    k.fit(reference, 2, 0)
+    for got, want in zip(k.weights(model), k.weights(reference)):
         np.testing.assert_array_equal(got, want)
     # Checkpoints of steps 1 and 2, all finite; none of step 3.
     names = sorted(os.listdir(tmp_path / "checkpoints"))
@@ -114,31 +221,34 @@ def test_raise_stops_at_the_step_and_no_nan_reaches_the_ps(strategy, tmp_path):
                 assert np.isfinite(value).all(), key
 
 
-def test_skip_skips_and_counts_the_steps(strategy):
-    model = _model(strategy)
-    result, lines = _fit(model, 6, 3, nonfinite="skip")
-    assert result.nonfinite_skipped == 2
-    assert model.optimizer.iterations.numpy() == 4
-    assert "nonfinite: 2 steps skipped so far" in " ".join(lines)
-    assert result.history[0]["nonfinite_skipped"] == 2
-    reference = _model(strategy)
-    _fit(reference, 4, 0)
-    for got, want in zip(_weights(model), _weights(reference)):
+@KERAS
+def test_skip_skips_and_counts_the_steps(strategy, k):
+    model = k.model(strategy)
+    skipped, logs, lines = k.fit(model, 6, 3, nonfinite="skip")
+    assert skipped == 2
+    if k.iterations(model) is not None:
+        assert k.iterations(model) == 4
+    assert k.skipped_line in " ".join(lines)
+    assert logs["nonfinite_skipped"] == 2
+    reference = k.model(strategy)
+    k.fit(reference, 4, 0)
+    for got, want in zip(k.weights(model), k.weights(reference)):
         np.testing.assert_array_equal(got, want)
 
 
-def test_a_checkpoint_with_a_nan_is_refused(strategy, tmp_path):
-    model = _model(strategy)
-    kernel = model.get_layer("logits").kernel
-    kernel.assign(tf.fill(kernel.shape, np.float32(np.nan)))
+@KERAS
+def test_a_checkpoint_with_a_nan_is_refused(strategy, tmp_path, k):
+    model = k.model(strategy)
+    k.set_nan_kernel(model)
     # Every step is skipped (NaN weights give NaN gradients); the epoch-end
     # checkpoint would hold the NaN kernel.
     with pytest.raises(
         tfdb.NonFiniteError,
-        match=r"Refusing to write a checkpoint at step 2: logits/kernel/part_0:0, "
-        r"logits/kernel/part_1:0 hold NaN or inf\. Nothing was written",
+        match=r"Refusing to write a checkpoint at step 2: "
+        + k.refused
+        + r"\. Nothing was written",
     ):
-        _fit(model, 2, 0, nonfinite="skip", model_dir=str(tmp_path))
+        k.fit(model, 2, 0, nonfinite="skip", model_dir=str(tmp_path))
     assert not os.path.exists(tmp_path / "checkpoints" / "checkpoint")
 
 

@@ -37,16 +37,37 @@ def _accuracy(output):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("downpour_launch_ps0_killed")
-@pytest.mark.parametrize("downpour", [False, True], ids=["stock", "downpour"])
-def test_ps_killed_after_the_second_checkpoint_is_recovered(
-    request, tmp_path, downpour
-):
+@pytest.mark.parametrize(
+    "job",
+    [
+        pytest.param(
+            "stock", marks=pytest.mark.xdist_group("downpour_launch_ps0_killed")
+        ),
+        pytest.param(
+            "downpour", marks=pytest.mark.xdist_group("downpour_launch_ps0_killed")
+        ),
+        pytest.param(
+            "keras3-stock", marks=pytest.mark.xdist_group("keras3_launch_ps0_killed")
+        ),
+        "keras3-downpour",
+    ],
+)
+def test_ps_killed_after_the_second_checkpoint_is_recovered(request, tmp_path, job):
     """Stock: `--model=digits --num_workers=2 --num_ps=2` (5 epochs). Downpour:
     the job tests/job/test_launch.py's Downpour test checks too (one launch,
-    `conftest.downpour_launch_ps0_killed`; 1,000 steps for 0.95)."""
-    if downpour:
+    `conftest.downpour_launch_ps0_killed`; 1,000 steps for 0.95). The same
+    two with `--keras=3`: the stock one is the launch tests/keras3's export
+    test checks too (`conftest.keras3_launch_ps0_killed`); the Downpour one
+    is the Keras 3 Downpour digits run (2 workers, 2 ps, 1,000 steps)."""
+    downpour = job.endswith("downpour")
+    if job == "downpour":
         code, out, err = request.getfixturevalue("downpour_launch_ps0_killed")
+    elif job == "keras3-stock":
+        code, out, err, _ = request.getfixturevalue("keras3_launch_ps0_killed")
+    elif job == "keras3-downpour":
+        code, out, err = run_ps0_killed_after_second_checkpoint(
+            tmp_path, ["--keras=3", *launch.DOWNPOUR_LAUNCH_ARGS]
+        )
     else:
         code, out, err = run_ps0_killed_after_second_checkpoint(
             tmp_path, ["--model=digits", "--num_workers=2", "--num_ps=2"]
@@ -73,6 +94,18 @@ def test_ps_killed_after_the_second_checkpoint_is_recovered(
         rf"^epoch {epochs}/{epochs}: steps {epochs * 100}/{epochs * 100} ", out, re.M
     ), out
     assert _accuracy(out) >= 0.95
+    if job == "keras3-downpour":
+        # Each replica's counters came back with the checkpoint: the steps
+        # add up to the job's, and each replica pushed every 4th step.
+        stats = re.findall(
+            r"^downpour replica \d: ReplicaStats\(steps=(\d+), fetches=\d+, "
+            r"pushes=(\d+),",
+            out,
+            re.M,
+        )
+        assert len(stats) == 2, out
+        assert sum(int(steps) for steps, _ in stats) == epochs * 100
+        assert all(int(pushes) == int(steps) // 4 for steps, pushes in stats)
 
 
 @pytest.mark.slow

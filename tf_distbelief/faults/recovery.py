@@ -196,32 +196,55 @@ class VerifyRestored(tf_keras.callbacks.Callback):
         if self.checked or not path:
             return  # `fit` may call `Model.fit` twice in one run.
         self.checked = path
-        root = tf.train.Checkpoint(model=self.model, optimizer=self.model.optimizer)
-        keys, _ = resume.variable_keys(root)
-        reader = tf.train.load_checkpoint(path)
-        differ, num_bytes = [], 0
-        for key, variable in keys.items():
-            if not reader.has_tensor(key):
-                continue  # `resume.restore` already refused a missing value.
-            parts = getattr(variable, "variables", None)
-            value = (
-                np.concatenate([p.numpy() for p in parts])
-                if parts is not None
-                else variable.numpy()
-            )
-            saved = reader.get_tensor(key)
-            num_bytes += value.nbytes
-            if value.shape != saved.shape or value.tobytes() != saved.tobytes():
-                differ.append(key.partition("/.ATTRIBUTES")[0])
-        if differ:
-            raise resume.RestoreError(
-                f"After restoring {path}, {len(differ)} values on the ps tasks "
-                f"differ from the checkpoint: {', '.join(differ[:20])}"
-            )
-        self._print_fn(
-            f"restored {paths.describe_checkpoint(path)}: {len(keys)} values equal the "
-            f"checkpoint bit for bit ({num_bytes} bytes)"
+        verify_restored(
+            tf.train.Checkpoint(model=self.model, optimizer=self.model.optimizer),
+            path,
+            self._print_fn,
         )
+
+
+def verify_restored(root, path: str, print_fn=print) -> None:
+    """Compares every value of `root` on the ps tasks with checkpoint `path`.
+
+    Each variable (a `ShardedVariable` whole) is read back from its ps task
+    and its bytes compared with the checkpoint file's
+    (`tf.train.load_checkpoint`); one line with the count is printed. Shared
+    by every trainer that restores from a `model_dir` (`VerifyRestored` for
+    tf_keras, `keras3.fit`).
+
+    Args:
+      root: what was restored from `path` (a `tf.train.Checkpoint`).
+      path: the checkpoint.
+      print_fn: where the line goes.
+
+    Raises:
+      resume.RestoreError: naming each value that differs.
+    """
+    keys, _ = resume.variable_keys(root)
+    reader = tf.train.load_checkpoint(path)
+    differ, num_bytes = [], 0
+    for key, variable in keys.items():
+        if not reader.has_tensor(key):
+            continue  # `resume.restore` already refused a missing value.
+        parts = getattr(variable, "variables", None)
+        value = (
+            np.concatenate([p.numpy() for p in parts])
+            if parts is not None
+            else variable.numpy()
+        )
+        saved = reader.get_tensor(key)
+        num_bytes += value.nbytes
+        if value.shape != saved.shape or value.tobytes() != saved.tobytes():
+            differ.append(key.partition("/.ATTRIBUTES")[0])
+    if differ:
+        raise resume.RestoreError(
+            f"After restoring {path}, {len(differ)} values on the ps tasks "
+            f"differ from the checkpoint: {', '.join(differ[:20])}"
+        )
+    print_fn(
+        f"restored {paths.describe_checkpoint(path)}: {len(keys)} values equal the "
+        f"checkpoint bit for bit ({num_bytes} bytes)"
+    )
 
 
 def _no_recovery_error(lost, why: str, model_dir) -> PsLostError:

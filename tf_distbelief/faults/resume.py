@@ -438,24 +438,72 @@ class Checkpointer(tf_keras.callbacks.Callback):
         if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
             # The coordinator `fit` made (one per strategy).
             tf.distribute.experimental.coordinator.ClusterCoordinator(strategy).join()
-        variables = [*self.model.weights, *self.model.optimizer.variables]
-        bad = nonfinite.nonfinite_variables(variables)
-        if bad:
-            latest = self.manager.latest_checkpoint
-            raise errors.NonFiniteError(
-                f"Refusing to write a checkpoint at step {self.done}: "
-                f"{', '.join(bad)} hold NaN or inf. Nothing was written"
-                + (f"; the last checkpoint, {latest}, is kept" if latest else "")
-                + ". It came another way than a gradient (a Downpour push, an "
-                "update that overflowed, or a value set directly).",
-                self.done,
-                bad,
-            )
-        if self.before_save is not None:
-            self.before_save()
-        self.step.assign(self.done)
-        self.epoch.assign(self.done // self.steps_per_epoch)
-        path = save_whole(self.manager, self.done)
+        path = write_checkpoint(
+            self.manager,
+            self.step,
+            self.epoch,
+            self.done,
+            self.steps_per_epoch,
+            [*self.model.weights, *self.model.optimizer.variables],
+            self.before_save,
+        )
         self.saved_step = self.done
-        logging.info("Saved checkpoint %s at step %d", path, self.done)
         return path
+
+
+def write_checkpoint(
+    manager, step, epoch, done, steps_per_epoch, variables, before_save=None
+) -> str:
+    """Checks every value, records the step, writes a whole checkpoint; its path.
+
+    The one writer of a `model_dir` checkpoint, whatever trains (tf_keras
+    `fit` through `Checkpointer`, `keras3.fit`). Call it when no step is in
+    flight (after `ClusterCoordinator.join`): the values saved are then
+    exactly those after `done` steps.
+
+    Args:
+      manager: the `tf.train.CheckpointManager` to save with.
+      step: the `int64` variable the checkpoint holds as the global step.
+      epoch: the `int64` variable it holds as the epochs finished.
+      done: steps finished over all workers and runs; the checkpoint's number.
+      steps_per_epoch: steps per epoch, >= 1.
+      variables: every variable the checkpoint holds values of (weights and
+        optimizer slots, `ShardedVariable`s whole), checked on their ps tasks.
+      before_save: None, or a callable run after the checks, before the write
+        (e.g. `downpour.replica_state.ReplicaState.capture`).
+
+    Returns:
+      The checkpoint's path (`ckpt-<done>`).
+
+    Raises:
+      errors.NonFiniteError: a value holds NaN or inf (nothing written, the
+        earlier checkpoints kept).
+      CheckpointWriteError: the write failed (nothing of it kept).
+    """
+    bad = nonfinite.nonfinite_variables(variables)
+    if bad:
+        latest = manager.latest_checkpoint
+        raise errors.NonFiniteError(
+            f"Refusing to write a checkpoint at step {done}: "
+            f"{', '.join(bad)} hold NaN or inf. Nothing was written"
+            + (f"; the last checkpoint, {latest}, is kept" if latest else "")
+            + ". It came another way than a gradient (a Downpour push, an "
+            "update that overflowed, or a value set directly).",
+            done,
+            bad,
+        )
+    if before_save is not None:
+        before_save()
+    step.assign(done)
+    epoch.assign(done // steps_per_epoch)
+    path = save_whole(manager, done)
+    logging.info("Saved checkpoint %s at step %d", path, done)
+    return path
+
+
+def resumed_line(path: str, step: int, steps_per_epoch: int) -> str:
+    """The line a run resumed from checkpoint `path` at global `step` prints."""
+    done, into = divmod(step, steps_per_epoch)
+    return f"Resumed from {path} at step {step} (epoch {done}" + (
+        f", {into} steps into epoch {done + 1})" if into else ")"
+    )

@@ -16,6 +16,9 @@ copy is saved twice:
   `tf_keras.models.load_model` (a model with tf_distbelief's partitioned
   layers needs `import tf_distbelief.model_parallel` first).
 
+A Keras 3 model (`keras3.fit`) lives on the chief with its trained weights:
+`export_keras3_model` writes the same two files from it.
+
 `export_checkpoint` does the same from a `model_dir` checkpoint with no cluster
 running at all, so a finished or crashed job can still be exported.
 """
@@ -166,23 +169,35 @@ def _serving_signature(plain: tf_keras.Model, input_spec: tf.TensorSpec):
 def _save(
     plain: tf_keras.Model, export_dir: str, input_spec: tf.TensorSpec | None = None
 ) -> ExportPaths:
-    """Saves both formats into a new folder, then moves them into place."""
-    os.makedirs(export_dir, exist_ok=True)
-    written = ExportPaths(
-        saved_model=os.path.join(export_dir, paths.SAVED_MODEL_SUBDIR),
-        keras_file=os.path.join(export_dir, paths.KERAS_FILE),
-    )
-    with tempfile.TemporaryDirectory(prefix=".export-", dir=export_dir) as tmp:
+    """Saves both formats of a plain tf_keras model (`_write_export`)."""
+
+    def write(saved_model: str, keras_file: str) -> None:
         plain.save(
-            os.path.join(tmp, paths.SAVED_MODEL_SUBDIR),
+            saved_model,
             save_format="tf",
             include_optimizer=False,
             signatures=None
             if input_spec is None
             else {"serving_default": _serving_signature(plain, input_spec)},
         )
-        plain.save(os.path.join(tmp, paths.KERAS_FILE))  # It has no optimizer.
-        # An earlier export is replaced whole, never mixed with this one.
+        plain.save(keras_file)  # It has no optimizer.
+
+    return _write_export(export_dir, write)
+
+
+def _write_export(export_dir: str, write: Callable[[str, str], None]) -> ExportPaths:
+    """`write(saved_model, keras_file)` into a new folder, then moves both into
+    place: an earlier export is replaced whole, never torn or mixed."""
+    os.makedirs(export_dir, exist_ok=True)
+    written = ExportPaths(
+        saved_model=os.path.join(export_dir, paths.SAVED_MODEL_SUBDIR),
+        keras_file=os.path.join(export_dir, paths.KERAS_FILE),
+    )
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=export_dir) as tmp:
+        write(
+            os.path.join(tmp, paths.SAVED_MODEL_SUBDIR),
+            os.path.join(tmp, paths.KERAS_FILE),
+        )
         if os.path.isdir(written.saved_model):
             shutil.rmtree(written.saved_model)
         os.replace(os.path.join(tmp, paths.SAVED_MODEL_SUBDIR), written.saved_model)
@@ -190,27 +205,37 @@ def _save(
     return written
 
 
-def save_keras_file(model, export_dir: str) -> str:
-    """Saves `model` as `export_dir/model.keras`, whole or not at all.
+def export_keras3_model(
+    model, export_dir: str, input_spec: tf.TensorSpec | None = None
+) -> ExportPaths:
+    """Exports a Keras 3 model that lives on this process, both formats.
 
-    For a model that lives on one process (a Keras 3 model trained with
-    `keras3.fit`, whose weights are written back to it). The file is written
-    under a temporary name, then renamed: an earlier export is replaced,
-    never torn.
+    For a model trained with `keras3.fit`, whose trained weights are written
+    back into it: `<export_dir>/saved_model` (Keras 3's `model.export`, a
+    TensorFlow SavedModel with a `serving_default` signature, loadable with
+    `tf.saved_model.load` in any process, no Keras needed) and
+    `<export_dir>/model.keras` (`keras.models.load_model`).
 
     Args:
-      model: a Keras model with `save(path)`.
-      export_dir: the export folder; created if needed.
+      model: a built Keras 3 model (TensorFlow backend).
+      export_dir: where to write; created if needed.
+      input_spec: what `serving_default` takes, e.g.
+        `tf.TensorSpec([None, 64], tf.float32)`; None: the model's inputs.
 
     Returns:
-      The `.keras` file's path.
+      The `ExportPaths` written.
     """
-    os.makedirs(export_dir, exist_ok=True)
-    keras_file = os.path.join(export_dir, paths.KERAS_FILE)
-    partial = os.path.join(export_dir, f".partial.{os.getpid()}.keras")
-    model.save(partial)
-    os.replace(partial, keras_file)
-    return keras_file
+
+    def write(saved_model: str, keras_file: str) -> None:
+        model.export(
+            saved_model,
+            format="tf_saved_model",
+            input_signature=None if input_spec is None else [input_spec],
+            verbose=False,
+        )
+        model.save(keras_file)
+
+    return _write_export(export_dir, write)
 
 
 def export_model(

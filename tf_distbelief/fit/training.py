@@ -368,11 +368,7 @@ def _fit(
             if "step" not in tracked:
                 step_var.assign(epoch_var * steps_per_epoch)
             initial_step = int(step_var.numpy())
-            done, into = divmod(initial_step, steps_per_epoch)
-            print_fn(
-                f"Resumed from {latest} at step {initial_step} (epoch {done}"
-                + (f", {into} steps into epoch {done + 1})" if into else ")")
-            )
+            print_fn(resume.resumed_line(latest, initial_step, steps_per_epoch))
         all_callbacks.append(
             resume.Checkpointer(
                 manager,

@@ -13,7 +13,11 @@ the tf_keras path:
 * `training`: `fit(model, x, y, ...)`, stock asynchronous training: each step
   is a function scheduled on a worker that calls `model.stateless_call` on the
   ps values. Keras 3 callbacks and a `keras.callbacks.History`.
-* `job`: the training job of `launch/train.py --keras=3`.
+* `checkpoints`: `fit(model_dir=...)`'s checkpoints, in the tf_keras job's
+  layout and written, restored and verified by the same `faults` services
+  (exact resume into any number of ps tasks).
+* `job`: the training job of `launch/train.py --keras=3` (ps recovery and
+  export as for tf_keras).
 """
 
 from tf_distbelief import _lazy

@@ -1,11 +1,15 @@
 """The chief's part of a Keras 3 job (`launch/train.py --keras=3`): `TRAINER`.
 
 The job itself is `tf_distbelief.job.runner.run`'s, as for tf_keras (a local
-cluster without `TF_CONFIG`; with it, ps/worker tasks serve), with the same
-strategy (`runner.connect_strategy`) and `.keras` export
-(`fit.export.save_keras_file`); what differs is the training loop,
-`tf_distbelief.keras3.fit`. Settings that loop does not have yet are refused,
-naming the setting, before any server starts.
+cluster without `TF_CONFIG`; with it, ps/worker tasks serve; the model_dir's
+lock and the goodput line), with the same strategy
+(`runner.connect_strategy`), the same ps recovery
+(`faults.recovery.run_with_ps_recovery`: a lost ps task is recovered from the
+last checkpoint in `model_dir`) and the same export folder
+(`fit.export.export_keras3_model`: a SavedModel with `serving_default` and
+`model.keras`); what differs is the training loop, `tf_distbelief.keras3.fit`
+(its checkpoints: `keras3.checkpoints`). Settings that loop does not have are
+refused, naming the setting, before any server starts.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import time
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tf_distbelief import console, errors
+from tf_distbelief.faults import recovery
 from tf_distbelief.fit import export
 from tf_distbelief.job import runner
 from tf_distbelief.job import spec as spec_lib
@@ -27,10 +33,7 @@ from tf_distbelief.keras3 import training
 # value and why.
 _UNSUPPORTED = (
     ("optimizer", "adagrad", "AdaGrad on the ps is the Keras 3 path's optimizer"),
-    ("model_dir", None, "the Keras 3 path writes no checkpoints"),
-    ("checkpoint_every_steps", 0, "the Keras 3 path writes no checkpoints"),
     ("devices_per_replica", 1, "no model-parallel Keras 3 layers"),
-    ("nonfinite", "raise", "a non-finite gradient stops the job"),
 )
 
 
@@ -63,6 +66,10 @@ def train(
 ) -> dict:
     """Trains `spec`'s Keras 3 model on the cluster, from the chief.
 
+    A lost ps task is recovered from the last checkpoint in `model_dir`
+    (`recovery.run_with_ps_recovery`: each attempt connects a new strategy
+    and builds the model anew; `keras3.fit` restores and verifies).
+
     Args:
       config: a `JobConfig` that passes `check_config`.
       spec: `build_model(None)` returns a built Keras 3 model; `load_data`
@@ -72,11 +79,26 @@ def train(
 
     Returns:
       `{"test_accuracy": float, "history": {name: [per epoch]}, "train_secs":
-      float, "keras_file": str or None}`.
+      float, "initial_step": int, "steps": int, "export": ExportPaths or
+      None, "ps_recoveries": int}`.
 
     Raises:
       TypeError: `spec.build_model` did not return a Keras 3 model.
+      recovery.PsLostError: a ps task was lost and could not be recovered.
     """
+    return recovery.run_with_ps_recovery(
+        # `keras3.fit` verifies every restore itself: the tf_keras
+        # callbacks recovery offers are not for it.
+        lambda _: _train_attempt(config, spec, cluster_resolver, print_fn),
+        cluster_resolver.cluster_spec().job_tasks("ps"),
+        config.model_dir,
+        config.ps_recovery_secs,
+        print_fn,
+    )
+
+
+def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
+    """One attempt of `train`: a new strategy and model, resumed from `model_dir`."""
     strategy = runner.connect_strategy(config, cluster_resolver)
     # Outside the strategy's scope: the model's own variables stay on the
     # chief; `fit` puts their ps copies on the ps.
@@ -101,6 +123,9 @@ def train(
         verbose=1,
         print_fn=print_fn,
         seed=config.seed,
+        model_dir=config.model_dir,
+        checkpoint_every_steps=config.checkpoint_every_steps,
+        nonfinite=config.nonfinite,
     )
     train_secs = time.monotonic() - start
     predictions = model.predict(x_test, batch_size=256, verbose=0)
@@ -109,15 +134,19 @@ def train(
         for worker, stats in enumerate(history.downpour.stats()):
             print_fn(f"downpour replica {worker}: {stats}")
     print_fn(f"test accuracy: {test_accuracy:.4f}")
-    keras_file = None
+    written = None
     if config.export_dir:
-        keras_file = export.save_keras_file(model, config.export_dir)
-        print_fn(f"exported: {keras_file}")
+        # `serving_default` takes the test features' dtype and shape.
+        input_spec = tf.TensorSpec([None, *x_test.shape[1:]], tf.as_dtype(x_test.dtype))
+        written = export.export_keras3_model(model, config.export_dir, input_spec)
+        print_fn(f"exported: {written.saved_model} {written.keras_file}")
     return {
         "test_accuracy": test_accuracy,
         "history": history.history,
         "train_secs": train_secs,
-        "keras_file": keras_file,
+        "initial_step": history.initial_step,
+        "steps": history.steps,
+        "export": written,
     }
 
 

@@ -10,6 +10,7 @@ reach the workers. Keras 3's own `Model.fit` cannot do this (README: Keras 3).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
@@ -23,6 +24,9 @@ from tf_distbelief.keras3 import variables as variables_lib
 
 # Tag of the `check_numerics` ops, to tell a non-finite gradient from other errors.
 _NONFINITE_TAG = "tf_distbelief.keras3: non-finite gradient of "
+# `tf_distbelief.faults.nonfinite.MODES`, which imports tf_keras (this module
+# does not); tests/keras3 checks that the two agree.
+_NONFINITE_MODES = ("raise", "skip")
 
 
 def _metric(metric, y) -> keras.metrics.Metric:
@@ -73,8 +77,33 @@ def _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size):
         )
 
 
-def _make_step(model, weights, loss_fn, metrics, metric_inits, adagrad, steps):
+def _check_reliability(model_dir, checkpoint_every_steps, nonfinite) -> None:
+    if not checks.is_int(checkpoint_every_steps) or checkpoint_every_steps < 0:
+        raise ValueError(
+            "Argument `checkpoint_every_steps` must be an int >= 0 (0: at "
+            f"epoch ends only). Received: {checkpoint_every_steps!r}"
+        )
+    if checkpoint_every_steps and not model_dir:
+        raise ValueError(
+            "Argument `checkpoint_every_steps` needs `model_dir` (where the "
+            f"checkpoints go). Received: {checkpoint_every_steps!r} and "
+            "model_dir=None"
+        )
+    if nonfinite not in _NONFINITE_MODES:
+        raise ValueError(
+            f"Argument `nonfinite` must be one of {', '.join(_NONFINITE_MODES)}. "
+            f"Received: {nonfinite!r}"
+        )
+
+
+def _make_step(
+    model, weights, loss_fn, metrics, metric_inits, adagrad, steps, skipped=None
+):
     """The scheduled function: `steps` training steps in a row on one worker.
+
+    A step whose gradients are not all finite changes no ps variable: with
+    `skipped` None it fails (`check_numerics`, naming the weight), else it
+    adds 1 to `skipped` (an int64 ps variable) instead.
 
     Returns `iterator -> (losses [steps], metric state deltas summed)`.
     """
@@ -96,27 +125,36 @@ def _make_step(model, weights, loss_fn, metrics, metric_inits, adagrad, steps):
                 grad = next(grads)
                 if grad is None:
                     continue
-                message = _NONFINITE_TAG + path
-                if isinstance(grad, tf.IndexedSlices):
-                    grad = tf.IndexedSlices(
-                        tf.debugging.check_numerics(grad.values, message),
-                        grad.indices,
-                        grad.dense_shape,
-                    )
-                else:
-                    grad = tf.debugging.check_numerics(grad, message)
+                if skipped is None:
+                    grad = _check_numerics(grad, _NONFINITE_TAG + path)
                 checked.append((shard, slot, grad))
         # Every gradient is checked before any update: a step whose gradients
         # are not all finite changes no ps variable.
-        gates = [
-            g.values if isinstance(g, tf.IndexedSlices) else g for *_, g in checked
-        ]
-        updates = []
-        with tf.control_dependencies(gates):
-            for shard, slot, grad in checked:
-                updates.append(adagrad.apply(shard, slot, grad))
+        gates = [_values(g) for *_, g in checked]
+
+        def apply():
+            ops = [adagrad.apply(shard, slot, grad) for shard, slot, grad in checked]
             for variable, value in zip(weights.non_trainable, new_non_trainable):
-                updates.append(variable.assign(value, read_value=False))
+                ops.append(variable.assign(value, read_value=False))
+            return ops
+
+        if skipped is None:
+            with tf.control_dependencies(gates):
+                updates = apply()
+        else:
+            finite = tf.reduce_all(
+                tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in gates])
+            )
+
+            def update():
+                with tf.control_dependencies(apply()):
+                    return tf.constant(True)
+
+            def skip():
+                with tf.control_dependencies([skipped.assign_add(1)]):
+                    return tf.constant(False)
+
+            updates = [tf.cond(finite, update, skip)]
         deltas = []
         for metric, init in zip(metrics, metric_inits):
             state = metric.stateless_update_state(init, y, y_pred)
@@ -142,6 +180,20 @@ def _make_step(model, weights, loss_fn, metrics, metric_inits, adagrad, steps):
             return tf.stack(losses), tf.nest.map_structure(tf.identity, summed)
 
     return step
+
+
+def _values(gradient):
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
+def _check_numerics(gradient, message):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.debugging.check_numerics(gradient.values, message),
+            gradient.indices,
+            gradient.dense_shape,
+        )
+    return tf.debugging.check_numerics(gradient, message)
 
 
 def _logs(losses, deltas_per_step, metrics, metric_inits) -> dict:
@@ -189,6 +241,9 @@ def fit(
     seed: int | None = None,
     ps_weights: variables_lib.PsWeights | None = None,
     downpour=None,
+    model_dir: str | None = None,
+    checkpoint_every_steps: int = 0,
+    nonfinite: str = "raise",
 ) -> keras.callbacks.History:
     """Trains a Keras 3 model by stock asynchronous SGD with AdaGrad on the ps.
 
@@ -234,7 +289,8 @@ def fit(
       validation_data: `(x_val, y_val)` NumPy arrays, evaluated on the
         coordinator with the epoch's trained weights.
       initial_epoch: the epoch to start at.
-      verbose: 1 prints one line per epoch with `print_fn`.
+      verbose: 1 prints one line per epoch with `print_fn`: `epoch 2/5: steps
+        200/500 loss 0.1234 accuracy 0.9700 (1.9 s)` (the global steps done).
       print_fn: where that line goes.
       seed: shuffle seed of the `x, y` pipeline; None shuffles each worker
         differently.
@@ -248,18 +304,43 @@ def fit(
         `strategy` a `DistBeliefStrategy`. `history.downpour.stats()` gives
         each replica's counters.
 
+      model_dir: None, or the job's folder (`tf_distbelief.paths`): the
+        run holds its lock (`paths.ModelDirLock`), resumes exactly from its
+        latest checkpoint (every ps variable, accumulator and Downpour
+        replica state bit for bit, into any number of ps tasks; the step,
+        mid-epoch if need be; verified by reading them back) and writes a
+        checkpoint at each epoch end (`keras3.checkpoints`). Training goes
+        to `epochs * steps_per_epoch` steps in all, from the checkpoint's
+        step rather than `initial_epoch`. The data restart from their
+        beginning, as in the tf_keras job.
+      checkpoint_every_steps: steps between checkpoints besides each epoch
+        end, >= 0 (0: epoch ends only); needs `model_dir`. The checkpoint of
+        step `n` is written once the steps before it are done (the workers
+        wait for the write), at the first execution boundary at or after
+        each multiple.
+      nonfinite: `"raise"` (a step whose gradient holds a NaN or inf stops
+        the run with `NonFiniteError`) or `"skip"` (the step changes no ps
+        variable and is counted: `history.nonfinite_skipped`; with Downpour,
+        pushes).
+
     Returns:
       A `keras.callbacks.History` (`history.history["loss"]`, ...); its
-      `ps_weights` attribute holds the `PsWeights`.
+      `ps_weights` attribute holds the `PsWeights`; `initial_step` and
+      `steps` the global steps at the start and end, `checkpoint_path` the
+      last checkpoint (None without `model_dir`), `nonfinite_skipped` the
+      steps (Downpour: pushes) skipped in this run.
 
     Raises:
       TypeError: `model` is not a Keras 3 model.
       ValueError: bad arguments (named), an unbuilt model, a model without a
         loss, or an optimizer other than AdaGrad; before anything is created.
       NonFiniteError: a step's gradient held NaN or inf (named by
-        weight); that step changed no ps variable.
+        weight; `nonfinite="raise"`); that step changed no ps variable, and
+        the model holds the ps values of the steps before it. Or a
+        checkpoint would have held a NaN or inf (nothing written).
     """
     _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size)
+    _check_reliability(model_dir, checkpoint_every_steps, nonfinite)
     if (
         not checks.is_int(steps_per_execution)
         or steps_per_execution < 1
@@ -295,6 +376,68 @@ def fit(
                 f"ps_weights={ps_weights!r}"
             )
         downpour_lib.enable(strategy)
+    lock = contextlib.nullcontext()
+    if model_dir:
+        from tf_distbelief import paths
+
+        # One job per model_dir: no other process writes checkpoints here.
+        lock = paths.ModelDirLock(model_dir, print_fn)
+    with lock:
+        return _fit(
+            model,
+            x,
+            y,
+            strategy,
+            dataset,
+            batch_size,
+            epochs,
+            steps_per_epoch,
+            steps_per_execution,
+            loss_fn,
+            metrics,
+            metric_inits,
+            adagrad,
+            callbacks,
+            validation_data,
+            initial_epoch,
+            verbose,
+            print_fn,
+            seed,
+            ps_weights,
+            downpour,
+            model_dir,
+            checkpoint_every_steps,
+            nonfinite,
+        )
+
+
+def _fit(
+    model,
+    x,
+    y,
+    strategy,
+    dataset,
+    batch_size,
+    epochs,
+    steps_per_epoch,
+    steps_per_execution,
+    loss_fn,
+    metrics,
+    metric_inits,
+    adagrad,
+    callbacks,
+    validation_data,
+    initial_epoch,
+    verbose,
+    print_fn,
+    seed,
+    ps_weights,
+    downpour,
+    model_dir,
+    checkpoint_every_steps,
+    nonfinite,
+) -> keras.callbacks.History:
+    """`fit` after its checks (holding the model_dir's lock)."""
     if ps_weights is None:
         weights = variables_lib.PsWeights(
             strategy,
@@ -318,16 +461,53 @@ def fit(
     else:
         per_worker = coordinator.create_per_worker_dataset(dataset.repeat())
     iterator = iter(per_worker)
+    history_downpour = None
     if downpour is None:
+        skipped = None
+        if nonfinite == "skip":
+            with strategy.scope():  # On a ps task: every worker's skips add up.
+                skipped = tf.Variable(
+                    0, dtype=tf.int64, trainable=False, name="nonfinite_skipped"
+                )
         step = _make_step(
-            model, weights, loss_fn, metrics, metric_inits, adagrad, steps_per_execution
+            model,
+            weights,
+            loss_fn,
+            metrics,
+            metric_inits,
+            adagrad,
+            steps_per_execution,
+            skipped,
         )
     else:
+        from tf_distbelief.downpour import push_guard
         from tf_distbelief.keras3 import downpour as keras3_downpour
 
         step, history_downpour = keras3_downpour.make_step(
             strategy, model, weights, loss_fn, metrics, metric_inits, adagrad, downpour
         )
+        # What a push with a NaN or inf does (read when the step is traced).
+        push_guard.install(history_downpour, model, nonfinite)
+        skipped = history_downpour.nonfinite_skipped
+    skipped_before = 0 if skipped is None else int(skipped.numpy())
+
+    saver = None
+    initial_step = initial_epoch * steps_per_epoch
+    if model_dir:
+        from tf_distbelief.keras3 import checkpoints
+
+        saver = checkpoints.Checkpoints(
+            model_dir,
+            weights,
+            steps_per_epoch,
+            checkpoint_every_steps,
+            downpour=history_downpour,
+            print_fn=print_fn,
+        )
+        # A checkpoint's step wins over `initial_epoch` (never 0: none is
+        # written before a step).
+        initial_step = saver.restore() or initial_step
+    goodput = _goodput()
 
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
@@ -338,47 +518,160 @@ def fit(
         verbose=verbose,
     )
     model.stop_training = False
-    callback_list.on_train_begin()
+    done = initial_step
     logs = {}
-    for epoch in range(initial_epoch, epochs):
-        callback_list.on_epoch_begin(epoch)
-        start = time.monotonic()
-        results = [
-            coordinator.schedule(step, args=(iterator,))
-            for _ in range(steps_per_epoch // steps_per_execution)
-        ]
+    if done >= epochs * steps_per_epoch:
+        print_fn(
+            f"Already trained {done // steps_per_epoch} epochs (>= --epochs={epochs})."
+        )
+        weights.write_to_model(model)
+    else:
+        callback_list.on_train_begin()
+        if goodput is not None:
+            goodput.begin_training(done)
+        failed = True
         try:
-            coordinator.join()
-        except tf.errors.InvalidArgumentError as error:
-            if _NONFINITE_TAG not in str(error):
-                raise
+            for epoch in range(done // steps_per_epoch, epochs):
+                callback_list.on_epoch_begin(epoch)
+                start = time.monotonic()
+                results, done = _run_epoch(
+                    coordinator,
+                    step,
+                    iterator,
+                    epoch,
+                    done,
+                    steps_per_epoch,
+                    steps_per_execution,
+                    saver,
+                    goodput,
+                )
+                fetched = coordinator.fetch(results)
+                logs = _logs(
+                    [f[0] for f in fetched],
+                    [f[1] for f in fetched],
+                    metrics,
+                    metric_inits,
+                )
+                if nonfinite == "skip":  # Else a non-finite step stops the run.
+                    logs["nonfinite_skipped"] = int(skipped.numpy()) - skipped_before
+                if saver is not None:
+                    _save(saver, done, goodput)
+                weights.write_to_model(model)
+                if validation_data is not None:
+                    logs.update(
+                        _validation_logs(
+                            model, loss_fn, metrics, validation_data, batch_size
+                        )
+                    )
+                if verbose:
+                    values = " ".join(
+                        f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}"
+                        for k, v in logs.items()
+                    )
+                    print_fn(
+                        f"epoch {epoch + 1}/{epochs}: steps {done}/"
+                        f"{epochs * steps_per_epoch} {values} "
+                        f"({time.monotonic() - start:.1f} s)"
+                    )
+                callback_list.on_epoch_end(epoch, logs)
+                if model.stop_training:
+                    break
+            failed = False
+        except errors.NonFiniteError:
+            # The ps hold the steps before it, as a model after Keras's own
+            # `fit` failed holds its weights at the failure.
+            weights.write_to_model(model)
+            raise
+        finally:
+            if goodput is not None:
+                goodput.end_training(done, failed)
+        callback_list.on_train_end(logs)
+    history.ps_weights = weights
+    history.downpour = history_downpour
+    history.initial_step = initial_step
+    history.steps = done
+    history.checkpoint_path = saver.latest if saver is not None else None
+    history.nonfinite_skipped = (
+        0 if skipped is None else int(skipped.numpy()) - skipped_before
+    )
+    return history
+
+
+def _goodput():
+    """The job's `faults.goodput.Goodput`, if one is active (a launched job)."""
+    import sys
+
+    # Only a job that imported it has one; importing it here would not.
+    module = sys.modules.get("tf_distbelief.faults.goodput")
+    return None if module is None else module.current()
+
+
+def _save(saver, done, goodput) -> None:
+    if goodput is None:
+        saver.save(done)
+        return
+    with goodput.timing("checkpointing"):
+        saver.save(done)
+    goodput.step_done(done)
+
+
+def _run_epoch(
+    coordinator,
+    step,
+    iterator,
+    epoch,
+    done,
+    steps_per_epoch,
+    steps_per_execution,
+    saver,
+    goodput,
+):
+    """Schedules the rest of epoch `epoch` from global step `done`, waits for it.
+
+    With a `saver`, the scheduling stops at each mid-epoch checkpoint: the
+    steps before it finish (`join`), the checkpoint is written, and the next
+    steps are scheduled.
+
+    Returns:
+      `(results, done)`: the scheduled functions' `RemoteValue`s and the
+      global step at the epoch's end.
+    """
+    end = (epoch + 1) * steps_per_epoch
+    results = []
+    while done < end:
+        stop = end
+        upcoming = None if saver is None else saver.next_save(done)
+        if upcoming is not None and upcoming < end:
+            stop = upcoming
+        executions = -(-(stop - done) // steps_per_execution)
+        results += [
+            coordinator.schedule(step, args=(iterator,)) for _ in range(executions)
+        ]
+        done = min(done + executions * steps_per_execution, end)
+        _join(coordinator, epoch)
+        if done < end:
+            _save(saver, done, goodput)
+    return results, done
+
+
+def _join(coordinator, epoch) -> None:
+    """`coordinator.join()`, a step's non-finite gradient raised named."""
+    try:
+        coordinator.join()
+    except tf.errors.InvalidArgumentError as error:
+        if _NONFINITE_TAG in str(error):
             found = re.search(re.escape(_NONFINITE_TAG) + r"(\S+)", str(error))
             raise errors.NonFiniteError(
-                f"Epoch {epoch + 1}: a step's gradient of weight `{found.group(1)}` "
-                "held NaN or inf; no ps variable took that step. Check the data "
-                "and lower the learning rate.",
+                f"Epoch {epoch + 1}: a step's gradient of weight "
+                f"`{found.group(1)}` held NaN or inf; no ps variable took that "
+                "step. Check the data and lower the learning rate, or pass "
+                "`nonfinite='skip'` (--nonfinite=skip) to skip such steps.",
                 step=None,
                 variables=[found.group(1)],
             ) from error
-        fetched = coordinator.fetch(results)
-        logs = _logs(
-            [f[0] for f in fetched], [f[1] for f in fetched], metrics, metric_inits
-        )
-        weights.write_to_model(model)
-        if validation_data is not None:
-            logs.update(
-                _validation_logs(model, loss_fn, metrics, validation_data, batch_size)
-            )
-        if verbose:
-            values = " ".join(f"{k} {v:.4f}" for k, v in logs.items())
-            print_fn(
-                f"epoch {epoch + 1}/{epochs}: {values} "
-                f"({time.monotonic() - start:.1f} s)"
-            )
-        callback_list.on_epoch_end(epoch, logs)
-        if model.stop_training:
-            break
-    callback_list.on_train_end(logs)
-    history.ps_weights = weights
-    history.downpour = history_downpour if downpour is not None else None
-    return history
+        from tf_distbelief.faults import nonfinite as nonfinite_lib
+
+        named = nonfinite_lib.error_from(error)  # A Downpour push.
+        if named is None:
+            raise
+        raise named from error

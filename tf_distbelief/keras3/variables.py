@@ -33,6 +33,18 @@ def read(variable) -> tf.Tensor:
     return tf.concat([s.value() for s in shards], axis=0)
 
 
+def _whole(shards: list):
+    """One variable for a checkpoint: a `ShardedVariable` of `shards` (saved
+    whole, so that it restores into any number of ps tasks), or the one."""
+    if len(shards) == 1:
+        return shards[0]
+    # Imported here: `tf_internals` imports tf_keras, which training without
+    # checkpoints never needs.
+    from tf_distbelief.tf_internals import variables as tf_variables
+
+    return tf_variables.ShardedVariable(shards)
+
+
 def _ps_name(keras_variable) -> str:
     # `dense/kernel`: a TensorFlow variable name may not hold every character
     # of a Keras 3 path.
@@ -60,6 +72,11 @@ class PsWeights:
         `model.non_trainable_variables`.
       accumulators: per trainable variable, the list of its shards'
         accumulators (`tf.Variable`s on their ps tasks); empty without
+        `accumulators`.
+      checkpoint_model: a `tf.Module` tracking the ps variables by position
+        (`trainable/<i>`, `non_trainable/<i>`), for `tf.train.Checkpoint`.
+      checkpoint_optimizer: a `tf.Module` tracking the accumulators by
+        position (`accumulators/<i>`, a sharded one whole), or None without
         `accumulators`.
 
     Raises:
@@ -104,6 +121,34 @@ class PsWeights:
                             )
                         )
                 self.accumulators.append(slots)
+        self._has_accumulators = accumulators
+        self._checkpoint_objects = None
+
+    def _objects(self) -> tuple:
+        # What a checkpoint holds, keyed by position (a Keras 3 path changes
+        # with the names Keras gives the layers: `dense_1` in a second model):
+        # `model/trainable/<i>`, `model/non_trainable/<i>` and
+        # `optimizer/accumulators/<i>`, each whole. Made once, on first use.
+        if self._checkpoint_objects is None:
+            model = tf.Module(name="ps_weights")
+            model.trainable = list(self.trainable)
+            model.non_trainable = list(self.non_trainable)
+            optimizer = None
+            if self._has_accumulators:
+                optimizer = tf.Module(name="ps_adagrad")
+                optimizer.accumulators = [_whole(s) for s in self.accumulators]
+            self._checkpoint_objects = (model, optimizer)
+        return self._checkpoint_objects
+
+    @property
+    def checkpoint_model(self) -> tf.Module:
+        """The ps variables by position, for `tf.train.Checkpoint`."""
+        return self._objects()[0]
+
+    @property
+    def checkpoint_optimizer(self) -> tf.Module | None:
+        """The accumulators by position (a sharded one whole), or None."""
+        return self._objects()[1]
 
     @staticmethod
     def _create(keras_variable, trainable: bool):

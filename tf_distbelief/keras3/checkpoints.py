@@ -1,0 +1,152 @@
+"""`model_dir` checkpoints of a Keras 3 job: the tf_keras job's, with `PsWeights`.
+
+`keras3.fit(model_dir=...)` keeps the same layout and rules as tf_keras
+`fit.training.fit` (`tf_distbelief.paths`: `model_dir/checkpoints/ckpt-<step>`,
+the last `MAX_CHECKPOINTS_TO_KEEP` kept), written and restored by the same
+services:
+
+* `faults.resume.write_checkpoint`: every value checked for NaN and inf on its
+  ps task, the step and epoch recorded, the checkpoint written whole or not
+  at all (`save_whole`);
+* `faults.resume.restore`: every value of the checkpoint into its variable,
+  compared first (a mismatch is an error naming the variable, nothing
+  changed); a sharded variable is saved whole, so it restores into any
+  number of ps tasks;
+* `faults.recovery.verify_restored`: the values read back from the ps tasks
+  equal the checkpoint's bit for bit, checked once per resumed run.
+
+What the checkpoint holds: `model` (the ps variables of `PsWeights`, by
+position), `optimizer` (the AdaGrad accumulators, by position; with Downpour
+the ps optimizer, `tf_distbelief.adagrad.Adagrad`, with its iteration count),
+`downpour` (each replica's state, `downpour.replica_state`), `step` and
+`epoch`. This module imports tf_keras (through `faults`): `keras3.fit` imports
+it only when given a `model_dir`.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_distbelief import paths
+from tf_distbelief.faults import recovery, resume
+
+
+class Checkpoints:
+    """A Keras 3 training run's checkpoints in `model_dir` (see the module).
+
+    Args:
+      model_dir: the job's folder (`paths.checkpoint_dir(model_dir)` holds
+        the checkpoints).
+      weights: the run's `PsWeights`.
+      steps_per_epoch: steps per epoch over all workers, >= 1.
+      every_steps: steps between checkpoints besides each epoch end, >= 0.
+      downpour: None, or the run's `Downpour` (its ps optimizer and its
+        replicas' state are checkpointed too).
+      print_fn: where the resume lines go.
+
+    Attributes:
+      saved_step: the global step of the last checkpoint written or restored.
+      latest: the last checkpoint's path, or None.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        weights,
+        steps_per_epoch: int,
+        every_steps: int = 0,
+        downpour=None,
+        print_fn=print,
+    ):
+        self._steps_per_epoch = steps_per_epoch
+        self._every = every_steps
+        self._print_fn = print_fn
+        self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
+        optimizer = weights.checkpoint_optimizer
+        self._replicas = None
+        if downpour is not None:
+            from tf_distbelief.downpour import replica_state
+
+            optimizer = downpour.optimizer
+            self._replicas = replica_state.ReplicaState(downpour)
+        self._roots = dict(model=weights.checkpoint_model, optimizer=optimizer)
+        extra = {} if self._replicas is None else {"downpour": self._replicas}
+        self.manager = tf.train.CheckpointManager(
+            tf.train.Checkpoint(
+                **self._roots, epoch=self.epoch, step=self.step, **extra
+            ),
+            paths.checkpoint_dir(model_dir),
+            max_to_keep=paths.MAX_CHECKPOINTS_TO_KEEP,
+        )
+        self._variables = [
+            *weights.trainable,
+            *weights.non_trainable,
+            *resume.variable_keys(tf.train.Checkpoint(optimizer=optimizer))[0].values(),
+        ]
+        self.saved_step = 0
+
+    @property
+    def latest(self) -> str | None:
+        return self.manager.latest_checkpoint
+
+    def restore(self) -> int:
+        """Restores the latest checkpoint exactly, if any; the step to start at.
+
+        Raises:
+          resume.RestoreError: it does not restore exactly (nothing changed),
+            or a value read back differs from the checkpoint's.
+        """
+        latest = self.manager.latest_checkpoint
+        if not latest:
+            return 0
+        keys = {name for name, _ in tf.train.list_variables(latest)}
+        tracked = dict(**self._roots, epoch=self.epoch, step=self.step)
+        restored = None
+        if self._replicas is not None:
+            restored = self._replicas.restoring(keys)
+            if restored is not None:  # Shaped as the checkpoint's replicas.
+                tracked["downpour"] = restored
+        resume.restore(tf.train.Checkpoint(**tracked), latest)
+        if self._replicas is not None:  # Each replica's state to its worker.
+            for line in self._replicas.write_back(restored):
+                self._print_fn(line)
+        self.saved_step = int(self.step.numpy())
+        # The lines in the tf_keras job's order: resumed, then verified.
+        self._print_fn(
+            resume.resumed_line(latest, self.saved_step, self._steps_per_epoch)
+        )
+        recovery.verify_restored(
+            tf.train.Checkpoint(**self._roots), latest, self._print_fn
+        )
+        return self.saved_step
+
+    def next_save(self, done: int) -> int | None:
+        """The step of the next mid-epoch checkpoint after `done`, or None."""
+        if not self._every:
+            return None
+        return (done // self._every + 1) * self._every
+
+    def save(self, done: int) -> str:
+        """Writes the checkpoint of step `done` (no step may be in flight).
+
+        Raises:
+          errors.NonFiniteError: a value holds NaN or inf (nothing written).
+          resume.CheckpointWriteError: the write failed (nothing of it kept).
+        """
+        before = None if self._replicas is None else self._capture
+        path = resume.write_checkpoint(
+            self.manager,
+            self.step,
+            self.epoch,
+            done,
+            self._steps_per_epoch,
+            self._variables,
+            before,
+        )
+        self.saved_step = done
+        return path
+
+    def _capture(self) -> None:
+        for line in self._replicas.capture():
+            self._print_fn(line)
