@@ -119,6 +119,16 @@ def test_jobset_is_the_default_kind_with_the_readme_job():
         assert container["ports"] == [
             {"name": "grpc", "containerPort": 2222, "protocol": "TCP"}
         ]
+        # A hung ps or worker (accepting connections, not answering) is
+        # restarted by the kubelet: the chief cannot.
+        probe = container.get("livenessProbe")
+        if name == "chief":
+            assert probe is None
+        else:
+            assert probe["exec"]["command"] == [
+                "python", "-m", "tf_distbelief.cluster.health", "127.0.0.1:2222", "3"
+            ]  # fmt: skip
+            assert probe["periodSeconds"] * probe["failureThreshold"] == 30
         env = {v["name"]: v.get("value", v.get("valueFrom")) for v in container["env"]}
         assert env == {
             "TFDB_JOBSET_NAME": {
