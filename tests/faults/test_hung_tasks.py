@@ -17,8 +17,8 @@ import uuid
 import portpicker
 import pytest
 
-from tests.fixtures.launch import _marked_pids
-from tests.fixtures.ps_kill import signal_task_when, start_job
+from tests.fixtures.launch import _wait_no_marked
+from tests.fixtures.ps_kill import _task_pid, start_job
 from tf_distbelief.cluster import health, hung_tasks
 from tf_distbelief.cluster import local as local_lib
 
@@ -116,73 +116,78 @@ def test_local_cluster_kills_a_stopped_task_restarts_it_and_stops_in_time():
     assert all(proc.poll() is not None for proc in cluster.processes.values())
 
 
-def _stop_when_training(tmp_path, args, job, index, resume_after_secs=None):
-    """Runs `launch/train.py args`; SIGSTOPs `job:index` once epoch 1 ends
-    (and SIGCONTs it `resume_after_secs` later, if it still exists)."""
+def _stop_when_training(tmp_path, args, faults):
+    """Runs `launch/train.py args`; for each `(epoch, job, index, resume_secs)`
+    of `faults`, SIGSTOPs `job:index` once epoch `epoch` ends (and SIGCONTs
+    it `resume_secs` later if not None and it still exists); returns
+    (returncode, stdout, stderr)."""
     marker = uuid.uuid4().hex
     proc = start_job([*args, f"--hung_task_timeout_secs={HUNG_SECS}"], marker, tmp_path)
+    out = tmp_path / "out"
+    try:
+        for epoch, job, index, resume_secs in faults:
+            deadline = time.monotonic() + 600
+            while f"epoch {epoch}/" not in out.read_text():
+                assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
+                assert time.monotonic() < deadline, f"no epoch {epoch}"
+                time.sleep(0.05)
+            pid = _task_pid(marker, job, index)
+            os.kill(pid, signal.SIGSTOP)
+            if resume_secs is not None:
+                threading.Timer(resume_secs, _resume, (pid,)).start()
+        proc.wait(timeout=900)
+    finally:
+        proc.kill()
+    assert _wait_no_marked(marker) == [], "processes left behind"
+    return proc.returncode, out.read_text(), (tmp_path / "err").read_text()
 
-    def resume(pid):
-        if resume_after_secs is None:
-            return
 
-        def cont():
-            time.sleep(resume_after_secs)
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass  # Given up and killed first.
+def _resume(pid):
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass  # Given up and killed first.
 
-        threading.Thread(target=cont, daemon=True).start()
 
-    result = signal_task_when(
-        proc,
-        marker,
-        tmp_path,
-        lambda: "epoch 1/" in (tmp_path / "out").read_text(),
-        job=job,
-        index=index,
-        sig=signal.SIGSTOP,
-        then=resume,
+def _hung_line(job, out):
+    return re.search(
+        rf"hung task: /job:{job}/task:0 at 127\.0\.0\.1:\d+ has accepted "
+        r"connections without answering for \d+ s .* given up at \d\d:\d\d:\d\d",
+        out,
     )
-    assert _marked_pids(marker) == []
-    return result
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "extra",
-    [[], ["--downpour", "--n_fetch=4", "--n_push=4"]],
-    ids=["stock", "downpour"],
-)
-def test_a_worker_stopped_for_good_is_given_up_and_the_job_finishes(tmp_path, extra):
+def test_a_worker_stopped_for_good_is_given_up_and_the_job_finishes(tmp_path):
     code, out, err = _stop_when_training(
-        tmp_path, ["--model=digits", "--epochs=4", *extra], "worker", 0
+        tmp_path, ["--model=digits", "--epochs=4"], [(1, "worker", 0, None)]
     )
     assert code == 0, err[-3000:]
-    assert re.search(
-        r"hung task: /job:worker/task:0 at 127\.0\.0\.1:\d+ has accepted "
-        r"connections without answering for \d+ s .* given up at \d\d:\d\d:\d\d",
-        out,
-    ), out
+    assert _hung_line("worker", out), out
     assert "local cluster: worker:0 at" in out and "exited (code -9)" in out
     assert _test_accuracy(out) >= 0.95
 
 
 @pytest.mark.slow
-def test_a_ps_stopped_for_20_s_is_a_lost_ps_and_the_job_finishes(tmp_path):
+def test_downpour_survives_a_worker_stopped_for_good_and_a_ps_stopped_20_s(tmp_path):
+    """A hung ps is a lost ps: given up, killed, restarted and restored from
+    the last checkpoint; its SIGCONT 20 s later finds it gone."""
     code, out, err = _stop_when_training(
         tmp_path,
         [
             "--model=digits",
             "--epochs=4",
+            "--downpour",
+            "--n_fetch=4",
+            "--n_push=4",
             f"--model_dir={tmp_path / 'model'}",
             "--checkpoint_every_steps=50",
         ],
-        "ps",
-        0,
-        resume_after_secs=20,
+        [(1, "worker", 0, None), (2, "ps", 0, 20.0)],
     )
     assert code == 0, err[-3000:]
-    assert "hung task: /job:ps/task:0 at" in out, out
+    assert _hung_line("worker", out), out
+    assert _hung_line("ps", out), out
+    assert re.search(r"^ps task lost: /job:ps/task:0 at ", out, re.M), out
+    assert re.search(r"^restored ckpt-\d+ \(step \d+\): .* bit for bit", out, re.M)
     assert _test_accuracy(out) >= 0.95

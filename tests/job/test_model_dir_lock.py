@@ -13,7 +13,14 @@ import pytest
 from tests.fixtures.launch import ROOT, TRAIN, _env, _wait_no_marked
 from tf_distbelief import paths
 
-ARGS = ["--model=digits", "--epochs=2", "--checkpoint_every_steps=20"]
+# One worker and one ps: the lock is the chief's; a smaller cluster starts sooner.
+ARGS = [
+    "--model=digits",
+    "--epochs=2",
+    "--checkpoint_every_steps=20",
+    "--num_workers=1",
+    "--num_ps=1",
+]
 
 
 def _start(model_dir, marker):
