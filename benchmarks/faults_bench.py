@@ -133,9 +133,9 @@ class _Job:
                 return None
             time.sleep(_POLL_SECS)
 
-    def finish(self):
+    def finish(self, timeout_secs=_RUN_TIMEOUT_SECS):
         try:
-            self.proc.wait(_RUN_TIMEOUT_SECS)
+            self.proc.wait(timeout_secs)
         finally:
             self.proc.kill()
             self.proc.wait()

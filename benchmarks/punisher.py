@@ -48,6 +48,8 @@ import faults_bench  # noqa: E402 - the benchmarks folder is not a package.
 _POLL_SECS = 0.2
 # A fault waits until the job has printed a step line within this long.
 _TRAINING_SECS = 5.0
+# The longest a whole job may take (a 20-minute job on a loaded machine).
+_JOB_TIMEOUT_SECS = 4 * 3600.0
 # How often the chief is started at most: a job that keeps failing by
 # itself is not one the punisher can judge.
 _MAX_LIVES = 200
@@ -240,7 +242,7 @@ def main(argv):
             base = faults_bench._Job(
                 job_args(os.path.join(folder, "model")), folder, "run", uuid.uuid4().hex
             )
-            code, _ = base.finish()
+            code, _ = base.finish(_JOB_TIMEOUT_SECS)
             reference = faults_bench._accuracy(base)
             train = goodput_of(base)[0]
             print(

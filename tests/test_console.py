@@ -268,9 +268,9 @@ def test_a_library_run_ends_with_at_most_one_grpc_line(tmp_path):
     "flags,message",
     [
         (  # Refused by the Keras 3 job (`ConfigError`).
-            ["--keras=3", "--model_dir=/tmp/D"],
-            r"`model_dir` must be None with Keras 3 \(`--keras=3`\): the Keras 3 "
-            r"path writes no checkpoints\. Received: '/tmp/D'",
+            ["--keras=3", "--optimizer=sgd"],
+            r"`optimizer` must be 'adagrad' with Keras 3 \(`--keras=3`\): AdaGrad "
+            r"on the ps is the Keras 3 path's optimizer\. Received: 'sgd'",
         ),
         (  # Refused by `load_spec` (`ConfigError`).
             ["--model=nosuchmodule:spec"],

@@ -58,10 +58,16 @@ def check_nonnegative(name: str, value: Any) -> None:
         )
 
 
-def check_positive_secs(name: str, value: Any) -> None:
-    """Raises `ValueError` unless `value` is a finite number of seconds > 0."""
+def check_positive_secs(name: str, value: Any) -> float:
+    """Returns `value` as a float.
+
+    Raises:
+      ValueError: `value` is not a finite number of seconds > 0 (the message
+        names argument `name`).
+    """
     if not (is_number(value) and math.isfinite(value) and value > 0):
         raise ValueError(
             f"Argument `{name}` must be a finite number of seconds > 0. "
             f"Received: {value!r}"
         )
+    return float(value)

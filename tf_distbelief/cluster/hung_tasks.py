@@ -35,16 +35,6 @@ DEFAULT_HUNG_TASK_TIMEOUT_SECS = 30.0
 _PROBE_EVERY_SECS = 1.0
 
 
-def check_timeout(timeout_secs) -> float:
-    """Returns `timeout_secs` as a float.
-
-    Raises:
-      ValueError: it is not a finite number of seconds > 0.
-    """
-    checks.check_positive_secs("hung_task_timeout_secs", timeout_secs)
-    return float(timeout_secs)
-
-
 class HungTaskWatch:
     """Calls `on_hung(task)` for each task silent for `timeout_secs` in a row.
 
@@ -76,7 +66,9 @@ class HungTaskWatch:
         action: str,
         report: Callable[[str], None] | None = None,
     ):
-        self.timeout_secs = check_timeout(timeout_secs)
+        self.timeout_secs = checks.check_positive_secs(
+            "hung_task_timeout_secs", timeout_secs
+        )
         self.given_up: list[tuple[str, float]] = []
         self._tasks = tasks
         self._on_hung = on_hung

@@ -163,7 +163,9 @@ class LocalCluster:
                 )
         self._ports = ports
         if hung_task_timeout_secs is not None:
-            hung_task_timeout_secs = hung_tasks.check_timeout(hung_task_timeout_secs)
+            hung_task_timeout_secs = checks.check_positive_secs(
+                "hung_task_timeout_secs", hung_task_timeout_secs
+            )
         self.hung_task_timeout_secs = hung_task_timeout_secs
         self.hung_task_watch: hung_tasks.HungTaskWatch | None = None
         # None: loopback as it is; else each task's emulated NIC.

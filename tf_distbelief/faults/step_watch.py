@@ -57,8 +57,7 @@ def check_timeout(timeout_secs) -> float:
     Raises:
       ValueError: it is not a finite number of seconds > 0.
     """
-    checks.check_positive_secs("step_stall_timeout_secs", timeout_secs)
-    return float(timeout_secs)
+    return checks.check_positive_secs("step_stall_timeout_secs", timeout_secs)
 
 
 class StepWatch:
