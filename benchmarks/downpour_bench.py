@@ -15,6 +15,12 @@ r`) give medians and `[min-max]`. Rows (`--rows`):
   delay compensation, staleness-scaled step);
 * `n=<n>+outer+topk`, `+outer+q8`, `+outer+topk+q8`: the outer rule's pushes
   compressed (top-k of `--top_k_fraction`, 8-bit values).
+* `n=<n>+outer+damp`: the outer rule with `--stale_damping` (a stale push
+  damped where it repeats the outer momentum);
+* any `n=<n>...` row with `/straggler=<k>` (e.g. `n=16+outer/straggler=4`):
+  heterogeneous workers, the last worker `k` times slower (each of its
+  scheduled functions sleeps `k - 1` times its own duration after it,
+  `stragglers.slow_worker` through `Downpour.step_delay_fn`).
 
 `--nic_rates=unlimited,10gbit,1gbit,100mbit` runs every row behind emulated
 NICs of each rate (`LocalCluster(nic_bandwidth=)`; `--ps_nic_rate` for the ps
@@ -106,11 +112,18 @@ _OUTER_LEARNING_RATE = 0.35
 _OUTER_MOMENTUM = 0.9
 _DELAY_COMPENSATION = 0.04
 # Rows: "single" (one process, no cluster), "stock", "n=<n>" (Downpour,
-# n_fetch = n_push = n), "n=<n>+<rule>" (with a push rule).
+# n_fetch = n_push = n), "n=<n>+<rule>" (with a push rule); a Downpour row
+# with "/straggler=<k>" has its last worker k times slower.
+_STRAGGLER = "/straggler="
 _RULES = ("outer", "dc", "stale")
 # Compressed outer pushes (`+outer+topk`...): the pseudo-gradient sends no
 # squares, so AdaGrad's default 'squares' accumulator mode is kept.
 _COMPRESSED = ("outer+topk", "outer+q8", "outer+topk+q8")
+# The outer rule with its stale-push correction (`+outer+damp`): lambda 1
+# did best in docs/downpour.md's simulation ("Stale pushes and the outer
+# momentum").
+_DAMPED = ("outer+damp",)
+_STALE_DAMPING = 1.0
 # The `+topk` rows' fraction: 1% of each tensor, top-k's usual regime (Lin et
 # al. 2018 send 0.1%, with momentum correction).
 _TOP_K_FRACTION = 0.01
@@ -135,7 +148,7 @@ def _known_rows():
     for n in _NS:
         names.append(f"n={n}")
         names += [f"n={n}+{r}" for r in _RULES if not (n == 1 and r == "outer")]
-        names += [f"n={n}+{r}" for r in _COMPRESSED if n > 1]
+        names += [f"n={n}+{r}" for r in _COMPRESSED + _DAMPED if n > 1]
     return names
 
 
@@ -257,6 +270,12 @@ def define_flags():
         "The `+topk` rows: DownpourConfig.top_k_fraction.",
         lower_bound=0.0,
         upper_bound=1.0,
+    )
+    flags.DEFINE_float(
+        "stale_damping",
+        _STALE_DAMPING,
+        "The `+damp` rows: DownpourConfig.stale_damping.",
+        lower_bound=0.0,
     )
     flags.DEFINE_integer("speech_hidden_units", 256, "Speech model width.")
     flags.DEFINE_integer("speech_classes", 8192, "Speech model softmax width.")
@@ -399,9 +418,32 @@ class _Probe:
         return list(zip(times, self.accuracies))
 
 
+def _straggler(name: str) -> tuple[str, float | None]:
+    """`"n=16+outer/straggler=4"` -> `("n=16+outer", 4.0)`; without the
+    suffix `(name, None)`.
+
+    Raises:
+      ValueError: the slowdown is not a number >= 1.
+    """
+    base, suffix, slowdown = name.partition(_STRAGGLER)
+    if not suffix:
+        return name, None
+    try:
+        value = float(slowdown)
+    except ValueError:
+        value = math.nan
+    if not value >= 1 or math.isinf(value):
+        raise ValueError(
+            f"Row {name!r}: the straggler's slowdown must be a number >= 1. "
+            f"Received: {slowdown!r}"
+        )
+    return base, value
+
+
 def _row_kind(name: str) -> tuple[str, int | None, str | None]:
     """`"single"|"stock"|"n=16+outer"` -> `(kind, n, rules)`, `rules` such as
-    `"outer+topk"`."""
+    `"outer+topk"`; a `/straggler=<k>` suffix is ignored (`_straggler`)."""
+    name, _ = _straggler(name)
     if name in ("single", "stock"):
         return name, None, None
     n, _, rule = name.partition("+")
@@ -419,6 +461,7 @@ def _downpour_config(n, rule, f):
         "dc": {"delay_compensation": f.delay_compensation},
         "stale": {"staleness_scaled": True},
         "topk": {"top_k_fraction": f.top_k_fraction},
+        "damp": {"stale_damping": f.stale_damping},
         "q8": {"quantize_bits": 8},
     }
     rules = {}
@@ -549,6 +592,13 @@ def _run(local, data, model_name, name, f, seed, nic=UNLIMITED) -> Row:
         )
         model = job.compile_model(config, strategy, spec)
         replicas = getattr(model, "downpour", None)
+        _, slowdown = _straggler(name)
+        if slowdown is not None:
+            from benchmarks import stragglers
+
+            replicas.step_delay_fn = stragglers.slow_worker(
+                local.num_workers - 1, straggler_slowdown=slowdown
+            )
         roles.update({p.pid: k for (k, _), p in local.processes.items()})
     # Kept until exit: a collected model's functions are removed from the
     # tasks, which the reconnected context no longer knows (noisy errors).
@@ -634,10 +684,23 @@ def _run(local, data, model_name, name, f, seed, nic=UNLIMITED) -> Row:
 def _check_rows(names: list[str]) -> bool:
     """absl validator: refuses unknown `--rows` when the flags are parsed."""
     known = _known_rows()
-    unknown = [n for n in names if n not in known]
+    unknown = []
+    for name in names:
+        try:
+            base, slowdown = _straggler(name)
+        except ValueError as e:
+            raise flags.ValidationError(f"--rows: {e}") from None
+        if base not in known:
+            unknown.append(name)
+        elif slowdown is not None and not base.startswith("n="):
+            raise flags.ValidationError(
+                f"--rows: {name!r}: only Downpour rows (n=...) take "
+                f"{_STRAGGLER}<k> (the delay runs in the Downpour step)"
+            )
     if unknown:
         raise flags.ValidationError(
-            f"--rows: unknown {unknown}; known: {','.join(known)}"
+            f"--rows: unknown {unknown}; known: {','.join(known)} "
+            f"(each n=... row also with {_STRAGGLER}<k>)"
         )
     return True
 
@@ -676,7 +739,8 @@ def _header(f, rounds):
         + ",".join(f"{m}:{f.learning_rate or _LEARNING_RATE[m]}" for m in f.models)
         + f" speech=440-{f.speech_hidden_units}x4-{_speech_classes(f)} "
         f"outer={f.outer_learning_rate}/{f.outer_momentum} "
-        f"dc={f.delay_compensation} topk={f.top_k_fraction}{nic}"
+        f"dc={f.delay_compensation} topk={f.top_k_fraction} "
+        f"damp={f.stale_damping}{nic}"
     )
 
 

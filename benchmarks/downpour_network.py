@@ -98,7 +98,9 @@ class Predicted:
 def _setting(name: str, accumulator: str) -> cost_model.Setting:
     """The planner's setting of a row; `+dc` and `+stale` push as plain
     Downpour, and `+topk`, `+q8` are predicted uncompressed (the planner does
-    not model compressed pushes)."""
+    not model compressed pushes); a `/straggler=<k>` row as the row without
+    it (the planner assumes equal workers)."""
+    name = name.partition("/")[0]
     if name == "stock":
         return cost_model.Setting(accumulator=accumulator)
     n, _, rules = name.partition("+")

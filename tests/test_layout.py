@@ -33,6 +33,7 @@ PURE_MODULES = [
     "tf_distbelief.downpour.push_rules.outer_nesterov",
     "tf_distbelief.downpour.push_rules.delay_compensation",
     "tf_distbelief.downpour.push_rules.staleness_scaled",
+    "tf_distbelief.downpour.push_rules.stale_damping",
     "tf_distbelief.downpour.push_rules.top_k",
     "tf_distbelief.downpour.push_rules.quantize",
     "tf_distbelief.sandblaster.lbfgs",

@@ -158,6 +158,7 @@ def test_compressed_rows_combine_their_rules():
         outer_momentum=0.9,
         delay_compensation=0.04,
         top_k_fraction=0.01,
+        stale_damping=1.0,
         local_learning_rate=None,
         local_optimizer="adagrad",
         adagrad_accumulator="squares",
@@ -170,9 +171,44 @@ def test_compressed_rows_combine_their_rules():
     )
     assert (config.top_k_fraction, config.quantize_bits) == (0.01, 8)
     assert bench._downpour_config(16, None, f).push_rules == ()
+    damped = bench._downpour_config(16, "outer+damp", f)
+    assert damped.push_rules == ("outer_learning_rate", "stale_damping")
+    assert damped.stale_damping == 1.0
 
 
 def test_unknown_rows_are_refused_when_the_flags_are_parsed():
     assert bench._check_rows(["single", "n=64+outer"])
     with pytest.raises(flags.ValidationError, match=r"unknown \['n=128'\]; known: "):
         bench._check_rows(["n=16", "n=128"])
+
+
+@pytest.mark.parametrize(
+    "name, base, slowdown",
+    [
+        ("n=16+outer", "n=16+outer", None),
+        ("n=16+outer/straggler=4", "n=16+outer", 4.0),
+        ("n=16+outer+damp/straggler=4", "n=16+outer+damp", 4.0),
+        ("n=1/straggler=1.5", "n=1", 1.5),
+    ],
+)
+def test_straggler_rows(name, base, slowdown):
+    """A Downpour row with `/straggler=<k>`: the same row, its last worker `k`
+    times slower."""
+    assert bench._straggler(name) == (base, slowdown)
+    assert bench._row_kind(name) == bench._row_kind(base)
+    assert bench._check_rows([name])
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("n=16/straggler=0.5", r"'n=16/straggler=0.5'.*must be a number >= 1.*'0.5'"),
+        ("n=16/straggler=x", r"must be a number >= 1\. Received: 'x'"),
+        ("n=16/straggler=inf", r"must be a number >= 1\. Received: 'inf'"),
+        ("stock/straggler=4", r"only Downpour rows \(n=\.\.\.\) take /straggler="),
+        ("n=128/straggler=4", r"unknown \['n=128/straggler=4'\]"),
+    ],
+)
+def test_bad_straggler_rows_are_refused_when_the_flags_are_parsed(name, match):
+    with pytest.raises(flags.ValidationError, match=match):
+        bench._check_rows([name])

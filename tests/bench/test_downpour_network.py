@@ -150,4 +150,6 @@ def test_bandwidth_csv_and_figure(tmp_path):
 def test_compressed_outer_rows_are_predicted_as_the_outer_row():
     setting = downpour_network._setting("n=16+outer+topk+q8", "squares")
     assert setting == downpour_network._setting("n=16+outer", "squares")
+    straggler = downpour_network._setting("n=16+outer/straggler=4", "squares")
+    assert straggler == downpour_network._setting("n=16+outer", "squares")
     assert setting.outer

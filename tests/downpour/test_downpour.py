@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -472,3 +473,61 @@ def test_digits_two_workers_reach_95_percent(local_cluster):
     stats = replicas.stats()
     assert all(s.pushes > 0 for s in stats)
     assert sum(s.steps for s in stats) <= 1000
+
+
+@pytest.mark.parametrize("path", ["step", "fit_segments"])
+def test_step_delay_fn_makes_a_straggler(local_cluster, path):
+    """`Downpour.step_delay_fn` (benchmarks' heterogeneous workers) runs at the
+    end of each `step` and each `run_steps` call (`fit` with `n_fetch, n_push >
+    1`) with the running worker and the call's seconds so far; here worker 0
+    sleeps 0.25 s more per call, and the parameters are those of the reference."""
+    from benchmarks import stragglers
+
+    delay_secs, calls = 0.25, 3
+    slow = stragglers.slow_worker(0, straggler_delay_secs=delay_secs)
+    x, y, params = _softmax_data(seed=3)
+    config = downpour_config.DownpourConfig(3, 3)
+    model = _softmax_model(_strategy(local_cluster), params, steps_per_execution=3)
+    with model.distribute_strategy.scope():  # On the ps: what the calls saw.
+        seen = tf.Variable([0, -1], dtype=tf.int64)  # [calls, worker]
+        least_secs = tf.Variable(1e9, dtype=tf.float64)
+
+    def delay(worker, compute_secs):
+        record = [
+            seen.assign_add([1, 0]),
+            seen.scatter_nd_update([[1]], [tf.cast(worker, tf.int64)]),
+            least_secs.assign(tf.minimum(least_secs, compute_secs)),
+        ]
+        with tf.control_dependencies(record):
+            return slow(worker, compute_secs)
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE)
+
+    start = time.monotonic()
+    if path == "step":
+        trainer = downpour.DownpourTrainer(model, config)
+        trainer.downpour.step_delay_fn = delay
+        iterator = iter(trainer.per_worker_dataset(dataset))
+        for _ in range(calls):
+            trainer.step(iterator)
+        trainer.join()
+        steps = calls
+    else:
+        replicas = downpour.install(model, config)
+        assert replicas.runs_segments
+        replicas.step_delay_fn = delay
+        model.fit(dataset().repeat(), epochs=1, steps_per_epoch=3 * calls, verbose=0)
+        steps = 3 * calls
+    assert time.monotonic() - start >= calls * delay_secs
+    assert seen.numpy().tolist() == [calls, 0]
+    assert 0 < least_secs.numpy() < 1e9
+    want, _ = downpour_schedule.simulate(
+        params,
+        _softmax_grad,
+        [_batches(x, y)[:steps]],
+        config,
+        downpour_schedule.adagrad_ps(LEARNING_RATE),
+    )
+    for got, w in zip(_ps_params(model), want):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)

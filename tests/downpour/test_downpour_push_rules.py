@@ -90,6 +90,19 @@ Config = downpour_config.DownpourConfig
             r"`delay_compensation` must be finite and >= 0.*-0.1",
         ),
         ({"staleness_scaled": 1}, TypeError, r"`staleness_scaled` must be a bool"),
+        (
+            {"stale_damping": -1.0},
+            ValueError,
+            r"`stale_damping` must be finite and >= 0.*Received: -1.0",
+        ),
+        ({"stale_damping": "1"}, TypeError, r"`stale_damping` must be a float.*'1'"),
+        (
+            {"stale_damping": 1.0, "n_fetch": 4, "n_push": 4},
+            ValueError,
+            r"`stale_damping` needs `outer_learning_rate` set: the stale-push "
+            r"damping reads its ps state. Received: stale_damping=1.0, "
+            r"outer_learning_rate=None",
+        ),
     ],
 )
 def test_config_errors(kwargs, error, match):
@@ -105,6 +118,9 @@ def test_push_rules_default_off():
     assert config.push_rules == ()
     assert (config.outer_learning_rate, config.delay_compensation) == (None, 0.0)
     assert not config.staleness_scaled
+    assert config.stale_damping == 0.0
+    damped = Config(3, 3, outer_learning_rate=0.7, stale_damping=1.0)
+    assert damped.push_rules == ("outer_learning_rate", "stale_damping")
     both = Config(3, 2, delay_compensation=0.5, staleness_scaled=True)
     assert both.push_rules == ("delay_compensation", "staleness_scaled")
 
@@ -191,6 +207,51 @@ def test_reference_staleness_scaled_divides_the_step():
     assert [s.max_staleness_seen for s in stats] == [0, 1, 2]
 
 
+def test_reference_stale_damping_written_out():
+    """Three replicas in turn, `n_fetch = n_push = 3`, SGD inner steps: all
+    fetch the initial values, then push with staleness 0, 1 and 2. Before the
+    outer step, the entries of a push whose step goes the way of the outer
+    momentum are divided by `1 + lambda * s`."""
+    x, y, params = _softmax_data()
+    thirds = [_batches(x, y)[i::3] for i in range(3)]
+    lr, eta, mu, lam = 0.2, 0.7, 0.9, 2.0
+    outer = dict(
+        local_learning_rate=lr,
+        local_optimizer="sgd",
+        outer_learning_rate=eta,
+        outer_momentum=mu,
+    )
+    config = Config(3, 3, stale_damping=lam, **outer)
+    got, stats = downpour_schedule.simulate(
+        params, _softmax_grad, thirds, config, downpour_schedule.sgd_ps(9.0)
+    )
+    want, m = [p.copy() for p in params], [np.zeros_like(p) for p in params]
+    damped = 0
+    for r, s in enumerate([0, 1, 2]):
+        cache = [p.copy() for p in params]
+        for batch in thirds[r][:3]:
+            cache = [c - lr * g for c, g in zip(cache, _softmax_grad(cache, batch))]
+        d = [p - c for p, c in zip(params, cache)]
+        along = [np.sign(-di) * np.sign(mi) > 0 for di, mi in zip(d, m)]
+        damped += s * sum(int(a.sum()) for a in along)
+        d = [np.where(a, di / (1 + lam * s), di) for a, di in zip(along, d)]
+        for k in range(2):
+            m[k] = mu * m[k] - eta * d[k]
+            want[k] = want[k] + mu * m[k] - eta * d[k]
+    assert damped > 0  # Some entries were damped.
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+    assert [s.max_staleness_seen for s in stats] == [0, 1, 2]
+    plain, _ = downpour_schedule.simulate(
+        params,
+        _softmax_grad,
+        thirds,
+        Config(3, 3, **outer),
+        downpour_schedule.sgd_ps(9.0),
+    )
+    assert np.abs(plain[0] - got[0]).max() > 1e-6
+
+
 def test_reference_rejects_row_sparse():
     x, y, params = _softmax_data()
     with pytest.raises(ValueError, match=r"staleness_scaled take no row-sparse"):
@@ -228,6 +289,9 @@ CONFIGS = {
         local_optimizer="sgd",
         adagrad_accumulator="mean",
         delay_compensation=20.0,
+    ),
+    "outer_damped_2_4": Config(
+        2, 4, outer_learning_rate=0.7, outer_momentum=0.5, stale_damping=1.0
     ),
     "staleness_squares": Config(3, 2, staleness_scaled=True),
     "staleness_sum": Config(3, 2, adagrad_accumulator="sum", staleness_scaled=True),
@@ -273,7 +337,9 @@ def test_trainer_matches_reference_one_worker(local_cluster, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["outer_staleness", "dc_4_2", "staleness_squares"])
+@pytest.mark.parametrize(
+    "name", ["outer_staleness", "outer_damped_2_4", "dc_4_2", "staleness_squares"]
+)
 def test_trainer_matches_reference_two_workers(local_cluster, name):
     """Steps one at a time on whichever worker the coordinator picks; the
     order is read back from the per-worker step counters and replayed."""

@@ -77,6 +77,14 @@ class Downpour:
       variables: the trained variables, shards in place of sharded ones.
       row_sparse: per variable, True where it is row-sparse.
       update_count, warm_steps: ps int64 scalars: pushes, warm-start steps.
+      step_delay_fn: for tests and benchmarks only, None (default) or a
+        `(worker, compute_secs) -> tf.Tensor` run at the end of each `step`
+        and each `run_steps` call (a heterogeneous cluster: one worker made a
+        straggler, e.g. by `benchmarks/stragglers.slow_worker`, the
+        signature of Sandblaster's `portion.PortionDelayFn`); `worker` is
+        the running worker's index, `compute_secs` the float64 seconds the
+        call took so far, fetch and push included. Set it before the first
+        step is traced.
 
     Raises:
       TypeError: a variable was not created with `enable(strategy)` in effect,
@@ -145,6 +153,7 @@ class Downpour:
                 for n in ("update_count", "warm_steps", "nonfinite_skipped")
             )
         self.nonfinite = "raise"  # Or "skip": see `push_guard.install`.
+        self.step_delay_fn = None
         self.guard = push_guard.Guard(self)
         self.tokens = exactly_once.tokens_for(optimizer, strategy)
         self._exchange = Exchange(
@@ -258,7 +267,9 @@ class Downpour:
         cfg = self.config
         h = self._handles()
         int64, one = tf.int64, tf.constant(1, tf.int64)
-        t = base.read(h.stats["steps"], int64)
+        start = self._start_clock()
+        with tf.control_dependencies(start):
+            t = base.read(h.stats["steps"], int64)
         if cfg.warmstart_steps:
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
             is_first = tf.equal(worker, 0)
@@ -327,7 +338,23 @@ class Downpour:
                 "bytes_fetched": tf.where(fetched, dense_bytes, zero) + rows_fetched,
                 "bytes_pushed": tf.where(applied, push_bytes, zero) + rows_pushed,
             }
+        delay = self._delay(start, list(metrics.values()))
+        with tf.control_dependencies(delay):
+            metrics = {k: tf.identity(v) for k, v in metrics.items()}
         return loss, outputs, metrics
+
+    def _start_clock(self) -> list:
+        """`[tf.timestamp()]` when `step_delay_fn` is set, else `[]`."""
+        return [] if self.step_delay_fn is None else [tf.timestamp()]
+
+    def _delay(self, start: list, after: list) -> list:
+        """`[step_delay_fn(worker, seconds since start)]` after `after`, or `[]`."""
+        if not start:
+            return []
+        with tf.control_dependencies(after):
+            compute_secs = tf.timestamp() - start[0]
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        return [self.step_delay_fn(worker, compute_secs)]
 
     def run_steps(
         self,
@@ -433,10 +460,13 @@ class Downpour:
                     staleness, _, _ = self._exchange.push_if(h, pred, step=last_t + 1)
             return base.after([staleness], done + size)
 
-        (done,) = tf.while_loop(
-            lambda done: done < num_steps, segment, [tf.constant(0, int64)]
-        )
-        return done
+        start = self._start_clock()
+        with tf.control_dependencies(start):
+            (done,) = tf.while_loop(
+                lambda done: done < num_steps, segment, [tf.constant(0, int64)]
+            )
+        delay = self._delay(start, [done])
+        return base.after(delay, done) if delay else done
 
     def worker_variables(self) -> dict[str, tf.Variable]:
         """Every per-worker variable (a replica's state) by key (position)."""

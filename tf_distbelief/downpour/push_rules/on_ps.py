@@ -96,6 +96,7 @@ class PushRules:
         self.updater = next(
             (k for k, r in enumerate(self.rules) if r.replaces_optimizer), None
         )
+        self.index = {r.name: k for k, r in enumerate(self.rules)}
         self.fetched = []
         if any(r.needs_fetched for r in self.rules):
             for v in self.variables:
@@ -161,7 +162,11 @@ class PushRules:
                     w_fetched = base.gather(_handle(self.fetched[j]), index, v.dtype)
                     w_fetched = w_fetched[0]
                 for r in self.rules:
-                    g = r.correct(g, v, w_fetched, staleness)
+                    if r.reads_state:
+                        state_of = self.states[self.index[r.reads_state]][j]
+                        g = r.correct(g, v, w_fetched, staleness, state=state_of)
+                    else:
+                        g = r.correct(g, v, w_fetched, staleness)
                 scale = None
                 for r in self.rules:
                     factor = r.scale(staleness, v.dtype)

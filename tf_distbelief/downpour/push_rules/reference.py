@@ -121,6 +121,7 @@ class ReferenceRules:
         self.updater = next(
             (k for k, r in enumerate(self.rules) if r.replaces_optimizer), None
         )
+        self.index = {r.name: k for k, r in enumerate(self.rules)}
 
     def apply(self, update, params, state, grads, steps, squares, staleness, fetched):
         """Applies one push by the rules (the ps optimizer's alone without any).
@@ -139,7 +140,13 @@ class ReferenceRules:
           `(params, state)`; the rules' own states are kept here.
         """
         for r in self.rules:
-            grads = r.reference_correct(grads, params, fetched, staleness)
+            if r.reads_state:
+                state_of = self.states[self.index[r.reads_state]]
+                grads = r.reference_correct(
+                    grads, params, fetched, staleness, state=state_of
+                )
+            else:
+                grads = r.reference_correct(grads, params, fetched, staleness)
         scale = None
         for r in self.rules:
             factor = r.reference_scale(staleness)

@@ -128,6 +128,9 @@ class PushRule:
       codes: the replica sends the pushed values coded in fewer bits
         (`reference_code`, `encode`, `decode`, `coded_nbytes`); the coding
         error stays in its residual. At most one rule in effect may.
+      reads_state: the `name` of another rule whose ps state the correction
+        reads (its `state` argument: that rule's state before the push, e.g.
+        the outer momentum), or `""`; that rule must be on (`resolve`).
 
     Args:
       config: the `DownpourConfig`.
@@ -143,6 +146,7 @@ class PushRule:
     state_name: str = ""
     selects: bool = False
     codes: bool = False
+    reads_state: str = ""
 
     def __init__(self, config):
         del config  # A rule with settings reads them here.
@@ -210,6 +214,9 @@ class PushRule:
           params: the ps parameters before the push.
           fetched: the ps parameters at the pushing replica's last fetch.
           staleness: the push's staleness, an int >= 0.
+
+        A rule with `reads_state` also gets `state=`, that rule's NumPy state
+        (one array per parameter).
         """
         return grads
 
@@ -245,6 +252,9 @@ class PushRule:
             or None.
           staleness: the push's staleness, an int64 scalar (`needs_staleness`),
             or None.
+
+        A rule with `reads_state` also gets `state=`, that rule's `ps_state`
+        entry of the variable (e.g. its momentum slot).
         """
         return grad
 
@@ -452,9 +462,9 @@ def resolve(config) -> tuple[PushRule, ...]:
       One `PushRule` per rule on, in registration order.
 
     Raises:
-      TypeError, ValueError: a rule's `check` or `check_combination`, or two
-        rules on that both replace the ps optimizer, both select or both
-        code.
+      TypeError, ValueError: a rule's `check` or `check_combination`, a rule
+        on whose `reads_state` rule is off, or two rules on that both replace
+        the ps optimizer, both select or both code.
     """
     known = rules()
     for rule in known:
@@ -462,6 +472,13 @@ def resolve(config) -> tuple[PushRule, ...]:
     on = tuple(rule for rule in known if rule.is_on(config))
     for rule in on:
         rule.check_combination(config, tuple(o for o in on if o is not rule))
+        if rule.reads_state and rule.reads_state not in {o.name for o in on}:
+            raise ValueError(
+                f"Argument `{rule.name}` needs `{rule.reads_state}` set: "
+                f"{rule.title} reads its ps state. Received: "
+                f"{rule.name}={getattr(config, rule.name)!r}, "
+                f"{rule.reads_state}={getattr(config, rule.reads_state, None)!r}"
+            )
     for attribute, what in (
         ("replaces_optimizer", "applies the push in place of the ps optimizer"),
         ("selects", "selects the entries a push sends"),
