@@ -1,0 +1,64 @@
+"""The punisher's accounting from a job's lines: goodput and steps redone.
+
+The lines are the job's own formats (`faults.goodput.Goodput.line`, the
+progress lines, the recovery and resume lines); the long faulted run itself
+is a benchmark (benchmarks/README.md, "The punisher").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+
+from tests.fixtures.launch import ROOT
+
+_PATH = os.path.join(ROOT, "benchmarks", "punisher.py")
+_spec = importlib.util.spec_from_file_location("punisher", _PATH)
+punisher = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("punisher", punisher)
+_spec.loader.exec_module(punisher)
+
+
+class _Output:
+    """A chief's output as the punisher holds it: `(time, line)` pairs."""
+
+    def __init__(self, *lines):
+        self.lines = [(float(i), line) for i, line in enumerate(lines)]
+
+    def poll_lines(self):
+        return self.lines
+
+
+def _life(*lines):
+    return types.SimpleNamespace(job=_Output(*lines))
+
+
+def test_goodput_is_the_last_line_of_a_life():
+    job = _Output(
+        "goodput: 10.0% (train 4.0 s of 40.0 s; checkpointing 1.0 s, recovery "
+        "0.0 s, start-up 35.0 s, redone 0.0 s, other 0.0 s)",
+        "step 300/1000: 2000 examples/s, elapsed 5s, ETA 10s",
+        "goodput: 50.5% (train 30.3 s of 60.0 s; checkpointing 2.0 s, recovery "
+        "5.0 s, start-up 20.0 s, redone 2.5 s, other 0.2 s)",
+    )
+    assert punisher.goodput_of(job) == (30.3, 2.5)
+    assert punisher.goodput_of(_Output("test accuracy: 0.97")) == (0.0, 0.0)
+
+
+def test_steps_redone_counts_back_to_each_restore_across_lives():
+    first = _life(
+        "step 100/1000: 2000 examples/s, elapsed 5s, ETA 10s",
+        "epoch 1/10: steps 150/1000 loss=0.3 accuracy=0.9 2000 examples/s",
+        # A ps lost: restored at 120 after 150 was seen (30 redone).
+        "restored ckpt-120 (step 120): 10 values equal the checkpoint bit for bit",
+        "step 400/1000: 2000 examples/s, elapsed 9s, ETA 6s",
+    )
+    # The chief killed after 400; the next life resumes at 360 (40 redone).
+    second = _life(
+        "Resumed from /m/checkpoints/ckpt-360 at step 360 (epoch 3, 60 steps)",
+        "restored ckpt-360 (step 360): 10 values equal the checkpoint bit for bit",
+        "step 1000/1000: 2000 examples/s, elapsed 20s, ETA 0s",
+    )
+    assert punisher.steps_redone([first, second]) == 70
