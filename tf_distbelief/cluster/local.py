@@ -37,8 +37,8 @@ _POLL_SECS = 0.1
 _SUPERVISE_POLL_SECS = 0.2
 # How long `stop` asks each task whether it answers before leaving it.
 _STOP_PROBE_SECS = 2.0
-# How long `stop` lets a coordinator finish reconnecting a restarted task (a
-# restart serves in 5-10 s; the reconnect follows within seconds).
+# How long `stop` waits for a coordinator's failure handler to finish one
+# attempt to reconnect a lost task (one `update_server_def`).
 _RECOVERY_AT_STOP_SECS = 30.0
 # Restarts over the life of one local cluster: a task that keeps dying is a
 # fault restarts will not fix.
@@ -446,9 +446,10 @@ class LocalCluster:
         is hung (`health.probe`), as leaving would wait on it for ever. A
         stopped task is sent SIGCONT after SIGTERM, so that it ends too. Every
         wait is bounded: the hung task watch, the supervisor's restart in
-        progress, the probes (2 s), a coordinator's reconnect of a restarted
-        task (30 s; leaving the tasks meanwhile crashed the process), the
-        SIGTERM grace (10 s).
+        progress, the probes (2 s), a coordinator's attempt to reconnect a
+        lost task (30 s; the coordinators' failure handlers are stopped before
+        the tasks are left, as leaving them beside a reconnect crashed the
+        process), the SIGTERM grace (10 s).
         """
         _LIVE_CLUSTERS.discard(self)
         self._stopping.set()
@@ -464,17 +465,11 @@ class LocalCluster:
             # function and task, and nothing waits).
             tasks = self._task_addresses()
             states = health.probe_all(tasks, _STOP_PROBE_SECS)
-            if all(
-                s is not health.TaskState.SILENT for s in states.values()
-            ) and _coordinators_idle(_RECOVERY_AT_STOP_SECS):
-                from tf_distbelief.tf_internals import eager_context
-
-                try:
-                    eager_context.disconnect_from_tasks(list(tasks.values()))
-                except Exception as e:  # noqa: BLE001 (ending the tasks comes first)
-                    logging.warning(
-                        "Could not disconnect from the local cluster: %s", e
-                    )
+            if all(s is not health.TaskState.SILENT for s in states.values()):
+                _leave_tasks(
+                    list(tasks.values()),
+                    lost_for_good=health.TaskState.REFUSED in states.values(),
+                )
         procs = [p for p in self.processes.values() if p.poll() is None]
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -498,25 +493,30 @@ class LocalCluster:
         self.stop()
 
 
-def _coordinators_idle(timeout_secs: float) -> bool:
-    """Waits until no `ClusterCoordinator` thread of this process has work in
-    flight (one may still be reconnecting a restarted task: a second server
-    def update beside its own crashed the process, SIGSEGV); False if one
-    still has after `timeout_secs`."""
-    from tf_distbelief.tf_internals import coordinator
+def _leave_tasks(addresses: list[str], lost_for_good: bool) -> None:
+    """Leaves the tasks at `addresses` once no coordinator's failure handler
+    can reconnect one of them (an `update_server_def` beside a handler's
+    crashed the process, SIGSEGV, when a restarted task came back): the
+    handlers are stopped first, each waited for at most
+    `_RECOVERY_AT_STOP_SECS` in all. With `lost_for_good` (a task refuses
+    connections and the supervisor has stopped, so it will not come back) a
+    handler's reconnect can only fail, and blocks on that task for minutes:
+    it is not waited for."""
+    from tf_distbelief.tf_internals import coordinator, eager_context
 
-    deadline = time.monotonic() + timeout_secs
-    while busy := coordinator.busy_coordinator_threads():
-        if time.monotonic() > deadline:
+    wait_secs = 0.0 if lost_for_good else _RECOVERY_AT_STOP_SECS
+    with coordinator.failure_handlers_stopped(wait_secs) as held:
+        if not held and not lost_for_good:
             logging.warning(
-                "Not leaving the local cluster's tasks politely: coordinator "
-                "threads %s still busy after %g s (reconnecting a task).",
-                busy,
-                timeout_secs,
+                "Not leaving the local cluster's tasks politely: a coordinator "
+                "was still reconnecting a task after %g s.",
+                _RECOVERY_AT_STOP_SECS,
             )
-            return False
-        time.sleep(_POLL_SECS)
-    return True
+            return
+        try:
+            eager_context.disconnect_from_tasks(addresses)
+        except Exception as e:  # noqa: BLE001 (ending the tasks comes first)
+            logging.warning("Could not disconnect from the local cluster: %s", e)
 
 
 _LIVE_CLUSTERS: set[LocalCluster] = set()

@@ -1,13 +1,17 @@
 """`ClusterCoordinator` internals: its threads, its failure handler, its queue.
 
-Used by `strategy` (waiting before a new strategy connects) and by
+Used by `strategy` (waiting before a new strategy connects), by
+`cluster.local` (stopping the failure handlers before leaving the tasks) and by
 `faults.step_watch` (a step limit on the coordinator's closures).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
+import time
+from collections.abc import Iterator
 
 from tensorflow.python.distribute.coordinator import cluster_coordinator as cc
 
@@ -42,6 +46,55 @@ def busy_coordinator_threads() -> list[str]:
                 if i == 0 or stack[i - 1] != idle:
                     busy.append(thread.name)
     return busy
+
+
+def _failure_handlers() -> list:
+    """The failure handlers of this process's live `ClusterCoordinator`s (the
+    objects whose `_preemption_handler` loop a running thread runs)."""
+    handlers = []
+    for thread in threading.enumerate():
+        target = getattr(thread, "_target", None)  # Kept while the thread runs.
+        if getattr(target, "__name__", None) == "_preemption_handler":
+            handlers.append(target.__self__)
+    return handlers
+
+
+@contextlib.contextmanager
+def failure_handlers_stopped(timeout_secs: float) -> Iterator[bool]:
+    """Stops every coordinator's failure handler and holds its cluster lock.
+
+    A failure handler reconnects a lost worker by calling `update_server_def`
+    under its `_cluster_update_lock`, again and again until the worker is back
+    (for ever, if it never is). Another `update_server_def` beside it crashed
+    the process (SIGSEGV in the eager runtime). Inside this context no handler
+    updates the server def, and none will after it: each is told to stop (what
+    `WorkerPreemptionHandler.stop` does, but with a bounded wait for the lock).
+    Public route checked: `ClusterCoordinator` has no public stop; its
+    `_cluster.stop()` waits for the lock without a bound.
+
+    Args:
+      timeout_secs: the most seconds to wait for the handlers' locks, in all
+        (a handler holds its lock while one `update_server_def` runs).
+
+    Yields:
+      True if every handler's lock is held; False if one was still busy after
+      `timeout_secs` (the others are held and stopped all the same).
+    """
+    deadline = time.monotonic() + timeout_secs
+    held, all_held = [], True
+    for handler in _failure_handlers():
+        lock = handler._cluster_update_lock
+        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            all_held = False
+            continue
+        held.append(lock)
+        handler._should_preemption_thread_run = False
+        handler._cluster_due_for_update_or_finish.set()
+    try:
+        yield all_held
+    finally:
+        for lock in reversed(held):
+            lock.release()
 
 
 def worker_recovery_pending(strategy) -> bool:
@@ -132,6 +185,15 @@ def check() -> None:
                 and all(
                     "_cluster_due_for_update_or_finish"
                     in handler.__init__.__code__.co_names
+                    for handler in handlers
+                ),
+            ),
+            (
+                "failure handlers' _cluster_update_lock, "
+                "_should_preemption_thread_run (failure_handlers_stopped)",
+                all(
+                    {"_cluster_update_lock", "_should_preemption_thread_run"}
+                    <= set(handler.__init__.__code__.co_names)
                     for handler in handlers
                 ),
             ),
