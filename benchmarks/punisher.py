@@ -25,7 +25,7 @@ and the test accuracy against an unfaulted run of the same command.
 
 Usage:
   python benchmarks/punisher.py --mtbf_secs=120 --steps=60000   # about 20 min
-  python benchmarks/punisher.py --mtbf_secs=20 --steps=6000 --no_reference
+  python benchmarks/punisher.py --mtbf_secs=20 --steps=6000 --noreference
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ class Life:
         self.job = faults_bench._Job(args, folder, f"life{number}", self.marker)
         self.started = time.monotonic()
         self.killed_by_us = False
+        self.liveness_killed = False
 
     def last_step_line_at(self) -> float | None:
         seen = [at for at, line in self.job.poll_lines() if _STEP_RE.match(line)]
@@ -173,10 +174,12 @@ def punish(folder: str) -> dict:
         silent = now - max(life.job.lines[-1][0] if life.job.lines else 0, life.started)
         if last_line is not None and silent > f.chief_liveness_secs:
             # The orchestrator's liveness probe: a chief that trained and went
-            # silent is hung.
-            life.killed_by_us = True
-            os.kill(life.job.proc.pid, signal.SIGKILL)
-            print(f"chief silent for {silent:.0f} s: killed (liveness)", flush=True)
+            # silent is hung. Killed once; a kill can take a while to end it.
+            if not life.liveness_killed:
+                life.killed_by_us = life.liveness_killed = True
+                os.kill(life.job.proc.pid, signal.SIGKILL)
+                print(f"chief silent for {silent:.0f} s: killed (liveness)", flush=True)
+            time.sleep(_POLL_SECS)
             continue
         training = last_line is not None and now - last_line < _TRAINING_SECS
         if now >= next_fault and training:
