@@ -6,10 +6,13 @@ running replica's cache (`tf_distbelief.substitution`), so
 `model.stateless_call` on their values computes the forward pass from the
 cache, and `Downpour` fetches every `n_fetch` steps and pushes every `n_push`
 steps exactly as for a tf_keras model (`tf_distbelief.downpour.schedule`'s
-order). The ps applies a push with `tf_distbelief.adagrad.Adagrad`, the optimizer
-object that `Downpour`'s exchange is written against: it holds the
-accumulators on the ps shards and runs the same fused op; the Keras 3 model
-never meets tf_keras.
+order). Each push is gated by its step's `exactly_once` token, as for a
+tf_keras model: a step that TensorFlow's coordinator runs again (after a lost
+worker, or a derived `CancelledError` it treats as transient) never applies
+its push twice. The ps applies a push with `tf_distbelief.adagrad.Adagrad`,
+the optimizer object that `Downpour`'s exchange is written against: it holds
+the accumulators on the ps shards and runs the same fused op; the Keras 3
+model never meets tf_keras.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import tensorflow as tf
 
 from tf_distbelief.adagrad import optimizer as tf_keras_adagrad
 from tf_distbelief.downpour import replica as replica_lib
+from tf_distbelief.faults import exactly_once
 from tf_distbelief.keras3 import variables as variables_lib
 
 
@@ -39,8 +43,10 @@ def make_step(
       config: a `DownpourConfig`.
 
     Returns:
-      `(step, downpour)`: `step(iterator) -> (losses [1], metric state
-      deltas)` to schedule, and the `Downpour` state (`.stats()`).
+      `(step, downpour)`: `step(iterator, token) -> (losses [1], metric state
+      deltas)` to schedule, with `token` an int64 scalar from
+      `downpour.tokens.take(1)` taken when the step is scheduled (a retry
+      keeps it); and the `Downpour` state (`.stats()`).
     """
     with strategy.scope():  # Its iteration counter and slots live on the ps.
         optimizer = tf_keras_adagrad.Adagrad(
@@ -52,7 +58,7 @@ def make_step(
     downpour = replica_lib.Downpour(strategy, shards, optimizer, config)
 
     @tf.function
-    def step(iterator):
+    def step(iterator, token):
         x, y = next(iterator)
 
         def forward():
@@ -66,7 +72,8 @@ def make_step(
             return total, (loss, y_pred)
 
         def replica_fn():
-            _, (loss, y_pred), _ = downpour.step(forward)
+            with exactly_once.scope(token):  # Read when the push is traced.
+                _, (loss, y_pred), _ = downpour.step(forward)
             deltas = []
             for metric, init in zip(metrics, metric_inits):
                 state = metric.stateless_update_state(init, y, y_pred)

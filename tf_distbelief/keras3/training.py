@@ -21,6 +21,7 @@ import tensorflow as tf
 from tf_distbelief import checks, console, errors
 from tf_distbelief.keras3 import optimizer as optimizer_lib
 from tf_distbelief.keras3 import variables as variables_lib
+from tf_distbelief.tf_internals import coordinator as tf_coordinator
 
 # Tag of the `check_numerics` ops, to tell a non-finite gradient from other errors.
 _NONFINITE_TAG = "tf_distbelief.keras3: non-finite gradient of "
@@ -449,6 +450,8 @@ def _fit(
         weights = ps_weights
         weights.check_model(model)
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    # No step scheduled after a failed one runs (a NaN refused with "raise").
+    tf_coordinator.cancel_queued_on_failure(coordinator)
     if dataset is None:
         x_arr, y_arr = np.asarray(x), np.asarray(y)
 
@@ -490,6 +493,16 @@ def _fit(
         push_guard.install(history_downpour, model, nonfinite)
         skipped = history_downpour.nonfinite_skipped
     skipped_before = 0 if skipped is None else int(skipped.numpy())
+    if history_downpour is None:
+
+        def step_args():
+            return (iterator,)
+
+    else:
+        tokens = history_downpour.tokens
+
+        def step_args():  # Fixed when scheduled: a retry keeps its token.
+            return (iterator, tf.constant(tokens.take(1), tf.int64))
 
     saver = None
     initial_step = initial_epoch * steps_per_epoch
@@ -537,7 +550,7 @@ def _fit(
                 results, done = _run_epoch(
                     coordinator,
                     step,
-                    iterator,
+                    step_args,
                     epoch,
                     done,
                     steps_per_epoch,
@@ -618,7 +631,7 @@ def _save(saver, done, goodput) -> None:
 def _run_epoch(
     coordinator,
     step,
-    iterator,
+    step_args,
     epoch,
     done,
     steps_per_epoch,
@@ -627,6 +640,8 @@ def _run_epoch(
     goodput,
 ):
     """Schedules the rest of epoch `epoch` from global step `done`, waits for it.
+
+    Each scheduled function is `step(*step_args())`.
 
     With a `saver`, the scheduling stops at each mid-epoch checkpoint: the
     steps before it finish (`join`), the checkpoint is written, and the next
@@ -645,7 +660,7 @@ def _run_epoch(
             stop = upcoming
         executions = -(-(stop - done) // steps_per_execution)
         results += [
-            coordinator.schedule(step, args=(iterator,)) for _ in range(executions)
+            coordinator.schedule(step, args=step_args()) for _ in range(executions)
         ]
         done = min(done + executions * steps_per_execution, end)
         _join(coordinator, epoch)
