@@ -437,7 +437,7 @@ class LocalCluster:
         """Sends `sig` to one task (for fault-tolerance tests)."""
         self.processes[(job, index)].send_signal(sig)
 
-    def stop(self) -> None:
+    def stop(self, leave_tasks: bool = True) -> None:
         """Ends every task: SIGTERM, then SIGKILL after a grace period.
 
         First this process's eager context leaves the tasks while they still
@@ -450,6 +450,11 @@ class LocalCluster:
         lost task (30 s; the coordinators' failure handlers are stopped before
         the tasks are left, as leaving them beside a reconnect crashed the
         process), the SIGTERM grace (10 s).
+
+        Args:
+          leave_tasks: leave the tasks before ending them (default). False
+            when the process ends at once afterwards (`os._exit`, as on
+            SIGTERM), whose teardown never runs.
         """
         _LIVE_CLUSTERS.discard(self)
         self._stopping.set()
@@ -459,7 +464,7 @@ class LocalCluster:
         if supervisor is not None and supervisor is not threading.current_thread():
             # At most one task restart in progress (`start_timeout_secs`).
             supervisor.join(self.start_timeout_secs + _TERMINATE_GRACE_SECS)
-        if "tensorflow" in sys.modules and self.jobs:
+        if leave_tasks and "tensorflow" in sys.modules and self.jobs:
             # Leaving the tasks talks to each of them, and to a hung one for
             # ever: only when all answer a probe (else the exit logs a line per
             # function and task, and nothing waits).
@@ -505,7 +510,7 @@ def _leave_tasks(addresses: list[str], lost_for_good: bool) -> None:
     from tf_distbelief.tf_internals import coordinator, eager_context
 
     wait_secs = 0.0 if lost_for_good else _RECOVERY_AT_STOP_SECS
-    with coordinator.failure_handlers_stopped(wait_secs) as held:
+    with coordinator.failure_handlers_stopped(addresses, wait_secs) as held:
         if not held and not lost_for_good:
             logging.warning(
                 "Not leaving the local cluster's tasks politely: a coordinator "
@@ -523,9 +528,9 @@ _LIVE_CLUSTERS: set[LocalCluster] = set()
 _CLEANUP_INSTALLED = False
 
 
-def _stop_live_clusters() -> None:
+def _stop_live_clusters(leave_tasks: bool = True) -> None:
     for cluster in list(_LIVE_CLUSTERS):
-        cluster.stop()
+        cluster.stop(leave_tasks)
 
 
 def _register_live(cluster: LocalCluster) -> None:
@@ -543,9 +548,15 @@ def _register_live(cluster: LocalCluster) -> None:
     previous = signal.getsignal(signal.SIGTERM)
 
     def _on_sigterm(signum, frame):
-        _stop_live_clusters()
+        # Then the process ends at once, as SIGTERM's default action would:
+        # the interpreter's teardown waited for ever on a `ClusterCoordinator`
+        # still retrying its functions on the ended tasks (seen: a chief
+        # SIGTERMed as it started training did not exit in 900 s).
+        _stop_live_clusters(leave_tasks=False)
         if callable(previous):
             previous(signum, frame)
-        raise SystemExit(128 + signum)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, _on_sigterm)

@@ -51,20 +51,26 @@ def busy_coordinator_threads() -> list[str]:
     return busy
 
 
-def _failure_handlers() -> list:
+def _failure_handlers(addresses) -> list:
     """The failure handlers of this process's live `ClusterCoordinator`s (the
-    objects whose `_preemption_handler` loop a running thread runs)."""
+    objects whose `_preemption_handler` loop a running thread runs) whose
+    cluster holds one of `addresses`."""
+    addresses = set(addresses)
     handlers = []
     for thread in threading.enumerate():
         target = getattr(thread, "_target", None)  # Kept while the thread runs.
-        if getattr(target, "__name__", None) == "_preemption_handler":
-            handlers.append(target.__self__)
+        if getattr(target, "__name__", None) != "_preemption_handler":
+            continue
+        handler = target.__self__
+        cluster = handler._server_def.cluster
+        if any(a in addresses for job in cluster.job for a in job.tasks.values()):
+            handlers.append(handler)
     return handlers
 
 
 @contextlib.contextmanager
-def failure_handlers_stopped(timeout_secs: float) -> Iterator[bool]:
-    """Stops every coordinator's failure handler and holds its cluster lock.
+def failure_handlers_stopped(addresses, timeout_secs: float) -> Iterator[bool]:
+    """Stops the failure handlers of a cluster's coordinators, holding their locks.
 
     A failure handler reconnects a lost worker by calling `update_server_def`
     under its `_cluster_update_lock`, again and again until the worker is back
@@ -75,7 +81,12 @@ def failure_handlers_stopped(timeout_secs: float) -> Iterator[bool]:
     Public route checked: `ClusterCoordinator` has no public stop; its
     `_cluster.stop()` waits for the lock without a bound.
 
+    Only the coordinators whose cluster holds one of `addresses` (the tasks
+    about to be left): other clusters' coordinators in the process (a test
+    suite's shared cluster) keep recovering their workers.
+
     Args:
+      addresses: `host:port` of the tasks about to be left.
       timeout_secs: the most seconds to wait for the handlers' locks, in all
         (a handler holds its lock while one `update_server_def` runs).
 
@@ -85,7 +96,7 @@ def failure_handlers_stopped(timeout_secs: float) -> Iterator[bool]:
     """
     deadline = time.monotonic() + timeout_secs
     held, all_held = [], True
-    for handler in _failure_handlers():
+    for handler in _failure_handlers(addresses):
         lock = handler._cluster_update_lock
         if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             all_held = False
@@ -244,10 +255,14 @@ def check() -> None:
                 ),
             ),
             (
-                "failure handlers' _cluster_update_lock, "
+                "failure handlers' _server_def, _cluster_update_lock, "
                 "_should_preemption_thread_run (failure_handlers_stopped)",
                 all(
-                    {"_cluster_update_lock", "_should_preemption_thread_run"}
+                    {
+                        "_server_def",
+                        "_cluster_update_lock",
+                        "_should_preemption_thread_run",
+                    }
                     <= set(handler.__init__.__code__.co_names)
                     for handler in handlers
                 ),
