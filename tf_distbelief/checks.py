@@ -71,3 +71,23 @@ def check_positive_secs(name: str, value: Any) -> float:
             f"Received: {value!r}"
         )
     return float(value)
+
+
+def check_checkpoint_cadence(model_dir: Any, checkpoint_every_steps: Any) -> None:
+    """Checks `fit`'s `checkpoint_every_steps` against its `model_dir`.
+
+    Raises:
+      ValueError: `checkpoint_every_steps` is not an int >= 0 (0: checkpoints
+        at epoch ends only), or is > 0 without a `model_dir`.
+    """
+    if not is_int(checkpoint_every_steps) or checkpoint_every_steps < 0:
+        raise ValueError(
+            "Argument `checkpoint_every_steps` must be an int >= 0 (0: at "
+            f"epoch ends only). Received: {checkpoint_every_steps!r}"
+        )
+    if checkpoint_every_steps and not model_dir:
+        raise ValueError(
+            "Argument `checkpoint_every_steps` needs `model_dir` (where the "
+            f"checkpoints go). Received: {checkpoint_every_steps!r} and "
+            "model_dir=None"
+        )

@@ -244,17 +244,7 @@ def fit(
         "dataset, whose length tf_keras cannot infer: an epoch is this many "
         "steps over all workers)",
     )
-    if not checks.is_int(checkpoint_every_steps) or checkpoint_every_steps < 0:
-        raise ValueError(
-            "Argument `checkpoint_every_steps` must be an int >= 0 (0: at "
-            f"epoch ends only). Received: {checkpoint_every_steps!r}"
-        )
-    if checkpoint_every_steps and not model_dir:
-        raise ValueError(
-            "Argument `checkpoint_every_steps` needs `model_dir` (where the "
-            f"checkpoints go). Received: {checkpoint_every_steps!r} and "
-            "model_dir=None"
-        )
+    checks.check_checkpoint_cadence(model_dir, checkpoint_every_steps)
     nonfinite_lib.check_mode(nonfinite)
     # One job per model_dir: no other process writes checkpoints between ours.
     lock = contextlib.nullcontext()

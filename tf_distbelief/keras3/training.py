@@ -79,17 +79,7 @@ def _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size):
 
 
 def _check_reliability(model_dir, checkpoint_every_steps, nonfinite) -> None:
-    if not checks.is_int(checkpoint_every_steps) or checkpoint_every_steps < 0:
-        raise ValueError(
-            "Argument `checkpoint_every_steps` must be an int >= 0 (0: at "
-            f"epoch ends only). Received: {checkpoint_every_steps!r}"
-        )
-    if checkpoint_every_steps and not model_dir:
-        raise ValueError(
-            "Argument `checkpoint_every_steps` needs `model_dir` (where the "
-            f"checkpoints go). Received: {checkpoint_every_steps!r} and "
-            "model_dir=None"
-        )
+    checks.check_checkpoint_cadence(model_dir, checkpoint_every_steps)
     if nonfinite not in _NONFINITE_MODES:
         raise ValueError(
             f"Argument `nonfinite` must be one of {', '.join(_NONFINITE_MODES)}. "
