@@ -490,7 +490,8 @@ class Downpour:
                 name: [int(x.numpy()) for x in v.read_all()]
                 for name, v in self._stats.items()
             }
-        except tf.errors.CancelledError:  # "The corresponding function is aborted".
+        except (tf.errors.CancelledError, tf.errors.UnavailableError):
+            # "The corresponding function is aborted", or the worker is gone.
             return []
         dense_bytes = self._dense.nbytes
         result = []

@@ -21,7 +21,6 @@ import tensorflow as tf
 from tf_distbelief import checks, console, errors
 from tf_distbelief.keras3 import optimizer as optimizer_lib
 from tf_distbelief.keras3 import variables as variables_lib
-from tf_distbelief.tf_internals import coordinator as tf_coordinator
 
 # Tag of the `check_numerics` ops, to tell a non-finite gradient from other errors.
 _NONFINITE_TAG = "tf_distbelief.keras3: non-finite gradient of "
@@ -441,6 +440,10 @@ def _fit(
         weights.check_model(model)
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
     # No step scheduled after a failed one runs (a NaN refused with "raise").
+    # Imported here: importing this module imports no tf_keras (the strategy
+    # already holds `tf_internals`).
+    from tf_distbelief.tf_internals import coordinator as tf_coordinator
+
     tf_coordinator.cancel_queued_on_failure(coordinator)
     if dataset is None:
         x_arr, y_arr = np.asarray(x), np.asarray(y)
