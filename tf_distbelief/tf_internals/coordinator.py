@@ -3,8 +3,7 @@
 Used by `strategy` (waiting before a new strategy connects), by
 `cluster.local` (stopping the failure handlers before leaving the tasks), by
 `keras3.training` (a failed closure cancels those queued behind it) and by
-`faults.step_watch` (a step limit on the coordinator's closures, and the same
-cancelling for each coordinator it watches).
+`faults.step_watch` (a step limit on the coordinator's closures).
 """
 
 from __future__ import annotations
@@ -133,7 +132,9 @@ def cancel_queued_on_failure(coordinator) -> None:
     `schedule`, `join` or `done` (`_raise_if_error`). Meanwhile each worker
     thread takes the next closure: a step scheduled after a step that failed
     (a NaN refused with `nonfinite="raise"`) still ran and updated the ps,
-    about one time in three on a loaded machine. Here `mark_failed` also takes
+    about one time in three on a loaded machine. Used for `keras3.fit` only:
+    Sandblaster's recovery from a lost ps reads the queued portions' errors.
+    Here `mark_failed` also takes
     every queued closure off the queue and marks it cancelled, under the
     queue's lock, as `_cancel_all_closures` would; closures in flight on
     other workers run on (TensorFlow cancels them at the user thread's next
@@ -192,7 +193,6 @@ class CoordinatorProgress:
         return None if coordinator is None else cls(coordinator)
 
     def __init__(self, coordinator):
-        cancel_queued_on_failure(coordinator)
         self._queue = queue = coordinator._cluster.closure_queue
         if not isinstance(queue._watchdog, _CountingWatchDog):
             queue._watchdog = _CountingWatchDog(queue._watchdog)
