@@ -45,48 +45,112 @@ class _KillAndRestart(threading.Thread):
             self.local_cluster.restart("worker", 1)
 
 
-def _model(local_cluster, downpour):
-    config = job.JobConfig(
-        num_workers=2,
-        num_ps=1,
-        steps_per_execution=1,
-        downpour=downpour,
-    )
-    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(2, 1))
-    return job.compile_model(config, strategy, models.spec("digits"))
+class _Keras2:
+    """A tf_keras digits model trained by `fit.training.fit`."""
+
+    id = "tf_keras"
+
+    def __init__(self, local_cluster, downpour):
+        config = job.JobConfig(
+            num_workers=2, num_ps=1, steps_per_execution=1, downpour=downpour
+        )
+        strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(2, 1))
+        self.model = job.compile_model(config, strategy, models.spec("digits"))
+        self.strategy = strategy
+        self.downpour = downpour
+
+    def fit(self, x, y) -> None:
+        training.fit(
+            self.model,
+            training.dataset_creator(x, y, 32),
+            epochs=1,
+            steps_per_epoch=STEPS,
+            batch_size=32,
+            print_fn=lambda _: None,
+        )
+
+    def applied(self) -> list[int]:
+        """Steps applied on the ps, and with Downpour pushes applied."""
+        counts = [int(self.model.optimizer.iterations.numpy())]
+        if self.downpour is not None:
+            counts.append(int(self.model.downpour.update_count.numpy()))
+        return counts
+
+    def weights(self) -> list:
+        return [w.numpy() for w in self.model.weights]
+
+
+class _Keras3:
+    """A Keras 3 digits model trained by `keras3.fit`: each call its own
+    counters (stock: `history.applied_steps`; Downpour: pushes applied)."""
+
+    id = "keras3"
+
+    def __init__(self, local_cluster, downpour):
+        self.strategy = strategy_lib.DistBeliefStrategy(
+            local_cluster.resolver_for(2, 1)
+        )
+        self.model = digits.build_keras3_model()
+        self.downpour = downpour
+        self.counts = []
+        self.ps_weights = None
+
+    def fit(self, x, y) -> None:
+        import keras
+
+        from tf_distbelief import keras3
+
+        history = keras3.fit(
+            self.model,
+            x,
+            y,
+            strategy=self.strategy,
+            steps_per_epoch=STEPS,
+            batch_size=32,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer=keras3.Adagrad(0.1),
+            downpour=self.downpour,
+            ps_weights=self.ps_weights,
+            print_fn=lambda _: None,
+        )
+        if self.downpour is None:
+            self.ps_weights = history.ps_weights  # Trained on, call after call.
+            self.counts.append([history.applied_steps])
+        else:
+            self.counts.append([int(history.downpour.update_count.numpy())] * 2)
+
+    def applied(self) -> list[int]:
+        return [sum(c) for c in zip(*self.counts)]
+
+    def weights(self) -> list:
+        return [w.numpy() for w in self.model.weights]
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("keras", [_Keras2, _Keras3], ids=lambda k: k.id)
 @pytest.mark.parametrize(
     "downpour",
     [None, DownpourConfig(n_fetch=1, n_push=1)],
     ids=["stock", "downpour"],
 )
-def test_worker_kills_never_apply_a_step_twice(local_cluster, downpour):
+def test_worker_kills_never_apply_a_step_twice(local_cluster, keras, downpour):
     (x, y), _ = digits.load_data()
-    model = _model(local_cluster, downpour)
-    killer = _KillAndRestart(local_cluster, model.distribute_strategy)
+    run = keras(local_cluster, downpour)
+    killer = _KillAndRestart(local_cluster, run.strategy)
     calls = 0
     try:
         killer.start()
         while calls == 0 or killer.is_alive():
-            training.fit(
-                model,
-                training.dataset_creator(x, y, 32),
-                epochs=1,
-                steps_per_epoch=STEPS,
-                batch_size=32,
-                print_fn=lambda _: None,
-            )
+            run.fit(x, y)
             calls += 1
     finally:
         killer.join()
         if local_cluster.processes[("worker", 1)].poll() is not None:
             local_cluster.restart("worker", 1)
-        wait_for_worker_recovery(model.distribute_strategy)
+        wait_for_worker_recovery(run.strategy)
     assert killer.kills == KILLS
-    assert int(model.optimizer.iterations.numpy()) == calls * STEPS
-    if downpour is not None:
-        # Every step pushes once (n_push=1): the ps counts each step's push.
-        assert int(model.downpour.update_count.numpy()) == calls * STEPS
-    assert np.all([np.isfinite(w.numpy()).all() for w in model.weights])
+    # Every step is applied once; with Downpour every step pushes once
+    # (n_push=1) and the ps counts each step's push once.
+    want = [calls * STEPS] * (1 if downpour is None else 2)
+    assert run.applied() == want
+    assert np.all([np.isfinite(w).all() for w in run.weights()])

@@ -421,12 +421,15 @@ def _keras3_softmax_model(params):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "partitioner, local_optimizer, local_learning_rate, adagrad_accumulator",
+    "partitioner, local_optimizer, local_learning_rate, adagrad_accumulator, "
+    "steps_per_execution",
     [
-        (None, "adagrad", None, "squares"),
-        (FIXED2, "sgd", 0.05, "mean"),
+        (None, "adagrad", None, "squares", 1),
+        (FIXED2, "sgd", 0.05, "mean", 1),
+        (None, "adagrad", None, "squares", 4),
+        (FIXED2, "sgd", 0.05, "mean", 6),
     ],
-    ids=["whole", "sharded"],
+    ids=["whole", "sharded", "whole-segments", "sharded-segments"],
 )
 def test_downpour_matches_the_numpy_reference(
     local_cluster,
@@ -434,8 +437,13 @@ def test_downpour_matches_the_numpy_reference(
     local_optimizer,
     local_learning_rate,
     adagrad_accumulator,
+    steps_per_execution,
 ):
-    """The same run as tests/downpour/test_downpour.py's, with a Keras 3 model."""
+    """The same run as tests/downpour/test_downpour.py's, with a Keras 3 model.
+
+    With `steps_per_execution` > 1 each function runs its steps in segments
+    (`Downpour.run_steps`): the same parameters, step for step.
+    """
     from tests.fixtures import downpour as tdp
     from tf_distbelief.downpour import config as downpour_config
 
@@ -462,6 +470,7 @@ def test_downpour_matches_the_numpy_reference(
         ),
         optimizer=keras3.Adagrad(tdp.LEARNING_RATE),
         downpour=config,
+        steps_per_execution=steps_per_execution,
     )
     got, _ = history.ps_weights.numpy()
     for got_value, want in zip(got, tdp._simulate(params, x, y, config)):

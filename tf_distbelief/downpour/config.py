@@ -213,6 +213,13 @@ class DownpourConfig:
         return any(r.pushes_deltas for r in self.rules)
 
     @property
+    def runs_segments(self) -> bool:
+        """True when a scheduled function can run its steps in segments
+        between fetches and pushes (`Downpour.run_steps`): `n_fetch` and
+        `n_push` > 1 and no warm start."""
+        return self.n_fetch > 1 and self.n_push > 1 and not self.warmstart_steps
+
+    @property
     def pushes_squares(self) -> bool:
         """True when a push to AdaGrad sends the steps' squared gradients too."""
         return self.adagrad_accumulator == "squares" and self.n_push > 1

@@ -175,9 +175,8 @@ class Downpour:
 
     @property
     def runs_segments(self) -> bool:
-        """True when `run_steps` applies: `n_fetch, n_push > 1`, no warm start."""
-        cfg = self.config
-        return cfg.n_fetch > 1 and cfg.n_push > 1 and not cfg.warmstart_steps
+        """True when `run_steps` applies (`DownpourConfig.runs_segments`)."""
+        return self.config.runs_segments
 
     def _handles(self) -> base.Handles:
         # Per-worker handles are taken at the top of the scheduled function:
@@ -361,9 +360,10 @@ class Downpour:
         iterator,
         num_steps: tf.Tensor | int,
         forward_fn: Callable[[Any], tuple[tf.Tensor, Any]],
-        last_step_fn: Callable[[Any, Any], None] | None = None,
+        last_step_fn: Callable[[Any, Any], Any] | None = None,
         first_token: tf.Tensor | None = None,
-    ) -> tf.Tensor:
+        totals: Any = None,
+    ) -> tf.Tensor | tuple[tf.Tensor, Any]:
         """Runs `num_steps` local steps on the running worker, in segments.
 
         What `fit` schedules when `runs_segments` (see `keras.install`). The
@@ -389,12 +389,18 @@ class Downpour:
           num_steps: steps to run, an int64 scalar >= 1.
           forward_fn: `data -> (loss, outputs)`, as for `step` with the batch.
           last_step_fn: optional `(data, outputs) -> None`, called (traced) for
-            the last step of each segment, e.g. to update metrics.
+            the last step of each segment, e.g. to update metrics; with
+            `totals`, it returns a nest of tensors of their structure.
           first_token: None, or the `exactly_once` token of the first step
             (int64): the push ending step `i` is gated by `first_token + i`.
+          totals: None, or a nest of tensors (e.g. zeros) to which each
+            segment's `last_step_fn` result is added, as a Keras 3 step sums
+            its metric states.
 
         Returns:
-          The steps run, an int64 scalar (`num_steps`).
+          The steps run, an int64 scalar (`num_steps`); with `totals`,
+          `(steps run, totals)` with every segment's `last_step_fn` result
+          added to `totals`.
 
         Raises:
           ValueError: `runs_segments` is False (`n_fetch` or `n_push` is 1, or a
@@ -425,14 +431,16 @@ class Downpour:
                     ops = self._local_ops(h, grads, True, True)
                     with tf.control_dependencies(ops):
                         ops.append(base.add(h.stats["steps"], one))
+                    added = None
                     if last and last_step_fn is not None:
                         with tf.control_dependencies(ops):
-                            last_step_fn(data, outputs)
-                return base.after(ops, loss)
+                            added = last_step_fn(data, outputs)
+                loss = base.after(ops, loss)
+                return loss if totals is None or not last else (loss, added)
 
             return self.strategy.run(replica_fn, args=(data,))
 
-        def segment(done):
+        def segment(done, summed):
             t = base.read(h.stats["steps"], int64)
             fetched = self._exchange.fetch_if(h, self._exchange.fetch_due(h, t))
             # Steps up to the next fetch or push point, or to the end.
@@ -451,6 +459,9 @@ class Downpour:
                 )
             with tf.control_dependencies([inner]):
                 last = local_step(next(iterator), True)
+            if totals is not None:
+                last, added = last
+                summed = tf.nest.map_structure(tf.add, summed, added)
             with tf.control_dependencies([last]):
                 # The segment's last step, `t + size - 1`, may end with a push.
                 last_t = t + size - 1
@@ -458,15 +469,18 @@ class Downpour:
                 token = None if first_token is None else first_token + done + size - 1
                 with exactly_once.scope(token):
                     staleness, _, _ = self._exchange.push_if(h, pred, step=last_t + 1)
-            return base.after([staleness], done + size)
+            return base.after([staleness], done + size), summed
 
         start = self._start_clock()
         with tf.control_dependencies(start):
-            (done,) = tf.while_loop(
-                lambda done: done < num_steps, segment, [tf.constant(0, int64)]
+            done, summed = tf.while_loop(
+                lambda done, _: done < num_steps,
+                segment,
+                [tf.constant(0, int64), () if totals is None else totals],
             )
         delay = self._delay(start, [done])
-        return base.after(delay, done) if delay else done
+        done = base.after(delay, done) if delay else done
+        return done if totals is None else (done, summed)
 
     def worker_variables(self) -> dict[str, tf.Variable]:
         """Every per-worker variable (a replica's state) by key (position)."""

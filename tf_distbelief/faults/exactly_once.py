@@ -27,6 +27,9 @@ Where it applies (each through `scope`, read when the step is traced):
 * stock parameter-server training under `training.fit`: `install` replaces
   the model's train function with one that takes the tokens; the update
   (and its non-finite guard, `nonfinite.Guard`) runs in one `tf.cond`;
+* stock Keras 3 training (`keras3.fit`): each step's AdaGrad update is
+  gated in its own scheduled function, with a step counter as the ring's
+  neighbour;
 * Downpour: each push is gated by the token of the step that ends it
   (`downpour.exchange`); with `n_push = 1` every step pushes once, so pushes
   and steps match one for one. With `n_push > 1` a retry on another replica
@@ -49,8 +52,6 @@ import threading
 import weakref
 
 import tensorflow as tf
-
-from tf_distbelief.tf_internals import keras_model
 
 __all__ = [
     "SLOTS",
@@ -90,21 +91,22 @@ def current():
 class StepTokens:
     """The ring of applied step tokens of one optimizer (see the module).
 
-    Create it with `tokens_for`. Not tracked by any checkpoint.
+    Create it with `tokens_for` for a tf_keras optimizer; a Keras 3 step
+    (`keras3.fit`) creates its own. Not tracked by any checkpoint.
 
     Args:
-      optimizer: the tf_keras optimizer; its `iterations` variable sets the
-        ring's ps task.
-      strategy: the strategy the optimizer's variables live on.
+      colocate_with: a ps variable (a tf_keras optimizer's `iterations`, a
+        Keras 3 run's step counter) whose ps task gets the ring.
+      strategy: the strategy that variable lives on.
 
     Attributes:
       ring: on the ps, `[SLOTS]` int64, -1 where no token was written.
     """
 
-    def __init__(self, optimizer, strategy):
+    def __init__(self, colocate_with, strategy):
         with (
             strategy.scope(),
-            strategy.extended.colocate_vars_with(optimizer.iterations),
+            strategy.extended.colocate_vars_with(colocate_with),
         ):
             self.ring = tf.Variable(
                 tf.fill([SLOTS], tf.constant(-1, tf.int64)),
@@ -155,7 +157,7 @@ def tokens_for(optimizer, strategy=None) -> StepTokens:
     if tokens is None:
         strategy = strategy or tf.distribute.get_strategy()
         with tf.init_scope():
-            tokens = StepTokens(optimizer, strategy)
+            tokens = StepTokens(optimizer.iterations, strategy)
         _TOKENS[optimizer] = tokens
     return tokens
 
@@ -210,6 +212,10 @@ def install(model) -> None:
     Args:
       model: a compiled tf_keras model under a parameter-server strategy.
     """
+    # Here, not at the top: Keras 3 training gates its steps with this module
+    # and imports no tf_keras.
+    from tf_distbelief.tf_internals import keras_model
+
     if keras_model.overrides(model, "make_train_function"):
         return
 

@@ -17,6 +17,7 @@ model never meets tf_keras.
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from tf_distbelief.adagrad import optimizer as tf_keras_adagrad
@@ -26,9 +27,14 @@ from tf_distbelief.keras3 import variables as variables_lib
 
 
 def make_step(
-    strategy, model, weights, loss_fn, metrics, metric_inits, adagrad, config
+    strategy, model, weights, loss_fn, metrics, metric_inits, adagrad, config, steps=1
 ):
-    """A scheduled function running one local Downpour step of a Keras 3 model.
+    """A scheduled function running `steps` local Downpour steps of a Keras 3 model.
+
+    With `steps` > 1 (`config.runs_segments` must hold) the steps run in
+    segments between fetches and pushes (`Downpour.run_steps`, as tf_keras's
+    `fit` with `steps_per_execution`): the ps takes part once per segment,
+    and the loss and metrics are those of the last step of each segment.
 
     Args:
       strategy: the `DistBeliefStrategy`, with `downpour.enable` called before
@@ -41,13 +47,25 @@ def make_step(
       adagrad: a `keras3.Adagrad`: the ps optimizer's and the local AdaGrad's
         hyperparameters.
       config: a `DownpourConfig`.
+      steps: local steps per scheduled function, >= 1.
 
     Returns:
-      `(step, downpour)`: `step(iterator, token) -> (losses [1], metric state
-      deltas)` to schedule, with `token` an int64 scalar from
-      `downpour.tokens.take(1)` taken when the step is scheduled (a retry
-      keeps it); and the `Downpour` state (`.stats()`).
+      `(step, downpour)`: `step(iterator, first_token) -> (loss sum, losses
+      summed, metric state deltas)` to schedule, with `first_token` an int64
+      scalar from `downpour.tokens.take(steps)` taken when the function is
+      scheduled (a retry keeps it; step `i` pushes under `first_token + i`);
+      and the `Downpour` state (`.stats()`).
+
+    Raises:
+      ValueError: `steps` > 1 and `config.runs_segments` is False.
     """
+    if steps > 1 and not config.runs_segments:
+        raise ValueError(
+            "Downpour runs several steps per scheduled function in segments, "
+            "which needs n_fetch > 1, n_push > 1 and no warm start: pass "
+            f"`steps_per_execution=1`. Received: steps_per_execution={steps}, "
+            f"{config}"
+        )
     with strategy.scope():  # Its iteration counter and slots live on the ps.
         optimizer = tf_keras_adagrad.Adagrad(
             adagrad.learning_rate, adagrad.initial_accumulator_value, adagrad.epsilon
@@ -57,29 +75,57 @@ def make_step(
     shards = [s for v in weights.trainable for s in variables_lib.shards_of(v)]
     downpour = replica_lib.Downpour(strategy, shards, optimizer, config)
 
-    @tf.function
-    def step(iterator, token):
-        x, y = next(iterator)
+    def forward(data):
+        x, y = data
+        # Under `Downpour.step` and `run_steps` these reads are the replica's
+        # cache.
+        trainable = [variables_lib.read(v) for v in weights.trainable]
+        y_pred, _, losses = model.stateless_call(
+            trainable, [], x, training=True, return_losses=True
+        )
+        loss = loss_fn(y, y_pred)
+        total = tf.add_n([loss, *losses]) if losses else loss
+        return total, (loss, y_pred)
 
-        def forward():
-            # Under `Downpour.step` these reads are the replica's cache.
-            trainable = [variables_lib.read(v) for v in weights.trainable]
-            y_pred, _, losses = model.stateless_call(
-                trainable, [], x, training=True, return_losses=True
+    def logged(data, outputs):
+        """`(loss, 1, metric state deltas)` of one step."""
+        (_, y), (loss, y_pred) = data, outputs
+        deltas = []
+        for metric, init in zip(metrics, metric_inits):
+            state = metric.stateless_update_state(init, y, y_pred)
+            deltas.append([s - i for s, i in zip(state, init)])
+        return tf.cast(loss, tf.float64), tf.constant(1, tf.int64), deltas
+
+    if steps == 1:
+
+        @tf.function
+        def step(iterator, first_token):
+            data = next(iterator)
+
+            def replica_fn():
+                with exactly_once.scope(first_token):  # Read when traced.
+                    _, outputs, _ = downpour.step(lambda: forward(data))
+                return logged(data, outputs)
+
+            return strategy.run(replica_fn)
+
+    else:
+        zeros = (
+            tf.constant(0.0, tf.float64),
+            tf.constant(0, tf.int64),
+            [[np.zeros_like(i) for i in init] for init in metric_inits],
+        )
+
+        @tf.function
+        def step(iterator, first_token):
+            _, summed = downpour.run_steps(
+                iterator,
+                steps,
+                forward,
+                logged,
+                first_token=first_token,
+                totals=tf.nest.map_structure(tf.convert_to_tensor, zeros),
             )
-            loss = loss_fn(y, y_pred)
-            total = tf.add_n([loss, *losses]) if losses else loss
-            return total, (loss, y_pred)
-
-        def replica_fn():
-            with exactly_once.scope(token):  # Read when the push is traced.
-                _, (loss, y_pred), _ = downpour.step(forward)
-            deltas = []
-            for metric, init in zip(metrics, metric_inits):
-                state = metric.stateless_update_state(init, y, y_pred)
-                deltas.append([s - i for s, i in zip(state, init)])
-            return tf.reshape(loss, [1]), deltas
-
-        return strategy.run(replica_fn)
+            return summed
 
     return step, downpour

@@ -113,8 +113,12 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
         batch_size=config.batch_size,
         epochs=config.epochs,
         steps_per_epoch=config.steps_per_epoch,
-        # Downpour runs one local step per scheduled function (`keras3.fit`).
-        steps_per_execution=1 if config.downpour else config.steps_per_execution,
+        # Downpour runs several local steps per function only in segments.
+        steps_per_execution=(
+            1
+            if config.downpour and not config.downpour.runs_segments
+            else config.steps_per_execution
+        ),
         loss=_loss(spec),
         optimizer=optimizer_lib.Adagrad(
             config.learning_rate, config.initial_accumulator_value, config.epsilon

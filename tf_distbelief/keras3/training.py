@@ -87,19 +87,34 @@ def _check_reliability(model_dir, checkpoint_every_steps, nonfinite) -> None:
 
 
 def _make_step(
-    model, weights, loss_fn, metrics, metric_inits, adagrad, steps, skipped=None
+    model,
+    weights,
+    loss_fn,
+    metrics,
+    metric_inits,
+    adagrad,
+    steps,
+    tokens,
+    applied,
+    skipped=None,
 ):
     """The scheduled function: `steps` training steps in a row on one worker.
 
     A step whose gradients are not all finite changes no ps variable: with
     `skipped` None it fails (`check_numerics`, naming the weight), else it
-    adds 1 to `skipped` (an int64 ps variable) instead.
+    adds 1 to `skipped` (an int64 ps variable) instead. Each step's update is
+    gated by its exactly-once token (`faults.exactly_once.gate` on `tokens`):
+    a step that the coordinator runs again after a lost worker is applied
+    once, and counted once in `applied` (an int64 ps variable).
 
-    Returns `iterator -> (losses [steps], metric state deltas summed)`.
+    Returns `(iterator, first_token) -> (loss sum (float64), steps (int64),
+    metric state deltas summed)`, with step `k` under token `first_token + k`.
     """
+    from tf_distbelief.faults import exactly_once  # Imports no tf_keras.
+
     shards = [variables_lib.shards_of(v) for v in weights.trainable]
 
-    def one_step(x, y):
+    def one_step(x, y, token):
         with tf.GradientTape() as tape:
             trainable = [variables_lib.read(v) for v in weights.trainable]
             non_trainable = [variables_lib.read(v) for v in weights.non_trainable]
@@ -123,43 +138,45 @@ def _make_step(
         gates = [_values(g) for *_, g in checked]
 
         def apply():
-            ops = [adagrad.apply(shard, slot, grad) for shard, slot, grad in checked]
-            for variable, value in zip(weights.non_trainable, new_non_trainable):
-                ops.append(variable.assign(value, read_value=False))
-            return ops
+            with tf.control_dependencies(gates):
+                ops = [
+                    adagrad.apply(shard, slot, grad) for shard, slot, grad in checked
+                ]
+                for variable, value in zip(weights.non_trainable, new_non_trainable):
+                    ops.append(variable.assign(value, read_value=False))
+            with tf.control_dependencies(ops):
+                # A ps tensor: the token's write waits for the update only.
+                counted = applied.assign_add(1, read_value=True)
+            return tf.constant(True), [counted]
+
+        def refuse():  # A fresh step with a NaN or inf, skipped and counted.
+            return tf.constant(False), [skipped.assign_add(1, read_value=True)]
 
         if skipped is None:
-            with tf.control_dependencies(gates):
-                updates = apply()
+            finite, refuse_fn = tf.constant(True), lambda: (tf.constant(False), [])
         else:
             finite = tf.reduce_all(
                 tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in gates])
             )
-
-            def update():
-                with tf.control_dependencies(apply()):
-                    return tf.constant(True)
-
-            def skip():
-                with tf.control_dependencies([skipped.assign_add(1)]):
-                    return tf.constant(False)
-
-            updates = [tf.cond(finite, update, skip)]
+            refuse_fn = refuse
+        updated = exactly_once.gate(
+            token, tokens, finite, apply, refuse_fn, lambda: tf.constant(False)
+        )
         deltas = []
         for metric, init in zip(metrics, metric_inits):
             state = metric.stateless_update_state(init, y, y_pred)
             deltas.append([s - i for s, i in zip(state, init)])
-        return loss, deltas, updates
+        return loss, deltas, [updated]
 
     @tf.function
-    def step(iterator):
+    def step(iterator, first_token):
         losses, summed, updates = [], None, []
         # Unrolled: each step reads the ps values after the step before it
         # updated them (`steps_per_execution` of tf_keras).
-        for _ in range(steps):
+        for k in range(steps):
             with tf.control_dependencies(updates):
                 x, y = next(iterator)
-                loss, deltas, updates = one_step(x, y)
+                loss, deltas, updates = one_step(x, y, first_token + k)
             losses.append(loss)
             summed = (
                 deltas
@@ -167,7 +184,11 @@ def _make_step(
                 else tf.nest.map_structure(tf.add, summed, deltas)
             )
         with tf.control_dependencies(updates):
-            return tf.stack(losses), tf.nest.map_structure(tf.identity, summed)
+            return (
+                tf.reduce_sum(tf.cast(tf.stack(losses), tf.float64)),
+                tf.constant(steps, tf.int64),
+                tf.nest.map_structure(tf.identity, summed),
+            )
 
     return step
 
@@ -186,11 +207,12 @@ def _check_numerics(gradient, message):
     return tf.debugging.check_numerics(gradient, message)
 
 
-def _logs(losses, deltas_per_step, metrics, metric_inits) -> dict:
-    logs = {"loss": float(np.mean(np.concatenate(losses)))}
+def _logs(fetched, metrics, metric_inits) -> dict:
+    """The epoch's logs from its functions' `(loss sum, losses, deltas)`."""
+    logs = {"loss": float(sum(f[0] for f in fetched) / sum(f[1] for f in fetched))}
     for k, (metric, init) in enumerate(zip(metrics, metric_inits)):
         state = [
-            i + sum(np.asarray(d[k][j]) for d in deltas_per_step)
+            i + sum(np.asarray(f[2][k][j]) for f in fetched)
             for j, i in enumerate(init)
         ]
         logs[metric.name] = float(metric.stateless_result(state))
@@ -289,9 +311,12 @@ def fit(
         accumulators; None creates them from the model's current weights
         (accumulators at `initial_accumulator_value`).
       downpour: None (stock asynchronous training), or a `DownpourConfig`:
-        Downpour SGD with each worker's cache (`keras3.downpour`); needs
-        `steps_per_execution=1`, a model without non-trainable weights, and
-        `strategy` a `DistBeliefStrategy`. `history.downpour.stats()` gives
+        Downpour SGD with each worker's cache (`keras3.downpour`); needs a
+        model without non-trainable weights, and `strategy` a
+        `DistBeliefStrategy`. With `steps_per_execution` > 1 (which needs
+        `downpour.runs_segments`) each function runs its steps in segments
+        between fetches and pushes, and the logged loss and metrics are those
+        of the last step of each segment. `history.downpour.stats()` gives
         each replica's counters.
 
       model_dir: None, or the job's folder (`tf_distbelief.paths`): the
@@ -318,7 +343,11 @@ def fit(
       `ps_weights` attribute holds the `PsWeights`; `initial_step` and
       `steps` the global steps at the start and end, `checkpoint_path` the
       last checkpoint (None without `model_dir`), `nonfinite_skipped` the
-      steps (Downpour: pushes) skipped in this run.
+      steps (Downpour: pushes) skipped in this run, `applied_steps` the steps
+      this run applied on the ps (stock training; None with Downpour, whose
+      `downpour.update_count` counts pushes): each scheduled step carries an
+      exactly-once token (`faults.exactly_once`), so a step that the
+      coordinator runs again after a lost worker is applied once.
 
     Raises:
       TypeError: `model` is not a Keras 3 model.
@@ -357,13 +386,18 @@ def fit(
     if downpour is not None:
         from tf_distbelief import downpour as downpour_lib
 
-        if steps_per_execution != 1 or model.non_trainable_variables or ps_weights:
+        if model.non_trainable_variables or ps_weights:
             raise ValueError(
-                "Argument `downpour` needs `steps_per_execution=1`, a model "
-                "without non-trainable weights and no `ps_weights`. Received: "
-                f"steps_per_execution={steps_per_execution}, non-trainable "
+                "Argument `downpour` needs a model without non-trainable "
+                "weights and no `ps_weights`. Received: non-trainable "
                 f"{[v.path for v in model.non_trainable_variables]}, "
                 f"ps_weights={ps_weights!r}"
+            )
+        if steps_per_execution > 1 and not downpour.runs_segments:
+            raise ValueError(
+                "Argument `steps_per_execution` must be 1 with Downpour unless "
+                "it runs in segments (n_fetch > 1, n_push > 1, no warm start). "
+                f"Received: steps_per_execution={steps_per_execution}, {downpour}"
             )
         downpour_lib.enable(strategy)
     lock = contextlib.nullcontext()
@@ -457,14 +491,20 @@ def _fit(
     else:
         per_worker = coordinator.create_per_worker_dataset(dataset.repeat())
     iterator = iter(per_worker)
-    history_downpour = None
+    history_downpour = applied = None
     if downpour is None:
+        from tf_distbelief.faults import exactly_once  # Imports no tf_keras.
+
         skipped = None
-        if nonfinite == "skip":
-            with strategy.scope():  # On a ps task: every worker's skips add up.
+        with strategy.scope():  # On a ps task: every worker's steps add up.
+            applied = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="applied_steps"
+            )
+            if nonfinite == "skip":
                 skipped = tf.Variable(
                     0, dtype=tf.int64, trainable=False, name="nonfinite_skipped"
                 )
+        tokens = exactly_once.StepTokens(applied, strategy)
         step = _make_step(
             model,
             weights,
@@ -473,6 +513,8 @@ def _fit(
             metric_inits,
             adagrad,
             steps_per_execution,
+            tokens,
+            applied,
             skipped,
         )
     else:
@@ -480,22 +522,25 @@ def _fit(
         from tf_distbelief.keras3 import downpour as keras3_downpour
 
         step, history_downpour = keras3_downpour.make_step(
-            strategy, model, weights, loss_fn, metrics, metric_inits, adagrad, downpour
+            strategy,
+            model,
+            weights,
+            loss_fn,
+            metrics,
+            metric_inits,
+            adagrad,
+            downpour,
+            steps_per_execution,
         )
         # What a push with a NaN or inf does (read when the step is traced).
         push_guard.install(history_downpour, model, nonfinite)
         skipped = history_downpour.nonfinite_skipped
-    skipped_before = 0 if skipped is None else int(skipped.numpy())
-    if history_downpour is None:
-
-        def step_args():
-            return (iterator,)
-
-    else:
         tokens = history_downpour.tokens
+    skipped_before = 0 if skipped is None else int(skipped.numpy())
 
-        def step_args():  # Fixed when scheduled: a retry keeps its token.
-            return (iterator, tf.constant(tokens.take(1), tf.int64))
+    def step_args():  # Fixed when scheduled: a retry keeps its tokens.
+        first = tokens.take(steps_per_execution)
+        return (iterator, tf.constant(first, tf.int64))
 
     saver = None
     initial_step = initial_epoch * steps_per_epoch
@@ -551,13 +596,7 @@ def _fit(
                     saver,
                     goodput,
                 )
-                fetched = coordinator.fetch(results)
-                logs = _logs(
-                    [f[0] for f in fetched],
-                    [f[1] for f in fetched],
-                    metrics,
-                    metric_inits,
-                )
+                logs = _logs(coordinator.fetch(results), metrics, metric_inits)
                 if nonfinite == "skip":  # Else a non-finite step stops the run.
                     logs["nonfinite_skipped"] = int(skipped.numpy()) - skipped_before
                 if saver is not None:
@@ -600,6 +639,7 @@ def _fit(
     history.nonfinite_skipped = (
         0 if skipped is None else int(skipped.numpy()) - skipped_before
     )
+    history.applied_steps = None if applied is None else int(applied.numpy())
     return history
 
 
