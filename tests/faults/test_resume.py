@@ -190,7 +190,14 @@ class _Keras3:
 
     @staticmethod
     def fit(
-        model, epochs, model_dir, lines=None, steps_per_epoch=1, data=None, **kwargs
+        model,
+        epochs,
+        model_dir,
+        lines=None,
+        steps_per_epoch=1,
+        data=None,
+        optimizer=None,
+        **kwargs,
     ):
         import keras
 
@@ -205,7 +212,7 @@ class _Keras3:
             steps_per_epoch=steps_per_epoch,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=(),
-            optimizer=keras3.Adagrad(0.5),
+            optimizer=optimizer or keras3.Adagrad(0.5),
             model_dir=str(model_dir),
             print_fn=(lines.append if lines is not None else lambda _: None),
             **kwargs,
@@ -299,6 +306,35 @@ def test_a_missing_slot_is_an_error_naming_it(local_cluster, tmp_path):
         r"optimizer/momentums: in the checkpoint, holds no variable here",
     ):
         _fit(_model(local_cluster, 2), 2, tmp_path)
+
+
+def test_a_keras3_checkpoint_of_another_optimizer_is_an_error_naming_it(
+    local_cluster, tmp_path
+):
+    # Written with SGD with momentum: its momentums, of the accumulators'
+    # shapes, must not restore as AdaGrad accumulators.
+    from tf_distbelief import keras3
+
+    momentum = keras3.SGD(0.1, momentum=0.9)
+    _Keras3.fit(_Keras3.model(local_cluster, 2), 1, tmp_path, optimizer=momentum)
+    before = sorted(os.listdir(tmp_path / "checkpoints"))
+    with pytest.raises(
+        resume.RestoreError,
+        match=r"optimizer/accumulators \(holding .*\): not in the checkpoint; "
+        r"optimizer/momentums: in the checkpoint, holds no variable here",
+    ):
+        _Keras3.fit(_Keras3.model(local_cluster, 2), 2, tmp_path)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == before
+    # Plain SGD keeps no slot: the momentums are still refused.
+    with pytest.raises(resume.RestoreError, match=r"optimizer/momentums"):
+        _Keras3.fit(
+            _Keras3.model(local_cluster, 2), 2, tmp_path, optimizer=keras3.SGD(0.1)
+        )
+    # The same optimizer resumes.
+    result = _Keras3.fit(
+        _Keras3.model(local_cluster, 2), 2, tmp_path, optimizer=momentum
+    )
+    assert (result.initial_step, result.steps) == (1, 2)
 
 
 class _FailAtStep(tf_keras.callbacks.Callback):

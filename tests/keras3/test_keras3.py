@@ -47,13 +47,27 @@ def test_adagrad_rejects_bad_hyperparameters(kwargs, match):
         keras3.Adagrad(**kwargs)
 
 
-def test_adagrad_takes_tf_distbelief_adagrad_and_rejects_keras3_optimizers():
+def test_optimizers_map_to_their_ps_rule_or_are_refused_by_name():
     import tf_distbelief as tfdb
+    from tf_distbelief.keras3 import optimizer as optimizer_lib
 
-    got = keras3.Adagrad.from_optimizer(tfdb.adagrad.Adagrad(0.25, 0.5, epsilon=1e-3))
+    from_optimizer = optimizer_lib.from_optimizer
+    got = from_optimizer(tfdb.adagrad.Adagrad(0.25, 0.5, epsilon=1e-3))
     assert got == keras3.Adagrad(0.25, 0.5, 1e-3)
+    assert from_optimizer(None) == from_optimizer("adagrad") == keras3.Adagrad()
+    assert from_optimizer("sgd") == keras3.SGD()
+    # Keras 3's SGD keeps its learning rate as a float32.
+    got = from_optimizer(keras.optimizers.SGD(0.25, momentum=0.9, nesterov=True))
+    assert got == keras3.SGD(0.25, 0.9, True)
+    assert from_optimizer(keras.optimizers.SGD(0.5)) == keras3.SGD(0.5)
     with pytest.raises(ValueError, match=r"`optimizer` must be None, 'adagrad'.*Adam"):
-        keras3.Adagrad.from_optimizer(keras.optimizers.Adam())
+        from_optimizer(keras.optimizers.Adam())
+    with pytest.raises(ValueError, match=r"`optimizer` must be None.*Adagrad"):
+        from_optimizer(keras.optimizers.Adagrad())  # epsilon inside the sqrt
+    with pytest.raises(ValueError, match=r"SGD` with `clipnorm`.*clipnorm=1.0"):
+        from_optimizer(keras.optimizers.SGD(0.1, clipnorm=1.0))
+    with pytest.raises(ValueError, match=r"`momentum` must be a finite number >= 0"):
+        keras3.SGD(0.1, momentum=1.5)
 
 
 @pytest.mark.parametrize(
@@ -182,6 +196,83 @@ def test_ps_adagrad_matches_the_numpy_reference_and_shards(local_cluster):
     )
 
 
+def _numpy_sgd_steps(w, b, x, y, opt, steps):
+    """Keras 3's SGD rule on softmax regression in float64 NumPy."""
+    m_w, m_b = np.zeros_like(w), np.zeros_like(b)
+    lr, beta = opt.learning_rate, opt.momentum
+    for _ in range(steps):
+        logits = x @ w + b
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        p[np.arange(len(y)), y] -= 1.0
+        gw, gb = x.T @ p / len(y), p.mean(0)
+        if not beta:
+            w, b = w - lr * gw, b - lr * gb
+            continue
+        m_w, m_b = beta * m_w - lr * gw, beta * m_b - lr * gb
+        if opt.nesterov:
+            w, b = w + beta * m_w - lr * gw, b + beta * m_b - lr * gb
+        else:
+            w, b = w + m_w, b + m_b
+    return w, b, m_w, m_b
+
+
+@pytest.mark.parametrize(
+    "sgd",
+    [{}, {"momentum": 0.8}, {"momentum": 0.8, "nesterov": True}],
+    ids=["plain", "momentum", "nesterov"],
+)
+def test_ps_sgd_matches_the_numpy_reference_and_shards(local_cluster, sgd):
+    """A `keras.optimizers.SGD` runs on the ps shards, as Keras 3 writes it."""
+    from tf_distbelief.keras3 import optimizer as optimizer_lib
+
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(2, 2), FIXED2)
+    # After connecting, which resets the eager context (and the optimizer's
+    # own variables with it).
+    opt = keras.optimizers.SGD(0.3, **sgd)
+    model = _softmax_regression()
+    w0, b0 = (np.asarray(v.numpy(), np.float64) for v in model.trainable_variables)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(8, 6)).astype(np.float32)
+    y = rng.integers(0, 4, size=8)
+    history = keras3.fit(
+        model,
+        dataset=tf.data.Dataset.from_tensors((x, y)),
+        strategy=strategy,
+        epochs=4,
+        steps_per_epoch=1,
+        loss=LOSS,
+        optimizer=opt,
+    )
+    rule = optimizer_lib.from_optimizer(opt)
+    weights = history.ps_weights
+    w, b, m_w, m_b = _numpy_sgd_steps(w0, b0, x.astype(np.float64), y, rule, 4)
+    got_w, got_b = (v.numpy() for v in model.trainable_variables)
+    np.testing.assert_allclose(got_w, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_b, b, rtol=1e-5, atol=1e-6)
+    assert history.applied_steps == 4
+    if not rule.momentum:
+        assert weights.accumulators == []
+        return
+    for variable, slots in zip(weights.trainable, weights.accumulators):
+        devices = [s.device for s in variables_lib.shards_of(variable)]
+        assert len(set(devices)) == 2 and devices == [m.device for m in slots]
+    got = [np.concatenate([m.numpy() for m in slots]) for slots in weights.accumulators]
+    np.testing.assert_allclose(got[0], m_w, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got[1], m_b, rtol=1e-5, atol=1e-7)
+    # Training on with AdaGrad would read the momentums as accumulators.
+    with pytest.raises(ValueError, match=r"`ps_weights` holds momentums.*Adagrad"):
+        keras3.fit(
+            model,
+            dataset=tf.data.Dataset.from_tensors((x, y)),
+            strategy=strategy,
+            steps_per_epoch=1,
+            loss=LOSS,
+            optimizer=keras3.Adagrad(),
+            ps_weights=weights,
+        )
+
+
 class _EpochLogs(keras.callbacks.Callback):
     def __init__(self):
         super().__init__()
@@ -278,13 +369,25 @@ def test_training_imports_no_tf_keras():
 @pytest.mark.parametrize(
     "field, value, match",
     [
-        ("optimizer", "sgd", r"`optimizer` must be 'adagrad' with Keras 3.*'sgd'"),
+        (
+            "optimizer",
+            "lbfgs",
+            r"`optimizer` must be 'adagrad' or 'sgd' with Keras 3.*'lbfgs'",
+        ),
         ("devices_per_replica", 2, r"`devices_per_replica` must be 1 with Keras 3"),
     ],
 )
 def test_keras3_job_refuses_what_it_lacks_before_any_server(field, value, match):
     config = job.JobConfig(**{field: value})
     with pytest.raises(ValueError, match=match):
+        keras3_job.check_config(config)
+
+
+def test_keras3_job_refuses_downpour_with_sgd_before_any_server():
+    from tf_distbelief import downpour
+
+    config = job.JobConfig(optimizer="sgd", downpour=downpour.DownpourConfig(4, 4))
+    with pytest.raises(ValueError, match=r"'adagrad' with Keras 3 and `downpour`"):
         keras3_job.check_config(config)
 
 

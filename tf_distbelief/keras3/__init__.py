@@ -8,8 +8,9 @@ the tf_keras path:
 * `variables`: `PsWeights`, a ps variable (sharded by the strategy's
   partitioner) for each weight of the model, with AdaGrad accumulators on the
   same shards; the trained values go back into the model's own variables.
-* `optimizer`: `Adagrad`, the hyperparameters of AdaGrad on the ps (the fused
-  op of `tf_distbelief.adagrad.ops`; no tf_keras).
+* `optimizer`: `Adagrad` and `SGD` (with momentum), the optimizers applied on
+  the ps shards by fused ops (no tf_keras); a `keras.optimizers.SGD` maps to
+  `SGD`.
 * `training`: `fit(model, x, y, ...)`, stock asynchronous training: each step
   is a function scheduled on a worker that calls `model.stateless_call` on the
   ps values. Keras 3 callbacks and a `keras.callbacks.History`.
@@ -27,6 +28,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
     {
         "Adagrad": "optimizer",
         "PsWeights": "variables",
+        "SGD": "optimizer",
         "fit": "training",
     },
 )

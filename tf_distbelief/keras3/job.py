@@ -29,11 +29,15 @@ from tf_distbelief.job.config import JobConfig
 from tf_distbelief.keras3 import optimizer as optimizer_lib
 from tf_distbelief.keras3 import training
 
-# JobConfig fields the Keras 3 path does not have, with their only allowed
-# value and why.
+# JobConfig fields the Keras 3 path does not have, with their allowed values
+# and why.
 _UNSUPPORTED = (
-    ("optimizer", "adagrad", "AdaGrad on the ps is the Keras 3 path's optimizer"),
-    ("devices_per_replica", 1, "no model-parallel Keras 3 layers"),
+    (
+        "optimizer",
+        ("adagrad", "sgd"),
+        "AdaGrad and SGD on the ps are the Keras 3 path's optimizers",
+    ),
+    ("devices_per_replica", (1,), "no model-parallel Keras 3 layers"),
 )
 
 
@@ -42,11 +46,27 @@ def check_config(config: JobConfig) -> None:
     config.validate()
     for name, allowed, why in _UNSUPPORTED:
         value = getattr(config, name)
-        if value != allowed:
+        if value not in allowed:
+            shown = " or ".join(repr(a) for a in allowed)
             raise errors.ConfigError(
-                f"`{name}` must be {allowed!r} with Keras 3 (`--keras=3`): {why}. "
+                f"`{name}` must be {shown} with Keras 3 (`--keras=3`): {why}. "
                 f"Received: {value!r}"
             )
+    if config.downpour is not None and config.optimizer != "adagrad":
+        raise errors.ConfigError(
+            "`optimizer` must be 'adagrad' with Keras 3 and `downpour`: a Keras 3 "
+            f"model's Downpour pushes to AdaGrad on the ps. Received: "
+            f"{config.optimizer!r}"
+        )
+
+
+def _optimizer(config: JobConfig):
+    """The ps optimizer of `config.optimizer` (plain SGD as in a tf_keras job)."""
+    if config.optimizer == "sgd":
+        return optimizer_lib.SGD(config.learning_rate)
+    return optimizer_lib.Adagrad(
+        config.learning_rate, config.initial_accumulator_value, config.epsilon
+    )
 
 
 def _loss(spec: spec_lib.ModelSpec):
@@ -120,9 +140,7 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
             else config.steps_per_execution
         ),
         loss=_loss(spec),
-        optimizer=optimizer_lib.Adagrad(
-            config.learning_rate, config.initial_accumulator_value, config.epsilon
-        ),
+        optimizer=_optimizer(config),
         downpour=config.downpour,
         verbose=1,
         print_fn=print_fn,

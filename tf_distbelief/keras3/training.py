@@ -92,7 +92,7 @@ def _make_step(
     loss_fn,
     metrics,
     metric_inits,
-    adagrad,
+    rule,
     steps,
     tokens,
     applied,
@@ -125,7 +125,8 @@ def _make_step(
             total = tf.add_n([loss, *losses]) if losses else loss
         grads = iter(tape.gradient(total, [s for group in shards for s in group]))
         checked = []  # (shard, accumulator, gradient checked to be finite)
-        for path, group, slots in zip(weights.paths, shards, weights.accumulators):
+        slots_of = weights.accumulators or [[None] * len(g) for g in shards]
+        for path, group, slots in zip(weights.paths, shards, slots_of):
             for shard, slot in zip(group, slots):
                 grad = next(grads)
                 if grad is None:
@@ -139,9 +140,7 @@ def _make_step(
 
         def apply():
             with tf.control_dependencies(gates):
-                ops = [
-                    adagrad.apply(shard, slot, grad) for shard, slot, grad in checked
-                ]
+                ops = [rule.apply(shard, slot, grad) for shard, slot, grad in checked]
                 for variable, value in zip(weights.non_trainable, new_non_trainable):
                     ops.append(variable.assign(value, read_value=False))
             with tf.control_dependencies(ops):
@@ -212,8 +211,7 @@ def _logs(fetched, metrics, metric_inits) -> dict:
     logs = {"loss": float(sum(f[0] for f in fetched) / sum(f[1] for f in fetched))}
     for k, (metric, init) in enumerate(zip(metrics, metric_inits)):
         state = [
-            i + sum(np.asarray(f[2][k][j]) for f in fetched)
-            for j, i in enumerate(init)
+            i + sum(np.asarray(f[2][k][j]) for f in fetched) for j, i in enumerate(init)
         ]
         logs[metric.name] = float(metric.stateless_result(state))
     return logs
@@ -257,14 +255,14 @@ def fit(
     checkpoint_every_steps: int = 0,
     nonfinite: str = "raise",
 ) -> keras.callbacks.History:
-    """Trains a Keras 3 model by stock asynchronous SGD with AdaGrad on the ps.
+    """Trains a Keras 3 model by stock asynchronous SGD, the optimizer on the ps.
 
     `keras.Model.fit`'s arguments and callbacks, for a model built outside
     the strategy's scope. `PsWeights` puts each weight on the ps (sharded by
     the strategy's partitioner); every step is scheduled on a free worker
     through `ClusterCoordinator`, reads the ps values, computes the gradient
     with `model.stateless_call` and applies AdaGrad
-    (`tf_distbelief.adagrad.rule`) on each ps shard; workers never wait for
+    (`tf_distbelief.adagrad.rule`) or SGD on each ps shard; workers never wait for
     each other (Dean et al. 2012, section 4.1, with `n_fetch = n_push = 1`).
     At each epoch end the ps values are copied into the model's own variables
     before the callbacks' `on_epoch_end`, so `model.save("m.keras")` and
@@ -295,8 +293,11 @@ def fit(
       metrics: Keras 3 metrics or names (`"accuracy"` on integer labels is
         `SparseCategoricalAccuracy`) whose state adds up over steps (means,
         sums, confusion counts).
-      optimizer: None (AdaGrad with `tf_distbelief.adagrad.Adagrad`'s defaults), an
-        `Adagrad` or a `tf_distbelief.adagrad.Adagrad`; see `Adagrad.from_optimizer`.
+      optimizer: None (AdaGrad with `tf_distbelief.adagrad.Adagrad`'s defaults),
+        `"adagrad"`, `"sgd"`, an `Adagrad` or `SGD` (`keras3.optimizer`), a
+        `tf_distbelief.adagrad.Adagrad` or a `keras.optimizers.SGD` (momentum
+        and Nesterov momentum taken); see `keras3.optimizer.from_optimizer`.
+        Downpour trains with AdaGrad on the ps.
       callbacks: Keras 3 callbacks.
       validation_data: `(x_val, y_val)` NumPy arrays, evaluated on the
         coordinator with the epoch's trained weights.
@@ -352,7 +353,8 @@ def fit(
     Raises:
       TypeError: `model` is not a Keras 3 model.
       ValueError: bad arguments (named), an unbuilt model, a model without a
-        loss, or an optimizer other than AdaGrad; before anything is created.
+        loss, or an optimizer that does not run on the ps (named); before
+        anything is created.
       NonFiniteError: a step's gradient held NaN or inf (named by
         weight; `nonfinite="raise"`); that step changed no ps variable, and
         the model holds the ps values of the steps before it. Or a
@@ -370,7 +372,7 @@ def fit(
             f"`steps_per_epoch` ({steps_per_epoch}). Received: "
             f"{steps_per_execution!r}"
         )
-    adagrad = optimizer_lib.Adagrad.from_optimizer(optimizer)
+    rule = optimizer_lib.from_optimizer(optimizer)
     loss = loss if loss is not None else getattr(model, "loss", None)
     if loss is None:
         raise ValueError(
@@ -392,6 +394,12 @@ def fit(
                 "weights and no `ps_weights`. Received: non-trainable "
                 f"{[v.path for v in model.non_trainable_variables]}, "
                 f"ps_weights={ps_weights!r}"
+            )
+        if not isinstance(rule, optimizer_lib.Adagrad):
+            raise ValueError(
+                "Argument `optimizer` must be AdaGrad with `downpour`: a Keras 3 "
+                "model's Downpour pushes to AdaGrad on the ps. Received: "
+                f"{optimizer!r}"
             )
         if steps_per_execution > 1 and not downpour.runs_segments:
             raise ValueError(
@@ -420,7 +428,7 @@ def fit(
             loss_fn,
             metrics,
             metric_inits,
-            adagrad,
+            rule,
             callbacks,
             validation_data,
             initial_epoch,
@@ -448,7 +456,7 @@ def _fit(
     loss_fn,
     metrics,
     metric_inits,
-    adagrad,
+    rule,
     callbacks,
     validation_data,
     initial_epoch,
@@ -464,14 +472,17 @@ def _fit(
     """`fit` after its checks (holding the model_dir's lock)."""
     if ps_weights is None:
         weights = variables_lib.PsWeights(
-            strategy,
-            model,
-            adagrad.initial_accumulator_value,
-            accumulators=downpour is None,
+            strategy, model, rule if downpour is None else None
         )
     else:
         weights = ps_weights
         weights.check_model(model)
+        if weights.slot_name != rule.slot_name:
+            raise ValueError(
+                f"Argument `ps_weights` holds {weights.slot_name} (made for "
+                f"another optimizer) and `optimizer` keeps {rule.slot_name}: "
+                f"pass the optimizer they were made with. Received: {rule!r}"
+            )
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
     # No step scheduled after a failed one runs (a NaN refused with "raise").
     # Imported here: importing this module imports no tf_keras (the strategy
@@ -511,7 +522,7 @@ def _fit(
             loss_fn,
             metrics,
             metric_inits,
-            adagrad,
+            rule,
             steps_per_execution,
             tokens,
             applied,
@@ -528,7 +539,7 @@ def _fit(
             loss_fn,
             metrics,
             metric_inits,
-            adagrad,
+            rule,
             downpour,
             steps_per_execution,
         )

@@ -52,32 +52,36 @@ def _ps_name(keras_variable) -> str:
 
 
 class PsWeights:
-    """ps variables for each weight of a built Keras 3 model, with AdaGrad slots.
+    """ps variables for each weight of a built Keras 3 model, with optimizer slots.
 
     Each `tf.Variable` is created under `strategy.scope()` from the Keras 3
     variable's current value, so the strategy's partitioner shards it
-    (`ShardedVariable`, split along axis 0). Each trainable shard gets an
-    AdaGrad accumulator of its shape on its ps task (`colocate_vars_with`),
-    filled with `initial_accumulator_value`, as tf_keras optimizer slots are.
+    (`ShardedVariable`, split along axis 0). Each trainable shard gets its
+    optimizer's slot (AdaGrad's accumulator, SGD's momentum) of its shape on
+    its ps task (`colocate_vars_with`), filled with the optimizer's
+    `slot_initial_value`, as tf_keras optimizer slots are.
 
     Args:
       strategy: a `DistBeliefStrategy` (or any ParameterServerStrategy).
       model: a built Keras 3 model (its variables exist).
-      initial_accumulator_value: `a_0` of the accumulators, a float >= 0.
-      accumulators: False creates none (Downpour's optimizer keeps its own).
+      optimizer: the `keras3.Adagrad` or `keras3.SGD` that updates them (its
+        `slot_initial_value` None: no slots, as plain SGD), or None for no
+        slots and no optimizer in checkpoints (Downpour's ps optimizer keeps
+        its own).
 
     Attributes:
       trainable: ps variables in the order of `model.trainable_variables`.
       non_trainable: ps variables in the order of
         `model.non_trainable_variables`.
-      accumulators: per trainable variable, the list of its shards'
-        accumulators (`tf.Variable`s on their ps tasks); empty without
-        `accumulators`.
+      accumulators: per trainable variable, the list of its shards' slots
+        (`tf.Variable`s on their ps tasks); empty without slots.
+      slot_name: the optimizer's `slot_name` (`"accumulators"`,
+        `"momentums"`), or None for `optimizer=None`.
       checkpoint_model: a `tf.Module` tracking the ps variables by position
         (`trainable/<i>`, `non_trainable/<i>`), for `tf.train.Checkpoint`.
-      checkpoint_optimizer: a `tf.Module` tracking the accumulators by
-        position (`accumulators/<i>`, a sharded one whole), or None without
-        `accumulators`.
+      checkpoint_optimizer: a `tf.Module` tracking the slots by position
+        (`<slot_name>/<i>`, a sharded one whole), or None for
+        `optimizer=None`.
 
     Raises:
       ValueError: the model is not built (has no variables yet).
@@ -87,8 +91,7 @@ class PsWeights:
         self,
         strategy,
         model,
-        initial_accumulator_value: float = 0.1,
-        accumulators: bool = True,
+        optimizer=None,
     ):
         if not model.built or not model.variables:
             raise ValueError(
@@ -106,37 +109,43 @@ class PsWeights:
                 self._create(v, trainable=False) for v in model.non_trainable_variables
             ]
             self.accumulators = []
-            for variable in self.trainable if accumulators else ():
+            fill = None if optimizer is None else optimizer.slot_initial_value
+            for variable in self.trainable if fill is not None else ():
                 slots = []
                 for shard in shards_of(variable):
                     with strategy.extended.colocate_vars_with(shard):
                         slots.append(
                             tf.Variable(
-                                tf.fill(
-                                    shard.shape,
-                                    tf.constant(initial_accumulator_value, shard.dtype),
-                                ),
-                                name=shard.name.split(":")[0] + "_accumulator",
+                                tf.fill(shard.shape, tf.constant(fill, shard.dtype)),
+                                name=shard.name.split(":")[0]
+                                + "_"
+                                + optimizer.slot_name[:-1],
                                 trainable=False,
                             )
                         )
                 self.accumulators.append(slots)
-        self._has_accumulators = accumulators
+        self.slot_name = None if optimizer is None else optimizer.slot_name
         self._checkpoint_objects = None
 
     def _objects(self) -> tuple:
         # What a checkpoint holds, keyed by position (a Keras 3 path changes
         # with the names Keras gives the layers: `dense_1` in a second model):
         # `model/trainable/<i>`, `model/non_trainable/<i>` and
-        # `optimizer/accumulators/<i>`, each whole. Made once, on first use.
+        # `optimizer/<slot_name>/<i>` (`accumulators`, `momentums`), each
+        # whole, so that a checkpoint of another optimizer does not restore.
+        # Made once, on first use.
         if self._checkpoint_objects is None:
             model = tf.Module(name="ps_weights")
             model.trainable = list(self.trainable)
             model.non_trainable = list(self.non_trainable)
             optimizer = None
-            if self._has_accumulators:
-                optimizer = tf.Module(name="ps_adagrad")
-                optimizer.accumulators = [_whole(s) for s in self.accumulators]
+            if self.slot_name is not None:
+                optimizer = tf.Module(name="ps_optimizer")
+                setattr(
+                    optimizer,
+                    self.slot_name,
+                    [_whole(s) for s in self.accumulators],
+                )
             self._checkpoint_objects = (model, optimizer)
         return self._checkpoint_objects
 
@@ -147,7 +156,7 @@ class PsWeights:
 
     @property
     def checkpoint_optimizer(self) -> tf.Module | None:
-        """The accumulators by position (a sharded one whole), or None."""
+        """The slots by position (a sharded one whole), or None."""
         return self._objects()[1]
 
     @staticmethod
