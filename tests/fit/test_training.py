@@ -194,6 +194,19 @@ def test_each_replica_reads_its_own_records(local_cluster):
     assert sorted(sum((b[0] for b in passes.values()), [])) == list(range(30))
 
 
+def test_each_keras3_replica_reads_its_own_records(local_cluster):
+    """`keras3.fit(x, y)` gives each worker its shard, as `dataset_creator`."""
+    from tf_distbelief.keras3 import training as keras3_training
+
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(3, 1))
+    records = np.arange(30, dtype=np.int64)
+    dataset_fn = keras3_training._arrays_dataset_fn(strategy, records, records, 10, 0)
+    passes = _shard_passes(strategy, dataset_fn)
+    assert sorted(passes) == [0, 1, 2]
+    for worker, batches in passes.items():
+        assert all(b == list(range(worker, 30, 3)) for b in batches), worker
+
+
 def test_dataset_creator_without_a_strategy_reads_everything():
     records = np.arange(12, dtype=np.int64)
     creator = training.dataset_creator(records, records, 12, seed=1)

@@ -21,7 +21,7 @@ from tf_distbelief import checks, console, hooks, paths
 from tf_distbelief.faults import exactly_once, resume
 from tf_distbelief.faults import goodput as goodput_lib
 from tf_distbelief.faults import nonfinite as nonfinite_lib
-from tf_distbelief.fit import validation
+from tf_distbelief.fit import shards, validation
 from tf_distbelief.fit.progress import Progress
 
 
@@ -83,22 +83,15 @@ def dataset_creator(
             f"`x` and `y` must have the same length. Received: {len(x)} and {len(y)}"
         )
 
-    def dataset_fn(input_context):
-        del input_context  # Pipeline 0 of 1 on every worker (see above).
-        ds = tf.data.Dataset.from_tensor_slices((x, y))
-        shards = num_replicas or _num_workers(tf.distribute.get_strategy())
-        if shards > 1 and tf.inside_function():
-            # Outside a function (the coordinator asking for the element
-            # spec) there is no worker: every record.
-            index = tf.distribute.coordinator.experimental_get_current_worker_index()
-            ds = ds.shard(shards, index)
-            size = -(-len(x) // shards)
-        else:
-            size = len(x)
-        ds = ds.shuffle(size, seed=seed, reshuffle_each_iteration=True)
-        return ds.repeat().batch(batch_size, drop_remainder=True).prefetch(2)
-
-    return tf_keras.utils.experimental.DatasetCreator(dataset_fn)
+    return tf_keras.utils.experimental.DatasetCreator(
+        shards.arrays_dataset_fn(
+            x,
+            y,
+            batch_size,
+            seed,
+            lambda: num_replicas or _num_workers(tf.distribute.get_strategy()),
+        )
+    )
 
 
 def _num_workers(strategy) -> int:

@@ -275,8 +275,10 @@ def fit(
       model: a built Keras 3 `keras.Model` (TensorFlow backend), mapping
         `[batch, ...]` features to predictions, e.g. `[batch, classes]` logits.
       x: features, `[num_examples, ...]` NumPy array (with `y`; else `dataset`).
-        Each worker reads it shuffled and repeated, in batches of
-        `batch_size`; it is embedded in the step's graph (keep it under 2 GB).
+        Worker `i` of `W` reads records `i, i + W, ...` (its own shard, as
+        in a tf_keras job), shuffled and repeated, in batches of `batch_size`
+        (a pass's last partial batch dropped); it is embedded in the step's
+        graph (keep it under 2 GB).
       y: labels, `[num_examples, ...]`.
       strategy: the `DistBeliefStrategy` (or any ParameterServerStrategy).
       dataset: instead of `x, y`: a batched `tf.data.Dataset` of `(x, y)`,
@@ -491,14 +493,9 @@ def _fit(
 
     tf_coordinator.cancel_queued_on_failure(coordinator)
     if dataset is None:
-        x_arr, y_arr = np.asarray(x), np.asarray(y)
-
-        def dataset_fn():
-            data = tf.data.Dataset.from_tensor_slices((x_arr, y_arr))
-            data = data.shuffle(len(x_arr), seed=seed, reshuffle_each_iteration=True)
-            return data.repeat().batch(batch_size).prefetch(2)
-
-        per_worker = coordinator.create_per_worker_dataset(dataset_fn)
+        per_worker = coordinator.create_per_worker_dataset(
+            _arrays_dataset_fn(strategy, x, y, batch_size, seed)
+        )
     else:
         per_worker = coordinator.create_per_worker_dataset(dataset.repeat())
     iterator = iter(per_worker)
@@ -652,6 +649,17 @@ def _fit(
     )
     history.applied_steps = None if applied is None else int(applied.numpy())
     return history
+
+
+def _arrays_dataset_fn(strategy, x, y, batch_size, seed):
+    """Each worker's dataset of `x, y`: worker `i` of `W` reads its own shard
+    (`fit.shards`, as a tf_keras job's `dataset_creator`)."""
+    from tf_distbelief.fit import shards  # Imports no Keras.
+
+    num_workers = max(1, getattr(strategy, "num_workers", 1))
+    return shards.arrays_dataset_fn(
+        np.asarray(x), np.asarray(y), batch_size, seed, lambda: num_workers
+    )
 
 
 def _goodput():
