@@ -268,9 +268,10 @@ def test_a_library_run_ends_with_at_most_one_grpc_line(tmp_path):
     "flags,message",
     [
         (  # Refused by the Keras 3 job (`ConfigError`).
-            ["--keras=3", "--optimizer=sgd"],
-            r"`optimizer` must be 'adagrad' with Keras 3 \(`--keras=3`\): AdaGrad "
-            r"on the ps is the Keras 3 path's optimizer\. Received: 'sgd'",
+            ["--keras=3", "--optimizer=lbfgs"],
+            r"`optimizer` must be 'adagrad' or 'sgd' with Keras 3 \(`--keras=3`\): "
+            r"AdaGrad and SGD on the ps are the Keras 3 path's optimizers\. "
+            r"Received: 'lbfgs'",
         ),
         (  # Refused by `load_spec` (`ConfigError`).
             ["--model=nosuchmodule:spec"],

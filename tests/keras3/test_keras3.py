@@ -497,6 +497,18 @@ def test_launch_keras_3_trains_digits_and_exports_for_serving(
     )
     served, loaded = np.load(tmp_path / "p.npy")
     np.testing.assert_array_equal(served, loaded)
+    # TensorBoard: the epoch scalars at each epoch end on the global step
+    # axis (the run resumed at a checkpoint after the ps loss continues the
+    # curves), and the job's goodput.
+    from tests.fixtures.helpers import tensorboard_scalars
+    from tf_distbelief import paths
+
+    board = tensorboard_scalars(paths.tensorboard_dir(str(export_dir.parent / "model")))
+    loss_steps = [s for s, _ in board["epoch/loss"]]
+    assert loss_steps[-1] == 500 and {100, 200, 300, 400, 500} <= set(loss_steps)
+    assert [s for s, _ in board["epoch/accuracy"]] == loss_steps
+    assert all(v > 0 for _, v in board["epoch/examples_per_sec"])
+    assert [s for s, _ in board["goodput/percent"]][-1] == 500
     assert float(np.mean(served.argmax(1) == y_test)) == pytest.approx(
         _accuracy(output), abs=1e-4
     )

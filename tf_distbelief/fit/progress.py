@@ -27,15 +27,14 @@ import tf_keras
 from absl import logging
 
 from tf_distbelief import console, hooks
+from tf_distbelief.fit import scalars as scalars_lib
+from tf_distbelief.fit.scalars import EPOCH_PREFIX, INTERVAL_PREFIX
 from tf_distbelief.tf_internals import keras_model
 
-INTERVAL_PREFIX = "interval/"
 # How often the follower thread reads the finished-step counter (one small
 # read from a ps task), and how long closing waits for it.
 _POLL_SECS = 0.5
 _JOIN_SECS = 10.0
-EPOCH_PREFIX = "epoch/"
-GOODPUT_PREFIX = "goodput/"
 
 
 def _format(value) -> str:
@@ -96,15 +95,12 @@ class Progress(tf_keras.callbacks.Callback):
         self.total_steps = (
             epochs * steps_per_epoch if epochs and steps_per_epoch else None
         )
-        self._writer = (
-            tf.summary.create_file_writer(tensorboard_dir) if tensorboard_dir else None
-        )
+        self._writer = scalars_lib.ScalarWriter(tensorboard_dir)
         # Steps scheduled, over all runs; `fit` sets it to the resumed step.
         self.steps_done = 0
         self.history: list[dict] = []
         self._run_start = None
         self._last_interval_step = -1
-        self._last_goodput_step = -1
         self._thread = None
         # Lines and scalars come from the training thread and the follower.
         self._lock = threading.Lock()
@@ -210,8 +206,8 @@ class Progress(tf_keras.callbacks.Callback):
                 f"step {self._of_total(step)}: {rate:.0f} examples/s, "
                 + self._timing(step)
             )
-        self._write(INTERVAL_PREFIX, scalars, step)
-        self._write_goodput(step)
+        self._writer.write(INTERVAL_PREFIX, scalars, step)
+        self._writer.write_goodput(self.goodput, step)
 
     def on_epoch_end(self, epoch, logs=None):
         secs = time.monotonic() - self._epoch_start
@@ -234,32 +230,10 @@ class Progress(tf_keras.callbacks.Callback):
                 f"epoch {epochs}: steps {self._of_total(self.steps_done)} {metrics} "
                 f"{rate:.0f} examples/s, {self._timing(self.steps_done)}"
             )
-        self._write(EPOCH_PREFIX, logs, self.steps_done)
+        self._writer.write(EPOCH_PREFIX, logs, self.steps_done)
         if self.goodput is not None:
             # The epoch's steps are done: tf_keras waited for them.
             self.goodput.step_done(self.steps_done)
             with self._lock:
                 self.print_fn(self.goodput.line())
-            self._write_goodput(self.steps_done)
-
-    def _write_goodput(self, step):
-        # From both cadences, on one axis: a point only past the last one
-        # (the follower may have seen steps beyond an epoch's end).
-        if self.goodput is None or self._writer is None:
-            return
-        with self._lock:
-            if step <= self._last_goodput_step:
-                return
-            self._last_goodput_step = step
-            with self._writer.as_default(step=step):
-                for name, value in self.goodput.scalars().items():
-                    tf.summary.scalar(GOODPUT_PREFIX + name, value)
-                self._writer.flush()
-
-    def _write(self, prefix, scalars, step):
-        if self._writer is None or not scalars:
-            return
-        with self._lock, self._writer.as_default(step=step):
-            for name, value in scalars.items():
-                tf.summary.scalar(prefix + name, value)
-            self._writer.flush()
+            self._writer.write_goodput(self.goodput, self.steps_done)

@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import checks, console, errors
+from tf_distbelief import checks, console, errors, paths
 from tf_distbelief.keras3 import optimizer as optimizer_lib
 from tf_distbelief.keras3 import variables as variables_lib
 
@@ -412,8 +412,6 @@ def fit(
         downpour_lib.enable(strategy)
     lock = contextlib.nullcontext()
     if model_dir:
-        from tf_distbelief import paths
-
         # One job per model_dir: no other process writes checkpoints here.
         lock = paths.ModelDirLock(model_dir, print_fn)
     with lock:
@@ -567,6 +565,12 @@ def _fit(
         # written before a step).
         initial_step = saver.restore() or initial_step
     goodput = _goodput()
+    # Imports no Keras; with a model_dir, `epoch/` and `goodput/` scalars.
+    from tf_distbelief.fit import scalars
+
+    writer = scalars.ScalarWriter(
+        paths.tensorboard_dir(model_dir) if model_dir else None
+    )
 
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
@@ -592,7 +596,7 @@ def _fit(
         try:
             for epoch in range(done // steps_per_epoch, epochs):
                 callback_list.on_epoch_begin(epoch)
-                start = time.monotonic()
+                start, epoch_start_step = time.monotonic(), done
                 results, done = _run_epoch(
                     coordinator,
                     step,
@@ -616,6 +620,12 @@ def _fit(
                             model, loss_fn, metrics, validation_data, batch_size
                         )
                     )
+                rate = (done - epoch_start_step) * batch_size
+                rate /= max(time.monotonic() - start, 1e-9)
+                writer.write(
+                    scalars.EPOCH_PREFIX, dict(logs, examples_per_sec=rate), done
+                )
+                writer.write_goodput(goodput, done)
                 if verbose:
                     values = " ".join(
                         f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}"
