@@ -442,6 +442,48 @@ def test_only_models_with_a_keras3_builder_take_keras_3():
         models.spec("speech", keras=3)
 
 
+@pytest.mark.slow
+def test_evaluator_evaluates_every_keras3_checkpoint(local_cluster, tmp_path):
+    """The `evaluator` task of a Keras 3 job: each checkpoint in `model_dir`,
+    in order, loaded into a model of its own (no cluster) and evaluated; the
+    last one's accuracy is the trained model's."""
+    import models
+    from tests.fixtures.helpers import tensorboard_scalars
+    from tf_distbelief import paths
+
+    (x_train, y_train), (x_test, y_test) = digits.load_data()
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(2, 2))
+    model = digits.build_keras3_model()
+    keras3.fit(
+        model,
+        x_train,
+        y_train,
+        strategy=strategy,
+        epochs=3,
+        steps_per_epoch=50,
+        loss=LOSS,
+        optimizer=keras3.Adagrad(0.2),
+        model_dir=str(tmp_path),  # The last 3 checkpoints are kept.
+    )
+    lines = []
+    config = job.JobConfig(model_dir=str(tmp_path), epochs=3, steps_per_epoch=50)
+    results = keras3_job.evaluate_checkpoints(
+        config, models.spec("digits", keras=3), print_fn=lines.append
+    )
+    assert sorted(results) == [50, 100, 150]
+    assert lines[-1] == "evaluator: done"
+    for step in (50, 100, 150):
+        assert any(
+            re.match(rf"evaluator: \S+/ckpt-{step} \(step {step}\): accuracy=", li)
+            for li in lines
+        ), lines
+    trained = float(np.mean(model.predict(x_test, verbose=0).argmax(1) == y_test))
+    assert results[150]["accuracy"] == pytest.approx(trained, abs=1e-6)
+    assert results[150]["accuracy"] > results[50]["accuracy"]
+    board = tensorboard_scalars(paths.eval_tensorboard_dir(str(tmp_path)))
+    assert [s for s, _ in board["eval/accuracy"]] == [50, 100, 150]
+
+
 # A plain process (no cluster, no `TF_CONFIG`, no tf_distbelief): the
 # SavedModel's `serving_default` and `model.keras`, on the same batch.
 _LOAD_EXPORT = """

@@ -64,6 +64,7 @@ def evaluate_checkpoints(
     steps_per_epoch: int | None = None,
     timeout_secs: float = DEFAULT_TIMEOUT_SECS,
     print_fn=console.echo,
+    read_checkpoint=None,
 ) -> dict[int, dict[str, float]]:
     """Evaluates each checkpoint in `checkpoint_dir` as it appears, until `last_step`.
 
@@ -73,7 +74,8 @@ def evaluate_checkpoints(
 
     Args:
       model: a compiled tf_keras model with the trained model's layers (not
-        under a parameter-server strategy).
+        under a parameter-server strategy), or a compiled Keras 3 model with
+        `read_checkpoint`.
       data: what `model.evaluate` takes (the test set, batched).
       checkpoint_dir: where the trainer's `CheckpointManager` writes.
       last_step: the global step of the run's last checkpoint; the loop ends
@@ -83,6 +85,10 @@ def evaluate_checkpoints(
         multiples of it) never seen are reported as skipped.
       timeout_secs: the longest wait for a new checkpoint, > 0.
       print_fn: where lines go.
+      read_checkpoint: None (a tf_keras model under `model` in the
+        checkpoint), or `path -> None` loading checkpoint `path` into
+        `model`'s weights (a Keras 3 job's: `keras3.checkpoints.read_weights`),
+        raising `tf.errors.NotFoundError` for a checkpoint that is gone.
 
     Returns:
       `{step: {metric: value}}` for each checkpoint evaluated.
@@ -126,8 +132,11 @@ def evaluate_checkpoints(
             done_number = _number(path)
             try:
                 step = checkpoint_step(path)
-                status = tf.train.Checkpoint(model=model).read(path)
-                status.assert_existing_objects_matched().expect_partial()
+                if read_checkpoint is None:
+                    status = tf.train.Checkpoint(model=model).read(path)
+                    status.assert_existing_objects_matched().expect_partial()
+                else:
+                    read_checkpoint(path)
             except tf.errors.NotFoundError:
                 skipped.append(path)
                 print_fn(

@@ -284,6 +284,23 @@ def _export(config: JobConfig, spec: ModelSpec, model, print_fn) -> None:
     print_fn(f"exported: {written.saved_model} {written.keras_file}")
 
 
+def evaluator_test_set(config: JobConfig, spec: ModelSpec) -> tuple:
+    """The `evaluator` task's `(x_test, y_test)` arrays (tf_keras and Keras 3).
+
+    Raises:
+      ValueError: `config.model_dir` is not set, or `spec` has no test arrays.
+    """
+    if not config.model_dir:
+        raise ValueError("The `evaluator` task needs `model_dir` (checkpoints).")
+    test = spec.test_arrays()
+    if test is None:
+        raise ValueError(
+            f"The `evaluator` task needs test arrays: ModelSpec {spec.name!r} has "
+            "neither `eval_data` nor `load_data`."
+        )
+    return test
+
+
 def evaluate_checkpoints(
     config: JobConfig, spec: ModelSpec, print_fn=console.echo
 ) -> dict[int, dict[str, float]]:
@@ -302,15 +319,7 @@ def evaluate_checkpoints(
       ValueError: `config.model_dir` is not set.
       TimeoutError: no new checkpoint for an hour before the last one.
     """
-    if not config.model_dir:
-        raise ValueError("The `evaluator` task needs `model_dir` (checkpoints).")
-    test = spec.test_arrays()
-    if test is None:
-        raise ValueError(
-            f"The `evaluator` task needs test arrays: ModelSpec {spec.name!r} has "
-            "neither `eval_data` nor `load_data`."
-        )
-    x_test, y_test = test
+    x_test, y_test = evaluator_test_set(config, spec)
     # The evaluator has one device: the same partitions (hence the same
     # checkpointed weights) on CPU:0.
     model = build_model(

@@ -150,3 +150,36 @@ class Checkpoints:
     def _capture(self) -> None:
         for line in self._replicas.capture():
             self._print_fn(line)
+
+
+def read_weights(model, path: str) -> None:
+    """Loads the weights of checkpoint `path` into a Keras 3 model (the evaluator).
+
+    Reads `model/trainable/<i>` and `model/non_trainable/<i>` (each whole,
+    as `Checkpoints` writes them) into local variables of the model's weights'
+    shapes and dtypes, then assigns them to the model's own variables; no
+    cluster is needed.
+
+    Args:
+      model: the built Keras 3 model the job trains (same weights, same
+        order).
+      path: a checkpoint prefix (`model_dir/checkpoints/ckpt-<step>`).
+
+    Raises:
+      tf.errors.NotFoundError: the checkpoint is gone.
+      AssertionError: a weight of `model` is not in the checkpoint (named).
+    """
+    holder = tf.Module(name="ps_weights")
+    holder.trainable = [
+        tf.Variable(tf.zeros(v.shape, v.dtype)) for v in model.trainable_variables
+    ]
+    holder.non_trainable = [
+        tf.Variable(tf.zeros(v.shape, v.dtype)) for v in model.non_trainable_variables
+    ]
+    status = tf.train.Checkpoint(model=holder).read(path)
+    status.assert_existing_objects_matched().expect_partial()
+    for keras_variable, value in zip(
+        [*model.trainable_variables, *model.non_trainable_variables],
+        [*holder.trainable, *holder.non_trainable],
+    ):
+        keras_variable.assign(value)

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import console, errors
+from tf_distbelief import console, errors, paths
 from tf_distbelief.faults import recovery
 from tf_distbelief.fit import export
 from tf_distbelief.job import runner
@@ -172,9 +172,50 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
     }
 
 
+def evaluate_checkpoints(
+    config: JobConfig, spec: spec_lib.ModelSpec, print_fn=console.echo
+) -> dict[int, dict[str, float]]:
+    """The `evaluator` task of a Keras 3 job: every checkpoint, in order.
+
+    As a tf_keras job's (`runner.evaluate_checkpoints`): each checkpoint in
+    `model_dir` is loaded into the spec's Keras 3 model on this task
+    (`keras3.checkpoints.read_weights`), evaluated on the test set, printed
+    with its path and written to `model_dir/tensorboard/eval` at its global
+    step, up to the checkpoint of `config.epochs` epochs.
+
+    Returns:
+      `{step: {metric: value}}`.
+
+    Raises:
+      ValueError: `config.model_dir` is not set, or the spec has no test set.
+      TimeoutError: no new checkpoint for an hour before the last one.
+    """
+    from tf_distbelief.fit import evaluation
+    from tf_distbelief.keras3 import checkpoints
+
+    x_test, y_test = runner.evaluator_test_set(config, spec)
+    model = spec.build_model(None)
+    model.compile(loss=_loss(spec), metrics=list(spec.metrics))
+    data = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(512)
+    results = evaluation.evaluate_checkpoints(
+        model,
+        data,
+        paths.checkpoint_dir(config.model_dir),
+        last_step=config.epochs * config.steps_per_epoch,
+        tensorboard_dir=paths.eval_tensorboard_dir(config.model_dir),
+        steps_per_epoch=config.steps_per_epoch,
+        print_fn=print_fn,
+        read_checkpoint=lambda path: checkpoints.read_weights(model, path),
+    )
+    print_fn("evaluator: done")
+    return results
+
+
 def _check(config: JobConfig, spec: spec_lib.ModelSpec) -> None:
     del spec  # A Keras 3 spec is checked when its model is built.
     check_config(config)
 
 
-TRAINER = runner.Trainer("Keras " + keras.__version__, _check, train)
+TRAINER = runner.Trainer(
+    "Keras " + keras.__version__, _check, train, evaluate_checkpoints
+)
