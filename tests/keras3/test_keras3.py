@@ -411,6 +411,7 @@ def test_keras3_job_takes_downpour_checkpoints_and_nonfinite_skip():
         ({"checkpoint_every_steps": -1}, r"`checkpoint_every_steps` must be an int"),
         ({"checkpoint_every_steps": 5}, r"`checkpoint_every_steps` needs `model_dir`"),
         ({"nonfinite": "ignore"}, r"`nonfinite` must be one of raise, skip"),
+        ({"log_every_steps": -5}, r"`log_every_steps` must be an int >= 0.*-5"),
     ],
 )
 def test_fit_rejects_bad_reliability_arguments(kwargs, match):
@@ -440,6 +441,41 @@ def test_only_models_with_a_keras3_builder_take_keras_3():
     assert isinstance(spec.build_model(None), keras.Model)
     with pytest.raises(ValueError, match=r"`model` must be one of digits with Keras 3"):
         models.spec("speech", keras=3)
+
+
+def test_progress_lines_follow_the_finished_steps(local_cluster):
+    """`log_every_steps`: lines read while the workers train, stock and
+    Downpour in segments, one per multiple passed, on the global step axis."""
+    from tf_distbelief import downpour
+
+    (x_train, y_train), _ = digits.load_data()
+    for config, spe in ((None, 1), (downpour.DownpourConfig(4, 4), 10)):
+        strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(2, 1))
+        lines = []
+        keras3.fit(
+            digits.build_keras3_model(),
+            x_train,
+            y_train,
+            strategy=strategy,
+            epochs=2,
+            steps_per_epoch=200,
+            steps_per_execution=spe,
+            loss=LOSS,
+            metrics=(),
+            downpour=config,
+            log_every_steps=50,
+            print_fn=lines.append,
+        )
+        steps = [
+            int(m[1])
+            for m in map(
+                re.compile(r"step (\d+)/400: \d+ examples/s, elapsed ").match, lines
+            )
+            if m
+        ]
+        assert steps and steps == sorted(steps) and steps[-1] <= 400, lines
+        # At most one line per multiple of 50 passed.
+        assert len({s // 50 for s in steps}) == len(steps), steps
 
 
 @pytest.mark.slow
@@ -545,7 +581,13 @@ def test_launch_keras_3_trains_digits_and_exports_for_serving(
     from tests.fixtures.helpers import tensorboard_scalars
     from tf_distbelief import paths
 
+    # Progress lines while the workers trained (--log_every_steps=100).
+    shown = [
+        int(m) for m in re.findall(r"^step (\d+)/500: \d+ examples/s, ", output, re.M)
+    ]
+    assert shown and all(0 < m <= 500 for m in shown), output
     board = tensorboard_scalars(paths.tensorboard_dir(str(export_dir.parent / "model")))
+    assert [s for s, _ in board["interval/examples_per_sec"]]
     loss_steps = [s for s, _ in board["epoch/loss"]]
     assert loss_steps[-1] == 500 and {100, 200, 300, 400, 500} <= set(loss_steps)
     assert [s for s, _ in board["epoch/accuracy"]] == loss_steps

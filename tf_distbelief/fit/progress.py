@@ -27,14 +27,10 @@ import tf_keras
 from absl import logging
 
 from tf_distbelief import console, hooks
+from tf_distbelief.fit import follower as follower_lib
 from tf_distbelief.fit import scalars as scalars_lib
 from tf_distbelief.fit.scalars import EPOCH_PREFIX, INTERVAL_PREFIX
 from tf_distbelief.tf_internals import keras_model
-
-# How often the follower thread reads the finished-step counter (one small
-# read from a ps task), and how long closing waits for it.
-_POLL_SECS = 0.5
-_JOIN_SECS = 10.0
 
 
 def _format(value) -> str:
@@ -99,56 +95,55 @@ class Progress(tf_keras.callbacks.Callback):
         # Steps scheduled, over all runs; `fit` sets it to the resumed step.
         self.steps_done = 0
         self.history: list[dict] = []
-        self._run_start = None
+        self._clock = None
         self._last_interval_step = -1
-        self._thread = None
+        self._follower = None
         # Lines and scalars come from the training thread and the follower.
         self._lock = threading.Lock()
 
     # -- time ------------------------------------------------------------
 
     def _timing(self, step) -> str:
-        elapsed = time.monotonic() - self._run_start
-        text = f"elapsed {console.duration(elapsed)}"
-        done = step - self._run_start_step
-        if self.total_steps and done > 0:
-            remaining = max(0, self.total_steps - step)
-            text += f", ETA {console.duration(remaining * elapsed / done)}"
-        return text
+        return self._clock.timing(step)
 
     def _of_total(self, step) -> str:
-        return f"{step}/{self.total_steps}" if self.total_steps else f"{step}"
+        return self._clock.of_total(step)
 
     # -- hooks -----------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        now = time.monotonic()
-        if self._run_start is None:  # `fit` may call `Model.fit` twice.
-            self._run_start, self._run_start_step = now, self.steps_done
+        if self._clock is None:  # `fit` may call `Model.fit` twice.
+            self._clock = follower_lib.RunClock(self.steps_done, self.total_steps)
         # tf_keras sets its step counter to 0 at each `Model.fit`.
         self._fit_base_step = self.steps_done
         self._last_interval_step = max(self._last_interval_step, self.steps_done)
-        self._last_time, self._last_finished = now, 0
         self._last_replicas = self._replica_stats()
-        if self.log_every_steps and hasattr(self.model, "train_function"):
-            # Steps are scheduled ahead of the workers (a whole epoch at
-            # once when the closure queue has room): lines at scheduling
-            # time would say nothing. A thread follows the finished steps.
-            self._stop = threading.Event()
-            self._thread = threading.Thread(
-                target=self._follow, name="tf_distbelief-progress", daemon=True
+        try:
+            counter = keras_model.train_counter(self.model)
+        except AttributeError:  # A model without tf_keras's step counter.
+            counter = None
+        if self.log_every_steps and counter is not None:
+            # A thread follows the finished steps (`follower`): tf_keras's
+            # step counter, a ps variable (the model is built under the
+            # strategy's scope), read without stopping the workers.
+            self._follower = follower_lib.StepFollower(
+                lambda: int(counter.numpy()),
+                self.log_every_steps,
+                self._fit_base_step,
+                self.batch_size,
+                self._log_interval,
+                on_read=None if self.goodput is None else self.goodput.step_done,
+                last_step=self._last_interval_step,
             )
-            self._thread.start()
 
     def on_train_end(self, logs=None):
         self.close()
 
     def close(self) -> None:
         """Stops following the finished steps (`training.fit` calls it, errors too)."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._stop.set()
-            thread.join(_JOIN_SECS)
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            follower.close()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = time.monotonic()
@@ -157,24 +152,6 @@ class Progress(tf_keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self._epoch_steps, steps = batch + 1, batch + 1 - self._epoch_steps
         self.steps_done += steps
-
-    def _follow(self):
-        every = self.log_every_steps
-        while not self._stop.wait(_POLL_SECS):
-            try:
-                # A ps variable (the model is built under the strategy's
-                # scope): read while the workers run, without stopping them.
-                finished = int(keras_model.train_counter(self.model).numpy())
-                step = self._fit_base_step + finished
-                if self.goodput is not None:
-                    self.goodput.step_done(step)
-                if step // every > self._last_interval_step // every:
-                    self._log_interval(finished, step)
-            except AttributeError:
-                return  # A model without tf_keras's step counter.
-            except tf.errors.OpError as e:
-                # A task being replaced: the next look will tell.
-                logging.info("Progress: could not read the step counter: %s", e)
 
     def _replica_stats(self):
         """Downpour's per-replica counters, or None (no Downpour, or a worker
@@ -189,23 +166,17 @@ class Progress(tf_keras.callbacks.Callback):
             logging.info("Progress: could not read Downpour's counters: %s", e)
             return None
 
-    def _log_interval(self, finished, step):
-        now = time.monotonic()
-        secs = max(now - self._last_time, 1e-9)
-        rate = (finished - self._last_finished) * self.batch_size / secs
+    def _log_interval(self, finished, step, rate):
+        del finished  # The follower's rate counts from it.
         scalars = {"examples_per_sec": rate}
         replicas = self._replica_stats()
         if replicas:
             algorithm = hooks.of(self.model)
             scalars.update(algorithm.interval_figures(replicas, self._last_replicas))
             self._last_replicas = replicas
-        self._last_time, self._last_finished = now, finished
         self._last_interval_step = step
         with self._lock:
-            self.print_fn(
-                f"step {self._of_total(step)}: {rate:.0f} examples/s, "
-                + self._timing(step)
-            )
+            self.print_fn(self._clock.interval_line(step, rate))
         self._writer.write(INTERVAL_PREFIX, scalars, step)
         self._writer.write_goodput(self.goodput, step)
 

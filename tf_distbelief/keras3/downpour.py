@@ -50,11 +50,14 @@ def make_step(
       steps: local steps per scheduled function, >= 1.
 
     Returns:
-      `(step, downpour)`: `step(iterator, first_token) -> (loss sum, losses
-      summed, metric state deltas)` to schedule, with `first_token` an int64
-      scalar from `downpour.tokens.take(steps)` taken when the function is
-      scheduled (a retry keeps it; step `i` pushes under `first_token + i`);
-      and the `Downpour` state (`.stats()`).
+      `(step, downpour, finished)`: `step(iterator, first_token) -> (loss
+      sum, losses summed, metric state deltas)` to schedule, with
+      `first_token` an int64 scalar from `downpour.tokens.take(steps)` taken
+      when the function is scheduled (a retry keeps it; step `i` pushes under
+      `first_token + i`); the `Downpour` state (`.stats()`); and an int64 ps
+      variable to which each function adds its steps once they ran (for
+      progress lines: a function run again after a lost worker adds them
+      again).
 
     Raises:
       ValueError: `steps` > 1 and `config.runs_segments` is False.
@@ -70,6 +73,7 @@ def make_step(
         optimizer = tf_keras_adagrad.Adagrad(
             adagrad.learning_rate, adagrad.initial_accumulator_value, adagrad.epsilon
         )
+        finished = tf.Variable(0, dtype=tf.int64, trainable=False, name="finished")
     # The shards, as tf_keras lists a sharded weight's: the optimizer keeps
     # one accumulator per shard, which Downpour's exchange pushes to.
     shards = [s for v in weights.trainable for s in variables_lib.shards_of(v)]
@@ -107,7 +111,11 @@ def make_step(
                     _, outputs, _ = downpour.step(lambda: forward(data))
                 return logged(data, outputs)
 
-            return strategy.run(replica_fn)
+            outputs = strategy.run(replica_fn)
+            with tf.control_dependencies(tf.nest.flatten(outputs)):
+                counted = finished.assign_add(1)
+            with tf.control_dependencies([counted]):
+                return tf.nest.map_structure(tf.identity, outputs)
 
     else:
         zeros = (
@@ -118,7 +126,7 @@ def make_step(
 
         @tf.function
         def step(iterator, first_token):
-            _, summed = downpour.run_steps(
+            done, summed = downpour.run_steps(
                 iterator,
                 steps,
                 forward,
@@ -126,6 +134,7 @@ def make_step(
                 first_token=first_token,
                 totals=tf.nest.map_structure(tf.convert_to_tensor, zeros),
             )
-            return summed
+            with tf.control_dependencies([finished.assign_add(done)]):
+                return tf.nest.map_structure(tf.identity, summed)
 
-    return step, downpour
+    return step, downpour, finished

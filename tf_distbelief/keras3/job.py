@@ -148,6 +148,7 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
         model_dir=config.model_dir,
         checkpoint_every_steps=config.checkpoint_every_steps,
         nonfinite=config.nonfinite,
+        log_every_steps=config.log_every_steps,
     )
     train_secs = time.monotonic() - start
     predictions = model.predict(x_test, batch_size=256, verbose=0)

@@ -254,6 +254,7 @@ def fit(
     model_dir: str | None = None,
     checkpoint_every_steps: int = 0,
     nonfinite: str = "raise",
+    log_every_steps: int = 0,
 ) -> keras.callbacks.History:
     """Trains a Keras 3 model by stock asynchronous SGD, the optimizer on the ps.
 
@@ -340,6 +341,10 @@ def fit(
         the run with `NonFiniteError`) or `"skip"` (the step changes no ps
         variable and is counted: `history.nonfinite_skipped`; with Downpour,
         pushes).
+      log_every_steps: every so many finished steps (read while the workers
+        train) a line `step 300/500: 1843 examples/s, elapsed 12s, ETA 8s`
+        with `print_fn`, and with `model_dir` an `interval/examples_per_sec`
+        scalar; 0 (default): none.
 
     Returns:
       A `keras.callbacks.History` (`history.history["loss"]`, ...); its
@@ -364,6 +369,11 @@ def fit(
     """
     _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size)
     _check_reliability(model_dir, checkpoint_every_steps, nonfinite)
+    if not checks.is_int(log_every_steps) or log_every_steps < 0:
+        raise ValueError(
+            f"Argument `log_every_steps` must be an int >= 0. Received: "
+            f"{log_every_steps!r}"
+        )
     if (
         not checks.is_int(steps_per_execution)
         or steps_per_execution < 1
@@ -440,6 +450,7 @@ def fit(
             model_dir,
             checkpoint_every_steps,
             nonfinite,
+            log_every_steps,
         )
 
 
@@ -468,6 +479,7 @@ def _fit(
     model_dir,
     checkpoint_every_steps,
     nonfinite,
+    log_every_steps,
 ) -> keras.callbacks.History:
     """`fit` after its checks (holding the model_dir's lock)."""
     if ps_weights is None:
@@ -527,7 +539,7 @@ def _fit(
         from tf_distbelief.downpour import push_guard
         from tf_distbelief.keras3 import downpour as keras3_downpour
 
-        step, history_downpour = keras3_downpour.make_step(
+        step, history_downpour, applied = keras3_downpour.make_step(
             strategy,
             model,
             weights,
@@ -592,6 +604,16 @@ def _fit(
         callback_list.on_train_begin()
         if goodput is not None:
             goodput.begin_training(done)
+        follower = _follow_steps(
+            applied,
+            log_every_steps,
+            done,
+            epochs * steps_per_epoch,
+            batch_size,
+            writer,
+            goodput,
+            print_fn,
+        )
         failed = True
         try:
             for epoch in range(done // steps_per_epoch, epochs):
@@ -646,6 +668,8 @@ def _fit(
             weights.write_to_model(model)
             raise
         finally:
+            if follower is not None:
+                follower.close()
             if goodput is not None:
                 goodput.end_training(done, failed)
         callback_list.on_train_end(logs)
@@ -657,7 +681,9 @@ def _fit(
     history.nonfinite_skipped = (
         0 if skipped is None else int(skipped.numpy()) - skipped_before
     )
-    history.applied_steps = None if applied is None else int(applied.numpy())
+    history.applied_steps = (
+        None if history_downpour is not None else int(applied.numpy())
+    )
     return history
 
 
@@ -669,6 +695,39 @@ def _arrays_dataset_fn(strategy, x, y, batch_size, seed):
     num_workers = max(1, getattr(strategy, "num_workers", 1))
     return shards.arrays_dataset_fn(
         np.asarray(x), np.asarray(y), batch_size, seed, lambda: num_workers
+    )
+
+
+def _follow_steps(
+    counter, every, start_step, total_steps, batch_size, writer, goodput, print_fn
+):
+    """`step 300/500: ... examples/s, elapsed, ETA` lines and `interval/` scalars.
+
+    Every `every` finished steps (`fit.follower`: `counter`, an int64 ps
+    variable of the steps this run finished, read from a thread without
+    stopping the workers); None for `every` 0.
+    """
+    if not every:
+        return None
+    from tf_distbelief.fit import follower as follower_lib  # Imports no Keras.
+    from tf_distbelief.fit import scalars
+
+    clock = follower_lib.RunClock(start_step, total_steps)
+    first = int(counter.numpy())
+
+    def on_interval(finished, step, rate):
+        del finished
+        print_fn(clock.interval_line(step, rate))
+        writer.write(scalars.INTERVAL_PREFIX, {"examples_per_sec": rate}, step)
+        writer.write_goodput(goodput, step)
+
+    return follower_lib.StepFollower(
+        lambda: int(counter.numpy()) - first,
+        every,
+        start_step,
+        batch_size,
+        on_interval,
+        on_read=None if goodput is None else goodput.step_done,
     )
 
 
