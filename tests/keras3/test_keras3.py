@@ -66,6 +66,12 @@ def test_optimizers_map_to_their_ps_rule_or_are_refused_by_name():
         from_optimizer(keras.optimizers.Adagrad())  # epsilon inside the sqrt
     with pytest.raises(ValueError, match=r"SGD` with `clipnorm`.*clipnorm=1.0"):
         from_optimizer(keras.optimizers.SGD(0.1, clipnorm=1.0))
+    assert from_optimizer(keras.optimizers.SGD(0.5, weight_decay=0.0)) == keras3.SGD(
+        0.5
+    )
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
+    with pytest.raises(ValueError, match=r"learning-rate schedule is not applied"):
+        from_optimizer(keras.optimizers.SGD(schedule))
     with pytest.raises(ValueError, match=r"`momentum` must be a finite number >= 0"):
         keras3.SGD(0.1, momentum=1.5)
 
@@ -383,6 +389,20 @@ def test_keras3_job_refuses_what_it_lacks_before_any_server(field, value, match)
         keras3_job.check_config(config)
 
 
+def test_keras3_job_runs_whole_functions_in_an_epoch():
+    from tf_distbelief import downpour
+
+    def steps(**kwargs):
+        return keras3_job._steps_per_execution(job.JobConfig(**kwargs))
+
+    assert steps(steps_per_epoch=100, steps_per_execution=10) == 10
+    assert steps(steps_per_epoch=25, steps_per_execution=10) == 5
+    assert steps(steps_per_epoch=7, steps_per_execution=10) == 7
+    assert steps(steps_per_epoch=13, steps_per_execution=10) == 1
+    one = downpour.DownpourConfig(1, 4)
+    assert steps(steps_per_epoch=100, steps_per_execution=10, downpour=one) == 1
+
+
 def test_keras3_job_refuses_downpour_with_sgd_before_any_server():
     from tf_distbelief import downpour
 
@@ -412,6 +432,15 @@ def test_keras3_job_takes_downpour_checkpoints_and_nonfinite_skip():
         ({"checkpoint_every_steps": 5}, r"`checkpoint_every_steps` needs `model_dir`"),
         ({"nonfinite": "ignore"}, r"`nonfinite` must be one of raise, skip"),
         ({"log_every_steps": -5}, r"`log_every_steps` must be an int >= 0.*-5"),
+        ({"initial_epoch": -1}, r"`initial_epoch` must be an int >= 0.*-1"),
+        (
+            {"validation_data": (np.zeros((3, 4)),)},
+            r"`validation_data` must be `\(x_val, y_val\)`.*1 items",
+        ),
+        (
+            {"validation_data": (np.zeros((3, 4)), np.zeros(2))},
+            r"`validation_data` must be.*3 examples, 2 labels",
+        ),
     ],
 )
 def test_fit_rejects_bad_reliability_arguments(kwargs, match):

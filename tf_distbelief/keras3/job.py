@@ -117,6 +117,17 @@ def train(
     )
 
 
+def _steps_per_execution(config: JobConfig) -> int:
+    """Steps per scheduled function: the largest divisor of `steps_per_epoch`
+    up to `config.steps_per_execution` (`keras3.fit` runs whole functions in
+    an epoch; tf_keras runs a shorter last one), 1 for Downpour that does not
+    run in segments (`n_fetch` or `n_push` 1, or a warm start)."""
+    if config.downpour and not config.downpour.runs_segments:
+        return 1
+    wanted = min(config.steps_per_execution, config.steps_per_epoch)
+    return max(n for n in range(1, wanted + 1) if config.steps_per_epoch % n == 0)
+
+
 def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
     """One attempt of `train`: a new strategy and model, resumed from `model_dir`."""
     strategy = runner.connect_strategy(config, cluster_resolver)
@@ -133,12 +144,7 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
         batch_size=config.batch_size,
         epochs=config.epochs,
         steps_per_epoch=config.steps_per_epoch,
-        # Downpour runs several local steps per function only in segments.
-        steps_per_execution=(
-            1
-            if config.downpour and not config.downpour.runs_segments
-            else config.steps_per_execution
-        ),
+        steps_per_execution=_steps_per_execution(config),
         loss=_loss(spec),
         optimizer=_optimizer(config),
         downpour=config.downpour,

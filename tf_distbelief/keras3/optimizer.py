@@ -192,15 +192,15 @@ class SGD:
 
 
 # Settings of a Keras 3 optimizer that `SGD` has no counterpart for, with the
-# value that means "off".
+# values that mean "off".
 _KERAS_OFF = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "clipvalue": None,
-    "global_clipnorm": None,
-    "use_ema": False,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
+    "weight_decay": (None, 0),
+    "clipnorm": (None,),
+    "clipvalue": (None,),
+    "global_clipnorm": (None,),
+    "use_ema": (False,),
+    "loss_scale_factor": (None,),
+    "gradient_accumulation_steps": (None,),
 }
 
 
@@ -237,9 +237,15 @@ def from_optimizer(optimizer) -> Adagrad | SGD:
             float(config["initial_accumulator_value"]),
             float(config["epsilon"]),
         )
-    if type(optimizer).__module__ == _KERAS_SGD_MODULE and constant:
+    if type(optimizer).__module__ == _KERAS_SGD_MODULE and not constant:
+        raise ValueError(
+            "Argument `optimizer`: a `keras.optimizers.SGD` with a learning-rate "
+            "schedule is not applied on the ps (a constant learning rate only). "
+            f"Received: learning_rate={config.get('learning_rate')!r}"
+        )
+    if type(optimizer).__module__ == _KERAS_SGD_MODULE:
         for name, off in _KERAS_OFF.items():
-            if config.get(name, off) != off:
+            if config.get(name, off[0]) not in off:
                 raise ValueError(
                     f"Argument `optimizer`: `keras.optimizers.SGD` with `{name}` "
                     f"is not applied on the ps (only learning_rate, momentum, "

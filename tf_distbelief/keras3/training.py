@@ -86,6 +86,29 @@ def _check_reliability(model_dir, checkpoint_every_steps, nonfinite) -> None:
         )
 
 
+def _check_validation_data(validation_data) -> None:
+    if validation_data is None:
+        return
+    ok = isinstance(validation_data, (tuple, list)) and len(validation_data) == 2
+    if ok:
+        x_val, y_val = validation_data
+        ok = len(x_val) == len(y_val) and len(x_val) > 0
+    if not ok:
+        shown = (
+            f"{len(validation_data)} items"
+            if isinstance(validation_data, (tuple, list))
+            else repr(type(validation_data))
+        )
+        if isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
+            shown = (
+                f"{len(validation_data[0])} examples, {len(validation_data[1])} labels"
+            )
+        raise ValueError(
+            "Argument `validation_data` must be `(x_val, y_val)`: two arrays "
+            f"with one label per example, at least one. Received: {shown}"
+        )
+
+
 def _make_step(
     model,
     weights,
@@ -369,6 +392,11 @@ def fit(
     """
     _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size)
     _check_reliability(model_dir, checkpoint_every_steps, nonfinite)
+    _check_validation_data(validation_data)
+    if not checks.is_int(initial_epoch) or initial_epoch < 0:
+        raise ValueError(
+            f"Argument `initial_epoch` must be an int >= 0. Received: {initial_epoch!r}"
+        )
     if not checks.is_int(log_every_steps) or log_every_steps < 0:
         raise ValueError(
             f"Argument `log_every_steps` must be an int >= 0. Received: "
