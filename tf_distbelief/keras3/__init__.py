@@ -12,8 +12,9 @@ the tf_keras path:
   the ps shards by fused ops (no tf_keras); a `keras.optimizers.SGD` maps to
   `SGD`.
 * `training`: `fit(model, x, y, ...)`, stock asynchronous training: each step
-  is a function scheduled on a worker that calls `model.stateless_call` on the
-  ps values. Keras 3 callbacks and a `keras.callbacks.History`.
+  is a function scheduled on a worker (`step`, or `downpour` with Downpour)
+  that calls `model.stateless_call` on the ps values. Keras 3 callbacks and a
+  `keras.callbacks.History`.
 * `checkpoints`: `fit(model_dir=...)`'s checkpoints, in the tf_keras job's
   layout and written, restored and verified by the same `faults` services
   (exact resume into any number of ps tasks).

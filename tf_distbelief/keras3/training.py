@@ -20,10 +20,9 @@ import tensorflow as tf
 
 from tf_distbelief import checks, console, errors, paths
 from tf_distbelief.keras3 import optimizer as optimizer_lib
+from tf_distbelief.keras3 import step as step_lib
 from tf_distbelief.keras3 import variables as variables_lib
 
-# Tag of the `check_numerics` ops, to tell a non-finite gradient from other errors.
-_NONFINITE_TAG = "tf_distbelief.keras3: non-finite gradient of "
 # `tf_distbelief.faults.nonfinite.MODES`, which imports tf_keras (this module
 # does not); tests/keras3 checks that the two agree.
 _NONFINITE_MODES = ("raise", "skip")
@@ -107,126 +106,6 @@ def _check_validation_data(validation_data) -> None:
             "Argument `validation_data` must be `(x_val, y_val)`: two arrays "
             f"with one label per example, at least one. Received: {shown}"
         )
-
-
-def _make_step(
-    model,
-    weights,
-    loss_fn,
-    metrics,
-    metric_inits,
-    rule,
-    steps,
-    tokens,
-    applied,
-    skipped=None,
-):
-    """The scheduled function: `steps` training steps in a row on one worker.
-
-    A step whose gradients are not all finite changes no ps variable: with
-    `skipped` None it fails (`check_numerics`, naming the weight), else it
-    adds 1 to `skipped` (an int64 ps variable) instead. Each step's update is
-    gated by its exactly-once token (`faults.exactly_once.gate` on `tokens`):
-    a step that the coordinator runs again after a lost worker is applied
-    once, and counted once in `applied` (an int64 ps variable).
-
-    Returns `(iterator, first_token) -> (loss sum (float64), steps (int64),
-    metric state deltas summed)`, with step `k` under token `first_token + k`.
-    """
-    from tf_distbelief.faults import exactly_once  # Imports no tf_keras.
-
-    shards = [variables_lib.shards_of(v) for v in weights.trainable]
-
-    def one_step(x, y, token):
-        with tf.GradientTape() as tape:
-            trainable = [variables_lib.read(v) for v in weights.trainable]
-            non_trainable = [variables_lib.read(v) for v in weights.non_trainable]
-            y_pred, new_non_trainable, losses = model.stateless_call(
-                trainable, non_trainable, x, training=True, return_losses=True
-            )
-            loss = loss_fn(y, y_pred)
-            total = tf.add_n([loss, *losses]) if losses else loss
-        grads = iter(tape.gradient(total, [s for group in shards for s in group]))
-        checked = []  # (shard, accumulator, gradient checked to be finite)
-        slots_of = weights.accumulators or [[None] * len(g) for g in shards]
-        for path, group, slots in zip(weights.paths, shards, slots_of):
-            for shard, slot in zip(group, slots):
-                grad = next(grads)
-                if grad is None:
-                    continue
-                if skipped is None:
-                    grad = _check_numerics(grad, _NONFINITE_TAG + path)
-                checked.append((shard, slot, grad))
-        # Every gradient is checked before any update: a step whose gradients
-        # are not all finite changes no ps variable.
-        gates = [_values(g) for *_, g in checked]
-
-        def apply():
-            with tf.control_dependencies(gates):
-                ops = [rule.apply(shard, slot, grad) for shard, slot, grad in checked]
-                for variable, value in zip(weights.non_trainable, new_non_trainable):
-                    ops.append(variable.assign(value, read_value=False))
-            with tf.control_dependencies(ops):
-                # A ps tensor: the token's write waits for the update only.
-                counted = applied.assign_add(1, read_value=True)
-            return tf.constant(True), [counted]
-
-        def refuse():  # A fresh step with a NaN or inf, skipped and counted.
-            return tf.constant(False), [skipped.assign_add(1, read_value=True)]
-
-        if skipped is None:
-            finite, refuse_fn = tf.constant(True), lambda: (tf.constant(False), [])
-        else:
-            finite = tf.reduce_all(
-                tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in gates])
-            )
-            refuse_fn = refuse
-        updated = exactly_once.gate(
-            token, tokens, finite, apply, refuse_fn, lambda: tf.constant(False)
-        )
-        deltas = []
-        for metric, init in zip(metrics, metric_inits):
-            state = metric.stateless_update_state(init, y, y_pred)
-            deltas.append([s - i for s, i in zip(state, init)])
-        return loss, deltas, [updated]
-
-    @tf.function
-    def step(iterator, first_token):
-        losses, summed, updates = [], None, []
-        # Unrolled: each step reads the ps values after the step before it
-        # updated them (`steps_per_execution` of tf_keras).
-        for k in range(steps):
-            with tf.control_dependencies(updates):
-                x, y = next(iterator)
-                loss, deltas, updates = one_step(x, y, first_token + k)
-            losses.append(loss)
-            summed = (
-                deltas
-                if summed is None
-                else tf.nest.map_structure(tf.add, summed, deltas)
-            )
-        with tf.control_dependencies(updates):
-            return (
-                tf.reduce_sum(tf.cast(tf.stack(losses), tf.float64)),
-                tf.constant(steps, tf.int64),
-                tf.nest.map_structure(tf.identity, summed),
-            )
-
-    return step
-
-
-def _values(gradient):
-    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
-
-
-def _check_numerics(gradient, message):
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            tf.debugging.check_numerics(gradient.values, message),
-            gradient.indices,
-            gradient.dense_shape,
-        )
-    return tf.debugging.check_numerics(gradient, message)
 
 
 def _logs(fetched, metrics, metric_inits) -> dict:
@@ -551,7 +430,7 @@ def _fit(
                     0, dtype=tf.int64, trainable=False, name="nonfinite_skipped"
                 )
         tokens = exactly_once.StepTokens(applied, strategy)
-        step = _make_step(
+        step = step_lib.make_step(
             model,
             weights,
             loss_fn,
@@ -823,8 +702,8 @@ def _join(coordinator, epoch) -> None:
     try:
         coordinator.join()
     except tf.errors.InvalidArgumentError as error:
-        if _NONFINITE_TAG in str(error):
-            found = re.search(re.escape(_NONFINITE_TAG) + r"(\S+)", str(error))
+        if step_lib.NONFINITE_TAG in str(error):
+            found = re.search(re.escape(step_lib.NONFINITE_TAG) + r"(\S+)", str(error))
             raise errors.NonFiniteError(
                 f"Epoch {epoch + 1}: a step's gradient of weight "
                 f"`{found.group(1)}` held NaN or inf; no ps variable took that "
