@@ -156,7 +156,9 @@ def tokens_for(optimizer, strategy=None) -> StepTokens:
     tokens = _TOKENS.get(optimizer)
     if tokens is None:
         strategy = strategy or tf.distribute.get_strategy()
-        with tf.init_scope():
+        # `iterations` read under the strategy's scope: a tf_keras optimizer
+        # creates it on first read, and it must be a ps variable.
+        with tf.init_scope(), strategy.scope():
             tokens = StepTokens(optimizer.iterations, strategy)
         _TOKENS[optimizer] = tokens
     return tokens
