@@ -331,7 +331,24 @@ def evaluate_checkpoints(
         optimizer=build_optimizer(config), loss=spec.loss(), metrics=list(spec.metrics)
     )
     model(x_test[:1], training=False)  # Weights exist before a restore.
-    data = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(512)
+    return run_evaluator(config, model, (x_test, y_test), print_fn)
+
+
+def run_evaluator(
+    config: JobConfig, model, test_set, print_fn=console.echo, read_checkpoint=None
+) -> dict[int, dict[str, float]]:
+    """The `evaluator` task's loop for a compiled `model` (tf_keras or Keras 3).
+
+    `evaluation.evaluate_checkpoints` on `test_set` (`(x_test, y_test)`, in
+    batches of 512) over `config.model_dir`'s checkpoints up to
+    `config.epochs * config.steps_per_epoch`, `eval/*` scalars in
+    `model_dir/tensorboard/eval`; `read_checkpoint` as there. Prints
+    `evaluator: done` at the end.
+
+    Returns:
+      `{step: {metric: value}}`.
+    """
+    data = tf.data.Dataset.from_tensor_slices(tuple(test_set)).batch(512)
     results = evaluation.evaluate_checkpoints(
         model,
         data,
@@ -340,6 +357,7 @@ def evaluate_checkpoints(
         tensorboard_dir=paths.eval_tensorboard_dir(config.model_dir),
         steps_per_epoch=config.steps_per_epoch,
         print_fn=print_fn,
+        read_checkpoint=read_checkpoint,
     )
     print_fn("evaluator: done")
     return results

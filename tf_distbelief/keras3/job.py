@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import console, errors, paths
+from tf_distbelief import console, errors
 from tf_distbelief.faults import recovery
 from tf_distbelief.fit import export
 from tf_distbelief.job import runner
@@ -197,25 +197,18 @@ def evaluate_checkpoints(
       ValueError: `config.model_dir` is not set, or the spec has no test set.
       TimeoutError: no new checkpoint for an hour before the last one.
     """
-    from tf_distbelief.fit import evaluation
     from tf_distbelief.keras3 import checkpoints
 
-    x_test, y_test = runner.evaluator_test_set(config, spec)
+    test_set = runner.evaluator_test_set(config, spec)
     model = spec.build_model(None)
     model.compile(loss=_loss(spec), metrics=list(spec.metrics))
-    data = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(512)
-    results = evaluation.evaluate_checkpoints(
+    return runner.run_evaluator(
+        config,
         model,
-        data,
-        paths.checkpoint_dir(config.model_dir),
-        last_step=config.epochs * config.steps_per_epoch,
-        tensorboard_dir=paths.eval_tensorboard_dir(config.model_dir),
-        steps_per_epoch=config.steps_per_epoch,
-        print_fn=print_fn,
+        test_set,
+        print_fn,
         read_checkpoint=lambda path: checkpoints.read_weights(model, path),
     )
-    print_fn("evaluator: done")
-    return results
 
 
 def _check(config: JobConfig, spec: spec_lib.ModelSpec) -> None:
