@@ -1,9 +1,13 @@
 """Tests of model parallelism (Dean et al. 2012, section 3).
 
 Quick tests run in the pytest process on `CPU:0` alone (every partition on the same
-device): arithmetic, errors, and equality with the unpartitioned `tf_keras` layers,
-alone and stacked (`PartitionedLocallyConnected2D` layers passing blocks, against
-`LocallyConnected2D` layers passing whole maps).
+device): arithmetic, errors, and equality with the unpartitioned layers, alone and
+stacked (`PartitionedLocallyConnected2D` layers passing blocks, against
+`LocallyConnected2D` layers passing whole maps). The layer tests run for both
+flavours, the tf_keras layers (`tf_distbelief.model_parallel`) and the Keras 3 ones
+(`tf_distbelief.keras3.layers`): a partitioned dense layer against its own Keras's
+`Dense`, a partitioned locally connected one against tf_keras's
+`LocallyConnected2D` (Keras 3 has none).
 
 Several devices must be configured before TensorFlow initialises, and the pytest
 process is shared with other test modules, so `TestFourDevices` runs this file as a
@@ -18,7 +22,9 @@ import os
 import re
 import subprocess
 import sys
+from typing import Any, NamedTuple
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -26,12 +32,34 @@ import tf_keras
 
 from tests.fixtures.launch import ROOT
 from tf_distbelief import cluster
+from tf_distbelief.keras3 import layers as keras3_layers
 from tf_distbelief.model_parallel import dense as partitioned_dense
 from tf_distbelief.model_parallel import devices as model_parallel
 from tf_distbelief.model_parallel import locally_connected as plc
 from tf_distbelief.model_parallel import partition_math
 
 _TOLERANCE = 1e-5
+
+
+class _Flavour(NamedTuple):
+    """The partitioned layers of one Keras, and that Keras."""
+
+    keras: Any  # `tf_keras` or `keras`.
+    dense: type
+    lc: type
+
+
+_FLAVOURS = {
+    "tf_keras": _Flavour(
+        tf_keras, partitioned_dense.PartitionedDense, plc.PartitionedLocallyConnected2D
+    ),
+    "keras3": _Flavour(
+        keras,
+        keras3_layers.PartitionedDense,
+        keras3_layers.PartitionedLocallyConnected2D,
+    ),
+}
+flavours = pytest.mark.parametrize("flavour", _FLAVOURS.keys())
 _NUM_DEVICES = 4
 _CHILD_TIMEOUT_SECS = 180
 
@@ -116,19 +144,19 @@ def _compare(reference, layer, x):
     return {k: float(v) for k, v in errors.items()}
 
 
-def _compare_lc(case, devices):
+def _compare_lc(case, devices, flavour="tf_keras"):
     shape, kernel_size, strides, parts = case
     x = tf.random.stateless_normal(shape, seed=[3, 4])
     reference = tf_keras.layers.LocallyConnected2D(
         5, kernel_size, strides=strides, activation="tanh", bias_initializer="ones"
     )
-    layer = plc.PartitionedLocallyConnected2D(
+    layer = _FLAVOURS[flavour].lc(
         5, kernel_size, strides, parts, devices, activation="tanh"
     )
     return _compare(reference, layer, x)
 
 
-def _stacked_lc(specs, parts, devices, filters=(4, 3, 2)):
+def _stacked_lc(specs, parts, devices, filters=(4, 3, 2), flavour="tf_keras"):
     """`(references, layers)`: `LocallyConnected2D`s and partitioned ones in block
     mode, one per `(kernel_size, strides)` of `specs`."""
     references, layers = [], []
@@ -143,7 +171,7 @@ def _stacked_lc(specs, parts, devices, filters=(4, 3, 2)):
             )
         )
         layers.append(
-            plc.PartitionedLocallyConnected2D(
+            _FLAVOURS[flavour].lc(
                 filters[n],
                 kernel_size,
                 strides,
@@ -157,19 +185,20 @@ def _stacked_lc(specs, parts, devices, filters=(4, 3, 2)):
     return references, layers
 
 
-def _compare_stacked_lc(case, devices):
+def _compare_stacked_lc(case, devices, flavour="tf_keras"):
     shape, specs, parts = case
     x = tf.random.stateless_normal(shape, seed=[3, 4])
-    return _compare(*_stacked_lc(specs, parts, devices), x)
+    return _compare(*_stacked_lc(specs, parts, devices, flavour=flavour), x)
 
 
-def _compare_dense(case, devices):
+def _compare_dense(case, devices, flavour="tf_keras"):
     units, parts, activation = case
     x = tf.random.stateless_normal([6, 7], seed=[5, 6])
-    reference = tf_keras.layers.Dense(
+    layers = _FLAVOURS[flavour]
+    reference = layers.keras.layers.Dense(
         units, activation=activation, bias_initializer="ones"
     )
-    layer = partitioned_dense.PartitionedDense(units, parts, devices, activation)
+    layer = layers.dense(units, parts, devices, activation)
     return _compare(reference, layer, x)
 
 
@@ -380,16 +409,18 @@ class TestArithmetic:
 
 
 class TestErrors:
-    def test_num_partitions_zero(self):
+    @flavours
+    def test_num_partitions_zero(self, flavour):
         with pytest.raises(
             ValueError,
             match=r"`num_partitions` must be >= 1 and <= the output rows\. "
             r"Received: 0",
         ):
-            plc.PartitionedLocallyConnected2D(4, 3, num_partitions=0)
+            _FLAVOURS[flavour].lc(4, 3, num_partitions=0)
 
-    def test_num_partitions_above_output_rows(self):
-        layer = plc.PartitionedLocallyConnected2D(4, 3, 1, 8, ["/device:CPU:0"])
+    @flavours
+    def test_num_partitions_above_output_rows(self, flavour):
+        layer = _FLAVOURS[flavour].lc(4, 3, 1, 8, ["/device:CPU:0"])
         with pytest.raises(
             ValueError,
             match=r"`num_partitions` must be >= 1 and <= the output rows \(7\)\. "
@@ -460,16 +491,18 @@ class TestErrors:
                 [2, 11, 6, 4], ([0, 6, 10], [0, 6]), (3, 3), (1, 1), (2, 1)
             )
 
-    def test_dense_num_partitions_above_units(self):
+    @flavours
+    def test_dense_num_partitions_above_units(self, flavour):
         with pytest.raises(
             ValueError,
             match=r"`num_partitions` must be >= 1 and <= `units` \(10\)\. "
             r"Received: 11",
         ):
-            partitioned_dense.PartitionedDense(10, num_partitions=11)
+            _FLAVOURS[flavour].dense(10, num_partitions=11)
 
-    def test_missing_device(self):
-        layer = partitioned_dense.PartitionedDense(4, 2, ["/device:CPU:9"])
+    @flavours
+    def test_missing_device(self, flavour):
+        layer = _FLAVOURS[flavour].dense(4, 2, ["/device:CPU:9"])
         with pytest.raises(ValueError, match=r"`devices` names '/device:CPU:9'"):
             layer.build([2, 3])
 
@@ -477,8 +510,9 @@ class TestErrors:
         with pytest.raises(ValueError, match=r"`kernel_size` must be .* \(0, 2\)"):
             plc.PartitionedLocallyConnected2D(4, (0, 2))
 
-    def test_bad_weight_shapes(self):
-        layer = partitioned_dense.PartitionedDense(4, 2, ["/device:CPU:0"])
+    @flavours
+    def test_bad_weight_shapes(self, flavour):
+        layer = _FLAVOURS[flavour].dense(4, 2, ["/device:CPU:0"])
         layer.build([2, 3])
         with pytest.raises(ValueError, match=r"`weights` must have shapes"):
             layer.set_unpartitioned_weights([np.zeros([3, 5]), np.zeros([5])])
@@ -504,27 +538,31 @@ class TestErrors:
 class TestOneDevice:
     """Partitions all on `CPU:0`: the split arithmetic, without device copies."""
 
+    @flavours
     @pytest.mark.parametrize("case", _LC_CASES.values(), ids=_LC_CASES.keys())
-    def test_locally_connected_equals_tf_keras(self, case):
-        errors = _compare_lc(case, ["/device:CPU:0"])
+    def test_locally_connected_equals_tf_keras(self, case, flavour):
+        errors = _compare_lc(case, ["/device:CPU:0"], flavour)
         assert max(errors.values()) < _TOLERANCE, errors
 
+    @flavours
     @pytest.mark.parametrize("case", _DENSE_CASES.values(), ids=_DENSE_CASES.keys())
-    def test_dense_equals_tf_keras(self, case):
-        errors = _compare_dense(case, ["/device:CPU:0"])
+    def test_dense_equals_dense(self, case, flavour):
+        errors = _compare_dense(case, ["/device:CPU:0"], flavour)
         assert max(errors.values()) < _TOLERANCE, errors
 
+    @flavours
     @pytest.mark.parametrize(
         "case", _STACKED_LC_CASES.values(), ids=_STACKED_LC_CASES.keys()
     )
-    def test_stacked_locally_connected_equals_tf_keras(self, case):
-        errors = _compare_stacked_lc(case, ["/device:CPU:0"])
+    def test_stacked_locally_connected_equals_tf_keras(self, case, flavour):
+        errors = _compare_stacked_lc(case, ["/device:CPU:0"], flavour)
         assert max(errors.values()) < _TOLERANCE, errors
 
-    def test_output_blocks_are_the_output_split(self):
+    @flavours
+    def test_output_blocks_are_the_output_split(self, flavour):
         # 7 x 6 outputs in rows 4|3, columns 3|3; blocks row-major.
         reference = tf_keras.layers.LocallyConnected2D(4, 3, bias_initializer="ones")
-        layer = plc.PartitionedLocallyConnected2D(
+        layer = _FLAVOURS[flavour].lc(
             4, 3, 1, (2, 2), ["/device:CPU:0"], output_blocks=True
         )
         x = tf.random.stateless_normal([2, 9, 8, 3], seed=[5, 5])
@@ -534,22 +572,23 @@ class TestOneDevice:
         blocks = layer(x)
         expected = [y[:, :4, :3], y[:, :4, 3:], y[:, 4:, :3], y[:, 4:, 3:]]
         assert [b.shape for b in blocks] == [e.shape for e in expected]
-        assert layer.compute_output_shape([2, 9, 8, 3]) == [e.shape for e in expected]
+        shapes = layer.compute_output_shape([2, 9, 8, 3])
+        assert [tuple(s) for s in shapes] == [e.shape for e in expected]
         for block, part in zip(blocks, expected):
             np.testing.assert_allclose(block, part, rtol=0, atol=_TOLERANCE)
 
-    def test_block_mode_trains_in_a_keras_model(self):
-        inputs = tf_keras.Input([9, 8, 3])
-        blocks = plc.PartitionedLocallyConnected2D(
-            4, 3, 1, (2, 2), ["/device:CPU:0"], output_blocks=True
-        )(inputs)
-        h = plc.PartitionedLocallyConnected2D(4, 3, 1, (2, 2), ["/device:CPU:0"])(
-            blocks
+    @flavours
+    def test_block_mode_trains_in_a_keras_model(self, flavour):
+        layers = _FLAVOURS[flavour]
+        inputs = layers.keras.Input([9, 8, 3])
+        blocks = layers.lc(4, 3, 1, (2, 2), ["/device:CPU:0"], output_blocks=True)(
+            inputs
         )
-        outputs = tf_keras.layers.Dense(5, activation="softmax")(
-            tf_keras.layers.Flatten()(h)
+        h = layers.lc(4, 3, 1, (2, 2), ["/device:CPU:0"])(blocks)
+        outputs = layers.keras.layers.Dense(5, activation="softmax")(
+            layers.keras.layers.Flatten()(h)
         )
-        model = tf_keras.Model(inputs, outputs)
+        model = layers.keras.Model(inputs, outputs)
         model.compile("sgd", "sparse_categorical_crossentropy")
         x = tf.random.stateless_normal([8, 9, 8, 3], seed=[7, 7])
         y = tf.zeros([8], tf.int32)
@@ -557,26 +596,26 @@ class TestOneDevice:
         model.fit(x, y, epochs=3, verbose=0)
         assert model.evaluate(x, y, verbose=0) < before
 
-    def test_seeded_initializer_matches_unpartitioned(self):
-        init = tf_keras.initializers.GlorotUniform(seed=7)
-        reference = tf_keras.layers.Dense(10, kernel_initializer=init)
-        layer = partitioned_dense.PartitionedDense(
-            10, 4, ["/device:CPU:0"], kernel_initializer=init
-        )
-        reference.build([None, 6]), layer.build([None, 6])
+    @flavours
+    def test_seeded_initializer_matches_unpartitioned(self, flavour):
+        layers = _FLAVOURS[flavour]
+        init = layers.keras.initializers.GlorotUniform(seed=7)
+        reference = layers.keras.layers.Dense(10, kernel_initializer=init)
+        layer = layers.dense(10, 4, ["/device:CPU:0"], kernel_initializer=init)
+        reference.build((None, 6)), layer.build((None, 6))
         np.testing.assert_array_equal(
             layer.get_unpartitioned_weights()[0], reference.get_weights()[0]
         )
 
-    def test_trains_in_a_keras_model(self):
-        model = tf_keras.Sequential(
+    @flavours
+    def test_trains_in_a_keras_model(self, flavour):
+        layers = _FLAVOURS[flavour]
+        model = layers.keras.Sequential(
             [
-                tf_keras.Input([9, 8, 3]),
-                plc.PartitionedLocallyConnected2D(4, 3, 1, (2, 2), ["/device:CPU:0"]),
-                tf_keras.layers.Flatten(),
-                partitioned_dense.PartitionedDense(
-                    5, 2, ["/device:CPU:0"], activation="softmax"
-                ),
+                layers.keras.Input([9, 8, 3]),
+                layers.lc(4, 3, 1, (2, 2), ["/device:CPU:0"]),
+                layers.keras.layers.Flatten(),
+                layers.dense(5, 2, ["/device:CPU:0"], activation="softmax"),
             ]
         )
         model.compile("sgd", "sparse_categorical_crossentropy")
@@ -586,23 +625,50 @@ class TestOneDevice:
         model.fit(x, y, epochs=3, verbose=0)
         assert model.evaluate(x, y, verbose=0) < before
 
-    def test_config_round_trip(self):
-        layer = plc.PartitionedLocallyConnected2D(
-            4, (3, 2), 2, (2, 1), activation="relu"
-        )
-        clone = plc.PartitionedLocallyConnected2D.from_config(layer.get_config())
+    @flavours
+    def test_config_round_trip(self, flavour):
+        lc = _FLAVOURS[flavour].lc
+        layer = lc(4, (3, 2), 2, (2, 1), activation="relu")
+        clone = lc.from_config(layer.get_config())
         assert clone.get_config() == layer.get_config()
 
-    def test_config_round_trip_output_blocks(self):
-        layer = plc.PartitionedLocallyConnected2D(4, 3, 1, 2, output_blocks=True)
-        clone = plc.PartitionedLocallyConnected2D.from_config(layer.get_config())
+    @flavours
+    def test_config_round_trip_output_blocks(self, flavour):
+        lc = _FLAVOURS[flavour].lc
+        layer = lc(4, 3, 1, 2, output_blocks=True)
+        clone = lc.from_config(layer.get_config())
         assert clone.get_config() == layer.get_config()
         assert clone.output_blocks
+
+    def test_keras3_model_file_round_trip(self, tmp_path):
+        # A Keras 3 model with both layers saves to `.keras` and loads back
+        # (registered serializables) with the same predictions.
+        model = keras.Sequential(
+            [
+                keras.Input([9, 8, 3]),
+                keras3_layers.PartitionedLocallyConnected2D(
+                    4, 3, 1, (2, 2), ["/device:CPU:0"], activation="relu"
+                ),
+                keras.layers.Flatten(),
+                keras3_layers.PartitionedDense(5, 2, ["/device:CPU:0"]),
+            ]
+        )
+        x = tf.random.stateless_normal([3, 9, 8, 3], seed=[8, 8]).numpy()
+        path = str(tmp_path / "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        assert [type(layer) for layer in loaded.layers] == [
+            type(layer) for layer in model.layers
+        ]
+        np.testing.assert_array_equal(loaded(x), model(x))
 
 
 # --- Child process: 4 logical CPU devices. ------------------------------------------
 
-_SCOPE = re.compile(r"(?:^|/)(lc\d?|dense)/(partition|halo)_(\d+)(?:_to_\d+)?/")
+# Keras 3 may add a suffix to a layer's scope in a graph (`lc_1`).
+_SCOPE = re.compile(
+    r"(?:^|/)(lc\d?|dense)(?:_\d+)?/(partition|halo)_(\d+)(?:_to_\d+)?/"
+)
 # A tensor sent between devices, by the layer and the step of it that made it.
 _SENT_BY = re.compile(r"(?:^|/)(lc\d)/(halo|scatter|partition)")
 
@@ -624,26 +690,45 @@ def _run_with_metadata(fn, *args):
     return [g for f in metadata.function_graphs for g in f.partition_graphs]
 
 
-def _placement_report():
-    """Where each partition's forward and backward ops ran, by partition."""
-    lc = plc.PartitionedLocallyConnected2D(4, 3, 1, 4, name="lc", activation="relu")
-    dense = partitioned_dense.PartitionedDense(
-        10, 4, name="dense", activation="softmax"
+def _variable_device(variable):
+    # A Keras 3 variable holds its `tf.Variable` as `value`.
+    return variable.device if isinstance(variable, tf.Variable) else variable.value.device
+
+
+def _placement_report(flavour):
+    """Where each partition's forward and backward ops ran, by partition.
+
+    tf_keras: the layers called on their variables. Keras 3: as `keras3.fit`
+    trains, `stateless_call` on values handed in, differentiated by them.
+    """
+    layers = _FLAVOURS[flavour]
+    lc = layers.lc(4, 3, 1, 4, name="lc", activation="relu")
+    dense = layers.dense(10, 4, name="dense", activation="softmax")
+    model = layers.keras.Sequential(
+        [layers.keras.Input([9, 8, 3]), lc, layers.keras.layers.Flatten(), dense]
     )
     x = tf.random.stateless_normal([2, 9, 8, 3], seed=[1, 1])
+    values = [tf.convert_to_tensor(v) for v in model.trainable_weights]
 
     @tf.function
-    def step(x):
+    def step(x, values):
         with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = dense(tf.reshape(lc(x), [2, -1]))
+            tape.watch([x, *values])
+            if flavour == "keras3":
+                y, _ = model.stateless_call(values, [], x)
+            else:
+                y = model(x)
             loss = tf.reduce_sum(y * y)
-        return tape.gradient(loss, [x, *lc.trainable_weights, *dense.trainable_weights])
+        targets = values if flavour == "keras3" else model.trainable_weights
+        return tape.gradient(loss, [x, *targets])
 
     return {
-        "ops": _devices_by_scope(_run_with_metadata(step, x)),
+        "ops": _devices_by_scope(_run_with_metadata(step, x, values)),
         "variables": {
-            name: [_short(v.device) for v in layer.block_kernels + layer.block_biases]
+            name: [
+                _short(_variable_device(v))
+                for v in [*layer.block_kernels, *layer.block_biases]
+            ]
             for name, layer in (("lc", lc), ("dense", dense))
         },
     }
@@ -663,9 +748,11 @@ def _devices_by_scope(graphs):
     return {k: sorted(v) for k, v in seen.items()}
 
 
-def _stacked_placement_report():
+def _stacked_placement_report(flavour):
     """Where each partition of three stacked layers in block mode ran its ops."""
-    _, layers = _stacked_lc(_STACKED_LC_CASES["3_layers_4_parts"][1], 4, None)
+    _, layers = _stacked_lc(
+        _STACKED_LC_CASES["3_layers_4_parts"][1], 4, None, flavour=flavour
+    )
     x = tf.random.stateless_normal([2, 14, 6, 2], seed=[1, 1])
     variables = [v for layer in layers for v in layer.trainable_weights]
 
@@ -784,18 +871,26 @@ def _server_report():
     return {"devices": devices, "add_ran_on": sorted(ran_on)}
 
 
+def _flavour_report(flavour):
+    """Equality and placement of one flavour's layers on 4 devices."""
+    return {
+        "lc": {k: _compare_lc(c, None, flavour) for k, c in _LC_CASES.items()},
+        "lc_stacked": {
+            k: _compare_stacked_lc(c, None, flavour)
+            for k, c in _STACKED_LC_CASES.items()
+        },
+        "dense": {k: _compare_dense(c, None, flavour) for k, c in _DENSE_CASES.items()},
+        "placement": _placement_report(flavour),
+        "stacked_placement": _stacked_placement_report(flavour),
+    }
+
+
 def _child_report():
     model_parallel.configure_logical_cpus(_NUM_DEVICES)
     return {
         "devices": model_parallel.replica_devices(),
-        "lc": {k: _compare_lc(c, None) for k, c in _LC_CASES.items()},
-        "lc_stacked": {
-            k: _compare_stacked_lc(c, None) for k, c in _STACKED_LC_CASES.items()
-        },
-        "dense": {k: _compare_dense(c, None) for k, c in _DENSE_CASES.items()},
-        "placement": _placement_report(),
+        **{flavour: _flavour_report(flavour) for flavour in _FLAVOURS},
         "traffic": _halo_traffic_report(),
-        "stacked_placement": _stacked_placement_report(),
         "stacked_traffic": _stacked_traffic_report(),
         "server": _server_report(),
     }
@@ -823,26 +918,33 @@ class TestFourDevices:
     def test_devices(self, report):
         assert report["devices"] == [f"/device:CPU:{i}" for i in range(_NUM_DEVICES)]
 
+    @flavours
     @pytest.mark.parametrize("case", _LC_CASES.keys())
-    def test_locally_connected_equals_tf_keras(self, report, case):
-        assert max(report["lc"][case].values()) < _TOLERANCE, report["lc"][case]
-
-    @pytest.mark.parametrize("case", _STACKED_LC_CASES.keys())
-    def test_stacked_locally_connected_equals_tf_keras(self, report, case):
-        errors = report["lc_stacked"][case]
+    def test_locally_connected_equals_tf_keras(self, report, case, flavour):
+        errors = report[flavour]["lc"][case]
         assert max(errors.values()) < _TOLERANCE, errors
 
-    @pytest.mark.parametrize("case", _DENSE_CASES.keys())
-    def test_dense_equals_tf_keras(self, report, case):
-        assert max(report["dense"][case].values()) < _TOLERANCE, report["dense"][case]
+    @flavours
+    @pytest.mark.parametrize("case", _STACKED_LC_CASES.keys())
+    def test_stacked_locally_connected_equals_tf_keras(self, report, case, flavour):
+        errors = report[flavour]["lc_stacked"][case]
+        assert max(errors.values()) < _TOLERANCE, errors
 
-    def test_variables_on_their_devices(self, report):
-        variables = report["placement"]["variables"]
+    @flavours
+    @pytest.mark.parametrize("case", _DENSE_CASES.keys())
+    def test_dense_equals_dense(self, report, case, flavour):
+        errors = report[flavour]["dense"][case]
+        assert max(errors.values()) < _TOLERANCE, errors
+
+    @flavours
+    def test_variables_on_their_devices(self, report, flavour):
+        variables = report[flavour]["placement"]["variables"]
         expected = [f"CPU:{k}" for k in range(_NUM_DEVICES)] * 2  # Kernels, biases.
         assert variables == {"lc": expected, "dense": expected}
 
-    def test_each_partition_runs_on_its_device(self, report):
-        ops = report["placement"]["ops"]
+    @flavours
+    def test_each_partition_runs_on_its_device(self, report, flavour):
+        ops = report[flavour]["placement"]["ops"]
         for layer in ("lc", "dense"):
             for pass_ in ("forward", "backward"):
                 for k in range(_NUM_DEVICES):
@@ -874,8 +976,9 @@ class TestFourDevices:
             [2, 9, 8, 3], (3, 3), (1, 1), (2, 2), filters=4
         )
 
-    def test_stacked_partitions_run_on_their_devices(self, report):
-        ops = report["stacked_placement"]
+    @flavours
+    def test_stacked_partitions_run_on_their_devices(self, report, flavour):
+        ops = report[flavour]["stacked_placement"]
         for layer in ("lc1", "lc2", "lc3"):
             for pass_ in ("forward", "backward"):
                 for k in range(_NUM_DEVICES):

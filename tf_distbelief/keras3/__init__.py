@@ -18,6 +18,8 @@ the tf_keras path:
 * `checkpoints`: `fit(model_dir=...)`'s checkpoints, in the tf_keras job's
   layout and written, restored and verified by the same `faults` services
   (exact resume into any number of ps tasks).
+* `layers`: `PartitionedDense` and `PartitionedLocallyConnected2D`, the
+  model-parallel layers (section 3) as Keras 3 layers.
 * `job`: the training job of `launch/train.py --keras=3` (ps recovery and
   export as for tf_keras).
 """
@@ -28,6 +30,8 @@ __all__, __getattr__, __dir__ = _lazy.exports(
     __name__,
     {
         "Adagrad": "optimizer",
+        "PartitionedDense": "layers",
+        "PartitionedLocallyConnected2D": "layers",
         "PsWeights": "variables",
         "SGD": "optimizer",
         "fit": "training",

@@ -1,11 +1,5 @@
-"""A dense layer whose output units are split over devices.
-
-Dean et al. 2012, section 3: each partition of a model-parallel replica computes its
-own units. For a fully connected layer a partition owns a block of output columns:
-its slice of the kernel and bias live on its device and it computes
-`inputs @ kernel[:, cols] + bias[cols]` there. Every partition needs the whole input,
-so `(num_partitions - 1)` copies of it cross partitions per forward pass, which is
-why fully connected layers gain least from model parallelism.
+"""`PartitionedDense`: a tf_keras dense layer whose output units are split over
+devices (Dean et al. 2012, section 3; the computation: `dense_partitions`).
 
 ```python
 import tensorflow as tf
@@ -21,163 +15,32 @@ reference(x), layer(x)
 layer.set_unpartitioned_weights(reference.get_weights())
 layer.cross_partition_bytes(batch_size=8)  # 3 * 8 * 440 * 4 bytes.
 ```
+
+The Keras 3 layer is `tf_distbelief.keras3.layers.PartitionedDense`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from types import EllipsisType
-
-import tensorflow as tf
 import tf_keras
 
-from tf_distbelief.model_parallel import base, partition_math
-from tf_distbelief.model_parallel import devices as model_parallel
+from tf_distbelief.model_parallel import dense_partitions
 
 __all__ = ["PartitionedDense"]
 
-# Activations that act on each element alone, so each partition applies them to its
-# own units; any other (softmax normalises over all units) runs after the concat.
-_ELEMENTWISE_ACTIVATIONS = frozenset(
-    [
-        "linear",
-        "relu",
-        "relu6",
-        "sigmoid",
-        "hard_sigmoid",
-        "tanh",
-        "elu",
-        "selu",
-        "gelu",
-        "swish",
-        "silu",
-        "softplus",
-        "softsign",
-        "exponential",
-    ]
-)
 
-
-class PartitionedDense(base.PartitionedLayer):
+class PartitionedDense(dense_partitions.DensePartitions, tf_keras.layers.Layer):
     """`tf_keras.layers.Dense` with its units split over devices.
 
-    Partition `k` owns units `bounds[k]:bounds[k + 1]` (`partition_math.split_bounds`,
-    so `units` need not divide evenly: 10 units over 4 partitions gives 3, 3, 2, 2).
-    Its kernel `[input_units, its_units]` and bias `[its_units]` are created under
-    its device, and its matrix product runs there; the outputs are concatenated.
-    Element-wise activations run per partition, others (softmax) after the concat.
-    Results equal `tf_keras.layers.Dense` with the same weights
-    (`set_unpartitioned_weights`, which takes `[kernel, bias]` as
-    `Dense.get_weights()` gives them: `[input_units, units]` and `[units]`).
+    See `dense_partitions.DensePartitions` for the arguments and the
+    computation: partition `k`'s kernel `[input_units, its_units]` and bias
+    `[its_units]` are created under its device and its matrix product runs
+    there. Results equal `tf_keras.layers.Dense` with the same weights
+    (`set_unpartitioned_weights` takes `Dense.get_weights()`). Activations are
+    tf_keras's. Under a `DistBeliefStrategy` the blocks are ps variables
+    (sharded by the strategy's partitioner like any other).
     """
 
-    def __init__(
-        self,
-        units: int,
-        num_partitions: int = 1,
-        devices: Sequence[str] | None = None,
-        activation=None,
-        use_bias: bool = True,
-        kernel_initializer="glorot_uniform",
-        bias_initializer="zeros",
-        **kwargs,
-    ):
-        """Creates the layer; weights are made in `build`.
-
-        Args:
-          units: output width.
-          num_partitions: partitions of the units, `1 <= num_partitions <= units`.
-          devices: device names; `None` means `model_parallel.replica_devices()`.
-            Partition `k` runs on `devices[k % len(devices)]`.
-          activation: `tf_keras` activation.
-          use_bias: whether to add a `[units]` bias.
-          kernel_initializer: initializer of the whole `[input_units, units]` kernel.
-          bias_initializer: initializer of the whole bias.
-          **kwargs: `tf_keras.layers.Layer` arguments (`name`, `dtype`, ...).
-
-        Raises:
-          ValueError: if `units` or `num_partitions` is out of range.
-        """
-        if not isinstance(units, int) or units < 1:
-            raise ValueError(f"Argument `units` must be >= 1. Received: {units!r}")
-        if not isinstance(num_partitions, int) or not 1 <= num_partitions <= units:
-            raise ValueError(
-                f"Argument `num_partitions` must be >= 1 and <= `units` ({units}). "
-                f"Received: {num_partitions!r}"
-            )
-        super().__init__(
-            num_partitions,
-            devices,
-            activation,
-            use_bias,
-            kernel_initializer,
-            bias_initializer,
-            **kwargs,
-        )
-        self.units = units
-        self.bounds = partition_math.split_bounds(units, num_partitions)
-        self.input_spec = tf_keras.layers.InputSpec(min_ndim=2)
-
-    def build(self, input_shape):
-        input_units = tf.TensorShape(input_shape)[-1]
-        if input_units is None:
-            raise ValueError(
-                "Argument `input_shape` must have a known last dimension. "
-                f"Received: {input_shape}"
-            )
-        self.input_units = input_units
-        self._build_blocks(self.num_partitions)
-        super().build(input_shape)
-
-    def _weight_layouts(self) -> tuple[base.WeightLayout, base.WeightLayout]:
-        sizes = [b - a for a, b in zip(self.bounds, self.bounds[1:])]
-        kernel = (self.input_units, self.units)
-        return (
-            base.WeightLayout(kernel, kernel, tuple((kernel[0], n) for n in sizes)),
-            base.WeightLayout((self.units,), (self.units,), tuple((n,) for n in sizes)),
-        )
-
-    def _block_index(self, k: int) -> tuple[EllipsisType, slice]:
-        # The units are the last axis of both the kernel and the bias.
-        return ..., slice(self.bounds[k], self.bounds[k + 1])
-
-    def call(self, inputs):
-        name = tf_keras.activations.serialize(self.activation)
-        elementwise = isinstance(name, str) and name in _ELEMENTWISE_ACTIVATIONS
-        outputs = []
-        for k, device in enumerate(self.partition_devices):
-
-            def partition(x, k=k):
-                if x.shape.rank == 2:
-                    y = tf.matmul(x, self.block_kernels[k])
-                else:
-                    y = tf.tensordot(x, self.block_kernels[k], [[-1], [0]])
-                if self.use_bias:
-                    y = y + self.block_biases[k]
-                return self.activation(y) if elementwise else y
-
-            with tf.name_scope(f"partition_{k}"):
-                outputs.append(model_parallel.call_on_device(device, partition, inputs))
-        outputs = tf.concat(outputs, axis=-1)
-        return outputs if elementwise else self.activation(outputs)
-
-    def compute_output_shape(self, input_shape):
-        return tf.TensorShape(input_shape)[:-1].concatenate([self.units])
-
-    def cross_partition_bytes(self, batch_size: int) -> int:
-        """Input bytes one forward pass moves between partitions (backward: as many).
-
-        Args:
-          batch_size: examples per step (rows of a rank-2 input).
-
-        Returns:
-          `partition_math.dense_cross_partition_bytes` for this layer's shapes.
-        """
-        return partition_math.dense_cross_partition_bytes(
-            batch_size, self.input_units, self.num_partitions, self.compute_dtype
-        )
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(units=self.units)
-        return config
+    _keras = tf_keras
+    # Each partition reads its variables where it runs (a `ShardedVariable`
+    # joined there), differentiated through `tf.custom_gradient`'s `variables`.
+    _weights_as_arguments = False

@@ -9,7 +9,7 @@ exposes several CPU devices when started with `tf_distbelief.cluster.server_conf
 (`LocalCluster(..., cpu_devices_per_worker=k)`). How sizes split and how many
 bytes cross partitions is pure arithmetic, in `model_parallel.partition_math`. The
 layers are in `model_parallel.dense` and `model_parallel.locally_connected`
-(subclasses of `model_parallel.base.PartitionedLayer`).
+(their weights: `model_parallel.base.PartitionedWeights`).
 
 Example, in a plain process before TensorFlow initialises:
 
