@@ -692,7 +692,9 @@ def _run_with_metadata(fn, *args):
 
 def _variable_device(variable):
     # A Keras 3 variable holds its `tf.Variable` as `value`.
-    return variable.device if isinstance(variable, tf.Variable) else variable.value.device
+    return (
+        variable.device if isinstance(variable, tf.Variable) else variable.value.device
+    )
 
 
 def _placement_report(flavour):
