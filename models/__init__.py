@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 
-def _build(name, seed, speech_hidden_units, speech_classes, devices):
+def _build(name, seed, speech_hidden_units, speech_classes, keras, devices):
     if devices:
         from models import model_parallel
 
@@ -41,7 +41,10 @@ def _build(name, seed, speech_hidden_units, speech_classes, devices):
             seed=seed,
             speech_hidden_units=speech_hidden_units,
             speech_classes=speech_classes,
+            keras=keras,
         )
+    if keras == 3:
+        return KERAS3[name](seed=seed)
     if name == "speech":
         return speech.build_model(speech_hidden_units, speech_classes, seed=seed)
     return MODELS[name].build_model(seed=seed)
@@ -74,7 +77,7 @@ def spec(
     Returns:
       A `ModelSpec`; `build_model(devices)` gives the model-parallel version
       (one partition per entry of `devices`) for the models in
-      `MODEL_PARALLEL`.
+      `MODEL_PARALLEL`, with Keras 3 too.
 
     Raises:
       ConfigError: `name` is not one of `MODELS`, or has no Keras 3 builder.
@@ -83,21 +86,15 @@ def spec(
         raise errors.ConfigError(
             f"`model` must be one of {', '.join(MODELS)}. Received: {name!r}"
         )
-    if keras == 3:
-        if name not in KERAS3:
-            raise errors.ConfigError(
-                f"`model` must be one of {', '.join(KERAS3)} with Keras 3 "
-                f"(`--keras=3`). Received: {name!r}"
-            )
-        return spec_lib.ModelSpec(
-            name=name,
-            build_model=lambda devices: KERAS3[name](seed=seed),
-            load_data=functools.partial(_load, name, seed, speech_classes),
+    if keras == 3 and name not in KERAS3:
+        raise errors.ConfigError(
+            f"`model` must be one of {', '.join(KERAS3)} with Keras 3 "
+            f"(`--keras=3`). Received: {name!r}"
         )
     return spec_lib.ModelSpec(
         name=name,
         build_model=functools.partial(
-            _build, name, seed, speech_hidden_units, speech_classes
+            _build, name, seed, speech_hidden_units, speech_classes, keras
         ),
         load_data=functools.partial(_load, name, seed, speech_classes),
         model_parallel=name in MODEL_PARALLEL,

@@ -1,7 +1,10 @@
 """Model-parallel replicas (Dean et al. 2012, section 3) of `speech` and `digits`.
 
 Each model takes and gives what its one-device counterpart does, so the data,
-loss and metrics of `models.speech` and `models.digits` apply unchanged:
+loss and metrics of `models.speech` and `models.digits` apply unchanged. Each is
+built with tf_keras (`keras=2`, the tf_distbelief.model_parallel layers, under
+the strategy's scope) or with Keras 3 (`keras=3`, the tf_distbelief.keras3.layers
+layers, outside it, for `tf_distbelief.keras3.fit`):
 
 * `speech`: the paper's fully connected acoustic model (440 inputs, 4 sigmoid
   hidden layers, softmax logits) with every layer's units split over the devices
@@ -33,17 +36,41 @@ with strategy.scope():
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import tf_keras
+from typing import Any, NamedTuple
 
 from models import digits, speech
-from tf_distbelief.model_parallel import dense as partitioned_dense
-from tf_distbelief.model_parallel import (
-    locally_connected as partitioned_locally_connected,
-)
 
 MODEL_NAMES = ("digits", "speech")
 IMAGE_SHAPE = (8, 8, 1)  # The digits' 64 pixels as rows, columns, channels.
+
+
+class _Layers(NamedTuple):
+    keras: Any  # `tf_keras` or `keras`.
+    dense: type  # Its `PartitionedDense`.
+    locally_connected: type  # Its `PartitionedLocallyConnected2D`.
+
+
+def _layers(keras: int) -> _Layers:
+    """The Keras module and partitioned layers of Keras `keras` (2 or 3)."""
+    if keras == 3:
+        import keras as keras3
+
+        from tf_distbelief.keras3 import layers
+
+        return _Layers(
+            keras3, layers.PartitionedDense, layers.PartitionedLocallyConnected2D
+        )
+    if keras != 2:
+        raise ValueError(f"Argument `keras` must be 2 or 3. Received: {keras!r}")
+    import tf_keras
+
+    from tf_distbelief.model_parallel import dense, locally_connected
+
+    return _Layers(
+        tf_keras,
+        dense.PartitionedDense,
+        locally_connected.PartitionedLocallyConnected2D,
+    )
 
 
 def _check_partitions(num_partitions: int | None, devices: Sequence[str]) -> int:
@@ -68,7 +95,8 @@ def build_speech_mlp(
     hidden_units: int = 256,
     num_classes: int = speech.PAPER_NUM_CLASSES,
     seed: int = 0,
-) -> tf_keras.Model:
+    keras: int = 2,
+):
     """Returns the uncompiled speech MLP with each layer's units split.
 
     Same shapes and initializer seeds as `models.speech.build_model`: 440 inputs,
@@ -82,9 +110,10 @@ def build_speech_mlp(
       hidden_units: width of each hidden layer (2560 in the paper).
       num_classes: softmax width (8192 in the paper).
       seed: initializer seed.
+      keras: 2 (tf_keras) or 3 (Keras 3).
 
     Returns:
-      A tf_keras `Sequential` mapping `[batch, 440]` float32 to
+      A `Sequential` of that Keras mapping `[batch, 440]` float32 to
       `[batch, num_classes]` logits.
 
     Raises:
@@ -92,11 +121,12 @@ def build_speech_mlp(
     """
     num_partitions = _check_partitions(num_partitions, devices)
     speech.check_positive(hidden_units=hidden_units, num_classes=num_classes)
-    init = tf_keras.initializers.GlorotUniform
-    layers = [tf_keras.layers.InputLayer(input_shape=(speech.NUM_FEATURES,))]
+    api = _layers(keras)
+    init = api.keras.initializers.GlorotUniform
+    layers = [api.keras.Input(shape=(speech.NUM_FEATURES,))]
     for i in range(speech.NUM_HIDDEN_LAYERS):
         layers.append(
-            partitioned_dense.PartitionedDense(
+            api.dense(
                 hidden_units,
                 num_partitions,
                 devices,
@@ -106,7 +136,7 @@ def build_speech_mlp(
             )
         )
     layers.append(
-        partitioned_dense.PartitionedDense(
+        api.dense(
             num_classes,
             num_partitions,
             devices,
@@ -114,7 +144,7 @@ def build_speech_mlp(
             name="logits",
         )
     )
-    return tf_keras.Sequential(layers, name="speech_mlp_partitioned")
+    return api.keras.Sequential(layers, name="speech_mlp_partitioned")
 
 
 def build_digits_lc(
@@ -123,7 +153,8 @@ def build_digits_lc(
     filters: int = 16,
     kernel_size: int = 3,
     seed: int = 0,
-) -> tf_keras.Model:
+    keras: int = 2,
+):
     """Returns an uncompiled locally connected digits classifier, split spatially.
 
     `[batch, 64]` -> `8 x 8 x 1` -> `PartitionedLocallyConnected2D(filters,
@@ -138,21 +169,23 @@ def build_digits_lc(
       filters: output channels per position of the locally connected layer.
       kernel_size: window rows and columns, 1 to 8.
       seed: initializer seed.
+      keras: 2 (tf_keras) or 3 (Keras 3).
 
     Returns:
-      A tf_keras `Sequential` mapping `[batch, 64]` float32 to `[batch, 10]`
+      A `Sequential` of that Keras mapping `[batch, 64]` float32 to `[batch, 10]`
       logits, like `models.digits.build_model`.
 
     Raises:
       ValueError: if an argument is out of range (some at build time).
     """
     num_partitions = _check_partitions(num_partitions, devices)
-    init = tf_keras.initializers.GlorotUniform
-    return tf_keras.Sequential(
+    api = _layers(keras)
+    init = api.keras.initializers.GlorotUniform
+    return api.keras.Sequential(
         [
-            tf_keras.layers.InputLayer(input_shape=(digits.NUM_FEATURES,)),
-            tf_keras.layers.Reshape(IMAGE_SHAPE),
-            partitioned_locally_connected.PartitionedLocallyConnected2D(
+            api.keras.Input(shape=(digits.NUM_FEATURES,)),
+            api.keras.layers.Reshape(IMAGE_SHAPE),
+            api.locally_connected(
                 filters,
                 kernel_size,
                 num_partitions=num_partitions,
@@ -161,8 +194,8 @@ def build_digits_lc(
                 kernel_initializer=init(seed),
                 name="local",
             ),
-            tf_keras.layers.Flatten(),
-            tf_keras.layers.Dense(
+            api.keras.layers.Flatten(),
+            api.keras.layers.Dense(
                 digits.NUM_CLASSES, kernel_initializer=init(seed + 1), name="logits"
             ),
         ],
@@ -177,11 +210,14 @@ def build_model(
     num_partitions: int | None = None,
     speech_hidden_units: int = 256,
     speech_classes: int = speech.PAPER_NUM_CLASSES,
-) -> tf_keras.Model:
+    keras: int = 2,
+):
     """Returns the uncompiled model-parallel replica of model `name`.
 
-    The entry point for `--devices_per_replica=k`: call it under the strategy's
-    scope with `devices=tf_distbelief.model_parallel.cpu_device_names(k)`.
+    The entry point for `--devices_per_replica=k`: call it with
+    `devices=tf_distbelief.model_parallel.cpu_device_names(k)`, under the
+    strategy's scope for tf_keras, outside it (once the strategy has
+    connected, so that the workers' devices are known) for Keras 3.
 
     Args:
       name: `"digits"` (`build_digits_lc`) or `"speech"` (`build_speech_mlp`).
@@ -191,16 +227,18 @@ def build_model(
       num_partitions: partitions per layer; `None` means `len(devices)`.
       speech_hidden_units: `speech` only: width of the hidden layers.
       speech_classes: `speech` only: softmax width.
+      keras: 2 (tf_keras) or 3 (Keras 3).
 
     Returns:
-      A tf_keras model with the inputs and outputs of `models.<name>.build_model`.
+      A model of that Keras with the inputs and outputs of
+      `models.<name>.build_model`.
 
     Raises:
       ValueError: if `name` has no model-parallel version, or an argument is out
         of range.
     """
     if name == "digits":
-        return build_digits_lc(devices, num_partitions, seed=seed)
+        return build_digits_lc(devices, num_partitions, seed=seed, keras=keras)
     if name == "speech":
         return build_speech_mlp(
             devices,
@@ -208,6 +246,7 @@ def build_model(
             hidden_units=speech_hidden_units,
             num_classes=speech_classes,
             seed=seed,
+            keras=keras,
         )
     raise ValueError(
         f"Argument `name` must be one of {', '.join(MODEL_NAMES)} (models with a "

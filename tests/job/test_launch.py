@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import tf_distbelief as tfdb
+from models import digits
 from tests.fixtures.helpers import tensorboard_scalars
 from tests.fixtures.launch import (
     README_ARGS,
@@ -281,11 +282,27 @@ def test_downpour_through_the_launch_script(downpour_launch_ps0_killed):
     assert _accuracy(output) >= 0.95
 
 
+# A plain process (no cluster, no tf_distbelief): the exported SavedModel's
+# `serving_default` on the test set.
+_SERVED_ACCURACY = """
+import sys, numpy as np, tensorflow as tf
+serve = tf.saved_model.load(sys.argv[1])
+x, y = np.load(sys.argv[2]), np.load(sys.argv[3])
+(logits,) = serve.signatures["serving_default"](tf.constant(x)).values()
+assert "tf_distbelief" not in sys.modules
+print(f"{np.mean(logits.numpy().argmax(-1) == y):.4f}")
+"""
+
+
 @pytest.mark.slow
-def test_model_parallel_replicas_through_the_launch_script():
-    """Downpour on 2 workers whose replicas each span 2 CPU devices."""
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_model_parallel_replicas_through_the_launch_script(keras, tmp_path):
+    """Downpour on 2 workers whose replicas each span 2 CPU devices, with a
+    tf_keras model and with a Keras 3 one; the export serves in a plain
+    process with the accuracy the job printed."""
     output = _train_ok(
         [
+            f"--keras={keras}",
             "--model=digits",
             "--devices_per_replica=2",
             "--downpour",
@@ -295,9 +312,30 @@ def test_model_parallel_replicas_through_the_launch_script():
             "--learning_rate=0.3",
             "--num_workers=2",
             "--num_ps=2",
+            f"--export_dir={tmp_path / 'export'}",
         ]
     )
     assert _accuracy(output) >= 0.9
+    _, (x_test, y_test) = digits.load_data()
+    np.save(tmp_path / "x.npy", x_test), np.save(tmp_path / "y.npy", y_test)
+    served = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _SERVED_ACCURACY,
+            str(tmp_path / "export" / "saved_model"),
+            str(tmp_path / "x.npy"),
+            str(tmp_path / "y.npy"),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(tmp_path),
+    )
+    assert float(served.stdout.split()[-1]) == pytest.approx(
+        _accuracy(output), abs=1e-4
+    )
 
 
 def test_devices_per_replica_needs_a_model_parallel_model():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import models
 from models import digits
 from tests.fixtures.launch import ROOT
 from tf_distbelief import job, keras3
@@ -366,27 +367,36 @@ def test_digits_trains_to_95_percent_and_saves_as_keras(local_cluster, tmp_path)
 def test_training_imports_no_tf_keras():
     code = (
         "import sys, tf_distbelief.keras3 as k; k.fit, k.Adagrad, k.PsWeights; "
+        "k.PartitionedDense, k.PartitionedLocallyConnected2D; "
         "assert 'tf_keras' not in sys.modules, 'tf_keras imported'"
     )
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
 
 
-@pytest.mark.parametrize(
-    "field, value, match",
-    [
-        (
-            "optimizer",
-            "lbfgs",
-            r"`optimizer` must be 'adagrad' or 'sgd' with Keras 3.*'lbfgs'",
-        ),
-        ("devices_per_replica", 2, r"`devices_per_replica` must be 1 with Keras 3"),
-    ],
-)
-def test_keras3_job_refuses_what_it_lacks_before_any_server(field, value, match):
-    config = job.JobConfig(**{field: value})
-    with pytest.raises(ValueError, match=match):
+def test_keras3_job_refuses_what_it_lacks_before_any_server():
+    config = job.JobConfig(optimizer="lbfgs")
+    with pytest.raises(
+        ValueError,
+        match=r"`optimizer` must be 'adagrad' or 'sgd' with Keras 3.*'lbfgs'",
+    ):
         keras3_job.check_config(config)
+
+
+def test_keras3_job_splits_only_a_model_parallel_model():
+    config = job.JobConfig(devices_per_replica=2)
+    keras3_job.TRAINER.check(config, models.spec("digits", keras=3))
+    spec = job.ModelSpec(
+        name="user_mlp",
+        build_model=lambda devices: digits.build_keras3_model(),
+        load_data=digits.load_data,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"`devices_per_replica` > 1 needs a model with a model-parallel "
+        r"version .*Received: model='user_mlp'",
+    ):
+        keras3_job.TRAINER.check(config, spec)
 
 
 def test_keras3_job_runs_whole_functions_in_an_epoch():
@@ -464,8 +474,6 @@ def test_nonfinite_modes_are_the_fault_layers():
 
 
 def test_only_models_with_a_keras3_builder_take_keras_3():
-    import models
-
     spec = models.spec("digits", keras=3)
     assert isinstance(spec.build_model(None), keras.Model)
     with pytest.raises(ValueError, match=r"`model` must be one of digits with Keras 3"):
@@ -512,7 +520,6 @@ def test_evaluator_evaluates_every_keras3_checkpoint(local_cluster, tmp_path):
     """The `evaluator` task of a Keras 3 job: each checkpoint in `model_dir`,
     in order, loaded into a model of its own (no cluster) and evaluated; the
     last one's accuracy is the trained model's."""
-    import models
     from tests.fixtures.helpers import tensorboard_scalars
     from tf_distbelief import paths
 

@@ -15,6 +15,10 @@ for a missing `/device:CPU:1` on `CPU:0` (TF_NOTES.md, "Devices"):
   nothing falls back;
 * the runtime: a scheduled function returns partition 1's kernel gradient, and the
   tensor handle the coordinator gets back lives on the worker's `CPU:1`.
+
+The same model built with Keras 3 (`tf_distbelief.keras3.layers`) trains by
+`keras3.fit` with Downpour segments; the runtime check, the accuracy and the ps
+placement run for both (`trained`, parameterised by flavour).
 """
 
 import numpy as np
@@ -23,9 +27,9 @@ import tensorflow as tf
 import tf_keras
 
 from models import digits, model_parallel, speech
-from tf_distbelief import adagrad, downpour
+from tf_distbelief import adagrad, downpour, keras3
 from tf_distbelief import strategy as strategy_lib
-from tf_distbelief.fit import training
+from tf_distbelief.keras3 import variables as keras3_variables
 from tf_distbelief.model_parallel import devices as mp
 
 NUM_WORKERS = 2
@@ -68,6 +72,25 @@ def test_digits_lc_shapes_and_partitions():
     assert len(local.trainable_weights) == 4  # A kernel and a bias per block.
 
 
+def test_keras3_speech_mlp_equals_keras3_dense():
+    import keras
+
+    x = tf.random.stateless_normal([4, speech.NUM_FEATURES], seed=[1, 2])
+    split = model_parallel.build_model(
+        "speech",
+        ["/device:CPU:0"],
+        seed=3,
+        num_partitions=3,
+        speech_hidden_units=8,
+        speech_classes=6,
+        keras=3,
+    )
+    whole = speech.build_keras3_model(hidden_units=8, num_classes=6, seed=3)
+    assert isinstance(split, keras.Model)
+    np.testing.assert_allclose(split(x), whole(x), rtol=0, atol=1e-5)
+    assert split.count_params() == whole.count_params()
+
+
 def test_build_model_errors():
     with pytest.raises(ValueError, match=r"`name` must be one of digits, speech"):
         model_parallel.build_model("embedding", DEVICES)
@@ -75,6 +98,8 @@ def test_build_model_errors():
         model_parallel.build_model("digits", [])
     with pytest.raises(ValueError, match=r"`num_partitions` must be a positive"):
         model_parallel.build_model("speech", DEVICES, num_partitions=0)
+    with pytest.raises(ValueError, match=r"`keras` must be 2 or 3\. Received: 4"):
+        model_parallel.build_model("speech", DEVICES, keras=4)
 
 
 # --- On the cluster: Downpour, 2 workers x 2 devices --------------------------
@@ -89,9 +114,14 @@ def _partition_op_devices(graph, layer_name, k):
     return found
 
 
+def _cross_entropy(y, logits):
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+
 @pytest.fixture(scope="module")
-def trained(local_cluster):
-    """The digits model, split over 2 devices per replica, after Downpour `fit`."""
+def trained_tf_keras(local_cluster):
+    """The tf_keras digits model, split over 2 devices per replica, after
+    Downpour `model.fit`."""
     strategy = strategy_lib.DistBeliefStrategy(
         local_cluster.resolver_for(num_workers=NUM_WORKERS, num_ps=NUM_PS)
     )
@@ -122,37 +152,104 @@ def trained(local_cluster):
         if isinstance(cell.cell_contents, tf.types.experimental.PolymorphicFunction)
     ]
     (train_graph,) = [f.graph for f in scheduled._list_all_concrete_functions()]
+    local = model.get_layer("local")
+    x, y = tf.constant(x_train[:32]), tf.constant(y_train[:32])
+
+    @tf.function
+    def partition_gradients():
+        with tf.GradientTape() as tape:
+            loss = _cross_entropy(y, model(x, training=True))
+        return tape.gradient(loss, local.block_kernels)
+
     return {
         "model": model,
-        "replicas": replicas,
+        "stats": replicas.stats(),
         "strategy": strategy,
         "train_graph": train_graph,
         "test": (x_test, y_test),
-        "train": (x_train, y_train),
+        "ps_variables": model.trainable_variables,
+        "partition_gradients": partition_gradients,
     }
+
+
+@pytest.fixture(scope="module")
+def trained_keras3(local_cluster):
+    """The Keras 3 digits model, split over 2 devices per replica, after
+    Downpour `keras3.fit` (segments of 4 steps between fetches and pushes)."""
+    strategy = strategy_lib.DistBeliefStrategy(
+        local_cluster.resolver_for(num_workers=NUM_WORKERS, num_ps=NUM_PS)
+    )
+    # Outside the scope, once connected: the devices are the workers'.
+    model = model_parallel.build_model("digits", DEVICES, seed=0, keras=3)
+    (x_train, y_train), (x_test, y_test) = digits.load_data()
+    history = keras3.fit(
+        model,
+        x_train,
+        y_train,
+        strategy=strategy,
+        batch_size=32,
+        epochs=EPOCHS,
+        steps_per_epoch=100,
+        steps_per_execution=4,
+        loss=_cross_entropy,
+        optimizer=keras3.Adagrad(0.3),
+        downpour=downpour.DownpourConfig(n_fetch=4, n_push=4),
+        seed=0,
+    )
+    weights = history.ps_weights
+    local = model.get_layer("local")
+    kernels = [weights.paths.index(v.path) for v in local.block_kernels]
+    x, y = tf.constant(x_train[:32]), tf.constant(y_train[:32])
+
+    @tf.function
+    def partition_gradients():
+        # As `keras3.fit`'s steps: `stateless_call` on the ps values.
+        values = [keras3_variables.read(v) for v in weights.trainable]
+        with tf.GradientTape() as tape:
+            tape.watch(values)
+            logits, _ = model.stateless_call(values, [], x, training=True)
+            loss = _cross_entropy(y, logits)
+        grads = tape.gradient(loss, values)
+        return [grads[i] for i in kernels]
+
+    return {
+        "model": model,
+        "stats": history.downpour.stats(),
+        "strategy": strategy,
+        "test": (x_test, y_test),
+        "ps_variables": weights.trainable,
+        "partition_gradients": partition_gradients,
+    }
+
+
+@pytest.fixture(scope="module", params=["tf_keras", "keras3"])
+def trained(request):
+    return request.getfixturevalue(f"trained_{request.param}")
 
 
 @pytest.mark.slow
 def test_reaches_test_accuracy(trained):
-    stats = trained["replicas"].stats()
+    stats = trained["stats"]
     assert all(s.steps > 0 and s.pushes > 0 for s in stats), stats
     x_test, y_test = trained["test"]
     # On the coordinator, which has only CPU:0: both partitions soft-place there.
-    accuracy = training.accuracy(trained["model"], x_test, y_test)
+    logits = trained["model"].predict(x_test, verbose=0)
+    accuracy = float(np.mean(np.argmax(logits, -1) == y_test))
     assert accuracy >= MIN_TEST_ACCURACY, accuracy
 
 
 @pytest.mark.slow
 def test_variables_live_on_the_ps(trained):
-    variables = trained["model"].trainable_variables
+    variables = trained["ps_variables"]
     assert len(variables) == 6  # 2 blocks x (kernel, bias), then the head.
-    for v in variables:
-        assert tf.DeviceSpec.from_string(v.device).job == "ps", (v.name, v.device)
+    for shard in (s for v in variables for s in keras3_variables.shards_of(v)):
+        device = tf.DeviceSpec.from_string(shard.device)
+        assert device.job == "ps", (shard.name, shard.device)
 
 
 @pytest.mark.slow
-def test_fit_graph_runs_each_partition_on_its_device(trained):
-    graph = trained["train_graph"]
+def test_fit_graph_runs_each_partition_on_its_device(trained_tf_keras):
+    graph = trained_tf_keras["train_graph"]
     for k, device in enumerate(DEVICES):
         ops = _partition_op_devices(graph, "local", k)
         assert set(ops) == {device}, {d: names[:3] for d, names in ops.items()}
@@ -168,22 +265,10 @@ def test_fit_graph_runs_each_partition_on_its_device(trained):
 
 @pytest.mark.slow
 def test_partition_1_ran_on_worker_cpu_1(trained):
-    model, strategy = trained["model"], trained["strategy"]
-    local = model.get_layer("local")
-    x_train, y_train = trained["train"]
-    x, y = tf.constant(x_train[:32]), tf.constant(y_train[:32])
-
-    @tf.function
-    def partition_gradients():
-        with tf.GradientTape() as tape:
-            logits = model(x, training=True)
-            loss = tf.reduce_mean(
-                tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
-            )
-        return tape.gradient(loss, local.block_kernels)
-
-    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-    results = [coordinator.schedule(partition_gradients) for _ in range(4)]
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(
+        trained["strategy"]
+    )
+    results = [coordinator.schedule(trained["partition_gradients"]) for _ in range(4)]
     coordinator.join()
     for result in results:
         # `get()` would copy to the coordinator; the handles before that copy
@@ -194,7 +279,7 @@ def test_partition_1_ran_on_worker_cpu_1(trained):
         assert [f"/device:CPU:{s.device_index}" for s in specs] == DEVICES
 
 
-def test_worker_device_names_are_the_workers_cpus_without_gpus(trained):
+def test_worker_device_names_are_the_workers_cpus_without_gpus(trained_tf_keras):
     """On the connected coordinator: the workers have 2 CPU devices, no GPU."""
     assert not [
         d for d in tf.config.list_logical_devices("GPU") if "/job:worker" in d.name

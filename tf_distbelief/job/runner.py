@@ -54,8 +54,9 @@ def check_spec(config: JobConfig, spec: ModelSpec) -> None:
         )
 
 
-def build_model(config: JobConfig, spec: ModelSpec, devices=None) -> tf_keras.Model:
-    """Returns the uncompiled model of `spec`.
+def build_model(config: JobConfig, spec: ModelSpec, devices=None):
+    """Returns the uncompiled model of `spec` (tf_keras, or Keras 3 for a
+    Keras 3 spec).
 
     Args:
       config: the job.

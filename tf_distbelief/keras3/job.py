@@ -37,7 +37,6 @@ _UNSUPPORTED = (
         ("adagrad", "sgd"),
         "AdaGrad and SGD on the ps are the Keras 3 path's optimizers",
     ),
-    ("devices_per_replica", (1,), "no model-parallel Keras 3 layers"),
 )
 
 
@@ -132,8 +131,9 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
     """One attempt of `train`: a new strategy and model, resumed from `model_dir`."""
     strategy = runner.connect_strategy(config, cluster_resolver)
     # Outside the strategy's scope: the model's own variables stay on the
-    # chief; `fit` puts their ps copies on the ps.
-    model = spec.build_model(None)
+    # chief; `fit` puts their ps copies on the ps. Connected first: a
+    # model-parallel model's devices are the workers'.
+    model = runner.build_model(config, spec)
     (x_train, y_train), (x_test, y_test) = spec.load_data()
     start = time.monotonic()
     history = training.fit(
@@ -167,7 +167,9 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
     if config.export_dir:
         # `serving_default` takes the test features' dtype and shape.
         input_spec = tf.TensorSpec([None, *x_test.shape[1:]], tf.as_dtype(x_test.dtype))
-        written = export.export_keras3_model(model, config.export_dir, input_spec)
+        written = export.export_keras3_model(
+            _plain_copy(config, spec, model), config.export_dir, input_spec
+        )
         print_fn(f"exported: {written.saved_model} {written.keras_file}")
     return {
         "test_accuracy": test_accuracy,
@@ -177,6 +179,19 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
         "steps": history.steps,
         "export": written,
     }
+
+
+def _plain_copy(config: JobConfig, spec: spec_lib.ModelSpec, model):
+    """`model` for export: itself, or for a model-parallel model a copy with
+    its weights whose partitions all run on `CPU:0`, so that the SavedModel
+    and `model.keras` name no device a serving process may lack."""
+    if config.devices_per_replica == 1:
+        return model
+    plain = runner.build_model(
+        config, spec, devices=["/device:CPU:0"] * config.devices_per_replica
+    )
+    plain.set_weights(model.get_weights())
+    return plain
 
 
 def evaluate_checkpoints(
@@ -200,7 +215,11 @@ def evaluate_checkpoints(
     from tf_distbelief.keras3 import checkpoints
 
     test_set = runner.evaluator_test_set(config, spec)
-    model = spec.build_model(None)
+    # The evaluator has one device: the same partitions (hence the same
+    # checkpointed weights) on CPU:0.
+    model = runner.build_model(
+        config, spec, devices=["/device:CPU:0"] * config.devices_per_replica
+    )
     model.compile(loss=_loss(spec), metrics=list(spec.metrics))
     return runner.run_evaluator(
         config,
@@ -212,8 +231,10 @@ def evaluate_checkpoints(
 
 
 def _check(config: JobConfig, spec: spec_lib.ModelSpec) -> None:
-    del spec  # A Keras 3 spec is checked when its model is built.
     check_config(config)
+    # A model-parallel model for `devices_per_replica` > 1; the rest of a
+    # Keras 3 spec is checked when its model is built.
+    runner.check_spec(config, spec)
 
 
 TRAINER = runner.Trainer(
