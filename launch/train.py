@@ -347,7 +347,7 @@ def define_flags() -> None:
         d.devices_per_replica,
         "Model parallelism (section 3): split each replica over this many devices "
         "of its worker (digits: partitioned locally connected model; speech: "
-        "partitioned dense layers).",
+        "partitioned dense layers, tf_keras only).",
         lower_bound=1,
     )
     flags.DEFINE_integer(

@@ -495,7 +495,7 @@ class TestErrors:
     def test_dense_num_partitions_above_units(self, flavour):
         with pytest.raises(
             ValueError,
-            match=r"`num_partitions` must be >= 1 and <= `units` \(10\)\. "
+            match=r"`num_partitions` must be an int >= 1 and <= `units` \(10\)\. "
             r"Received: 11",
         ):
             _FLAVOURS[flavour].dense(10, num_partitions=11)
@@ -509,6 +509,37 @@ class TestErrors:
     def test_bad_kernel_size(self):
         with pytest.raises(ValueError, match=r"`kernel_size` must be .* \(0, 2\)"):
             plc.PartitionedLocallyConnected2D(4, (0, 2))
+
+    @flavours
+    def test_devices_must_be_a_list_of_names(self, flavour):
+        with pytest.raises(
+            ValueError,
+            match=r"`devices` must be a list of device names, e.g\. .*or None\. "
+            r"Received: '/device:CPU:1'",
+        ):
+            _FLAVOURS[flavour].dense(4, 2, "/device:CPU:1")
+
+    @flavours
+    def test_numpy_ints_are_ints(self, flavour):
+        layers = _FLAVOURS[flavour]
+        dense = layers.dense(np.int64(8), np.int32(2), ["/device:CPU:0"])
+        lc = layers.lc(np.int64(4), np.int64(3), 1, (np.int64(2), 1))
+        assert (dense.units, dense.num_partitions) == (8, 2)
+        assert type(dense.units) is int
+        assert (lc.filters, lc.kernel_size, lc.partition_grid) == (4, (3, 3), (2, 1))
+        with pytest.raises(
+            ValueError, match=r"`units` must be an int >= 1\. Received: '8'"
+        ):
+            layers.dense("8")
+
+    def test_keras3_layers_refuse_xla(self):
+        model = keras.Sequential(
+            [keras.Input([4]), keras3_layers.PartitionedDense(3, 2, ["/device:CPU:0"])]
+        )
+        model.compile("sgd", "mse", jit_compile=True)
+        assert model.jit_compile is False
+        model.compile("sgd", "mse", jit_compile="auto")
+        assert model.jit_compile is False
 
     @flavours
     def test_bad_weight_shapes(self, flavour):

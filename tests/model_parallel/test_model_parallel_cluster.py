@@ -102,6 +102,23 @@ def test_build_model_errors():
         model_parallel.build_model("speech", DEVICES, keras=4)
 
 
+@pytest.mark.parametrize("keras", [2, 3])
+def test_job_names_devices_per_replica_a_model_cannot_hold(keras):
+    import models
+    from tf_distbelief import errors, job
+    from tf_distbelief.job import runner
+
+    config = job.JobConfig(devices_per_replica=7)
+    with pytest.raises(
+        errors.ConfigError,
+        match=r"`devices_per_replica` must split model 'digits' into partitions "
+        r"its layers can hold\. Received: 7 \(.*output rows \(6\)",
+    ):
+        runner.build_model(
+            config, models.spec("digits", keras=keras), ["/device:CPU:0"] * 7
+        )
+
+
 # --- On the cluster: Downpour, 2 workers x 2 devices --------------------------
 
 

@@ -341,7 +341,12 @@ def restore(checkpoint: tf.train.Checkpoint, path: str) -> None:
     if problems:
         raise RestoreError(
             f"The checkpoint {path} does not restore exactly into this model "
-            f"({len(problems)} mismatches): " + "; ".join(problems[:20])
+            f"({len(problems)} mismatches): "
+            + "; ".join(problems[:20])
+            + ". Build the model as the job that wrote it did: the same layers "
+            "and sizes, the same optimizer and, for a model split over devices, "
+            "the same number of partitions (`devices_per_replica`), which sets "
+            "the shape of each partition's weights."
         )
     try:
         checkpoint.restore(path).assert_consumed()

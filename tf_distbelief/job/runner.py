@@ -64,10 +64,22 @@ def build_model(config: JobConfig, spec: ModelSpec, devices=None):
       devices: with `config.devices_per_replica > 1`, the devices of one replica
         (default: `model_parallel.worker_device_names(k)`: the workers' GPUs
         when each has k, else their `/device:CPU:0..k-1`).
+
+    Raises:
+      ConfigError: the model cannot be split into `devices_per_replica`
+        partitions (e.g. more than a layer's output rows), naming it.
     """
     k = config.devices_per_replica
     if k > 1:
-        return spec.build_model(devices or model_parallel_lib.worker_device_names(k))
+        try:
+            return spec.build_model(
+                devices or model_parallel_lib.worker_device_names(k)
+            )
+        except ValueError as e:
+            raise errors.ConfigError(
+                f"`devices_per_replica` must split model {spec.name!r} into "
+                f"partitions its layers can hold. Received: {k} ({e})"
+            ) from e
     return spec.build_model(None)
 
 

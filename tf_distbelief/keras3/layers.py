@@ -26,7 +26,9 @@ model = keras.Sequential([
 
 Both are registered Keras serializables (package `tf_distbelief`): a saved
 `model.keras` loads with `keras.models.load_model` once this module is
-imported.
+imported, in a process that has the devices the layers name. Neither runs
+under XLA: a model holding one compiles with `jit_compile=False` whatever
+`compile` is given.
 """
 
 from __future__ import annotations
@@ -43,8 +45,25 @@ def _tuple_shape(dims):
     return tuple(dims)
 
 
+class _OnSeveralDevices:
+    """Mixin: a Keras 3 layer whose ops run on several devices, without XLA.
+
+    XLA compiles a function for one device, and a partition's variables on
+    another cannot be read from it (`model.compile(jit_compile=True)` failed
+    in `fit` with "Trying to access resource ... located in device CPU:1 from
+    device CPU:0"). `supports_jit = False` makes Keras 3 resolve
+    `jit_compile="auto"` (XLA on a GPU host) and `True` to no XLA.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.supports_jit = False
+
+
 @keras.saving.register_keras_serializable(package="tf_distbelief")
-class PartitionedDense(dense_partitions.DensePartitions, keras.layers.Layer):
+class PartitionedDense(
+    _OnSeveralDevices, dense_partitions.DensePartitions, keras.layers.Layer
+):
     """`keras.layers.Dense` with its units split over devices (Keras 3).
 
     See `tf_distbelief.model_parallel.dense_partitions.DensePartitions` for
@@ -61,7 +80,7 @@ class PartitionedDense(dense_partitions.DensePartitions, keras.layers.Layer):
 
 @keras.saving.register_keras_serializable(package="tf_distbelief")
 class PartitionedLocallyConnected2D(
-    local_partitions.LocallyConnectedPartitions, keras.layers.Layer
+    _OnSeveralDevices, local_partitions.LocallyConnectedPartitions, keras.layers.Layer
 ):
     """A locally connected 2D layer split spatially over devices (Keras 3).
 

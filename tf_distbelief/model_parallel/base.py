@@ -118,13 +118,25 @@ class PartitionedWeights:
 
         Args:
           num_partitions: the layer's partition count or grid, as given.
-          devices: device names; `None` means `model_parallel.replica_devices()`.
-            Partition `k` runs on `devices[k % len(devices)]`.
+          devices: a list of device names; `None` means
+            `model_parallel.replica_devices()`. Partition `k` runs on
+            `devices[k % len(devices)]`.
           activation: activation (a name or a function of the layer's Keras).
           use_bias: whether the layer adds a bias.
           kernel_initializer: initializer of the whole (unpartitioned) kernel.
           bias_initializer: initializer of the whole bias.
+
+        Raises:
+          ValueError: `devices` is not a list of device names or None (one
+            string is refused: it is not a list of one).
         """
+        if isinstance(devices, str) or not (
+            devices is None or all(isinstance(d, str) for d in devices)
+        ):
+            raise ValueError(
+                "Argument `devices` must be a list of device names, e.g. "
+                f"['/device:CPU:0', '/device:CPU:1'], or None. Received: {devices!r}"
+            )
         self.num_partitions = num_partitions
         self.devices = None if devices is None else list(devices)
         self.activation = self._keras.activations.get(activation)

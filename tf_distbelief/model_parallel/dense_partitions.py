@@ -19,6 +19,7 @@ from types import EllipsisType
 
 import tensorflow as tf
 
+from tf_distbelief import checks
 from tf_distbelief.model_parallel import base, partition_math
 
 __all__ = ["ELEMENTWISE_ACTIVATIONS", "DensePartitions"]
@@ -85,13 +86,16 @@ class DensePartitions(base.PartitionedWeights):
         Raises:
           ValueError: if `units` or `num_partitions` is out of range.
         """
-        if not isinstance(units, int) or units < 1:
-            raise ValueError(f"Argument `units` must be >= 1. Received: {units!r}")
-        if not isinstance(num_partitions, int) or not 1 <= num_partitions <= units:
+        if not checks.is_int(units) or units < 1:
             raise ValueError(
-                f"Argument `num_partitions` must be >= 1 and <= `units` ({units}). "
-                f"Received: {num_partitions!r}"
+                f"Argument `units` must be an int >= 1. Received: {units!r}"
             )
+        if not checks.is_int(num_partitions) or not 1 <= num_partitions <= units:
+            raise ValueError(
+                f"Argument `num_partitions` must be an int >= 1 and <= `units` "
+                f"({units}). Received: {num_partitions!r}"
+            )
+        units, num_partitions = int(units), int(num_partitions)
         super().__init__(**kwargs)
         self._init_partitioned(
             num_partitions,

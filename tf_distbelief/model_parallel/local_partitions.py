@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from tf_distbelief import checks
 from tf_distbelief.model_parallel import base, partition_math
 from tf_distbelief.model_parallel import blocks as blocks_lib
 
@@ -24,18 +25,18 @@ __all__ = ["LocallyConnectedPartitions", "local_conv_valid"]
 
 
 def _pair(value: int | Sequence[int], name: str) -> tuple[int, int]:
-    pair = (value, value) if isinstance(value, int) else tuple(value)
-    if len(pair) != 2 or not all(isinstance(v, int) and v >= 1 for v in pair):
+    pair = (value, value) if checks.is_int(value) else tuple(value)
+    if len(pair) != 2 or not all(checks.is_int(v) and v >= 1 for v in pair):
         raise ValueError(
             f"Argument `{name}` must be a positive int or a pair of positive ints. "
             f"Received: {value!r}"
         )
-    return pair
+    return tuple(int(v) for v in pair)
 
 
 def _check_num_partitions(value: int, limit: int | None, what: str, name: str):
     bound = "" if limit is None else f" ({limit})"
-    if not isinstance(value, int) or value < 1 or (limit and value > limit):
+    if not checks.is_int(value) or value < 1 or (limit and value > limit):
         raise ValueError(
             f"Argument `{name}` must be >= 1 and <= {what}{bound}. Received: {value!r}"
         )
@@ -151,13 +152,14 @@ class LocallyConnectedPartitions(base.PartitionedWeights):
         Raises:
           ValueError: if an argument is out of range.
         """
-        if not isinstance(filters, int) or filters < 1:
-            raise ValueError(f"Argument `filters` must be >= 1. Received: {filters!r}")
+        if not checks.is_int(filters) or filters < 1:
+            raise ValueError(
+                f"Argument `filters` must be an int >= 1. Received: {filters!r}"
+            )
+        filters = int(filters)
         kernel_size = _pair(kernel_size, "kernel_size")
         strides = _pair(strides, "strides")
-        grid = (
-            (num_partitions, 1) if isinstance(num_partitions, int) else num_partitions
-        )
+        grid = (num_partitions, 1) if checks.is_int(num_partitions) else num_partitions
         grid = tuple(grid)
         if len(grid) != 2:
             raise ValueError(
@@ -166,6 +168,8 @@ class LocallyConnectedPartitions(base.PartitionedWeights):
             )
         _check_num_partitions(grid[0], None, "the output rows", "num_partitions")
         _check_num_partitions(grid[1], None, "the output columns", "num_partitions")
+        grid = (int(grid[0]), int(grid[1]))
+        num_partitions = grid[0] if checks.is_int(num_partitions) else grid
         super().__init__(**kwargs)
         self._init_partitioned(
             num_partitions,
