@@ -14,6 +14,7 @@ from tests.fixtures.helpers import wait_for_worker_recovery
 from tf_distbelief import job
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import DownpourConfig
+from tf_distbelief.faults import exactly_once
 from tf_distbelief.fit import training
 
 # Steps per `fit` call; calls go on until worker 1 was killed KILLS times
@@ -79,6 +80,13 @@ class _Keras2:
     def weights(self) -> list:
         return [w.numpy() for w in self.model.weights]
 
+    def tokens_marked(self) -> int:
+        """Tokens written into the optimizer's ring on the ps: one per step
+        applied (a step traced outside its token's scope wrote none, and its
+        update was not gated at all)."""
+        ring = exactly_once.tokens_for(self.model.optimizer).ring.numpy()
+        return int(np.sum(ring >= 0))
+
 
 class _Keras3:
     """A Keras 3 digits model trained by `keras3.fit`: each call its own
@@ -125,6 +133,9 @@ class _Keras3:
     def weights(self) -> list:
         return [w.numpy() for w in self.model.weights]
 
+    def tokens_marked(self) -> None:
+        return None  # Each `keras3.fit` call gates with a ring of its own.
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("keras", [_Keras2, _Keras3], ids=lambda k: k.id)
@@ -153,4 +164,6 @@ def test_worker_kills_never_apply_a_step_twice(local_cluster, keras, downpour):
     # (n_push=1) and the ps counts each step's push once.
     want = [calls * STEPS] * (1 if downpour is None else 2)
     assert run.applied() == want
+    marked = run.tokens_marked()
+    assert marked is None or marked == calls * STEPS < exactly_once.SLOTS
     assert np.all([np.isfinite(w).all() for w in run.weights()])
