@@ -47,8 +47,12 @@ MIN_TEST_ACCURACY = 0.90
 # --- No cluster: the models --------------------------------------------------
 
 
-def test_speech_mlp_equals_models_speech():
-    # Same seeds, same sliced initial values: the same function as the unsplit MLP.
+@pytest.mark.parametrize("keras", [2, 3])
+def test_speech_mlp_equals_models_speech(keras):
+    # Same seeds, same sliced initial values: the same function as the unsplit
+    # MLP of the same Keras.
+    import keras as keras3
+
     x = tf.random.stateless_normal([4, speech.NUM_FEATURES], seed=[1, 2])
     split = model_parallel.build_model(
         "speech",
@@ -57,8 +61,11 @@ def test_speech_mlp_equals_models_speech():
         num_partitions=3,
         speech_hidden_units=8,
         speech_classes=6,
+        keras=keras,
     )
-    whole = speech.build_model(hidden_units=8, num_classes=6, seed=3)
+    build_whole = speech.build_keras3_model if keras == 3 else speech.build_model
+    whole = build_whole(hidden_units=8, num_classes=6, seed=3)
+    assert isinstance(split, keras3.Model if keras == 3 else tf_keras.Model)
     np.testing.assert_allclose(split(x), whole(x), rtol=0, atol=1e-5)
     assert split.count_params() == whole.count_params()
     assert [layer.num_partitions for layer in split.layers] == [3] * 5
@@ -72,25 +79,6 @@ def test_digits_lc_shapes_and_partitions():
     # 8 x 8 images, 3 x 3 windows: 6 output rows in 2 blocks of 3.
     assert local.row_bounds == [0, 3, 6]
     assert len(local.trainable_weights) == 4  # A kernel and a bias per block.
-
-
-def test_keras3_speech_mlp_equals_keras3_dense():
-    import keras
-
-    x = tf.random.stateless_normal([4, speech.NUM_FEATURES], seed=[1, 2])
-    split = model_parallel.build_model(
-        "speech",
-        ["/device:CPU:0"],
-        seed=3,
-        num_partitions=3,
-        speech_hidden_units=8,
-        speech_classes=6,
-        keras=3,
-    )
-    whole = speech.build_keras3_model(hidden_units=8, num_classes=6, seed=3)
-    assert isinstance(split, keras.Model)
-    np.testing.assert_allclose(split(x), whole(x), rtol=0, atol=1e-5)
-    assert split.count_params() == whole.count_params()
 
 
 def test_build_model_errors():
