@@ -17,6 +17,10 @@ r`) give medians and `[min-max]`. Rows (`--rows`):
   compressed (top-k of `--top_k_fraction`, 8-bit values).
 * `n=<n>+outer+damp`: the outer rule with `--stale_damping` (a stale push
   damped where it repeats the outer momentum);
+* `n=<n>+outer0+topk+sparse`, `n=<n>+outer0+topk+q2+sparse`: pushes as
+  SparseLoCo sends them (the outer rule without momentum, `+outer0`, top-k,
+  2-bit values) and sparse fetches (`sparse_fetches`: a fetch sends only the
+  entries the ps changed since the replica's last one);
 * any `n=<n>...` row with `/straggler=<k>` (e.g. `n=16+outer/straggler=4`):
   heterogeneous workers, the last worker `k` times slower (each of its
   scheduled functions sleeps `k - 1` times its own duration after it,
@@ -124,6 +128,12 @@ _COMPRESSED = ("outer+topk", "outer+q8", "outer+topk+q8")
 # momentum").
 _DAMPED = ("outer+damp",)
 _STALE_DAMPING = 1.0
+# Sparse pushes and fetches (`+sparse`): the outer rule without momentum
+# (`+outer0`; momentum would move every entry at every push), applying each
+# pseudo-gradient as it is, as DiLoCo's plain averaging does, with the error
+# feedback of the compression in place of the momentum (SparseLoCo).
+_SPARSE = ("outer0+topk+sparse", "outer0+topk+q2+sparse")
+_OUTER0_LEARNING_RATE = 1.0
 # The `+topk` rows' fraction: 1% of each tensor, top-k's usual regime (Lin et
 # al. 2018 send 0.1%, with momentum correction).
 _TOP_K_FRACTION = 0.01
@@ -148,7 +158,7 @@ def _known_rows():
     for n in _NS:
         names.append(f"n={n}")
         names += [f"n={n}+{r}" for r in _RULES if not (n == 1 and r == "outer")]
-        names += [f"n={n}+{r}" for r in _COMPRESSED + _DAMPED if n > 1]
+        names += [f"n={n}+{r}" for r in _COMPRESSED + _DAMPED + _SPARSE if n > 1]
     return names
 
 
@@ -463,6 +473,12 @@ def _downpour_config(n, rule, f):
         "topk": {"top_k_fraction": f.top_k_fraction},
         "damp": {"stale_damping": f.stale_damping},
         "q8": {"quantize_bits": 8},
+        "outer0": {
+            "outer_learning_rate": _OUTER0_LEARNING_RATE,
+            "outer_momentum": 0.0,
+        },
+        "q2": {"quantize_bits": 2},
+        "sparse": {"sparse_fetches": True},
     }
     rules = {}
     for name in rule.split("+") if rule else ():

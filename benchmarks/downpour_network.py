@@ -97,15 +97,17 @@ class Predicted:
 
 def _setting(name: str, accumulator: str) -> cost_model.Setting:
     """The planner's setting of a row; `+dc` and `+stale` push as plain
-    Downpour, and `+topk`, `+q8` are predicted uncompressed (the planner does
-    not model compressed pushes); a `/straggler=<k>` row as the row without
+    Downpour, `+outer0` as `+outer`, and `+topk`, `+q8`, `+q2`, `+sparse` are
+    predicted uncompressed (the planner does not model compressed pushes or
+    sparse fetches); a `/straggler=<k>` row as the row without
     it (the planner assumes equal workers)."""
     name = name.partition("/")[0]
     if name == "stock":
         return cost_model.Setting(accumulator=accumulator)
     n, _, rules = name.partition("+")
     n = int(n[len("n=") :])
-    return cost_model.Setting(n, n, "outer" in rules.split("+"), accumulator)
+    outer = any(r in ("outer", "outer0") for r in rules.split("+"))
+    return cost_model.Setting(n, n, outer, accumulator)
 
 
 def predict_rows(

@@ -136,6 +136,9 @@ class Handles(NamedTuple):
     # Per-worker residuals of compressed pushes, one per dense variable
     # (`push_rules.compression`); empty without compression.
     residuals: list | tuple = ()
+    # Per-worker handles of sparse fetches (`sparse_fetch.SparseHandles`), or
+    # None without them.
+    sparse: object = None
 
 
 class KindOrder:

@@ -16,17 +16,17 @@ import tensorflow as tf
 from tf_distbelief.downpour import base
 from tf_distbelief.downpour import plan as plan_lib
 
-__all__ = ["DenseVariables"]
+__all__ = ["DenseVariables", "pack_flat", "unpack_flat"]
 
 
-def _pack(tensors):
+def pack_flat(tensors):
     """One flat tensor of `tensors` (a single tensor is only flattened)."""
     flat = [tf.reshape(x, [-1]) for x in tensors]
     return flat[0] if len(flat) == 1 else tf.concat(flat, 0)
 
 
-def _unpack(packed, shapes):
-    """Splits `_pack`'s output back into tensors of `shapes`."""
+def unpack_flat(packed, shapes):
+    """Splits `pack_flat`'s output back into tensors of `shapes`."""
     if len(shapes) == 1:
         return [tf.reshape(packed, shapes[0])]
     sizes = [s.num_elements() for s in shapes]
@@ -103,9 +103,9 @@ class DenseVariables(base.VariableKind):
         values = [None] * len(self.variables)
         for group in self.groups():
             with tf.device(self.variables[group[0]].device):
-                packed = _pack([ps_values[j] for j in group])
+                packed = pack_flat([ps_values[j] for j in group])
             shapes = [self.variables[j].shape for j in group]
-            for j, part in zip(group, _unpack(packed, shapes)):
+            for j, part in zip(group, unpack_flat(packed, shapes)):
                 values[j] = part
         return values
 
@@ -135,9 +135,9 @@ class DenseVariables(base.VariableKind):
             return out
         out = [None] * len(self.variables)
         for group in self.groups():
-            packed = _pack([grads[j] for j in group])
+            packed = pack_flat([grads[j] for j in group])
             shapes = [self.variables[j].shape for j in group]
             with tf.device(self.variables[group[0]].device):
-                for j, part in zip(group, _unpack(packed, shapes)):
+                for j, part in zip(group, unpack_flat(packed, shapes)):
                     out[j] = part
         return out

@@ -11,7 +11,9 @@ says (`dense.DenseVariables`, `row_sparse.RowSparseVariables`); both run in
 `tf.cond` branches, so that a step without them sends nothing. With a
 compressing push rule the dense sums plus the replica's residual are encoded
 on the worker and only the encoded parts move (`push_rules.compression`); an
-applied push keeps what it did not send in the residual.
+applied push keeps what it did not send in the residual. With sparse fetches
+(`sparse_fetch`) a fetch moves only the entries the ps changed since the
+replica's last fetch, which each applied push flags.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Exchange:
       rules: the `push_rules.PushRules`, or None when every rule is off.
       compression: the `push_rules.compression.CompressedPush`, or None when
         no rule compresses pushes.
+      sparse: the `sparse_fetch.SparseFetch`, or None without sparse fetches.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class Exchange:
         tokens,
         rules,
         compression=None,
+        sparse=None,
     ):
         self.optimizer = optimizer
         self.config = config
@@ -74,6 +78,7 @@ class Exchange:
         # The `push_rules.on_ps.PushRules`, None when all off.
         self.rules = rules
         self.compression = compression
+        self.sparse = sparse
 
     @property
     def push_nbytes(self) -> int:
@@ -116,10 +121,13 @@ class Exchange:
         """A fetch into the cache when `pred`, in a `tf.cond`: True if done."""
 
         def fetch():
-            ops = self.fetch_ops(h) + self.dense.fetch_into_cache(
-                h.dense, self.record(h)
-            )
-            return base.after(ops, True)
+            if self.sparse is None:
+                moved = self.dense.fetch_into_cache(h.dense, self.record(h))
+            else:
+                moved = self.sparse.fetch_into_cache(
+                    h.dense, h.sparse, h.worker, self.record(h)
+                )
+            return base.after(self.fetch_ops(h) + moved, True)
 
         return tf.cond(pred, fetch, lambda: tf.constant(False))
 
@@ -343,7 +351,12 @@ class Exchange:
         steps = self.config.n_push if mode == "mean" else 1
         if self.rules is not None and self.rules.any:
             # Row-sparse variables are refused with the rules: all are dense.
+            graph = tf.compat.v1.get_default_graph()
+            first = len(graph.get_operations())
             self.rules.apply(grads, squares, steps, staleness, worker)
+            if self.sparse is not None:
+                # Flagged after every op of the update (`sparse_fetch.mark`).
+                self.sparse.mark(grads, graph.get_operations()[first:])
             opt.iterations.assign_add(1)
             return grads
         for g, sq, v in zip(grads, squares, self.variables):

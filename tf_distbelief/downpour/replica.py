@@ -28,7 +28,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import substitution
-from tf_distbelief.downpour import base, push_guard, schedule
+from tf_distbelief.downpour import base, push_guard, schedule, sparse_fetch
 from tf_distbelief.downpour import plan as plan_lib
 from tf_distbelief.downpour import variables as downpour_variables
 from tf_distbelief.downpour.config import DownpourConfig
@@ -141,6 +141,9 @@ class Downpour:
             self._dense = DenseVariables(dense, self.plan)
             self._rows = RowSparseVariables(rows, self.plan)
             self._compression = compression.create(config, dense)
+            self._sparse = sparse_fetch.create(
+                config, dense, self._dense.groups(), strategy
+            )
             self._seen = base.per_worker("downpour/seen", [], tf.int64)
             self._refetch = base.per_worker("downpour/refetch", [], tf.int64)
             self._stats = {
@@ -167,6 +170,7 @@ class Downpour:
             tokens=self.tokens,
             rules=rules,
             compression=self._compression,
+            sparse=self._sparse,
         )
 
     @property
@@ -192,6 +196,7 @@ class Downpour:
             skipped=self.nonfinite_skipped.get().handle,
             worker=tf.distribute.coordinator.experimental_get_current_worker_index(),
             residuals=[] if self._compression is None else self._compression.handles(),
+            sparse=None if self._sparse is None else self._sparse.handles(),
         )
 
     def _cached_values(self, h: base.Handles, after: list, active=None):
@@ -269,6 +274,9 @@ class Downpour:
         start = self._start_clock()
         with tf.control_dependencies(start):
             t = base.read(h.stats["steps"], int64)
+            sparse_bytes = None  # Bytes sparse fetches moved, before this step's.
+            if h.sparse is not None:
+                sparse_bytes = base.read(h.sparse.nbytes, int64)
         if cfg.warmstart_steps:
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
             is_first = tf.equal(worker, 0)
@@ -332,9 +340,13 @@ class Downpour:
             dense_bytes = tf.constant(self._dense.nbytes, int64)
             push_bytes = tf.constant(self._exchange.push_nbytes, int64)
             rows_fetched = self._rows.bytes_fetched(readers)
+            dense_fetched = tf.where(fetched, dense_bytes, zero)
+            if sparse_bytes is not None:
+                with tf.control_dependencies([fetched]):
+                    dense_fetched = base.read(h.sparse.nbytes, int64) - sparse_bytes
             metrics = {
                 "staleness": tf.identity(staleness),
-                "bytes_fetched": tf.where(fetched, dense_bytes, zero) + rows_fetched,
+                "bytes_fetched": dense_fetched + rows_fetched,
                 "bytes_pushed": tf.where(applied, push_bytes, zero) + rows_pushed,
             }
         delay = self._delay(start, list(metrics.values()))
@@ -488,6 +500,8 @@ class Downpour:
         named.update({f"stats/{n}": v for n, v in self._stats.items()})
         if self._compression is not None:
             named.update(self._compression.worker_variables())
+        if self._sparse is not None:
+            named.update(self._sparse.worker_variables())
         return named | self._dense.worker_variables() | self._rows.worker_variables()
 
     def stats(self) -> list[ReplicaStats]:
@@ -504,6 +518,9 @@ class Downpour:
                 name: [int(x.numpy()) for x in v.read_all()]
                 for name, v in self._stats.items()
             }
+            if self._sparse is not None:
+                counter = self._sparse.bytes_counter
+                sparse_bytes = [int(x.numpy()) for x in counter.read_all()]
         except (tf.errors.CancelledError, tf.errors.UnavailableError):
             # "The corresponding function is aborted", or the worker is gone.
             return []
@@ -512,6 +529,8 @@ class Downpour:
         for i in range(len(columns["steps"])):
             s = ReplicaStats(**{name: columns[name][i] for name in _STAT_NAMES})
             s.bytes_fetched = s.fetches * dense_bytes + s.row_bytes_fetched
+            if self._sparse is not None:  # What the fetches moved, counted.
+                s.bytes_fetched = sparse_bytes[i] + s.row_bytes_fetched
             s.bytes_pushed = s.pushes * self._exchange.push_nbytes + s.row_bytes_pushed
             result.append(s)
         return result

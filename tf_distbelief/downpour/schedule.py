@@ -71,6 +71,7 @@ from tf_distbelief.downpour.config import (
     DownpourConfig,
 )
 from tf_distbelief.downpour.push_rules import reference as push_reference
+from tf_distbelief.downpour.push_rules import sparse_fetches as sparse_fetches_rule
 from tf_distbelief.downpour.push_rules.reference import ReferenceRules
 
 __all__ = [
@@ -303,6 +304,11 @@ def simulate(
     if compressed_bytes is not None:
         push_bytes = compressed_bytes
     fetched = [None] * n  # Per replica: the ps values at its last fetch.
+    # Sparse fetches: per replica, the entries changed since its last fetch,
+    # and whether it holds a whole fetch (`push_rules.sparse_fetches`).
+    sparse_fetches = any(rule.marks_changes for rule in config.rules)
+    changed = [[np.ones(p.shape, bool) for p in ps] for _ in range(n)]
+    whole = [False] * n
     valid = [{i: set() for i in sparse} for _ in range(n)]  # Rows since a fetch.
     touched = [{i: set() for i in sparse} for _ in range(n)]  # Since a push.
     for r in order:
@@ -322,7 +328,12 @@ def simulate(
             refetch[r] = False
             fetched[r] = [p.copy() for p in ps]
             s.fetches += 1
-            s.bytes_fetched += model_bytes
+            if sparse_fetches and whole[r]:
+                s.bytes_fetched += sparse_fetches_rule.fetch_nbytes(changed[r], ps)
+            else:
+                s.bytes_fetched += model_bytes
+            whole[r] = True
+            changed[r] = [np.zeros(p.shape, bool) for p in ps]
         batch = next(iters[r])
         for i, ids in (rows_fn(batch) if sparse else {}).items():
             ids = set(np.asarray(ids).reshape(-1).tolist())
@@ -370,6 +381,9 @@ def simulate(
                     staleness,
                     fetched[r],
                 )
+                if sparse_fetches:  # Every replica's next fetch sends these.
+                    for q in range(n):
+                        changed[q] = [c | (x != 0) for c, x in zip(changed[q], pushed)]
                 ps_count += 1
                 seen[r] += 1
                 s.pushes += 1

@@ -131,6 +131,9 @@ class PushRule:
       reads_state: the `name` of another rule whose ps state the correction
         reads (its `state` argument: that rule's state before the push, e.g.
         the outer momentum), or `""`; that rule must be on (`resolve`).
+      marks_changes: the ps flags, per replica, the entries each applied push
+        changed, and a fetch sends only the flagged ones (`sparse_fetches`;
+        `downpour.sparse_fetch`).
 
     Args:
       config: the `DownpourConfig`.
@@ -147,6 +150,7 @@ class PushRule:
     selects: bool = False
     codes: bool = False
     reads_state: str = ""
+    marks_changes: bool = False
 
     def __init__(self, config):
         del config  # A rule with settings reads them here.

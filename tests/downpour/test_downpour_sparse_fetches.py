@@ -1,0 +1,239 @@
+"""Sparse fetches: a fetch sends only the entries the ps changed since the
+replica's last one (`push_rules.sparse_fetches`, `downpour.sparse_fetch`).
+
+The NumPy reference (`schedule.simulate`) fetches the whole model and counts
+the bytes of the flagged entries; the trainer on a real cluster must end at
+the reference's parameters exactly (so its mirror of the ps held what a whole
+fetch would have) and count the same bytes from the tensors it sent: one
+worker, and two workers whose steps run one at a time in the order read back
+from their step counters (each replica then also fetches what the other's
+pushes changed).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.fixtures import launch
+from tests.fixtures.downpour import (
+    BATCH_SIZE,
+    LEARNING_RATE,
+    STEPS,
+    _batches,
+    _ps_params,
+    _softmax_data,
+    _softmax_grad,
+    _softmax_model,
+    _strategy,
+)
+from tf_distbelief import downpour
+from tf_distbelief.downpour import config as downpour_config
+from tf_distbelief.downpour import schedule
+from tf_distbelief.downpour.push_rules import sparse_fetches
+
+Config = downpour_config.DownpourConfig
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (
+            {"n_fetch": 2, "n_push": 2, "sparse_fetches": True},
+            ValueError,
+            r"`sparse_fetches` needs a push rule that selects the entries a push "
+            r"sends \(`top_k_fraction`\).*Received: push rules none",
+        ),
+        (
+            {
+                "n_fetch": 2,
+                "n_push": 2,
+                "adagrad_accumulator": "mean",
+                "sparse_fetches": True,
+                "quantize_bits": 8,
+            },
+            ValueError,
+            r"`sparse_fetches` needs a push rule that selects.*Received: push "
+            r"rules quantize_bits",
+        ),
+        (
+            {"sparse_fetches": True, "top_k_fraction": 0.1},
+            ValueError,
+            r"`sparse_fetches` needs `n_fetch` >= 2 .*Received: n_fetch=1",
+        ),
+        (
+            {
+                "n_fetch": 2,
+                "n_push": 2,
+                "outer_learning_rate": 0.7,
+                "top_k_fraction": 0.1,
+                "sparse_fetches": True,
+            },
+            ValueError,
+            r"`sparse_fetches` needs `outer_momentum` 0 with the outer optimizer.*"
+            r"Received: outer_momentum=0.9",
+        ),
+        (
+            {"n_fetch": 2, "sparse_fetches": 1, "top_k_fraction": 0.1},
+            TypeError,
+            r"`sparse_fetches` must be a bool. Received: 1",
+        ),
+    ],
+)
+def test_config_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Config(**kwargs)
+
+
+def test_fetch_nbytes_counts_positions_and_values():
+    params = [np.zeros((3, 4)), np.zeros(2, np.float32)]
+    changed = [np.eye(3, 4, dtype=bool), np.array([True, False])]
+    # 3 float64 entries and 1 float32 one, each with an int32 position.
+    assert sparse_fetches.fetch_nbytes(changed, params) == 3 * 12 + 1 * 8
+
+
+def test_reference_fetches_what_pushes_changed():
+    """One replica, `n_fetch = n_push = 2`: the first fetch is whole, each
+    later one sends the entries the last push sent a non-zero value for."""
+    x, y, params = _softmax_data(seed=4)
+    config = Config(
+        2, 2, adagrad_accumulator="mean", top_k_fraction=0.25, sparse_fetches=True
+    )
+    _, (stats,) = _reference(params, [_batches(x, y)], config)
+    dense = _reference(params, [_batches(x, y)], _dense(config))[1][0]
+    model_bytes = sum(p.nbytes for p in params)
+    # Kernel 18 entries: 4 (round(4.5) half to even); bias 3: 1 (round(0.75)).
+    per_fetch = (4 + 1) * (4 + 8)
+    fetches = STEPS // 2
+    assert stats.fetches == dense.fetches == fetches
+    assert stats.bytes_fetched == model_bytes + (fetches - 1) * per_fetch
+    assert dense.bytes_fetched == fetches * model_bytes
+
+
+# Through each path a fetch takes: a trainer step and `fit`'s segments; AdaGrad
+# on the ps, and the outer optimizer without momentum, quantised too.
+CONFIGS = {
+    "top_k_mean": Config(
+        3, 3, adagrad_accumulator="mean", top_k_fraction=0.25, sparse_fetches=True
+    ),
+    "outer_top_k_q2": Config(
+        2,
+        2,
+        outer_learning_rate=0.7,
+        outer_momentum=0.0,
+        top_k_fraction=0.3,
+        quantize_bits=2,
+        quantize_chunk=4,
+        sparse_fetches=True,
+    ),
+}
+
+
+def _dataset(x, y):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE)
+
+
+def _reference(params, batches, config, order=None):
+    return schedule.simulate(
+        params,
+        _softmax_grad,
+        batches,
+        config,
+        schedule.adagrad_ps(LEARNING_RATE),
+        order=order,
+    )
+
+
+def _dense(config: Config) -> Config:
+    kwargs = {n: getattr(config, n) for n in Config.setting_names()}
+    return Config(**(kwargs | {"sparse_fetches": False}))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_trainer_matches_reference_one_worker(local_cluster, name):
+    config = CONFIGS[name]
+    x, y, params = _softmax_data(seed=5)
+    model = _softmax_model(_strategy(local_cluster), params)
+    trainer = downpour.DownpourTrainer(model, config)
+    iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y)))
+    for _ in range(STEPS):
+        trainer.step(iterator)
+    trainer.join()
+    want, (want_stats,) = _reference(params, [_batches(x, y)], config)
+    for got, w in zip(_ps_params(model), want):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
+    (stats,) = trainer.stats()
+    assert stats.fetches == want_stats.fetches > 1
+    assert stats.bytes_fetched == want_stats.bytes_fetched
+    dense_stats = _reference(params, [_batches(x, y)], _dense(config))[1][0]
+    assert stats.bytes_fetched < dense_stats.bytes_fetched
+
+
+def test_fit_in_segments_matches_reference(local_cluster):
+    """`fit` runs the steps between exchanges in segments (`Downpour.run_steps`)."""
+    config = Config(
+        3,
+        3,
+        0.05,
+        adagrad_accumulator="sum",
+        top_k_fraction=0.3,
+        top_k_chunk=5,
+        sparse_fetches=True,
+    )
+    x, y, params = _softmax_data(seed=3)
+    model = _softmax_model(_strategy(local_cluster), params, steps_per_execution=4)
+    replicas = downpour.install(model, config)
+    assert replicas.runs_segments
+    model.fit(_dataset(x, y).repeat(), epochs=1, steps_per_epoch=STEPS, verbose=0)
+    want, (want_stats,) = _reference(params, [_batches(x, y)], config)
+    for got, w in zip(_ps_params(model), want):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
+    assert replicas.stats()[0].bytes_fetched == want_stats.bytes_fetched
+
+
+@pytest.mark.slow
+def test_trainer_matches_reference_two_workers(local_cluster):
+    """Steps one at a time on whichever worker the coordinator picks; the
+    order is read back from the per-worker step counters and replayed. Each
+    replica's fetch sends what its own and the other's pushes changed."""
+    config = Config(
+        2, 2, adagrad_accumulator="sum", top_k_fraction=0.2, sparse_fetches=True
+    )
+    x, y, params = _softmax_data(seed=6)
+    model = _softmax_model(_strategy(local_cluster, num_workers=2), params)
+    trainer = downpour.DownpourTrainer(model, config)
+    iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y).repeat()))
+    steps_var = trainer.downpour._stats["steps"]
+    order, counts = [], [0, 0]
+    for _ in range(2 * STEPS):
+        trainer.step(iterator)
+        trainer.join()
+        now = [int(v.numpy()) for v in steps_var.read_all()]
+        (worker,) = [i for i in range(2) if now[i] == counts[i] + 1]
+        order.append(worker)
+        counts = now
+    assert set(order) == {0, 1}
+    batches = [_batches(x, y) * 2] * 2  # Each worker reads the whole set.
+    want, want_stats = _reference(params, batches, config, order=order)
+    for got, w in zip(_ps_params(model), want):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
+    stats = trainer.stats()
+    assert [s.fetches for s in stats] == [s.fetches for s in want_stats]
+    assert [s.bytes_fetched for s in stats] == [s.bytes_fetched for s in want_stats]
+    dense_stats = _reference(params, batches, _dense(config), order=order)[1]
+    assert sum(s.bytes_fetched for s in stats) < sum(
+        s.bytes_fetched for s in dense_stats
+    )
+
+
+def test_sparse_fetches_without_top_k_fail_at_parse_time():
+    args = ["--downpour", "--n_fetch=4", "--n_push=4", "--sparse_fetches"]
+    proc = launch._train(args, uuid.uuid4().hex, timeout=300)
+    assert proc.returncode == 1
+    message = r"Downpour settings: Argument `sparse_fetches` needs a push rule"
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert "Flags parsing error" in proc.stderr  # Before any server.
