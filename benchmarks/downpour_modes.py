@@ -64,6 +64,55 @@ RULES = {
     "dc.04": {"delay_compensation": 0.04},
     "dc1": {"delay_compensation": 1.0},
     "stale": {"staleness_scaled": True},
+    # SparseLoCo's pushes (Sarfi et al. 2025): the pseudo-gradient's top 1%
+    # in 2 bits with error feedback, the outer step without momentum (so that
+    # fetches can be sparse too; the fetches change nothing in the NumPy
+    # reference), at outer learning rates 1, 2 and 3.
+    **{
+        f"sparse{lr}": {
+            "outer_learning_rate": float(lr),
+            "outer_momentum": 0.0,
+            "top_k_fraction": 0.01,
+            "quantize_bits": 2,
+            "sparse_fetches": True,
+        }
+        for lr in (1, 2, 3)
+    },
+    # Rarer exchanges with more entries each, at outer learning rate 1 (the
+    # same push bytes per example at n=32 and n=64 as 1% at n=16).
+    **{
+        f"sparse1k{int(fraction * 100)}": {
+            "outer_learning_rate": 1.0,
+            "outer_momentum": 0.0,
+            "top_k_fraction": fraction,
+            "quantize_bits": 2,
+            "sparse_fetches": True,
+        }
+        for fraction in (0.02, 0.04)
+    },
+    # Plain AdaGrad pushes (no outer rule) of the top 1% in 2 bits, sparse
+    # fetches (with accumulator "mean" or "sum": no squares pushed).
+    "sparse_adagrad": {
+        "top_k_fraction": 0.01,
+        "quantize_bits": 2,
+        "sparse_fetches": True,
+    },
+    # The same at outer learning rate 1 with 8-bit values, with none (top-k
+    # alone), and with 8-bit values of the top 1% of each chunk of 1,024.
+    **{
+        f"sparse1{name}": {
+            "outer_learning_rate": 1.0,
+            "outer_momentum": 0.0,
+            "top_k_fraction": 0.01,
+            "sparse_fetches": True,
+            **extra,
+        }
+        for name, extra in (
+            ("q8", {"quantize_bits": 8}),
+            ("topk", {}),
+            ("q8c", {"quantize_bits": 8, "top_k_chunk": 1024}),
+        )
+    },
 }
 # (n, local_optimizer, adagrad_accumulator, push rule); n=1 first: the baseline.
 _CONFIGS = (
@@ -81,6 +130,28 @@ _CONFIGS = (
 def _label(config) -> str:
     """A row's name for `--only`, e.g. `16/adagrad/squares/outer1`."""
     return "/".join(map(str, config))
+
+
+def _parse_label(name: str):
+    """`--only`'s `n/local/accumulator/rule` as a config tuple: any `n >= 1`,
+    a local optimizer, an accumulator mode and a rule of `RULES`."""
+    from tf_distbelief.downpour import config as downpour_config
+
+    parts = name.split("/")
+    ok = len(parts) == 4 and parts[0].isdigit() and int(parts[0]) >= 1
+    if not (
+        ok
+        and parts[1] in downpour_config.LOCAL_OPTIMIZERS
+        and parts[2] in downpour_config.ADAGRAD_ACCUMULATORS
+        and parts[3] in RULES
+    ):
+        raise app.UsageError(
+            f"--only: {name!r} is not n/local/accumulator/rule with n >= 1, "
+            f"local one of {downpour_config.LOCAL_OPTIMIZERS}, accumulator one "
+            f"of {downpour_config.ADAGRAD_ACCUMULATORS} and rule one of "
+            f"{sorted(RULES)}"
+        )
+    return int(parts[0]), parts[1], parts[2], parts[3]
 
 
 def define_flags():
@@ -163,13 +234,7 @@ def main(argv):
     seeds = [int(s) for s in f.seeds]
     configs = _CONFIGS
     if f.only:
-        known = {_label(c): c for c in _CONFIGS}
-        unknown = [name for name in f.only if name not in known]
-        if unknown:
-            raise app.UsageError(
-                f"--only: unknown rows {unknown}; known: {sorted(known)}"
-            )
-        configs = tuple(known[name] for name in f.only)
+        configs = tuple(_parse_label(name) for name in f.only)
     accuracy = {}
     for seed in seeds:
         params, grad_fn, accuracy_fn, train = _speech_problem(

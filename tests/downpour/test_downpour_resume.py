@@ -21,6 +21,7 @@ from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import replica_state
 from tf_distbelief.faults import resume
 from tf_distbelief.fit import training
+from tf_distbelief.tf_internals import variables as tf_variables
 
 FEATURES, CLASSES, BATCH = 4, 3, 8
 X = np.linspace(-1.0, 1.0, BATCH * FEATURES, dtype=np.float32).reshape(BATCH, -1)
@@ -306,3 +307,26 @@ def test_fewer_workers_get_their_replicas_back_and_drop_the_rest(
     assert (
         reader.get_tensor("downpour/replicas/1/saved/.ATTRIBUTES/VARIABLE_VALUE") == 1
     )
+
+
+@pytest.mark.slow
+def test_a_replica_state_holding_nan_is_saved_as_start_fresh(strategy):
+    """`capture` copies a replica's state in one call and checks it there:
+    a NaN in the worker's accumulator makes the replica 'start fresh', named."""
+    model = _model(strategy, "adagrad")
+    _fit(model, 1)
+    state = replica_state.ReplicaState(model.downpour)
+    assert state.capture() == []
+    assert int(state.replicas[0].saved.numpy()) == 1
+    name = "dense/accumulator/0"
+    accumulator = tf_variables.worker_variable(
+        model.downpour.worker_variables()[name], 0, 60.0
+    )
+    value = accumulator.read_value().numpy()
+    np.testing.assert_array_equal(state.replicas[0].values[name].numpy(), value)
+    value.flat[0] = np.nan
+    accumulator.assign(value)
+    (line,) = state.capture()
+    assert "Downpour replica 0 saved as 'start fresh'" in line, line
+    assert f"{name} hold NaN or inf" in line, line
+    assert int(state.replicas[0].saved.numpy()) == 0
