@@ -654,17 +654,29 @@ def _keras3_softmax_model(params):
     )
 
 
+# Sparse fetches of top-k pushes (`push_rules.sparse_fetches`).
+SPARSE = {"top_k_fraction": 0.25, "sparse_fetches": True}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "partitioner, local_optimizer, local_learning_rate, adagrad_accumulator, "
-    "steps_per_execution",
+    "steps_per_execution, push_rules",
     [
-        (None, "adagrad", None, "squares", 1),
-        (FIXED2, "sgd", 0.05, "mean", 1),
-        (None, "adagrad", None, "squares", 4),
-        (FIXED2, "sgd", 0.05, "mean", 6),
+        (None, "adagrad", None, "squares", 1, {}),
+        (FIXED2, "sgd", 0.05, "mean", 1, {}),
+        (None, "adagrad", None, "squares", 4, {}),
+        (FIXED2, "sgd", 0.05, "mean", 6, {}),
+        # Unsharded: top-k selects per shard, the reference per variable.
+        (None, "sgd", 0.05, "mean", 4, SPARSE),
     ],
-    ids=["whole", "sharded", "whole-segments", "sharded-segments"],
+    ids=[
+        "whole",
+        "sharded",
+        "whole-segments",
+        "sharded-segments",
+        "whole-segments-sparse-fetches",
+    ],
 )
 def test_downpour_matches_the_numpy_reference(
     local_cluster,
@@ -673,14 +685,17 @@ def test_downpour_matches_the_numpy_reference(
     local_learning_rate,
     adagrad_accumulator,
     steps_per_execution,
+    push_rules,
 ):
     """The same run as tests/downpour/test_downpour.py's, with a Keras 3 model.
 
     With `steps_per_execution` > 1 each function runs its steps in segments
-    (`Downpour.run_steps`): the same parameters, step for step.
+    (`Downpour.run_steps`): the same parameters, step for step. With sparse
+    fetches, also the bytes the reference counts.
     """
     from tests.fixtures import downpour as tdp
     from tf_distbelief.downpour import config as downpour_config
+    from tf_distbelief.downpour import schedule
 
     x, y, params = tdp._softmax_data()
     config = downpour_config.DownpourConfig(
@@ -689,6 +704,7 @@ def test_downpour_matches_the_numpy_reference(
         local_learning_rate=local_learning_rate,
         local_optimizer=local_optimizer,
         adagrad_accumulator=adagrad_accumulator,
+        **push_rules,
     )
     strategy = strategy_lib.DistBeliefStrategy(
         local_cluster.resolver_for(1, 2), partitioner
@@ -708,7 +724,17 @@ def test_downpour_matches_the_numpy_reference(
         steps_per_execution=steps_per_execution,
     )
     got, _ = history.ps_weights.numpy()
-    for got_value, want in zip(got, tdp._simulate(params, x, y, config)):
-        np.testing.assert_allclose(got_value, want, rtol=0, atol=1e-6)
+    want, (want_stats,) = schedule.simulate(
+        params,
+        tdp._softmax_grad,
+        [tdp._batches(x, y)],
+        config,
+        schedule.adagrad_ps(tdp.LEARNING_RATE),
+    )
+    for got_value, want_value in zip(got, want):
+        np.testing.assert_allclose(got_value, want_value, rtol=0, atol=1e-6)
     (stats,) = history.downpour.stats()
     assert (stats.steps, stats.fetches, stats.pushes) == (12, 4, 6)
+    if push_rules:
+        assert stats.bytes_fetched == want_stats.bytes_fetched
+        assert stats.bytes_fetched < stats.fetches * sum(p.nbytes for p in params)
