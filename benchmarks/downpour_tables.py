@@ -307,10 +307,13 @@ def format_table(rows: list[Row], header: str) -> str:
         speedup = r.speedup
         if speedup is None:
             speedup = r.examples_per_sec / base.examples_per_sec
+        # "-" where the base moved no bytes (`single`, with no stock row).
+        moved = base.socket_bytes_per_example
+        ratio = f"{r.socket_bytes_per_example / moved:9.3f}" if moved else f"{'-':>9}"
         lines.append(
             f"{r.model:6} {r.name:6} {r.examples_per_sec:7.0f} {speedup:7.2f} "
             f"{r.socket_bytes_per_example:10.0f} {r.tensor_bytes_per_example:11.0f} "
-            f"{r.socket_bytes_per_example / base.socket_bytes_per_example:9.3f} "
+            f"{ratio} "
             f"{sum(r.cpu_ms_per_step.values()):11.1f} {r.test_accuracy:8.4f} "
             f"{r.test_loss:9.3f}" + (f" {r.nic:>9}" if shaped else "")
         )

@@ -67,6 +67,23 @@ def test_median_rows_and_table_ratios():
     assert fields[:8] == ["speech", "n=16", "250", "2.50", "65", "65", "0.065", "1.5"]
 
 
+def test_table_without_stock_has_no_byte_ratio_to_a_single_row():
+    """Without a stock row each row is its own base; `single` moves no bytes:
+    its `B x stock` is "-", not a division by zero."""
+    single, n16 = _row("single", 300, 0, 0.9), _row("n=16", 250, 65, 0.89)
+    lines = bench.format_table([single, n16], "header").splitlines()
+    assert lines[2].split()[:7] == ["speech", "single", "300", "1.00", "0", "0", "-"]
+    assert lines[3].split()[:7] == [
+        "speech",
+        "n=16",
+        "250",
+        "1.00",
+        "65",
+        "65",
+        "1.000",
+    ]
+
+
 def test_speedup_is_the_median_of_per_round_ratios():
     """Round by round: 2.6, 2.0, 3.0 (median 2.6); the medians' ratio is 2.4."""
     rows = []

@@ -26,6 +26,7 @@ from tests.fixtures.downpour import (
     _softmax_data,
     _softmax_grad,
     _softmax_model,
+    _steps_one_at_a_time,
     _strategy,
 )
 from tf_distbelief import adagrad, downpour
@@ -348,15 +349,7 @@ def test_trainer_matches_reference_two_workers(local_cluster, name):
     model = _softmax_model(_strategy(local_cluster, num_workers=2), params)
     trainer = downpour.DownpourTrainer(model, config)
     iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y).repeat()))
-    steps_var = trainer.downpour._stats["steps"]
-    order, counts = [], [0, 0]
-    for _ in range(2 * STEPS):
-        trainer.step(iterator)
-        trainer.join()
-        now = [int(v.numpy()) for v in steps_var.read_all()]
-        (worker,) = [i for i in range(2) if now[i] == counts[i] + 1]
-        order.append(worker)
-        counts = now
+    order = _steps_one_at_a_time(trainer, iterator, 2 * STEPS)
     assert set(order) == {0, 1}  # Both workers ran (they alternate here).
     batches = [_batches(x, y) * 2] * 2  # Each worker reads the whole set.
     want, want_stats = _reference(params, batches, config, order=order)
