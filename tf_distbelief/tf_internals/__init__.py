@@ -20,9 +20,12 @@ fails naming the TensorFlow version). One module per area:
   closure queue.
 * `eager_context`: leaving a cluster's tasks (`disconnect_from_tasks`).
 * `saved_model`: the object graph a checkpoint was saved from.
+* `checkpoint_manager`: a checkpoint written by a traced function, recorded
+  by its `tf.train.CheckpointManager` (`record_written`).
 """
 
 from tf_distbelief.tf_internals import (
+    checkpoint_manager,
     coordinator,
     eager_context,
     keras_model,
@@ -31,7 +34,15 @@ from tf_distbelief.tf_internals import (
     variables,
 )
 
-MODULES = (variables, optimizers, keras_model, coordinator, eager_context, saved_model)
+MODULES = (
+    variables,
+    optimizers,
+    keras_model,
+    coordinator,
+    eager_context,
+    saved_model,
+    checkpoint_manager,
+)
 
 
 def check() -> None:
