@@ -18,6 +18,7 @@ import uuid
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
 
 from tests.fixtures import launch
 from tests.fixtures.downpour import (
@@ -33,8 +34,9 @@ from tests.fixtures.downpour import (
     _strategy,
 )
 from tf_distbelief import downpour
+from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import config as downpour_config
-from tf_distbelief.downpour import schedule
+from tf_distbelief.downpour import replica_state, schedule
 from tf_distbelief.downpour.push_rules import sparse_fetches
 
 Config = downpour_config.DownpourConfig
@@ -82,6 +84,19 @@ Config = downpour_config.DownpourConfig
             {"n_fetch": 2, "sparse_fetches": 1, "top_k_fraction": 0.1},
             TypeError,
             r"`sparse_fetches` must be a bool. Received: 1",
+        ),
+        (
+            {
+                "n_fetch": 2,
+                "n_push": 2,
+                "adagrad_accumulator": "mean",
+                "top_k_fraction": 0.1,
+                "delay_compensation": 0.04,
+                "sparse_fetches": True,
+            },
+            ValueError,
+            r"`sparse_fetches` cannot be combined with delay_compensation: .*"
+            r"Received: delay_compensation=0.04",
         ),
     ],
 )
@@ -154,11 +169,24 @@ def _dense(config: Config) -> Config:
     return Config(**(kwargs | {"sparse_fetches": False}))
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_trainer_matches_reference_one_worker(local_cluster, name):
+def _one_ps_strategy(local_cluster):
+    """One ps task: the kernel and the bias are one group, fetched as one."""
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(1, 1))
+    downpour.enable(strategy)
+    return strategy
+
+
+@pytest.mark.parametrize(
+    "name, num_ps",
+    [(name, 2) for name in sorted(CONFIGS)] + [("top_k_mean", 1)],
+)
+def test_trainer_matches_reference_one_worker(local_cluster, name, num_ps):
     config = CONFIGS[name]
     x, y, params = _softmax_data(seed=5)
-    model = _softmax_model(_strategy(local_cluster), params)
+    strategy = (
+        _strategy(local_cluster) if num_ps == 2 else _one_ps_strategy(local_cluster)
+    )
+    model = _softmax_model(strategy, params)
     trainer = downpour.DownpourTrainer(model, config)
     iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y)))
     for _ in range(STEPS):
@@ -172,6 +200,46 @@ def test_trainer_matches_reference_one_worker(local_cluster, name):
     assert stats.bytes_fetched == want_stats.bytes_fetched
     dense_stats = _reference(params, [_batches(x, y)], _dense(config))[1][0]
     assert stats.bytes_fetched < dense_stats.bytes_fetched
+    groups = trainer.downpour._sparse.groups
+    assert [len(g) for g in groups] == ([2] if num_ps == 1 else [1, 1])
+    # A restore of the ps values (`write_back`) sets every flag.
+    flags = trainer.downpour._sparse.flags
+    assert not all(f.numpy().all() for f in flags)
+    replica_state.ReplicaState(trainer.downpour).write_back(None)
+    assert all(f.numpy().all() for f in flags)
+
+
+@pytest.mark.parametrize(
+    "optimizer, allowed",
+    [
+        (lambda: tf_keras.optimizers.SGD(0.1), True),
+        (lambda: tf_keras.optimizers.Adagrad(0.1), True),
+        (lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9), False),
+        (lambda: tf_keras.optimizers.Adam(0.1), False),
+        (lambda: tf_keras.optimizers.Adagrad(0.1, weight_decay=0.01), False),
+    ],
+    ids=["sgd", "adagrad", "momentum", "adam", "weight_decay"],
+)
+def test_ps_optimizers_that_move_unpushed_entries_are_refused(
+    local_cluster, optimizer, allowed
+):
+    config = Config(
+        2, 2, adagrad_accumulator="mean", top_k_fraction=0.5, sparse_fetches=True
+    )
+    x, y, params = _softmax_data(seed=1)
+    model = _softmax_model(_strategy(local_cluster), params)
+    with model.distribute_strategy.scope():
+        model.compile(optimizer(), loss=model.loss)
+    if allowed:
+        assert downpour.DownpourTrainer(model, config).downpour._sparse is not None
+        return
+    with pytest.raises(
+        ValueError,
+        match=r"`sparse_fetches` needs a ps optimizer that changes only the "
+        r"entries a push sends.*Received: (SGD with momentum=0.9|Adam|Adagrad, "
+        r"weight_decay=0.01)",
+    ):
+        downpour.DownpourTrainer(model, config)
 
 
 def test_fit_in_segments_matches_reference(local_cluster):

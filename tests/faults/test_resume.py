@@ -501,3 +501,46 @@ def test_a_failed_checkpoint_write_leaves_only_whole_checkpoints(tmp_path):
     )
     assert (int(step.numpy()), int(epoch.numpy())) == (6, 1)
     np.testing.assert_array_equal(model.get_weights()[0], np.load(model_dir + ".npy"))
+
+
+def test_save_whole_records_as_the_manager_s_own_save_and_sees_new_objects(tmp_path):
+    """`save_whole` writes through a traced function: the folder, the state
+    file and `max_to_keep` are as `CheckpointManager.save` leaves them, and an
+    object added to the checkpoint after a write is in the next one."""
+    a = tf.Variable([1.0, 2.0])
+    ours = tf.train.Checkpoint(a=a)
+    theirs = tf.train.Checkpoint(a=a)
+    ours_manager = tf.train.CheckpointManager(ours, str(tmp_path / "ours"), 2)
+    theirs_manager = tf.train.CheckpointManager(theirs, str(tmp_path / "theirs"), 2)
+    for number in (2, 4):
+        a.assign_add([1.0, 1.0])
+        resume.save_whole(ours_manager, number)
+        theirs_manager.save(checkpoint_number=number)
+    b = tf.Variable(7.0)
+    ours.b = theirs.b = b  # Added after two writes.
+    resume.save_whole(ours_manager, 6)
+    theirs_manager.save(checkpoint_number=6)
+    for manager in (ours_manager, theirs_manager):
+        folder = manager.directory
+        assert [os.path.basename(p) for p in manager.checkpoints] == [
+            "ckpt-4",
+            "ckpt-6",
+        ]
+        state = tf.train.get_checkpoint_state(folder)
+        assert state.model_checkpoint_path == os.path.join(folder, "ckpt-6")
+        assert sorted(os.listdir(folder)) == [
+            "checkpoint",
+            *(
+                f"ckpt-{n}.{part}"
+                for n in (4, 6)
+                for part in ("data-00000-of-00001", "index")
+            ),
+        ]
+    got = tf.train.load_checkpoint(str(tmp_path / "ours" / "ckpt-6"))
+    want = tf.train.load_checkpoint(str(tmp_path / "theirs" / "ckpt-6"))
+    keys = sorted(want.get_variable_to_shape_map())
+    assert sorted(got.get_variable_to_shape_map()) == keys
+    assert "b/.ATTRIBUTES/VARIABLE_VALUE" in keys
+    for key in keys:
+        if key != "_CHECKPOINTABLE_OBJECT_GRAPH":
+            np.testing.assert_array_equal(got.get_tensor(key), want.get_tensor(key))

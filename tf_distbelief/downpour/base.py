@@ -168,6 +168,11 @@ def _handle(variable):
     return None if variable is None else variable.handle
 
 
+def ps_handle(variable):
+    """The resource handle of a ps variable, wrapped (`DownpourVariable`) or not."""
+    return variable.get().handle if hasattr(variable, "get") else variable.handle
+
+
 class VariableKind(abc.ABC):
     """Downpour's per-worker state and ops for the variables of one kind.
 

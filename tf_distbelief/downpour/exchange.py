@@ -124,9 +124,7 @@ class Exchange:
             if self.sparse is None:
                 moved = self.dense.fetch_into_cache(h.dense, self.record(h))
             else:
-                moved = self.sparse.fetch_into_cache(
-                    h.dense, h.sparse, h.worker, self.record(h)
-                )
+                moved = self.sparse.fetch_into_cache(h.dense, h.sparse, h.worker)
             return base.after(self.fetch_ops(h) + moved, True)
 
         return tf.cond(pred, fetch, lambda: tf.constant(False))

@@ -142,7 +142,7 @@ class Downpour:
             self._rows = RowSparseVariables(rows, self.plan)
             self._compression = compression.create(config, dense)
             self._sparse = sparse_fetch.create(
-                config, dense, self._dense.groups(), strategy
+                config, dense, self._dense.groups(), strategy, optimizer
             )
             self._seen = base.per_worker("downpour/seen", [], tf.int64)
             self._refetch = base.per_worker("downpour/refetch", [], tf.int64)
@@ -493,6 +493,13 @@ class Downpour:
         delay = self._delay(start, [done])
         done = base.after(delay, done) if delay else done
         return done if totals is None else (done, summed)
+
+    def after_restore(self) -> None:
+        """What the ps values' restore from a checkpoint needs: with sparse
+        fetches, every replica's next fetch sends every entry (its mirror of
+        the ps holds values from before the restore)."""
+        if self._sparse is not None:
+            self._sparse.flag_all()
 
     def worker_variables(self) -> dict[str, tf.Variable]:
         """Every per-worker variable (a replica's state) by key (position)."""

@@ -235,6 +235,7 @@ class ReplicaState(tf.Module):
             `WAIT_SECS`, or a value read back differs from the one written.
         """
         saved = 0 if restored is None else len(restored.replicas)
+        self._downpour.after_restore()
         lines = []
         if restored is None:
             lines.append(

@@ -34,7 +34,7 @@ from tf_distbelief.downpour.push_rules import rule as push_rule
 __all__ = ["SparseFetch", "SparseHandles", "create"]
 
 
-def create(config, variables: list, groups: list[list[int]], strategy):
+def create(config, variables: list, groups: list[list[int]], strategy, optimizer):
     """The `SparseFetch` of a replica's dense variables, or None when off.
 
     Args:
@@ -42,10 +42,52 @@ def create(config, variables: list, groups: list[list[int]], strategy):
       variables: the dense variables (shards); under the strategy's scope.
       groups: their indices by ps task and dtype (`DenseVariables.groups`).
       strategy: the `DistBeliefStrategy` (`num_workers`).
+      optimizer: the ps optimizer (`check_optimizer`).
+
+    Raises:
+      ValueError: the ps optimizer changes entries a push sent nothing for
+        (`check_optimizer`), or a group is too large for int32 positions.
     """
     if not any(r.marks_changes for r in config.rules):
         return None
+    check_optimizer(config, optimizer)
     return SparseFetch(variables, groups, strategy)
+
+
+def check_optimizer(config, optimizer) -> None:
+    """Raises unless the ps update leaves every entry pushed as 0 unchanged.
+
+    The flags mark only the entries a push sent a non-zero value for: AdaGrad
+    (tf_keras's or `tf_distbelief.adagrad`'s) and SGD without momentum
+    change no other, and neither does a push rule that replaces the ps
+    optimizer here (the outer optimizer, which `sparse_fetches` takes without
+    momentum). Momentum, Adam's moments and weight decay move every entry.
+
+    Raises:
+      ValueError: naming the optimizer and what is allowed.
+    """
+    import tf_keras
+
+    if any(r.replaces_optimizer for r in config.rules):
+        return
+    sgd = isinstance(optimizer, tf_keras.optimizers.SGD)
+    ok = isinstance(optimizer, tf_keras.optimizers.Adagrad) or (
+        sgd and float(optimizer.momentum) == 0.0
+    )
+    if ok and not getattr(optimizer, "weight_decay", None):
+        return
+    raise ValueError(
+        "Argument `sparse_fetches` needs a ps optimizer that changes only the "
+        "entries a push sends: AdaGrad, or SGD without momentum, without "
+        "weight decay (or the outer optimizer, `outer_learning_rate`). "
+        f"Received: {type(optimizer).__name__}"
+        + (f" with momentum={optimizer.momentum!r}" if sgd else "")
+        + (
+            f", weight_decay={optimizer.weight_decay!r}"
+            if getattr(optimizer, "weight_decay", None)
+            else ""
+        )
+    )
 
 
 class SparseHandles(NamedTuple):
@@ -54,11 +96,6 @@ class SparseHandles(NamedTuple):
     mirrors: list  # One flat mirror per group.
     whole: tf.Tensor  # 1 once the mirrors hold a whole fetch.
     nbytes: tf.Tensor  # Bytes the replica's fetches moved.
-
-
-def _handle(variable):
-    """The resource handle of a ps variable, wrapped (`DownpourVariable`) or not."""
-    return variable.get().handle if hasattr(variable, "get") else variable.handle
 
 
 def _task(device: str) -> tuple:
@@ -101,6 +138,13 @@ class SparseFetch:
         self.mirrors = []
         for g, group in enumerate(self.groups):
             size = sum(self.variables[j].shape.num_elements() for j in group)
+            if size >= 2**31:
+                names = ", ".join(self.variables[j].name for j in group)
+                raise ValueError(
+                    "Argument `sparse_fetches` sends int32 positions: the "
+                    "variables of one ps task and dtype must hold fewer than "
+                    f"2**31 entries. Received: {size} in {names}"
+                )
             dtype = self.variables[group[0]].dtype
             self.mirrors.append(base.per_worker(f"downpour/mirror/{g}", [size], dtype))
         self._whole = base.per_worker("downpour/mirror_whole", [], tf.int64)
@@ -108,6 +152,16 @@ class SparseFetch:
         self.model_nbytes = sum(
             v.shape.num_elements() * v.dtype.size for v in self.variables
         )
+
+    def flag_all(self) -> None:
+        """Sets every flag: each replica's next fetch sends every entry.
+
+        Call it after the ps values were restored from a checkpoint in this
+        process (`replica_state.ReplicaState.write_back`): the replicas'
+        mirrors hold values from before.
+        """
+        for flags in self.flags:
+            flags.assign(tf.ones(flags.shape, tf.bool))
 
     def handles(self) -> SparseHandles:
         """The per-worker handles; take them at the top of the scheduled function."""
@@ -131,14 +185,13 @@ class SparseFetch:
         sizes = [self.variables[j].shape.num_elements() for j in group]
         return [sum(sizes[:i]) for i in range(len(group))]
 
-    def fetch_into_cache(self, kh: base.KindHandles, sh: SparseHandles, worker, record):
+    def fetch_into_cache(self, kh: base.KindHandles, sh: SparseHandles, worker):
         """Ops of a fetch into the caches (inside the fetch's `tf.cond` branch).
 
         Args:
           kh: the dense kind's handles (its `ps` and `caches`).
           sh: this module's handles.
           worker: the running worker's index, an integer scalar tensor.
-          record: None, or `(j, value on the ps) -> ops` (`DenseVariables.pull`).
 
         Returns:
           `[done]`: a bool tensor, True once the caches hold the fetch.
@@ -146,14 +199,14 @@ class SparseFetch:
         row = tf.cast(worker, tf.int64)
 
         def changed():
-            return base.after(self._changed(kh, sh, row, record), True)
+            return base.after(self._changed(kh, sh, row), True)
 
         def whole():
-            return base.after(self._whole_fetch(kh, sh, row, record), True)
+            return base.after(self._whole_fetch(kh, sh, row), True)
 
         return [tf.cond(base.read(sh.whole, tf.int64) > 0, changed, whole)]
 
-    def _whole_fetch(self, kh, sh, row, record) -> list:
+    def _whole_fetch(self, kh, sh, row) -> list:
         ops = []
         for g, group in enumerate(self.groups):
             values = []
@@ -162,12 +215,13 @@ class SparseFetch:
                     v = self.variables[j]
                     zeros = tf.zeros([1, v.shape.num_elements()], tf.bool)
                     clear = base.scatter(
-                        "Update", _handle(self.flags[j]), tf.reshape(row, [1]), zeros
+                        "Update",
+                        base.ps_handle(self.flags[j]),
+                        tf.reshape(row, [1]),
+                        zeros,
                     )
                     with tf.control_dependencies([clear]):
                         values.append(base.read(kh.ps[j], v.dtype))
-                    if record is not None:
-                        ops += record(j, values[-1])
                 packed = dense.pack_flat(values)
             ops.append(base.assign(sh.mirrors[g], packed))
         with tf.control_dependencies(ops):
@@ -176,7 +230,10 @@ class SparseFetch:
             ops.append(base.add(sh.nbytes, tf.constant(self.model_nbytes, tf.int64)))
         return ops
 
-    def _changed(self, kh, sh, row, record) -> list:
+    def _changed(self, kh, sh, row) -> list:
+        # The mirrors are not whole while flags are cleared and their values
+        # not yet written: a fetch cut off in between makes the next whole.
+        unsure = base.assign(sh.whole, tf.constant(0, tf.int64))
         ops, nbytes = [], []
         for g, group in enumerate(self.groups):
             positions, values = [], []
@@ -185,23 +242,22 @@ class SparseFetch:
                 for j, offset in zip(group, self._offsets(group)):
                     v = self.variables[j]
                     flagged = base.gather(
-                        _handle(self.flags[j]), tf.reshape(row, [1]), tf.bool
+                        base.ps_handle(self.flags[j]), tf.reshape(row, [1]), tf.bool
                     )[0]
                     where = tf.where(flagged)[:, 0]
                     at = tf.stack([tf.fill(tf.shape(where), row), where], 1)
-                    clear = tf.raw_ops.ResourceScatterNdUpdate(
-                        ref=_handle(self.flags[j]),
-                        indices=at,
-                        updates=tf.zeros(tf.shape(where), tf.bool),
-                    )
+                    with tf.control_dependencies([unsure]):
+                        clear = tf.raw_ops.ResourceScatterNdUpdate(
+                            ref=base.ps_handle(self.flags[j]),
+                            indices=at,
+                            updates=tf.zeros(tf.shape(where), tf.bool),
+                        )
                     # The values after the flags are cleared: a push landing
                     # in between flags its entries again for the next fetch.
                     with tf.control_dependencies([clear]):
                         value = base.read(kh.ps[j], v.dtype)
                     values.append(tf.gather(tf.reshape(value, [-1]), where))
                     positions.append(tf.cast(where, tf.int32) + offset)
-                    if record is not None:
-                        ops += record(j, value)
                 positions = tf.concat(positions, 0) if len(group) > 1 else positions[0]
                 values = tf.concat(values, 0) if len(group) > 1 else values[0]
             ops.append(base.scatter("Update", sh.mirrors[g], positions, values))
@@ -210,6 +266,8 @@ class SparseFetch:
         with tf.control_dependencies(ops):
             ops = ops + self._mirrors_into_caches(kh, sh)
             ops.append(base.add(sh.nbytes, tf.add_n(nbytes)))
+        with tf.control_dependencies(ops):
+            ops.append(base.assign(sh.whole, tf.constant(1, tf.int64)))
         return ops
 
     def _mirrors_into_caches(self, kh, sh) -> list:
@@ -228,7 +286,9 @@ class SparseFetch:
           grads: the applied push per variable, tensors on the variables' ps
             tasks (decoded: 0 where nothing was sent).
           applied: the ops that applied it; each variable's flags are set
-          after those of them on its ps task (all of them if none is).
+          after those of them on its ps task (all of them if none is), and
+          after a read of the variable, which TensorFlow's automatic control
+          dependencies order after every update of it traced before.
 
         Returns:
           The ops, one per variable, on its ps task.
@@ -236,6 +296,8 @@ class SparseFetch:
         ops = []
         rows = tf.range(self.num_workers, dtype=tf.int64)
         for j, (g, v) in enumerate(zip(grads, self.variables)):
+            if not v.shape.num_elements():
+                continue  # Nothing to flag.
             with tf.device(v.device):
                 where = tf.where(tf.not_equal(tf.reshape(g, [-1]), 0))[:, 0]
                 at = tf.reshape(
@@ -243,10 +305,12 @@ class SparseFetch:
                 )
                 task = _task(v.device)
                 mine = [op for op in applied if _task(op.device) == task]
-                with tf.control_dependencies(mine or applied):
+                zero = tf.zeros([1], tf.int64)
+                anchor = base.gather(base.ps_handle(v), zero, v.dtype)
+                with tf.control_dependencies((mine or applied) + [anchor]):
                     ops.append(
                         tf.raw_ops.ResourceScatterNdUpdate(
-                            ref=_handle(self.flags[j]),
+                            ref=base.ps_handle(self.flags[j]),
                             indices=at,
                             updates=tf.ones(tf.shape(at)[:1], tf.bool),
                         )

@@ -34,7 +34,7 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import console, errors, paths
+from tf_distbelief import console, errors
 from tf_distbelief.faults import nonfinite
 from tf_distbelief.tf_internals import checkpoint_manager, saved_model
 from tf_distbelief.tf_internals import variables as tf_variables
@@ -81,7 +81,7 @@ class _TracedWrite:
     def __call__(self, prefix: str) -> str:
         # A new or replaced object (a slot made late, a Sandblaster list
         # grown into a new variable) changes what the saver must hold.
-        objects = tuple(tf.train.TrackableView(self.checkpoint).descendants())
+        objects = _saved_objects(self.checkpoint)
         if (
             self._objects is None
             or len(objects) != len(self._objects)
@@ -102,6 +102,24 @@ class _TracedWrite:
         return self._write(tf.constant(prefix)).numpy().decode()
 
 
+def _saved_objects(checkpoint) -> tuple:
+    """What a write of `checkpoint` saves: its descendants, and the slots of
+    optimizers that keep them outside the object graph (`get_slot_names`, the
+    legacy tf_keras optimizers), as TensorFlow's async checkpointing lists
+    them."""
+    objects = list(tf.train.TrackableView(checkpoint).descendants())
+    variables = [t for t in objects if isinstance(t, tf.Variable)]
+    for t in list(objects):
+        if "get_slot_names" in dir(t):
+            for name in t.get_slot_names():
+                for v in variables:
+                    try:
+                        objects.append(t.get_slot(v, name))
+                    except (AttributeError, KeyError):
+                        continue
+    return tuple(objects)
+
+
 # One traced writer per manager (`save_whole`).
 _WRITERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -111,9 +129,11 @@ def _save(manager: tf.train.CheckpointManager, number: int) -> str:
     writer = _WRITERS.get(manager)
     if writer is None:
         writer = _WRITERS[manager] = _TracedWrite(manager.checkpoint)
+    if checkpoint_manager.has_interval(manager):  # It may skip the save.
+        return manager.save(checkpoint_number=number)
     # As `CheckpointManager.save`: the counter first, saved with the rest.
     manager.checkpoint.save_counter.assign_add(1)
-    prefix = f"{os.path.join(manager.directory, paths.CHECKPOINT_PREFIX)}-{number}"
+    prefix = f"{checkpoint_manager.prefix(manager)}-{number}"
     tf.io.gfile.makedirs(manager.directory)  # As the eager save does.
     path = writer(prefix)
     checkpoint_manager.record_written(manager, path)
@@ -152,7 +172,7 @@ def save_whole(manager: tf.train.CheckpointManager, number: int) -> str:
     except Exception as error:  # noqa: BLE001  (cleaned up, then raised named)
         # Raised here, so that the cause is its `__context__` too: tf_keras
         # re-raises a callback's error `from None`.
-        path = f"{os.path.join(manager.directory, paths.CHECKPOINT_PREFIX)}-{number}"
+        path = f"{checkpoint_manager.prefix(manager)}-{number}"
         if manager.latest_checkpoint == path and os.path.exists(path + ".index"):
             logging.warning(
                 "Checkpoint %s is whole, but removing older ones failed: %s",

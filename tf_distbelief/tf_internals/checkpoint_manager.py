@@ -17,13 +17,26 @@ uses its private `_maybe_delete`, `_latest_checkpoint`, `_record_state` and
 
 from __future__ import annotations
 
+import os
 import time
 
 import tensorflow as tf
 
 from tf_distbelief.tf_internals import _shapes
 
-__all__ = ["check", "record_written"]
+__all__ = ["check", "has_interval", "prefix", "record_written"]
+
+
+def prefix(manager: tf.train.CheckpointManager) -> str:
+    """The path prefix `manager.save` numbers its checkpoints after
+    (`directory/checkpoint_name`)."""
+    return manager._prefix
+
+
+def has_interval(manager: tf.train.CheckpointManager) -> bool:
+    """True when `manager` was made with a `checkpoint_interval` (its `save`
+    then skips saves; `record_written` does not)."""
+    return manager._checkpoint_interval is not None
 
 
 def record_written(manager: tf.train.CheckpointManager, save_path: str) -> None:
@@ -56,7 +69,14 @@ def check() -> None:
         manager = tf.train.CheckpointManager(
             tf.train.Checkpoint(), folder, max_to_keep=1
         )
-        recorded = {"_maybe_delete", "_latest_checkpoint", "_record_state", "_sweep"}
+        recorded = {
+            "_maybe_delete",
+            "_latest_checkpoint",
+            "_record_state",
+            "_sweep",
+            "_prefix",
+            "_checkpoint_interval",
+        }
         _shapes.expect(
             "checkpoint_manager",
             [
@@ -64,6 +84,14 @@ def check() -> None:
                     "CheckpointManager.save records with "
                     + ", ".join(sorted(recorded)),
                     recorded <= _shapes.code_names(tf.train.CheckpointManager.save),
+                ),
+                (
+                    "CheckpointManager._prefix",
+                    getattr(manager, "_prefix", None) == os.path.join(folder, "ckpt"),
+                ),
+                (
+                    "CheckpointManager._checkpoint_interval",
+                    getattr(manager, "_checkpoint_interval", 0) is None,
                 ),
                 (
                     "CheckpointManager._maybe_delete",

@@ -134,7 +134,7 @@ class PushRules:
             return [
                 base.scatter(
                     "Update",
-                    _handle(self.fetched[j]),
+                    base.ps_handle(self.fetched[j]),
                     index,
                     tf.expand_dims(value_on_ps, 0),
                 )
@@ -159,7 +159,9 @@ class PushRules:
                 w_fetched = None
                 if self.fetched:
                     index = tf.reshape(tf.cast(worker, tf.int64), [1])
-                    w_fetched = base.gather(_handle(self.fetched[j]), index, v.dtype)
+                    w_fetched = base.gather(
+                        base.ps_handle(self.fetched[j]), index, v.dtype
+                    )
                     w_fetched = w_fetched[0]
                 for r in self.rules:
                     if r.reads_state:
@@ -179,8 +181,3 @@ class PushRules:
                     self.rules[k].update(v, self.states[k][j], g)
                 else:  # The step, not AdaGrad's accumulator, is scaled.
                     base.apply_push(opt, g, sq, v, steps, scale)
-
-
-def _handle(variable):
-    """The resource handle of a ps variable, wrapped (`DownpourVariable`) or not."""
-    return variable.get().handle if hasattr(variable, "get") else variable.handle

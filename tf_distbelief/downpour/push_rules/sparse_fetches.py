@@ -20,9 +20,11 @@ Setting (`DownpourConfig` keyword argument and launch flag):
 Needs a selecting rule (`top_k_fraction`), `n_fetch >= 2` (a cached
 replica), and, with the outer optimizer, `outer_momentum = 0`: the outer
 momentum moves every entry at every push, so nothing would be saved
-(SparseLoCo drops it for the error feedback). Every other ps update in this
-package changes no entry whose pushed value is 0 (AdaGrad, the push rules'
-corrections and factors), which is what the flags rely on.
+(SparseLoCo drops it for the error feedback). The ps optimizer must leave
+every entry pushed as 0 unchanged, as AdaGrad and SGD without momentum do
+(`sparse_fetch.check_optimizer`, when the replica is built); the push rules'
+corrections and factors do too. Delay compensation, which keeps a whole copy
+of each replica's fetch on the ps, is refused with it.
 
 Bytes of a fetch: `entries * (4 + itemsize)` for the flagged entries, the
 model's bytes for a whole one. ps memory: one byte per entry and replica.
@@ -101,6 +103,14 @@ class SparseFetches(rule.PushRule):
 
     @classmethod
     def check_combination(cls, config, others) -> None:
+        copied = [o.name for o in others if o.needs_fetched]
+        if copied:
+            raise ValueError(
+                f"Argument `sparse_fetches` cannot be combined with "
+                f"{', '.join(copied)}: the ps would keep a whole copy of what "
+                "each replica fetched, which a sparse fetch does not send. "
+                f"Received: {', '.join(f'{n}={getattr(config, n)!r}' for n in copied)}"
+            )
         if not any(o.selects for o in others):
             raise ValueError(
                 "Argument `sparse_fetches` needs a push rule that selects the "
