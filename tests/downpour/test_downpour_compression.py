@@ -21,10 +21,11 @@ import tensorflow as tf
 from tests.fixtures import launch
 from tests.fixtures.downpour import (
     BATCH_SIZE,
-    LEARNING_RATE,
     STEPS,
     _batches,
+    _dataset,
     _ps_params,
+    _reference,
     _softmax_data,
     _softmax_grad,
     _softmax_model,
@@ -243,21 +244,6 @@ CONFIGS = {
         3, 3, outer_learning_rate=0.7, top_k_fraction=0.3, quantize_bits=8
     ),
 }
-
-
-def _dataset(x, y):
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE)
-
-
-def _reference(params, batches, config, order=None):
-    return schedule.simulate(
-        params,
-        _softmax_grad,
-        batches,
-        config,
-        schedule.adagrad_ps(LEARNING_RATE),
-        order=order,
-    )
 
 
 def _uncompressed(config: Config) -> Config:

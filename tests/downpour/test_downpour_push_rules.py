@@ -18,11 +18,11 @@ import tf_keras
 
 from tests.fixtures import launch
 from tests.fixtures.downpour import (
-    BATCH_SIZE,
-    LEARNING_RATE,
     STEPS,
     _batches,
+    _dataset,
     _ps_params,
+    _reference,
     _softmax_data,
     _softmax_grad,
     _softmax_model,
@@ -297,22 +297,6 @@ CONFIGS = {
     "staleness_squares": Config(3, 2, staleness_scaled=True),
     "staleness_sum": Config(3, 2, adagrad_accumulator="sum", staleness_scaled=True),
 }
-
-
-def _dataset(x, y):
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE)
-
-
-def _reference(params, batches, config, order=None):
-    got, stats = downpour_schedule.simulate(
-        params,
-        _softmax_grad,
-        batches,
-        config,
-        downpour_schedule.adagrad_ps(LEARNING_RATE),
-        order=order,
-    )
-    return got, stats
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

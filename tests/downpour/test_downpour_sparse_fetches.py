@@ -17,18 +17,16 @@ import uuid
 
 import numpy as np
 import pytest
-import tensorflow as tf
 import tf_keras
 
 from tests.fixtures import launch
 from tests.fixtures.downpour import (
-    BATCH_SIZE,
-    LEARNING_RATE,
     STEPS,
     _batches,
+    _dataset,
     _ps_params,
+    _reference,
     _softmax_data,
-    _softmax_grad,
     _softmax_model,
     _steps_one_at_a_time,
     _strategy,
@@ -36,7 +34,7 @@ from tests.fixtures.downpour import (
 from tf_distbelief import downpour
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import config as downpour_config
-from tf_distbelief.downpour import replica_state, schedule
+from tf_distbelief.downpour import replica_state
 from tf_distbelief.downpour.push_rules import sparse_fetches
 
 Config = downpour_config.DownpourConfig
@@ -147,21 +145,6 @@ CONFIGS = {
         sparse_fetches=True,
     ),
 }
-
-
-def _dataset(x, y):
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH_SIZE)
-
-
-def _reference(params, batches, config, order=None):
-    return schedule.simulate(
-        params,
-        _softmax_grad,
-        batches,
-        config,
-        schedule.adagrad_ps(LEARNING_RATE),
-        order=order,
-    )
 
 
 def _dense(config: Config) -> Config:
