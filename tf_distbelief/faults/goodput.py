@@ -7,8 +7,9 @@ A `Goodput` accounts the wall time from the process's start (or from a
 * `redone`: steps done again after a fault: a run restored at step R after
   steps up to S had finished does steps R..S again (the step counter went
   back); their share of the time of the training that redid them;
-* `checkpointing`: writing checkpoints (waiting for the steps in flight,
-  checking the values, the write);
+* `checkpointing`: writing checkpoints (checking the values, the write; the
+  wait for the steps already scheduled before it is training, which the
+  workers do meanwhile);
 * `recovery`: from the last step seen finishing before a failure (a lost ps
   task) to the first step after it: detecting it, waiting for the task to
   serve again, rebuilding and restoring;

@@ -511,16 +511,25 @@ class Checkpointer(tf_keras.callbacks.Callback):
         """
         if self.goodput is None:
             return self._save()
+        # The steps already scheduled run on the workers while the chief
+        # waits for them: training time, not the checkpoint's (tf_keras
+        # schedules far ahead: about 1.2 s of steps per checkpoint in the
+        # punisher's digits job, against 0.05 s for the checks and write).
+        self._join()
         with self.goodput.timing("checkpointing"):
             path = self._save()
         self.goodput.step_done(self.done)
         return path
 
-    def _save(self) -> str:
+    def _join(self) -> None:
+        """Waits for every step in flight (none without a coordinator)."""
         strategy = self.model.distribute_strategy
         if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
             # The coordinator `fit` made (one per strategy).
             tf.distribute.experimental.coordinator.ClusterCoordinator(strategy).join()
+
+    def _save(self) -> str:
+        self._join()  # Nothing to wait for when `save` has waited.
         path = write_checkpoint(
             self.manager,
             self.step,
