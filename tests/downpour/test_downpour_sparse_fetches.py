@@ -32,7 +32,6 @@ from tests.fixtures.downpour import (
     _strategy,
 )
 from tf_distbelief import downpour
-from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import config as downpour_config
 from tf_distbelief.downpour import replica_state
 from tf_distbelief.downpour.push_rules import sparse_fetches
@@ -152,13 +151,6 @@ def _dense(config: Config) -> Config:
     return Config(**(kwargs | {"sparse_fetches": False}))
 
 
-def _one_ps_strategy(local_cluster):
-    """One ps task: the kernel and the bias are one group, fetched as one."""
-    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(1, 1))
-    downpour.enable(strategy)
-    return strategy
-
-
 @pytest.mark.parametrize(
     "name, num_ps",
     [(name, 2) for name in sorted(CONFIGS)] + [("top_k_mean", 1)],
@@ -166,10 +158,8 @@ def _one_ps_strategy(local_cluster):
 def test_trainer_matches_reference_one_worker(local_cluster, name, num_ps):
     config = CONFIGS[name]
     x, y, params = _softmax_data(seed=5)
-    strategy = (
-        _strategy(local_cluster) if num_ps == 2 else _one_ps_strategy(local_cluster)
-    )
-    model = _softmax_model(strategy, params)
+    # One ps task: the kernel and the bias are one group, fetched as one.
+    model = _softmax_model(_strategy(local_cluster, num_ps=num_ps), params)
     trainer = downpour.DownpourTrainer(model, config)
     iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y)))
     for _ in range(STEPS):
