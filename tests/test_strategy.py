@@ -1,5 +1,9 @@
 """DistBeliefStrategy: sharding over ps tasks, embedding lookups, bad input."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -7,6 +11,7 @@ import tf_keras
 
 from models import embedding
 from tests.fixtures.helpers import cluster_bytes
+from tests.fixtures.launch import ROOT
 from tf_distbelief import strategy as strategy_lib
 
 PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
@@ -122,3 +127,47 @@ def test_keras3_model_fails_with_a_named_error(local_cluster):
         tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(4,))]).compile(
             optimizer="sgd", loss="mse"
         )
+
+
+# In a process of its own: the functions kept stay kept while any cluster of
+# the process is connected (the test session's shared cluster would be).
+_DROPPED_FUNCTION = """
+import gc
+import tensorflow as tf
+from tensorflow.python.eager import context
+from tf_distbelief import cluster, strategy as strategy_lib
+from tf_distbelief.tf_internals import eager_context
+
+local = cluster.LocalCluster(num_workers=1, num_ps=1).start()
+strategy = strategy_lib.DistBeliefStrategy(local.resolver)
+coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+with strategy.scope():
+    v = tf.Variable(1.0)
+step = tf.function(lambda: v.assign_add(1.0))
+name = step.get_concrete_function().name
+assert float(coordinator.schedule(step).fetch()) == 2.0
+del step
+gc.collect()
+print("while connected:", context.context().has_function(name),
+      eager_context.kept_function_count() > 0)
+local.stop()
+print("after stop:", context.context().has_function(name),
+      eager_context.kept_function_count())
+"""
+
+
+def test_a_dropped_function_stays_on_the_tasks_until_the_cluster_stops():
+    # Removing it while connected is a blocking call per task with the GIL
+    # held (the chief froze for seconds); after the stop it is local.
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+    env.pop("TF_CONFIG", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _DROPPED_FUNCTION],
+        check=True,
+        env=env,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "while connected: True True" in out, out
+    assert "after stop: False 0" in out, out

@@ -28,6 +28,7 @@ from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as connect_lib
 from tf_distbelief.faults import step_watch
 from tf_distbelief.tf_internals import coordinator as tf_coordinator
+from tf_distbelief.tf_internals import eager_context
 
 # A shard smaller than this is not worth its RPC: TensorFlow's own suggested
 # value for `MinSizePartitioner` (256 KiB).
@@ -259,6 +260,9 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
         # Connecting while an earlier coordinator of this process still works
         # crashed the process (see `wait_for_idle_coordinators`).
         wait_for_idle_coordinators()
+        # A tf.function dropped while connected would be removed from every
+        # task by a blocking call holding the GIL: seconds on a busy cluster.
+        eager_context.keep_remote_functions()
         super().__init__(resolver, variable_partitioner)
         self.variable_wrapper: Callable | None = None
         self.num_ps = num_ps

@@ -18,7 +18,8 @@ fails naming the TensorFlow version). One module per area:
   overrides on a user's model (`override_method`, `override_train_function`).
 * `coordinator`: a `ClusterCoordinator`'s threads, worker recovery and
   closure queue.
-* `eager_context`: leaving a cluster's tasks (`disconnect_from_tasks`).
+* `eager_context`: functions kept registered on remote tasks while connected
+  (`keep_remote_functions`), leaving a cluster's tasks (`disconnect_from_tasks`).
 * `saved_model`: the object graph a checkpoint was saved from.
 * `checkpoint_manager`: a checkpoint written by a traced function, recorded
   by its `tf.train.CheckpointManager` (`record_written`).

@@ -1,9 +1,13 @@
-"""The eager context's server def: leaving a cluster's tasks before they end.
+"""The eager context and a cluster's remote tasks: functions kept registered
+on them while connected, and leaving them before they end.
 
-Used by `cluster.local` when it stops the tasks it started.
+Used by the strategy when it connects (`keep_remote_functions`) and by
+`cluster.local` when it stops the tasks it started (`disconnect_from_tasks`).
 """
 
 from __future__ import annotations
+
+import threading
 
 from tensorflow.python.eager import context
 
@@ -57,7 +61,85 @@ def disconnect_from_tasks(addresses) -> bool:
             local.cluster.job.add(name=job.name).tasks.update(tasks)
     local.ClearField("cluster_device_filters")
     context.context().update_server_def(local)
+    if not _has_remote_tasks(local):
+        _remove_kept_functions()
     return True
+
+
+# `Context.remove_function` as TensorFlow defines it, once replaced.
+_REMOVE_FUNCTION = None
+_KEPT_LOCK = threading.Lock()
+# (context, function name) pairs whose removal was put off while connected.
+_KEPT: list[tuple[object, str]] = []
+
+
+def keep_remote_functions() -> None:
+    """Keeps dropped tf.functions registered while this process has remote tasks.
+
+    When Python drops a traced function (`AtomicFunction.__del__`, often in a
+    garbage collection at an arbitrary point of `fit`), TensorFlow's eager
+    context removes it from every remote task it was registered on, one
+    blocking gRPC call per task, with the GIL held
+    (`EagerContext::MaybeRemoveFunctionRemotely` waiting in
+    `GrpcEagerClient::StreamingEnqueueAsync`). On a busy cluster a worker
+    answers it after seconds: a chief was seen frozen 2 to 9 s, whole (no
+    Python thread ran, no line was printed), at the end of `fit` when the
+    per-worker dataset's functions were dropped, and for over 20 s in longer
+    jobs, where a liveness probe took it for hung. After this call, a
+    removal while the eager context has a task other than its own is put
+    off: the function stays registered here and on the tasks (a few
+    kilobytes each; a training job drops a handful per `fit`). The removals
+    put off are made once `disconnect_from_tasks` has left every remote
+    task, when they are local and immediate; a process that ends through
+    `os._exit` (the launch scripts) skips them with the rest of its teardown.
+    Calling it again does nothing more.
+
+    Public route checked: none. `tf.config.experimental_connect_to_cluster`
+    has no option for it, and `tf.function` objects have no way to outlive
+    their Python owner; `Context.remove_function` is replaced (it is what
+    `AtomicFunction.__del__` calls).
+    """
+    global _REMOVE_FUNCTION
+    with _KEPT_LOCK:
+        if _REMOVE_FUNCTION is not None:
+            return
+        _REMOVE_FUNCTION = context.Context.remove_function
+
+    def remove_function(ctx, name):
+        if _has_remote_tasks(context.get_server_def()):
+            with _KEPT_LOCK:
+                _KEPT.append((ctx, name))
+            return
+        _REMOVE_FUNCTION(ctx, name)
+
+    remove_function.__doc__ = _REMOVE_FUNCTION.__doc__
+    context.Context.remove_function = remove_function
+
+
+def kept_function_count() -> int:
+    """How many function removals are put off now (see `keep_remote_functions`)."""
+    with _KEPT_LOCK:
+        return len(_KEPT)
+
+
+def _has_remote_tasks(server_def) -> bool:
+    """Whether `server_def` (or None: not connected) names a task not its own."""
+    if server_def is None:
+        return False
+    for job in server_def.cluster.job:
+        for index in job.tasks:
+            if (job.name, index) != (server_def.job_name, server_def.task_index):
+                return True
+    return False
+
+
+def _remove_kept_functions() -> None:
+    """Makes the removals put off, now that no remote task is connected."""
+    with _KEPT_LOCK:
+        kept = list(_KEPT)
+        del _KEPT[:]
+    for ctx, name in kept:
+        _REMOVE_FUNCTION(ctx, name)
 
 
 def check() -> None:
@@ -75,5 +157,16 @@ def check() -> None:
                 "eager Context.update_server_def",
                 callable(getattr(context.Context, "update_server_def", None)),
             ),
+            (
+                "eager Context.remove_function(name), called by AtomicFunction.__del__",
+                callable(getattr(context.Context, "remove_function", None))
+                and "remove_function" in _shapes.code_names(_atomic_del()),
+            ),
         ],
     )
+
+
+def _atomic_del():
+    from tensorflow.python.eager.polymorphic_function import atomic_function
+
+    return atomic_function.AtomicFunction.__del__
