@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 
 import pytest
 from absl import flags
@@ -153,3 +154,26 @@ def test_compressed_outer_rows_are_predicted_as_the_outer_row():
     straggler = downpour_network._setting("n=16+outer/straggler=4", "squares")
     assert straggler == downpour_network._setting("n=16+outer", "squares")
     assert setting.outer
+
+
+def test_the_planner_replays_a_recorded_run_within_20_percent():
+    # The recorded speech run behind 1 Gbit/s and 100 Mbit/s NICs (2 workers,
+    # 1 ps), calibrated on its single row as the benchmark did.
+    from benchmarks import planner_replay
+    from tests.fixtures.launch import ROOT
+
+    recorded = os.path.join(ROOT, "benchmarks/results/downpour_bandwidth_quiet.csv")
+    rows = planner_replay.read_rows(recorded, num_params=2_415_616)
+    predicted = downpour_network.predict_rows(
+        rows, num_workers=2, num_ps=1, batch_size=32, steps_per_execution=10
+    )
+    ratios = {
+        (r.nic, r.name): predicted[(r.model, r.nic, r.name)].examples_per_sec
+        / r.examples_per_sec
+        for r in rows
+        if r.name != "single"
+    }
+    assert len(ratios) == 8
+    assert all(0.8 <= x <= 1.2 for x in ratios.values()), ratios
+    # The rows whose exchanges queue at the one ps NIC moved most.
+    assert ratios[("100mbit", "n=16+outer")] == pytest.approx(1.076, abs=0.005)

@@ -47,16 +47,53 @@ def test_downpour_squares_push_twice_the_model_and_the_outer_rule_once():
     # Fetch 4e6/16, push 2 x 4e6/16, overhead 2048/16 a step each way.
     assert p.traffic.to_worker_bytes == pytest.approx(250_128)
     assert p.traffic.to_ps_bytes == pytest.approx(500_128)
-    assert p.examples_per_sec == pytest.approx(64 / (0.01 + 8 * 750_256 / 1e9))
-    assert p.bottleneck == "worker CPU"  # 6.0 ms of transfer < 10 ms.
+    # Each transfer stretched by the other worker's expected share of the
+    # one ps NIC's direction: T = a + (t_f^2 + t_p^2) / T (equal NICs, 1 ps).
+    t_f, t_p = 8 * 250_128 / 1e9, 8 * 500_128 / 1e9
+    a = 0.01 + t_f + t_p
+    step = (a + math.sqrt(a * a + 4 * (t_f**2 + t_p**2))) / 2  # 17.17 ms.
+    assert p.transfer_secs == pytest.approx(t_f + t_p)
+    assert p.queue_secs == pytest.approx(step - a)  # 1.17 ms.
+    assert p.examples_per_sec == pytest.approx(64 / step)  # 3,728
+    assert p.bottleneck == "worker CPU"  # 7.2 ms of transfer and wait < 10 ms.
     assert p.bounds[cm.PS_NIC] == pytest.approx(32e9 / (8 * 500_128))
     outer = cm.predict(_cluster(), cm.Setting.parse("n=16+outer"))
     assert outer.traffic.to_ps_bytes == pytest.approx(250_128)
-    assert outer.examples_per_sec == pytest.approx(64 / (0.01 + 8 * 500_256 / 1e9))
+    a = 0.01 + 2 * t_f
+    step = (a + math.sqrt(a * a + 8 * t_f**2)) / 2
+    assert outer.examples_per_sec == pytest.approx(64 / step)
     # n_push = 1 sends no squares; "mean" never does.
     assert cm.Setting(1, 1).push_copies == 1
     assert cm.Setting(4, 4, accumulator="mean").push_copies == 1
     assert cm.Setting(4, 1).exchanges_per_step == 1.0
+
+
+def test_only_exchanges_between_local_steps_queue_at_the_ps():
+    # Stock and n = 1 exchange every step (the workers alternate); one worker
+    # or unlimited ps NICs have no one to wait for.
+    for name in ("stock", "n=1"):
+        assert cm.predict(_cluster(), cm.Setting.parse(name)).queue_secs == 0
+    n4 = cm.Setting.parse("n=4")
+    assert cm.predict(_cluster(num_workers=1), n4).queue_secs == 0
+    assert cm.predict(_cluster(ps_bits_per_sec=None), n4).queue_secs == 0
+    # 8 workers, 2 ps, 1 Gbit/s NICs, n=4+outer: each worker moves 1,001,024 B
+    # each way a step (1,000,000 + 2 x 2048 / 4), 8.008 ms at its NIC, and
+    # holds each direction of each ps NIC 4.004 ms (its half of the bytes).
+    c = _cluster(num_workers=8, num_ps=2)
+    p = cm.predict(c, cm.Setting.parse("n=4+outer"))
+    assert p.traffic.to_worker_bytes == pytest.approx(1_001_024)
+    own, held = 8 * 1_001_024 / 1e9, 8 * 1_001_024 / 2 / 1e9
+    a = 0.01 + 2 * own
+    step = (a + math.sqrt(a * a + 4 * 7 * 2 * own * held)) / 2  # 37.87 ms.
+    assert p.queue_secs == pytest.approx(step - a)  # 11.85 ms.
+    assert p.examples_per_sec == pytest.approx(8 * 32 / step)  # 6,760
+    assert p.bottleneck == cm.WORKER_NIC  # 16.0 ms of transfer > 11.9 of wait.
+    # Below the ps NICs' own bound, 2e9 x 32 / (8 x 1,001,024) = 7,992.
+    assert p.bounds[cm.PS_NIC] == pytest.approx(2e9 * 32 / (8 * 1_001_024))
+    # Behind 100 Mbit/s ps NICs, their own bound is the lower one.
+    slow = cm.predict(c.replace(ps_bits_per_sec=1e8), cm.Setting.parse("n=4+outer"))
+    assert slow.bounds[cm.PS_NIC] < slow.bounds["workers"]
+    assert slow.bottleneck == cm.PS_NIC
 
 
 def test_the_ps_nic_limits_many_workers():
@@ -150,7 +187,7 @@ def test_command_line_prints_every_row_and_the_plan():
         "n=64+outer",
     ]  # fmt: skip
     assert rows["stock"][1:4] == ["864", "worker", "NIC"]
-    assert rows["n=16"][1:4] == ["3,999", "worker", "CPU"]
+    assert rows["n=16"][1:4] == ["3,728", "worker", "CPU"]
     assert "plan without a push rule: n_fetch = n_push = 128, num_ps = 1" in lines
     assert "plan with the outer rule: n_fetch = n_push = 64, num_ps = 1" in lines
 

@@ -9,11 +9,25 @@ per scheduled function. No TensorFlow.
 
 The bound (each resource alone, the slowest one wins):
 
-* **workers**: `W * batch / (compute_secs + transfer_secs)`: a worker does
-  not overlap its compute with its own transfers (stock reads the parameters,
-  computes, sends the gradient; Downpour fetches, runs its local steps,
-  pushes), at `min(worker NIC, num_ps * ps NIC)`. Named `worker CPU` when
-  compute is the larger part, else `worker NIC`.
+* **workers**: `W * batch / (compute_secs + transfer_secs + queue_secs)`: a
+  worker does not overlap its compute with its own transfers (stock reads the
+  parameters, computes, sends the gradient; Downpour fetches, runs its local
+  steps, pushes), at `min(worker NIC, num_ps * ps NIC)`. Named `worker CPU`
+  when compute is the larger part, else `worker NIC`, or `ps NIC` when the
+  queueing is larger than the transfer.
+* **queueing at the ps NICs** (`queue_secs`, Downpour with both `n_fetch` and
+  `n_push` above 1): exchanges separated by local steps fall at independent
+  times on the workers, so a worker's fetch or push shares a ps NIC's
+  direction with the other workers' transfers in flight. Mean-field
+  processor sharing: each transfer of `t` seconds is stretched by the
+  expected number of other workers' transfers on that direction of a ps,
+  `(W - 1) * s / T` (`s` one worker's occupancy of one ps NIC per step, `T`
+  the step time), so `T = a + (W - 1) * (t_f * s_f + t_p * s_p) / T` with `a`
+  compute plus transfer, solved in closed form. Exchanges every step (stock,
+  `n_fetch` or `n_push` 1) get none: the workers' cycles are then nearly all
+  transfer, and they lock into alternation, one worker's fetch beside
+  another's push on the two directions of the full-duplex NIC (measured:
+  stock behind 100 Mbit/s NICs ran at this bound without queueing).
 * **ps NIC**: `num_ps * ps_rate / bits per example`, in and out apart (a NIC
   is full duplex; the larger direction counts), parameters sharded evenly,
   every ps paying the fixed overhead of every exchange.
@@ -27,8 +41,9 @@ out. Downpour fetches `M` every `n_fetch` steps and pushes every `n_push`:
 sums and squared sums), `M` with the outer rule (the parameter delta) or
 otherwise. Each exchange with the ps (every step, or every segment of
 `min(n_fetch, n_push)` steps when both exceed 1) adds `overhead_bytes` each
-way per ps. Not modelled: latency, contention between workers (the bound
-is optimistic where two resources are close), CPU spent on serialization.
+way per ps. Not modelled: latency, queueing between per-step exchanges,
+CPU spent on serialization (the bound is optimistic where two resources are
+close).
 
 Example:
   ```
@@ -305,6 +320,8 @@ class Prediction:
         `"chief scheduling"`); inf where unlimited.
       traffic: the bytes of one worker step.
       transfer_secs: one worker's own transfer time per step.
+      queue_secs: one worker's wait per step for the other workers'
+        transfers at the ps NICs (0 for exchanges every step).
     """
 
     setting: Setting
@@ -313,6 +330,7 @@ class Prediction:
     bounds: dict
     traffic: Traffic
     transfer_secs: float
+    queue_secs: float = 0.0
 
 
 def _bits_per_sec(value: float | None) -> float:
@@ -336,7 +354,8 @@ def predict(cluster: Cluster, setting: Setting) -> Prediction:
         c.num_ps * _bits_per_sec(c.ps_bits_per_sec),
     )
     transfer_secs = 8 * traffic.total_bytes / worker_rate
-    step_secs = c.compute_secs + transfer_secs
+    queue_secs = _queue_secs(c, setting, traffic, worker_rate)
+    step_secs = c.compute_secs + transfer_secs + queue_secs
     workers = math.inf if step_secs == 0 else c.num_workers * c.batch_size / step_secs
     # One ps's share of the larger direction per example, in bits.
     per_ps_bits = 8 * max(traffic.to_worker_bytes, traffic.to_ps_bytes) / c.num_ps
@@ -354,8 +373,35 @@ def predict(cluster: Cluster, setting: Setting) -> Prediction:
     best = min(bounds, key=lambda k: bounds[k])  # First of equals: workers.
     bottleneck = best
     if best == "workers":
-        bottleneck = WORKER_CPU if c.compute_secs >= transfer_secs else WORKER_NIC
-    return Prediction(setting, bounds[best], bottleneck, bounds, traffic, transfer_secs)
+        if c.compute_secs >= transfer_secs + queue_secs:
+            bottleneck = WORKER_CPU
+        else:
+            bottleneck = WORKER_NIC if transfer_secs >= queue_secs else PS_NIC
+    return Prediction(
+        setting, bounds[best], bottleneck, bounds, traffic, transfer_secs, queue_secs
+    )
+
+
+def _queue_secs(
+    c: Cluster, setting: Setting, traffic: Traffic, worker_rate: float
+) -> float:
+    """A worker's wait per step behind the others' transfers at the ps NICs.
+
+    See the module docstring: `T^2 - a T - b = 0` with `a` the step's compute
+    and own transfer time and `b = (W - 1) * (t_f * s_f + t_p * s_p)`; the
+    wait is `T - a`. 0 for exchanges every step, one worker, or unlimited ps
+    NICs.
+    """
+    ps_rate = _bits_per_sec(c.ps_bits_per_sec)
+    if setting.exchanges_per_step == 1 or c.num_workers == 1 or math.isinf(ps_rate):
+        return 0.0
+    b = 0.0
+    for nbytes in (traffic.to_worker_bytes, traffic.to_ps_bytes):
+        own = 8 * nbytes / worker_rate  # This worker's transfer, seconds.
+        occupancy = 8 * nbytes / c.num_ps / ps_rate  # Of one ps NIC direction.
+        b += (c.num_workers - 1) * own * occupancy
+    a = c.compute_secs + 8 * traffic.total_bytes / worker_rate
+    return (a + math.sqrt(a * a + 4 * b)) / 2 - a
 
 
 def _busy(cluster: Cluster, setting: Setting, busy_fraction: float) -> bool:

@@ -1,0 +1,97 @@
+"""The planner's prediction next to the examples/s of a recorded bandwidth run.
+
+`downpour_bench.py --nic_rates=...` writes `downpour_bandwidth.csv` (measured
+examples/s per row and NIC rate, and the prediction of the planner of its
+day). This prints the table again with the planner as it is now, calibrated
+as the benchmark does (`downpour_network.predict_rows`): on the row's
+unshaped rate when the run has one, else on the `single` row's. No
+TensorFlow, no cluster:
+
+  python benchmarks/planner_replay.py \
+      --csv=benchmarks/results/downpour_bandwidth_quiet.csv --params=2415616
+
+`--params` is the model's trainable parameter count (the speech model:
+2,415,616); the cluster flags are the benchmark's defaults.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import downpour_network  # noqa: E402
+from benchmarks.downpour_tables import Row  # noqa: E402
+
+
+def _define_flags() -> None:
+    flags.DEFINE_string("csv", None, "A recorded downpour_bandwidth.csv.")
+    flags.DEFINE_integer("params", None, "Trainable parameters of the model.")
+    flags.DEFINE_integer("num_workers", 2, "Workers of the recorded run.")
+    flags.DEFINE_integer("num_ps", 1, "Ps tasks of the recorded run.")
+    flags.DEFINE_integer("batch_size", 32, "Batch of the recorded run.")
+    flags.DEFINE_integer(
+        "steps_per_execution", 10, "Steps per function of the recorded run."
+    )
+    flags.mark_flags_as_required(["csv", "params"])
+
+
+def read_rows(path: str, num_params: int) -> list[Row]:
+    """The rows of a recorded bandwidth CSV, as the benchmark's `Row`s.
+
+    Args:
+      path: the CSV (`downpour_bench.py`'s `downpour_bandwidth.csv`).
+      num_params: the model's trainable parameters.
+
+    Returns:
+      One `Row` per line: model, row name, NIC rate, examples/s, seconds to
+      the target (NaN where not reached) and cut-off; the other measurements
+      are not in the CSV and are left empty.
+    """
+    rows = []
+    with open(path, newline="") as f:
+        for line in csv.DictReader(f):
+            rows.append(
+                Row(
+                    model=line["model"],
+                    name=line["row"],
+                    examples_per_sec=float(line["examples_per_sec"]),
+                    socket_bytes_per_example=math.nan,
+                    tensor_bytes_per_example=math.nan,
+                    cpu_ms_per_step={},
+                    test_accuracy=math.nan,
+                    test_loss=math.nan,
+                    wall_secs=math.nan,
+                    target=float(line["target"]),
+                    secs_to_target=float(line["secs_to_target"]),
+                    nic=line["nic"],
+                    num_params=num_params,
+                    cut_off_secs=float(line["cut_off_secs"]),
+                )
+            )
+    return rows
+
+
+def main(argv) -> None:
+    del argv
+    f = flags.FLAGS
+    rows = read_rows(f.csv, f.params)
+    predicted = downpour_network.predict_rows(
+        rows,
+        num_workers=f.num_workers,
+        num_ps=f.num_ps,
+        batch_size=f.batch_size,
+        steps_per_execution=f.steps_per_execution,
+    )
+    print(downpour_network.format_bandwidth(rows, predicted))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main)
