@@ -11,7 +11,8 @@ TensorFlow, no cluster:
       --csv=benchmarks/results/downpour_bandwidth_quiet.csv --params=2415616
 
 `--params` is the model's trainable parameter count (the speech model:
-2,415,616); the cluster flags are the benchmark's defaults.
+2,415,616); the cluster flags default to the benchmark's defaults and must
+be the recorded run's.
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ def _define_flags() -> None:
     flags.DEFINE_integer("batch_size", 32, "Batch of the recorded run.")
     flags.DEFINE_integer(
         "steps_per_execution", 10, "Steps per function of the recorded run."
+    )
+    flags.DEFINE_enum(
+        "adagrad_accumulator",
+        "squares",
+        ["squares", "mean", "sum"],
+        "The recorded run's --adagrad_accumulator.",
+    )
+    flags.DEFINE_string(
+        "ps_nic_rate", None, "The recorded run's --ps_nic_rate (default: none)."
     )
     flags.mark_flags_as_required(["csv", "params"])
 
@@ -87,6 +97,8 @@ def main(argv) -> None:
         num_ps=f.num_ps,
         batch_size=f.batch_size,
         steps_per_execution=f.steps_per_execution,
+        accumulator=f.adagrad_accumulator,
+        ps_nic_rate=f.ps_nic_rate,
     )
     print(downpour_network.format_bandwidth(rows, predicted))
     sys.stdout.flush()

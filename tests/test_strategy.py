@@ -149,10 +149,15 @@ assert float(coordinator.schedule(step).fetch()) == 2.0
 del step
 gc.collect()
 print("while connected:", context.context().has_function(name),
-      eager_context.kept_function_count() > 0)
+      name in eager_context.kept_function_names())
+# A removal asked for by name (not a dropped function) is made at once.
+other = tf.function(lambda: v + 1.0)
+other_name = other.get_concrete_function().name
+context.context().remove_function(other_name)
+print("asked for:", context.context().has_function(other_name))
 local.stop()
 print("after stop:", context.context().has_function(name),
-      eager_context.kept_function_count())
+      len(eager_context.kept_function_names()))
 """
 
 
@@ -170,4 +175,5 @@ def test_a_dropped_function_stays_on_the_tasks_until_the_cluster_stops():
         text=True,
     ).stdout
     assert "while connected: True True" in out, out
+    assert "asked for: False" in out, out
     assert "after stop: False 0" in out, out

@@ -77,23 +77,26 @@ def test_only_exchanges_between_local_steps_queue_at_the_ps():
     assert cm.predict(_cluster(num_workers=1), n4).queue_secs == 0
     assert cm.predict(_cluster(ps_bits_per_sec=None), n4).queue_secs == 0
     # 8 workers, 2 ps, 1 Gbit/s NICs, n=4+outer: each worker moves 1,001,024 B
-    # each way a step (1,000,000 + 2 x 2048 / 4), 8.008 ms at its NIC, and
-    # holds each direction of each ps NIC 4.004 ms (its half of the bytes).
+    # each way a step (1,000,000 + 2 x 2048 / 4), t = 8.008 ms at its NIC,
+    # half of it through each ps; a ps NIC direction carries k = 2 such flows
+    # at full rate. With 7 others, (1 + 7 t / T) / 2 > 1 while T < 7 t, so
+    # T = a + 2 t ((1 + 7 t / T) / 2 - 1) = a - t + 7 t^2 / T.
     c = _cluster(num_workers=8, num_ps=2)
     p = cm.predict(c, cm.Setting.parse("n=4+outer"))
     assert p.traffic.to_worker_bytes == pytest.approx(1_001_024)
-    own, held = 8 * 1_001_024 / 1e9, 8 * 1_001_024 / 2 / 1e9
-    a = 0.01 + 2 * own
-    step = (a + math.sqrt(a * a + 4 * 7 * 2 * own * held)) / 2  # 37.87 ms.
-    assert p.queue_secs == pytest.approx(step - a)  # 11.85 ms.
-    assert p.examples_per_sec == pytest.approx(8 * 32 / step)  # 6,760
-    assert p.bottleneck == cm.WORKER_NIC  # 16.0 ms of transfer > 11.9 of wait.
-    # Below the ps NICs' own bound, 2e9 x 32 / (8 x 1,001,024) = 7,992.
+    t = 8 * 1_001_024 / 1e9
+    a = 0.01 + 2 * t
+    step = ((a - t) + math.sqrt((a - t) ** 2 + 4 * 7 * t * t)) / 2  # 32.0 ms.
+    assert step < 7 * t
+    assert p.queue_secs == pytest.approx(step - a)  # 6.0 ms.
+    assert p.bounds["workers"] == pytest.approx(8 * 32 / step)  # 7,994
+    # Just above the ps NICs' own bound, 2e9 x 32 / (8 x 1,001,024) = 7,992.
     assert p.bounds[cm.PS_NIC] == pytest.approx(2e9 * 32 / (8 * 1_001_024))
-    # Behind 100 Mbit/s ps NICs, their own bound is the lower one.
-    slow = cm.predict(c.replace(ps_bits_per_sec=1e8), cm.Setting.parse("n=4+outer"))
-    assert slow.bounds[cm.PS_NIC] < slow.bounds["workers"]
-    assert slow.bottleneck == cm.PS_NIC
+    assert p.bottleneck == cm.PS_NIC
+    # 4 ps carry k = 4 flows each: (1 + 7 t / T) / 4 <= 1 for T >= a, no wait.
+    p4 = cm.predict(c.replace(num_ps=4), cm.Setting.parse("n=4+outer"))
+    assert p4.queue_secs == 0
+    assert p4.bottleneck == cm.WORKER_NIC
 
 
 def test_the_ps_nic_limits_many_workers():

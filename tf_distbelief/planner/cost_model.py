@@ -13,27 +13,22 @@ The bound (each resource alone, the slowest one wins):
   worker does not overlap its compute with its own transfers (stock reads the
   parameters, computes, sends the gradient; Downpour fetches, runs its local
   steps, pushes), at `min(worker NIC, num_ps * ps NIC)`. Named `worker CPU`
-  when compute is the larger part, else `worker NIC`, or `ps NIC` when the
+  when compute is the larger part, else `worker NIC`, or `ps NIC queueing` when the
   queueing is larger than the transfer.
 * **queueing at the ps NICs** (`queue_secs`, Downpour with both `n_fetch` and
   `n_push` above 1): exchanges separated by local steps fall at independent
-  times on the workers, so a worker's fetch or push shares a ps NIC's
-  direction with the other workers' transfers in flight. Mean-field
-  processor sharing: each transfer of `t` seconds is stretched by the
-  expected number of other workers' transfers on that direction of a ps,
-  `(W - 1) * s / T` (`s` one worker's occupancy of one ps NIC per step, `T`
-  the step time), so `T = a + (W - 1) * (t_f * s_f + t_p * s_p) / T` with `a`
-  compute plus transfer, solved in closed form. Exchanges every step (stock,
-  `n_fetch` or `n_push` 1) get none: the workers' cycles are then nearly all
-  transfer, and they lock into alternation, one worker's fetch beside
-  another's push on the two directions of the full-duplex NIC (measured:
-  stock behind 100 Mbit/s NICs ran at this bound without queueing).
-* **ps NIC**: `num_ps * ps_rate / bits per example`, in and out apart (a NIC
-  is full duplex; the larger direction counts), parameters sharded evenly,
-  every ps paying the fixed overhead of every exchange.
-* **chief scheduling**: `steps_per_execution * batch / function_secs`: one
-  chief schedules every function (Downpour and stock alike run
-  `steps_per_execution` steps per function; Downpour cuts them in segments).
+  times on the workers, so a worker's fetch or push may share a ps NIC's
+  direction with other workers' transfers. A direction of one ps NIC carries
+  `k = num_ps * ps_rate / worker_rate` flows at a worker's full rate (a
+  worker's transfer is spread over the ps tasks); mean-field processor
+  sharing: with `m = (W - 1) * t / T` other workers' transfers expected
+  beside one of `t` seconds (`T` the step time), it takes `t * max(1, (1 +
+  m) / k)`. `T = a + sum over the two directions of t * max(0, (1 + m) / k -
+  1)`, `a` compute plus transfer. Exchanges every step (stock, `n_fetch` or
+  `n_push` 1) get none: the workers' cycles are then nearly all transfer,
+  and they lock into alternation, one worker's fetch beside another's push
+  on the two directions of the full-duplex NIC (measured: stock behind
+  100 Mbit/s NICs ran at this bound without queueing).
 
 Bytes per step, `M` the model's float32 bytes: stock moves `M` in and `M`
 out. Downpour fetches `M` every `n_fetch` steps and pushes every `n_push`:
@@ -100,6 +95,7 @@ _SETTING_RE = re.compile(r"^n=(\d+)(\+outer)?$")
 WORKER_CPU = "worker CPU"
 WORKER_NIC = "worker NIC"
 PS_NIC = "ps NIC"
+PS_QUEUE = "ps NIC queueing"
 CHIEF = "chief scheduling"
 
 
@@ -315,7 +311,8 @@ class Prediction:
       setting: the setting.
       examples_per_sec: the bound, all workers together.
       bottleneck: the resource that sets it: `"worker CPU"`, `"worker NIC"`,
-        `"ps NIC"` or `"chief scheduling"`.
+        `"ps NIC queueing"` (the workers' bound, mostly waiting for other
+        workers' transfers), `"ps NIC"` or `"chief scheduling"`.
       bounds: examples/s each resource allows (`"workers"`, `"ps NIC"`,
         `"chief scheduling"`); inf where unlimited.
       traffic: the bytes of one worker step.
@@ -376,7 +373,7 @@ def predict(cluster: Cluster, setting: Setting) -> Prediction:
         if c.compute_secs >= transfer_secs + queue_secs:
             bottleneck = WORKER_CPU
         else:
-            bottleneck = WORKER_NIC if transfer_secs >= queue_secs else PS_NIC
+            bottleneck = WORKER_NIC if transfer_secs >= queue_secs else PS_QUEUE
     return Prediction(
         setting, bounds[best], bottleneck, bounds, traffic, transfer_secs, queue_secs
     )
@@ -387,21 +384,36 @@ def _queue_secs(
 ) -> float:
     """A worker's wait per step behind the others' transfers at the ps NICs.
 
-    See the module docstring: `T^2 - a T - b = 0` with `a` the step's compute
-    and own transfer time and `b = (W - 1) * (t_f * s_f + t_p * s_p)`; the
-    wait is `T - a`. 0 for exchanges every step, one worker, or unlimited ps
-    NICs.
+    See the module docstring: `T = a + sum_d t_d * max(0, (1 + m_d) / k - 1)`
+    with `a` the step's compute and own transfer time, `m_d = (W - 1) * t_d /
+    T` and `k` the flows a ps NIC direction carries at a worker's full rate;
+    solved by bisection (the right side falls as `T` grows). The wait is
+    `T - a`. 0 for exchanges every step, one worker, or unlimited ps NICs.
     """
     ps_rate = _bits_per_sec(c.ps_bits_per_sec)
     if setting.exchanges_per_step == 1 or c.num_workers == 1 or math.isinf(ps_rate):
         return 0.0
-    b = 0.0
-    for nbytes in (traffic.to_worker_bytes, traffic.to_ps_bytes):
-        own = 8 * nbytes / worker_rate  # This worker's transfer, seconds.
-        occupancy = 8 * nbytes / c.num_ps / ps_rate  # Of one ps NIC direction.
-        b += (c.num_workers - 1) * own * occupancy
-    a = c.compute_secs + 8 * traffic.total_bytes / worker_rate
-    return (a + math.sqrt(a * a + 4 * b)) / 2 - a
+    slots = c.num_ps * ps_rate / worker_rate  # >= 1: worker_rate is the min.
+    own = [
+        8 * nbytes / worker_rate  # This worker's transfer, seconds a step.
+        for nbytes in (traffic.to_worker_bytes, traffic.to_ps_bytes)
+    ]
+    others = c.num_workers - 1
+
+    def wait(step_secs: float) -> float:
+        return sum(t * max(0.0, (1 + others * t / step_secs) / slots - 1) for t in own)
+
+    a = c.compute_secs + sum(own)
+    if a == 0:
+        return 0.0
+    low, high = a, a + wait(a)  # wait(T) <= wait(a) for T >= a.
+    for _ in range(100):
+        mid = (low + high) / 2
+        if mid - a - wait(mid) < 0:
+            low = mid
+        else:
+            high = mid
+    return high - a
 
 
 def _busy(cluster: Cluster, setting: Setting, busy_fraction: float) -> bool:

@@ -7,8 +7,10 @@ Used by the strategy when it connects (`keep_remote_functions`) and by
 
 from __future__ import annotations
 
+import sys
 import threading
 
+from absl import logging
 from tensorflow.python.eager import context
 
 from tf_distbelief.tf_internals import _shapes
@@ -68,7 +70,9 @@ def disconnect_from_tasks(addresses) -> bool:
 
 # `Context.remove_function` as TensorFlow defines it, once replaced.
 _REMOVE_FUNCTION = None
-_KEPT_LOCK = threading.Lock()
+# Reentrant: a removal is put off inside `AtomicFunction.__del__`, which a
+# garbage collection can run in a thread that already holds the lock.
+_KEPT_LOCK = threading.RLock()
 # (context, function name) pairs whose removal was put off while connected.
 _KEPT: list[tuple[object, str]] = []
 
@@ -87,8 +91,11 @@ def keep_remote_functions() -> None:
     per-worker dataset's functions were dropped, and for over 20 s in longer
     jobs, where a liveness probe took it for hung. After this call, a
     removal while the eager context has a task other than its own is put
-    off: the function stays registered here and on the tasks (a few
-    kilobytes each; a training job drops a handful per `fit`). The removals
+    off: the function stays registered here and on the tasks, with its
+    cached kernels (a training job drops a handful per `fit`; a task that
+    rejoins is sent every function registered). Only removals called from
+    `AtomicFunction.__del__` are put off; the context's own server def
+    decides. The removals
     put off are made once `disconnect_from_tasks` has left every remote
     task, when they are local and immediate; a process that ends through
     `os._exit` (the launch scripts) skips them with the rest of its teardown.
@@ -104,11 +111,17 @@ def keep_remote_functions() -> None:
         if _REMOVE_FUNCTION is not None:
             return
         _REMOVE_FUNCTION = context.Context.remove_function
+    dropped = _atomic_del().__code__
 
     def remove_function(ctx, name):
-        if _has_remote_tasks(context.get_server_def()):
+        # Only a function Python dropped: a caller that removes a function to
+        # add another under its name (TensorFlow's graph conversions) gets
+        # the removal it asked for.
+        caller = sys._getframe(1).f_code  # noqa: SLF001 - the caller's code.
+        if caller is dropped and _has_remote_tasks(ctx.get_server_def()):
+            kept = (ctx, name)
             with _KEPT_LOCK:
-                _KEPT.append((ctx, name))
+                _KEPT.append(kept)
             return
         _REMOVE_FUNCTION(ctx, name)
 
@@ -116,10 +129,10 @@ def keep_remote_functions() -> None:
     context.Context.remove_function = remove_function
 
 
-def kept_function_count() -> int:
-    """How many function removals are put off now (see `keep_remote_functions`)."""
+def kept_function_names() -> list[str]:
+    """The functions whose removal is put off now (see `keep_remote_functions`)."""
     with _KEPT_LOCK:
-        return len(_KEPT)
+        return [name for _, name in _KEPT]
 
 
 def _has_remote_tasks(server_def) -> bool:
@@ -139,7 +152,10 @@ def _remove_kept_functions() -> None:
         kept = list(_KEPT)
         del _KEPT[:]
     for ctx, name in kept:
-        _REMOVE_FUNCTION(ctx, name)
+        try:
+            _REMOVE_FUNCTION(ctx, name)
+        except Exception as e:  # noqa: BLE001 - the others are still removed.
+            logging.warning("Could not remove function %s: %s", name, e)
 
 
 def check() -> None:
