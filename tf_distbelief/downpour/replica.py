@@ -528,8 +528,14 @@ class Downpour:
             if self._sparse is not None:
                 counter = self._sparse.bytes_counter
                 sparse_bytes = [int(x.numpy()) for x in counter.read_all()]
-        except (tf.errors.CancelledError, tf.errors.UnavailableError):
-            # "The corresponding function is aborted", or the worker is gone.
+        except (
+            tf.errors.CancelledError,
+            tf.errors.UnavailableError,
+            tf.errors.AbortedError,
+        ):
+            # "The corresponding function is aborted", the worker is gone, or
+            # it was restarted and the coordinator has not reconnected yet
+            # ("Unable to find a context_id").
             return []
         dense_bytes = self._dense.nbytes
         result = []

@@ -162,7 +162,11 @@ class Progress(tf_keras.callbacks.Callback):
             return None
         try:
             return algorithm.read_counters()
-        except (tf.errors.CancelledError, tf.errors.UnavailableError) as e:
+        except (
+            tf.errors.CancelledError,
+            tf.errors.UnavailableError,
+            tf.errors.AbortedError,  # A restarted worker, not reconnected yet.
+        ) as e:
             logging.info("Progress: could not read Downpour's counters: %s", e)
             return None
 
