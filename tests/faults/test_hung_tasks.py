@@ -82,6 +82,22 @@ def test_hung_task_timeout_is_validated(value):
         local_lib.LocalCluster(1, 1, hung_task_timeout_secs=value)
 
 
+def _raw_call(address, method):
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(
+            method,
+            request_serializer=lambda request: request,
+            response_deserializer=lambda response: response,
+        )
+        try:
+            call(b"", timeout=5.0)
+        except grpc.RpcError as e:
+            return e.code().name
+        return "OK"
+
+
 @pytest.mark.slow
 def test_local_cluster_kills_a_stopped_task_restarts_it_and_stops_in_time():
     lines = []
@@ -95,6 +111,9 @@ def test_local_cluster_kills_a_stopped_task_restarts_it_and_stops_in_time():
     try:
         ps = cluster.jobs["ps"][0]
         assert health.probe(ps) is health.TaskState.ANSWERS
+        # The probe's method is answered by gRPC itself, not by a TensorFlow
+        # service (whose calls wait for the task's inter-op threads).
+        assert _raw_call(ps, health._PROBE_METHOD) == "UNIMPLEMENTED"
         cluster.kill("ps", 0, signal.SIGSTOP)
         deadline = time.monotonic() + 120
         while cluster.restarts != [("ps", 0)] and time.monotonic() < deadline:

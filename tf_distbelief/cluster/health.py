@@ -1,20 +1,34 @@
 """Whether a task answers: a TensorFlow server, a hung one, or nothing at all.
 
 A TCP connect says only that something listens. A TensorFlow server that is
-stopped (SIGSTOP, a stuck driver, a swap storm) still accepts connections, its
-kernel completing the handshake, and so does a port that is not a TensorFlow
-server at all; TensorFlow then waits on it without a bound. `probe` asks the
-server for its devices with a deadline (the `GetStatus` call of TensorFlow's
-`tensorflow.WorkerService`, which ps and worker servers answer from their own
-gRPC threads while steps run), and says which of three states the task is in.
+stopped (SIGSTOP, a swap storm) still accepts connections, its kernel
+completing the handshake, and so does a port that is not a TensorFlow server
+at all; TensorFlow then waits on it without a bound. `probe` makes a gRPC call
+with a deadline and says which of three states the task is in.
+
+The call is to a method no server registers (`_PROBE_METHOD`): gRPC itself
+answers it (`UNIMPLEMENTED`) from the server's polling threads, so any answer
+means the process runs and serves gRPC. It is deliberately not one of
+TensorFlow's own methods: TensorFlow runs `WorkerService` calls such as
+`GetStatus`, and the eager service's requests, on the task's inter-op thread
+pool, and a live worker's pool can be taken for tens of seconds by TensorFlow's
+own work. Seen here, with stacks taken by gdb: at the end of a `fit` the chief
+deletes the per-worker dataset iterators; on the worker, the deletion waits,
+holding the remote tensor manager's lock, for the iterator's tf.data autotune
+thread to wake from its timed sleep (the iterator was seen to take 4 to over
+30 s), and the next eager request waits for that lock: both pool threads of a
+2-core machine were taken and `GetStatus` went unanswered for as long, on a
+worker that then finished its work. A task whose process runs but whose ops
+are stuck (a stuck GPU driver) still answers this probe; the step watch's
+stall limit covers it.
 
 `python -m tf_distbelief.cluster.health HOST:PORT` probes one task and exits
 0 if it answers, 1 if not: a Kubernetes liveness probe for ps and worker pods
 (`cluster.manifest`), so that the orchestrator restarts a hung task.
 
 gRPC is TensorFlow's own transport (`grpcio` comes with `tensorflow`); the
-request is the empty `GetStatusRequest` and the answer is not decoded: any
-answer within the deadline is a server that answers.
+request is empty and any answer within the deadline, whatever its status, is a
+server that answers.
 """
 
 from __future__ import annotations
@@ -26,7 +40,9 @@ from collections.abc import Mapping
 # A TensorFlow server answers in milliseconds; a loaded 2-core machine
 # starting several servers was seen at up to 1.2 s.
 DEFAULT_PROBE_TIMEOUT_SECS = 3.0
-_GET_STATUS = "/tensorflow.WorkerService/GetStatus"
+# Registered by no server: answered by gRPC (UNIMPLEMENTED), not by a
+# TensorFlow thread pool that the task's own work can hold (module docstring).
+_PROBE_METHOD = "/tf_distbelief.Liveness/Probe"
 
 
 class TaskState(enum.Enum):
@@ -49,16 +65,16 @@ class TaskState(enum.Enum):
 
 
 def probe(address: str, timeout_secs: float = DEFAULT_PROBE_TIMEOUT_SECS) -> TaskState:
-    """Asks the task at `address` for its status, waiting at most `timeout_secs`.
+    """Calls the task at `address`, waiting at most `timeout_secs` for an answer.
 
     Args:
       address: `"host:port"` of a ps or worker task.
       timeout_secs: the deadline of the call, in seconds, > 0.
 
     Returns:
-      `TaskState.ANSWERS` if a gRPC server answered (a TensorFlow server does;
-      any gRPC status other than a missed deadline or no connection counts, as
-      the server then answered), `REFUSED` if no connection could be made,
+      `TaskState.ANSWERS` if a gRPC server answered (a running TensorFlow
+      server does, with `UNIMPLEMENTED`; any gRPC status other than a missed
+      deadline or no connection counts, as the server then answered), `REFUSED` if no connection could be made,
       `SILENT` if the deadline passed with a connection but no answer.
 
     Raises:
@@ -73,7 +89,7 @@ def probe(address: str, timeout_secs: float = DEFAULT_PROBE_TIMEOUT_SECS) -> Tas
     channel = grpc.insecure_channel(address)
     try:
         call = channel.unary_unary(
-            _GET_STATUS,
+            _PROBE_METHOD,
             request_serializer=lambda request: request,
             response_deserializer=lambda response: response,
         )

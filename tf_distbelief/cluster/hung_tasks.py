@@ -6,8 +6,9 @@ notices one that stops answering and keeps its connections open (SIGSTOP, a
 stuck GPU driver, a swap storm): the step in flight on it, the coordinator's
 cancellation and `join` all wait on it without a bound.
 
-`HungTaskWatch` probes every task (`health.probe`, a status call with a
-deadline, answered by a live server's gRPC threads even while a step runs) and
+`HungTaskWatch` probes every task (`health.probe`, a gRPC call with a
+deadline, answered by a running server's gRPC threads whatever its TensorFlow
+threads are doing) and
 gives up on a task that has stayed `SILENT` for `timeout_secs`: it prints one
 line naming the task and the time it gave up, and calls `on_hung`. A local
 cluster's `on_hung` kills the task, so that TensorFlow sees a lost task and its
