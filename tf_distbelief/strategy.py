@@ -263,6 +263,9 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
         # A tf.function dropped while connected would be removed from every
         # task by a blocking call holding the GIL: seconds on a busy cluster.
         eager_context.keep_remote_functions()
+        # A per-worker dataset iterator dropped at the end of a `fit` holds
+        # its worker for seconds (tf.data threads) while it is deleted.
+        tf_coordinator.keep_per_worker_resources()
         super().__init__(resolver, variable_partitioner)
         self.variable_wrapper: Callable | None = None
         self.num_ps = num_ps

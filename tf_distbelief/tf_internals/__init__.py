@@ -16,8 +16,9 @@ fails naming the TensorFlow version). One module per area:
 * `keras_model`: what tf_keras `fit` keeps on a model (train counter,
   coordinator, `steps_per_execution`, per-replica reduction), and method
   overrides on a user's model (`override_method`, `override_train_function`).
-* `coordinator`: a `ClusterCoordinator`'s threads, worker recovery and
-  closure queue.
+* `coordinator`: a `ClusterCoordinator`'s threads, worker recovery,
+  closure queue, and its per-worker datasets and iterators kept while
+  connected (`keep_per_worker_resources`).
 * `eager_context`: functions kept registered on remote tasks while connected
   (`keep_remote_functions`), leaving a cluster's tasks (`disconnect_from_tasks`).
 * `saved_model`: the object graph a checkpoint was saved from.

@@ -1,6 +1,8 @@
-"""`ClusterCoordinator` internals: its threads, its failure handler, its queue.
+"""`ClusterCoordinator` internals: its threads, its failure handler, its queue,
+and the per-worker resources it creates.
 
-Used by `strategy` (waiting before a new strategy connects), by
+Used by `strategy` (waiting before a new strategy connects; keeping
+per-worker resources while connected), by
 `cluster.local` (stopping the failure handlers before leaving the tasks), by
 `keras3.training` (a failed closure cancels those queued behind it) and by
 `faults.step_watch` (a step limit on the coordinator's closures).
@@ -8,6 +10,7 @@ Used by `strategy` (waiting before a new strategy connects), by
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue as queue_lib
 import sys
@@ -18,6 +21,15 @@ from collections.abc import Iterator
 from tensorflow.python.distribute.coordinator import cluster_coordinator as cc
 
 from tf_distbelief.tf_internals import _shapes
+
+# `ClusterCoordinator._create_per_worker_resources` as TensorFlow defines it,
+# once replaced (`keep_per_worker_resources`).
+_CREATE_PER_WORKER_RESOURCES = None
+# The newest per-worker resources kept, at most this many: a job makes one
+# per `fit` (its dataset and iterator) and per evaluation.
+MAX_KEPT_PER_WORKER_RESOURCES = 16
+_KEPT_LOCK = threading.Lock()
+_KEPT: collections.deque = collections.deque(maxlen=MAX_KEPT_PER_WORKER_RESOURCES)
 
 # Where a coordinator thread waits when it has nothing to do: `(loop, idle)`,
 # the loop's function and the one it calls to wait.
@@ -216,6 +228,62 @@ class CoordinatorProgress:
         return True
 
 
+def keep_per_worker_resources() -> None:
+    """Keeps the per-worker datasets and iterators alive while connected.
+
+    A `fit` (tf_keras, Keras 3, Downpour) iterates a per-worker dataset
+    (`ClusterCoordinator.create_per_worker_dataset`): one dataset iterator on
+    each worker. When Python drops it, at the end of the `fit`, each worker
+    deletes its iterator, and the deletion waits for the iterator's tf.data
+    threads while holding the worker's remote tensor manager lock: seen here,
+    with stacks taken by gdb, for 4 s to over 30 s, during which the worker
+    answered no TensorFlow call (both inter-op threads of a 2-core machine
+    held) and the chief's next request to it, registering the evaluation's
+    functions, waited as long (an end-of-`fit` pause of 20 to 46 s in a
+    36 s digits job). After this call, the per-worker resources the
+    coordinator creates are also referenced here, the newest
+    `MAX_KEPT_PER_WORKER_RESOURCES` of them, so a `fit` that ends does not
+    delete them; `release_per_worker_resources` drops them (the local
+    cluster's stop, after leaving the tasks, when a deletion has no remote
+    target left). A process that ends through `os._exit` (the launch scripts)
+    never deletes them. Calling it again does nothing more.
+
+    Public route checked: none; `create_per_worker_dataset` has no option
+    for it and tf_keras drops its data handler at the end of `fit`.
+    `ClusterCoordinator._create_per_worker_resources` is wrapped (both
+    `PerWorkerDataset.build` and `__iter__` create through it).
+    """
+    global _CREATE_PER_WORKER_RESOURCES
+    with _KEPT_LOCK:
+        if _CREATE_PER_WORKER_RESOURCES is not None:
+            return
+        _CREATE_PER_WORKER_RESOURCES = cc.ClusterCoordinator._create_per_worker_resources
+    create = _CREATE_PER_WORKER_RESOURCES
+
+    def create_and_keep(self, fn, args=None, kwargs=None):
+        resources = create(self, fn, args, kwargs)
+        with _KEPT_LOCK:
+            _KEPT.append(resources)
+        return resources
+
+    create_and_keep.__doc__ = create.__doc__
+    cc.ClusterCoordinator._create_per_worker_resources = create_and_keep
+
+
+def kept_per_worker_resources() -> int:
+    """How many per-worker resources `keep_per_worker_resources` holds now."""
+    with _KEPT_LOCK:
+        return len(_KEPT)
+
+
+def release_per_worker_resources() -> None:
+    """Drops the per-worker resources kept (Python deletes those unused)."""
+    with _KEPT_LOCK:
+        kept = list(_KEPT)
+        _KEPT.clear()
+    del kept
+
+
 def check() -> None:
     """Fails if an internal above no longer has the shape tf_distbelief needs.
 
@@ -236,6 +304,18 @@ def check() -> None:
     ok = ok and callable(getattr(queue, "_cancel_all_closures", None))
     ok = ok and callable(getattr(queue, "mark_failed", None))
     ok = ok and callable(getattr(cc.Closure, "mark_cancelled", None))
+    from tensorflow.python.distribute.coordinator import values
+
+    creates = callable(
+        _CREATE_PER_WORKER_RESOURCES
+        or getattr(cc.ClusterCoordinator, "_create_per_worker_resources", None)
+    ) and all(
+        "_create_per_worker_resources" in _shapes.code_names(method)
+        for method in (
+            values.PerWorkerDatasetFromDatasetFunction.build,
+            values.PerWorkerDatasetFromDatasetFunction.__iter__,
+        )
+    )
     handlers = (cc.WorkerPreemptionHandler, cc.CoordinationServicePreemptionHandler)
     _shapes.expect(
         "coordinator",
@@ -244,6 +324,11 @@ def check() -> None:
                 "_CoordinatedClosureQueue internals for step_watch and "
                 "cancel_queued_on_failure",
                 ok,
+            ),
+            (
+                "ClusterCoordinator._create_per_worker_resources, called by "
+                "PerWorkerDataset build and __iter__",
+                creates,
             ),
             (
                 "Cluster.failure_handler._cluster_due_for_update_or_finish",

@@ -2,7 +2,8 @@
 on them while connected, and leaving them before they end.
 
 Used by the strategy when it connects (`keep_remote_functions`) and by
-`cluster.local` when it stops the tasks it started (`disconnect_from_tasks`).
+`cluster.local` when it stops the tasks it started (`disconnect_from_tasks`,
+which also drops the per-worker resources `coordinator` kept).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 from absl import logging
 from tensorflow.python.eager import context
 
-from tf_distbelief.tf_internals import _shapes
+from tf_distbelief.tf_internals import _shapes, coordinator
 
 
 def disconnect_from_tasks(addresses) -> bool:
@@ -65,6 +66,8 @@ def disconnect_from_tasks(addresses) -> bool:
     context.context().update_server_def(local)
     if not _has_remote_tasks(local):
         _remove_kept_functions()
+        # No remote target left: dropping them deletes nothing on the tasks.
+        coordinator.release_per_worker_resources()
     return True
 
 
