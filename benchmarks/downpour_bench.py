@@ -30,9 +30,11 @@ r`) give medians and `[min-max]`. Rows (`--rows`):
 NICs of each rate (`LocalCluster(nic_bandwidth=)`; `--ps_nic_rate` for the ps
 tasks), first entering a private network namespace; `--max_row_secs` cuts a
 row off after the evaluation interval that passes that many training seconds
-("not reached in T s", counting as T). Next to each row the planner
-(`tf_distbelief.planner`) predicts its examples/s (`downpour_network.py` says
-how it is calibrated).
+("not reached in T s", counting as T); `--stop_at_target` ends a row at its
+first evaluation at or above the target (a time-to-accuracy run needs nothing
+after it; its examples/s and bytes are measured over the steps it ran). Next
+to each row the planner (`tf_distbelief.planner`) predicts its examples/s
+(`downpour_network.py` says how it is calibrated).
 
 Printed: the headline table (seconds and examples to `--target_accuracy`,
 ratios to stock and single, final accuracy, ex/s, bytes per example; a `nic`
@@ -57,6 +59,10 @@ Usage:
   python benchmarks/downpour_bench.py --rows=stock,n=16,n=16+outer --rounds=3
   python benchmarks/downpour_bench.py --rows=single,stock,n=16+outer \
       --nic_rates=unlimited,1gbit,100mbit --rounds=1 --max_row_secs=150
+  python benchmarks/downpour_bench.py \
+      --rows=single,stock,n=4,n=4+outer,n=16,n=16+outer,n=64,n=64+outer \
+      --nic_rates=unlimited,10gbit,1gbit,100mbit --rounds=3 \
+      --max_row_secs=450 --stop_at_target   # about 2 hours, 2 idle cores
 """
 
 from __future__ import annotations
@@ -331,6 +337,13 @@ def define_flags():
         "every row runs all its steps.",
         lower_bound=1.0,
     )
+    flags.DEFINE_bool(
+        "stop_at_target",
+        False,
+        "Stop each row after the first evaluation at or above the target "
+        "accuracy (the final accuracy is then that evaluation's); default: "
+        "every row runs all its steps.",
+    )
     flags.DEFINE_float(
         "target_accuracy",
         None,
@@ -340,9 +353,14 @@ def define_flags():
 
 
 class _Probe:
-    """Interval times and test accuracies; sockets, CPU and bytes after the first."""
+    """Interval times and test accuracies; sockets, CPU and bytes after the first.
 
-    def __init__(self, replicas, pids, evaluate, max_secs=None):
+    Training stops after the interval that passes `max_secs` training seconds
+    (cut off), or after the first evaluation at or above `stop_at` (the
+    target reached).
+    """
+
+    def __init__(self, replicas, pids, evaluate, max_secs=None, stop_at=None):
         import tf_keras
 
         probe = self
@@ -372,6 +390,11 @@ class _Probe:
                     probe.snap("last")
                 # After the last snapshot, its CPU is outside the window.
                 probe.evaluate_point(count_cpu=not end)
+                if not end and stop_at is not None and probe.accuracies[-1] >= stop_at:
+                    # The evaluation's CPU is counted and taken out of the
+                    # window; its bytes are the chief's, never counted.
+                    self.model.stop_training = probe.stopped_at_target = True
+                    probe.snap("last")
 
         self.callback = Callback()
         self.replicas = replicas
@@ -385,6 +408,7 @@ class _Probe:
         # "begin" (before the first interval), "first" (after it), "last".
         self.snaps: dict[str, tuple[list[traffic.TcpSocket], dict, int]] = {}
         self.cut = False  # Stopped by `max_secs`.
+        self.stopped_at_target = False  # Stopped by `stop_at`.
 
     def evaluate_point(self, count_cpu):
         """Appends the test accuracy now (before training, after each interval)."""
@@ -624,6 +648,7 @@ def _run(local, data, model_name, name, f, seed, nic=UNLIMITED) -> Row:
         list(roles),
         lambda: training.accuracy(model, x_test, y_test, _EVAL_BATCH),
         f.max_row_secs,
+        _target(f, model_name) if f.stop_at_target else None,
     )
     if kind == "single":
         _single_process_fit(model, x_train, y_train, config, probe, intervals, steps)
@@ -747,6 +772,8 @@ def _header(f, rounds):
             nic += f" ps_nic={f.ps_nic_rate}"
         if f.max_row_secs:
             nic += f" max_row_secs={f.max_row_secs:g}"
+    if f.stop_at_target:
+        nic += " stop_at_target"
     return (
         f"cores={os.cpu_count()} load={load} workers=2 ps={f.num_ps} "
         f"batch={f.batch_size} steps_per_execution={f.steps_per_execution} "

@@ -229,3 +229,38 @@ def test_straggler_rows(name, base, slowdown):
 def test_bad_straggler_rows_are_refused_when_the_flags_are_parsed(name, match):
     with pytest.raises(flags.ValidationError, match=match):
         bench._check_rows([name])
+
+
+@pytest.mark.parametrize(
+    "stop_at,epochs_run,stopped", [(0.5, 2, True), (0.95, 4, False), (None, 4, False)]
+)
+def test_a_row_stops_at_its_first_evaluation_at_the_target(
+    stop_at, epochs_run, stopped
+):
+    import numpy as np
+    import tf_keras
+
+    # The accuracies the evaluation returns: before training, then after
+    # each interval (epoch).
+    accuracies = iter([0.1, 0.3, 0.6, 0.7, 0.9])
+    probe = bench._Probe(False, [os.getpid()], lambda: next(accuracies), None, stop_at)
+    model = tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(3,))])
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 3)), rng.normal(size=(32, 2))
+    history = model.fit(
+        x,
+        y,
+        epochs=4,
+        steps_per_epoch=2,
+        batch_size=16,
+        callbacks=[probe.callback],
+        verbose=0,
+    )
+    assert len(history.epoch) == epochs_run
+    assert len(probe.epoch_secs) == epochs_run
+    assert probe.accuracies == [0.1, 0.3, 0.6, 0.7, 0.9][: epochs_run + 1]
+    assert probe.stopped_at_target is stopped
+    assert {"begin", "first", "last"} <= set(probe.snaps)
+    # Time to accuracy reads the crossing off the curve.
+    assert [a for _, a in probe.curve()] == probe.accuracies

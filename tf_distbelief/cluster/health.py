@@ -74,8 +74,9 @@ def probe(address: str, timeout_secs: float = DEFAULT_PROBE_TIMEOUT_SECS) -> Tas
     Returns:
       `TaskState.ANSWERS` if a gRPC server answered (a running TensorFlow
       server does, with `UNIMPLEMENTED`; any gRPC status other than a missed
-      deadline or no connection counts, as the server then answered), `REFUSED` if no connection could be made,
-      `SILENT` if the deadline passed with a connection but no answer.
+      deadline or no connection counts, as the server then answered),
+      `REFUSED` if no connection could be made, `SILENT` if the deadline
+      passed with a connection but no answer.
 
     Raises:
       ValueError: `timeout_secs` is not > 0.

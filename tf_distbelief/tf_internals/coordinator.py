@@ -257,7 +257,9 @@ def keep_per_worker_resources() -> None:
     with _KEPT_LOCK:
         if _CREATE_PER_WORKER_RESOURCES is not None:
             return
-        _CREATE_PER_WORKER_RESOURCES = cc.ClusterCoordinator._create_per_worker_resources
+        _CREATE_PER_WORKER_RESOURCES = (
+            cc.ClusterCoordinator._create_per_worker_resources
+        )
     create = _CREATE_PER_WORKER_RESOURCES
 
     def create_and_keep(self, fn, args=None, kwargs=None):
