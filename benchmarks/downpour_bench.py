@@ -389,12 +389,16 @@ class _Probe:
                 if end:
                     probe.snap("last")
                 # After the last snapshot, its CPU is outside the window.
-                probe.evaluate_point(count_cpu=not end)
+                counted = probe.evaluate_point(count_cpu=not end)
                 if not end and stop_at is not None and probe.accuracies[-1] >= stop_at:
-                    # The evaluation's CPU is counted and taken out of the
-                    # window; its bytes are the chief's, never counted.
+                    # After a later interval the evaluation's CPU is in the
+                    # window and taken out of it; after the first, the window
+                    # ends at "first", before it. Its bytes are the chief's,
+                    # never counted.
                     self.model.stop_training = probe.stopped_at_target = True
                     probe.snap("last")
+                    if epoch == 0:
+                        probe.eval_cpu.subtract(counted)
 
         self.callback = Callback()
         self.replicas = replicas
@@ -411,12 +415,20 @@ class _Probe:
         self.stopped_at_target = False  # Stopped by `stop_at`.
 
     def evaluate_point(self, count_cpu):
-        """Appends the test accuracy now (before training, after each interval)."""
+        """Appends the test accuracy now (before training, after each interval).
+
+        Returns:
+          `{pid: CPU seconds}` the evaluation added to `eval_cpu` (empty
+          without `count_cpu`).
+        """
         before = {pid: traffic.cpu_secs(pid) for pid in self.pids}
         self.accuracies.append(self.evaluate())
+        counted = collections.Counter()
         if count_cpu:
             for pid in self.pids:
-                self.eval_cpu[pid] += traffic.cpu_secs(pid) - before[pid]
+                counted[pid] = traffic.cpu_secs(pid) - before[pid]
+            self.eval_cpu.update(counted)
+        return counted
 
     def window(self):
         """`(before, after)` snapshots: after the first interval to the end,

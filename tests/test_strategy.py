@@ -167,6 +167,10 @@ print("read:", int(first.fetch()))
 del per_worker, iterator, first
 gc.collect()
 print("resources kept:", tf_coordinator.kept_per_worker_resources())
+for _ in range(tf_coordinator.MAX_KEPT_PER_WORKER_RESOURCES + 1):
+    iter(coordinator.create_per_worker_dataset(lambda: tf.data.Dataset.range(2)))
+print("bounded:", tf_coordinator.kept_per_worker_resources()
+      == tf_coordinator.MAX_KEPT_PER_WORKER_RESOURCES)
 local.stop()
 print("after stop:", context.context().has_function(name),
       len(eager_context.kept_function_names()),
@@ -193,4 +197,5 @@ def test_dropped_functions_and_iterators_stay_on_the_tasks_until_the_cluster_sto
     assert "read: 0" in out, out
     assert "iterator kept: 1" in out, out
     assert "resources kept: 1" in out, out
+    assert "bounded: True" in out, out
     assert "after stop: False 0 0" in out, out

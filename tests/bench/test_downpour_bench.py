@@ -232,7 +232,8 @@ def test_bad_straggler_rows_are_refused_when_the_flags_are_parsed(name, match):
 
 
 @pytest.mark.parametrize(
-    "stop_at,epochs_run,stopped", [(0.5, 2, True), (0.95, 4, False), (None, 4, False)]
+    "stop_at,epochs_run,stopped",
+    [(0.2, 1, True), (0.5, 2, True), (0.95, 4, False), (None, 4, False)],
 )
 def test_a_row_stops_at_its_first_evaluation_at_the_target(
     stop_at, epochs_run, stopped
@@ -262,5 +263,9 @@ def test_a_row_stops_at_its_first_evaluation_at_the_target(
     assert probe.accuracies == [0.1, 0.3, 0.6, 0.7, 0.9][: epochs_run + 1]
     assert probe.stopped_at_target is stopped
     assert {"begin", "first", "last"} <= set(probe.snaps)
+    if epochs_run == 1:
+        # The window is the first interval, which no evaluation ran inside.
+        assert probe.window() == (probe.snaps["begin"], probe.snaps["first"])
+        assert all(secs == 0 for secs in probe.eval_cpu.values()), probe.eval_cpu
     # Time to accuracy reads the crossing off the curve.
     assert [a for _, a in probe.curve()] == probe.accuracies

@@ -7,20 +7,20 @@ at all; TensorFlow then waits on it without a bound. `probe` makes a gRPC call
 with a deadline and says which of three states the task is in.
 
 The call is to a method no server registers (`_PROBE_METHOD`): gRPC itself
-answers it (`UNIMPLEMENTED`) from the server's polling threads, so any answer
-means the process runs and serves gRPC. It is deliberately not one of
-TensorFlow's own methods: TensorFlow runs `WorkerService` calls such as
-`GetStatus`, and the eager service's requests, on the task's inter-op thread
-pool, and a live worker's pool can be taken for tens of seconds by TensorFlow's
-own work. Seen here, with stacks taken by gdb: at the end of a `fit` the chief
-deletes the per-worker dataset iterators; on the worker, the deletion waits,
-holding the remote tensor manager's lock, for the iterator's tf.data autotune
-thread to wake from its timed sleep (the iterator was seen to take 4 to over
-30 s), and the next eager request waits for that lock: both pool threads of a
-2-core machine were taken and `GetStatus` went unanswered for as long, on a
-worker that then finished its work. A task whose process runs but whose ops
-are stuck (a stuck GPU driver) still answers this probe; the step watch's
-stall limit covers it.
+answers it (`UNIMPLEMENTED`) on the server's completion-queue threads, not on
+its inter-op pool, so any answer means the process runs and serves gRPC. It
+is deliberately not one of TensorFlow's own methods: TensorFlow runs
+`WorkerService` calls such as `GetStatus`, and the eager service's requests,
+on the task's inter-op thread pool, which TensorFlow's own work can hold for
+tens of seconds on a live worker. Seen here, with stacks taken by gdb: at the
+end of a `fit` the chief deletes the per-worker dataset iterators; on the
+worker, the deletion waits for the iterator's tf.data threads while holding
+the remote tensor manager's lock (4 to over 30 s), and the next eager request
+waits for that lock: both pool threads of a 2-core machine were taken and
+`GetStatus` went unanswered for as long, on a worker that then went on
+training. A task whose process runs but whose ops are stuck (a stuck GPU
+driver) still answers this probe: it is not restarted, and a job with no step
+finished for the step watch's limit fails naming the workers.
 
 `python -m tf_distbelief.cluster.health HOST:PORT` probes one task and exits
 0 if it answers, 1 if not: a Kubernetes liveness probe for ps and worker pods

@@ -3,12 +3,14 @@
 TensorFlow notices a ps or worker that exits (its connections close, the step
 in flight fails, the coordinator runs it again on another worker). It never
 notices one that stops answering and keeps its connections open (SIGSTOP, a
-stuck GPU driver, a swap storm): the step in flight on it, the coordinator's
-cancellation and `join` all wait on it without a bound.
+swap storm): the step in flight on it, the coordinator's cancellation and
+`join` all wait on it without a bound. (A task whose process still runs but
+whose ops are stuck, such as behind a stuck GPU driver, still answers the
+probe: the step watch's `--step_stall_timeout_secs` ends such a job.)
 
 `HungTaskWatch` probes every task (`health.probe`, a gRPC call with a
-deadline, answered by a running server's gRPC threads whatever its TensorFlow
-threads are doing) and
+deadline, answered by a running server's gRPC completion-queue threads,
+whatever its inter-op threads are doing) and
 gives up on a task that has stayed `SILENT` for `timeout_secs`: it prints one
 line naming the task and the time it gave up, and calls `on_hung`. A local
 cluster's `on_hung` kills the task, so that TensorFlow sees a lost task and its

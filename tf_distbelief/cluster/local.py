@@ -519,9 +519,15 @@ def _leave_tasks(addresses: list[str], lost_for_good: bool) -> None:
             )
             return
         try:
-            eager_context.disconnect_from_tasks(addresses)
+            left = eager_context.disconnect_from_tasks(addresses)
         except Exception as e:  # noqa: BLE001 (ending the tasks comes first)
             logging.warning("Could not disconnect from the local cluster: %s", e)
+            left = False
+    # Outside the handlers' locks: dropping a kept iterator may drop the last
+    # reference to an earlier coordinator, whose `__del__` stops its failure
+    # handler (taking the lock held above).
+    if left and eager_context.connected_to_no_remote_task():
+        coordinator.release_per_worker_resources()
 
 
 _LIVE_CLUSTERS: set[LocalCluster] = set()

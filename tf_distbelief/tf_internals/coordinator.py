@@ -26,10 +26,11 @@ from tf_distbelief.tf_internals import _shapes
 # once replaced (`keep_per_worker_resources`).
 _CREATE_PER_WORKER_RESOURCES = None
 # The newest per-worker resources kept, at most this many: a job makes one
-# per `fit` (its dataset and iterator) and per evaluation.
-MAX_KEPT_PER_WORKER_RESOURCES = 16
+# per `fit` (its iterator). Few: the coordinator creates every live one anew
+# on a worker that rejoins.
+MAX_KEPT_PER_WORKER_RESOURCES = 4
 _KEPT_LOCK = threading.Lock()
-_KEPT: collections.deque = collections.deque(maxlen=MAX_KEPT_PER_WORKER_RESOURCES)
+_KEPT: collections.deque = collections.deque()
 
 # Where a coordinator thread waits when it has nothing to do: `(loop, idle)`,
 # the loop's function and the one it calls to wait.
@@ -245,8 +246,17 @@ def keep_per_worker_resources() -> None:
     `MAX_KEPT_PER_WORKER_RESOURCES` of them, so a `fit` that ends does not
     delete them; `release_per_worker_resources` drops them (the local
     cluster's stop, after leaving the tasks, when a deletion has no remote
-    target left). A process that ends through `os._exit` (the launch scripts)
-    never deletes them. Calling it again does nothing more.
+    target left; a stop that cannot leave them politely keeps them to the
+    end of the process). A kept iterator also keeps its coordinator (the
+    iterator's creating closure holds its dataset, which holds the
+    coordinator), with its threads. A job that makes more than the bound (a
+    `fit` with `validation_data` makes one per evaluation) drops the oldest,
+    and its deletion then waits on the workers as before. A process that
+    ends through `os._exit` (the launch scripts) never deletes them. The
+    cost: a worker that rejoins gets every resource still referenced created
+    anew (TensorFlow's `_on_worker_recovery`), the kept ones too, and keeps
+    their buffers and threads; hence the small bound. Calling it again does
+    nothing more.
 
     Public route checked: none; `create_per_worker_dataset` has no option
     for it and tf_keras drops its data handler at the end of `fit`.
@@ -266,6 +276,11 @@ def keep_per_worker_resources() -> None:
         resources = create(self, fn, args, kwargs)
         with _KEPT_LOCK:
             _KEPT.append(resources)
+            oldest = None
+            if len(_KEPT) > MAX_KEPT_PER_WORKER_RESOURCES:
+                oldest = _KEPT.popleft()
+        # Dropped outside the lock: deleting it may wait on its workers.
+        del oldest
         return resources
 
     create_and_keep.__doc__ = create.__doc__

@@ -2,8 +2,9 @@
 on them while connected, and leaving them before they end.
 
 Used by the strategy when it connects (`keep_remote_functions`) and by
-`cluster.local` when it stops the tasks it started (`disconnect_from_tasks`,
-which also drops the per-worker resources `coordinator` kept).
+`cluster.local` when it stops the tasks it started (`disconnect_from_tasks`;
+after it, `connected_to_no_remote_task` tells when `coordinator`'s kept
+per-worker resources can be dropped).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import threading
 from absl import logging
 from tensorflow.python.eager import context
 
-from tf_distbelief.tf_internals import _shapes, coordinator
+from tf_distbelief.tf_internals import _shapes
 
 
 def disconnect_from_tasks(addresses) -> bool:
@@ -66,9 +67,17 @@ def disconnect_from_tasks(addresses) -> bool:
     context.context().update_server_def(local)
     if not _has_remote_tasks(local):
         _remove_kept_functions()
-        # No remote target left: dropping them deletes nothing on the tasks.
-        coordinator.release_per_worker_resources()
     return True
+
+
+def connected_to_no_remote_task() -> bool:
+    """Whether this process's eager context has no task other than its own.
+
+    Then a remote resource dropped is not deleted on any task (TensorFlow
+    skips a target it no longer knows): `coordinator`'s kept per-worker
+    resources are released then.
+    """
+    return not _has_remote_tasks(context.get_server_def())
 
 
 # `Context.remove_function` as TensorFlow defines it, once replaced.
