@@ -784,8 +784,7 @@ def _header(f, rounds):
             nic += f" ps_nic={f.ps_nic_rate}"
         if f.max_row_secs:
             nic += f" max_row_secs={f.max_row_secs:g}"
-    if f.stop_at_target:
-        nic += " stop_at_target"
+    stop = " stop_at_target" if f.stop_at_target else ""
     return (
         f"cores={os.cpu_count()} load={load} workers=2 ps={f.num_ps} "
         f"batch={f.batch_size} steps_per_execution={f.steps_per_execution} "
@@ -795,7 +794,7 @@ def _header(f, rounds):
         + f" speech=440-{f.speech_hidden_units}x4-{_speech_classes(f)} "
         f"outer={f.outer_learning_rate}/{f.outer_momentum} "
         f"dc={f.delay_compensation} topk={f.top_k_fraction} "
-        f"damp={f.stale_damping}{nic}"
+        f"damp={f.stale_damping}{nic}{stop}"
     )
 
 
