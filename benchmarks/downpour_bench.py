@@ -763,12 +763,13 @@ def _rows(f) -> list[str]:
 
 
 def _print_round(round_index, rounds, r):
-    secs = "not reached" if math.isnan(r.secs_to_target) else f"{r.secs_to_target:.1f}"
+    reached = not math.isnan(r.secs_to_target)
+    secs = f"{r.secs_to_target:.1f} s to" if reached else "did not reach"
     cut = "" if math.isnan(r.cut_off_secs) else f" (cut off at {r.cut_off_secs:.0f} s)"
     nic = "" if r.nic == UNLIMITED else f" nic={r.nic}"
     print(
         f"round {round_index + 1}/{rounds} {r.model}{nic} {r.name}: "
-        f"{secs} s to {r.target:.3f}{cut}, final {r.test_accuracy:.4f}, "
+        f"{secs} {r.target:.3f}{cut}, final {r.test_accuracy:.4f}, "
         f"{r.examples_per_sec:.0f} ex/s, {r.wall_secs:.0f} s wall",
         flush=True,
     )
