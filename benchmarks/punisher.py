@@ -7,8 +7,11 @@ a target (a worker, a ps or the chief, each kind equally likely, then a task
 of that kind) and a signal (SIGKILL or SIGSTOP, equally likely). A SIGSTOPped
 task stays stopped: the job's hung-task watch gives it up after
 `--hung_task_timeout_secs` and kills it (ps and workers), and this script,
-acting as the orchestrator, kills a chief whose output has been silent for
-`--chief_liveness_secs` (a liveness probe). A chief that exits, or is killed,
+acting as the orchestrator, kills a chief that does not answer the liveness
+probe the job's pods carry (`python -m tf_distbelief.cluster.health`, run each
+second inside the local cluster's network namespace as a pod's exec probe runs
+inside its pod) for `--chief_probe_secs`, or whose output has been silent for
+`--chief_liveness_secs` (a stuck chief whose port still answers). A chief that exits, or is killed,
 is started again with the same command and `--model_dir`, as an orchestrator
 would; its cluster dies with it and restarts with it.
 
@@ -30,13 +33,16 @@ Usage:
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
@@ -71,6 +77,14 @@ def define_flags():
     flags.DEFINE_float(
         "chief_liveness_secs", 30.0, "A training chief silent this long is killed."
     )
+    flags.DEFINE_float(
+        "chief_probe_secs",
+        6.0,
+        "A training chief whose port has not answered the liveness probe "
+        "(`tf_distbelief.cluster.health`, each second, 3 s deadline) for this "
+        "long is killed; 0: no probe.",
+        lower_bound=0,
+    )
     flags.DEFINE_multi_enum(
         "signals", ["SIGKILL", "SIGSTOP"], ["SIGKILL", "SIGSTOP"], "Faults to draw."
     )
@@ -97,6 +111,84 @@ def job_args(model_dir: str) -> list[str]:
     ]
 
 
+# The liveness probe's loop, run inside the local cluster's network namespace:
+# one line per probe (`health.TaskState` values), each second.
+_PROBE_LOOP = """
+import sys, time
+from tf_distbelief.cluster import health
+while True:
+    print(health.probe(sys.argv[1], 3.0).value, flush=True)
+    time.sleep(1.0)
+"""
+
+
+class ChiefProbe:
+    """The orchestrator's liveness probe of one chief: `cluster.health`'s gRPC
+    probe of the chief's port each second, run inside the local cluster's
+    network namespace (as a pod's exec probe runs inside its pod), once the
+    chief has trained (its port then serves)."""
+
+    def __init__(self, marker: str):
+        self._marker = marker
+        self._proc: subprocess.Popen | None = None
+        self.last_answer: float | None = None
+        self.silent_since: float | None = None
+
+    def start(self) -> bool:
+        """Starts the probe; False while no task shows the cluster yet."""
+        if self._proc is not None:
+            return True
+        try:
+            pid = faults_bench._task_pid(self._marker, "worker", 0)
+        except RuntimeError:
+            return False
+        config = json.loads(faults_bench._environ(pid).get("TF_CONFIG") or "{}")
+        chief = config.get("cluster", {}).get("chief")
+        if not chief:
+            return False
+        enter = ["nsenter", "-t", str(pid), "-n"]
+        if os.geteuid() != 0:
+            enter[3:3] = ["-U", "--preserve-credentials"]
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        env.pop("FAULTS_BENCH_MARKER", None)
+        self._proc = subprocess.Popen(
+            [*enter, sys.executable, "-u", "-c", _PROBE_LOOP, chief[0]],
+            cwd=faults_bench.ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        atexit.register(self.stop)
+        self.last_answer = time.monotonic()
+        threading.Thread(target=self._read, daemon=True).start()
+        return True
+
+    def _read(self):
+        for line in self._proc.stdout:
+            now = time.monotonic()
+            if line.strip() == "answers":
+                if self.silent_since is not None:
+                    print(
+                        f"chief probe: answers again after "
+                        f"{now - self.silent_since:.1f} s",
+                        flush=True,
+                    )
+                self.last_answer, self.silent_since = now, None
+            elif self.silent_since is None:
+                self.silent_since = now
+                print(f"chief probe: {line.strip()}", flush=True)
+
+    def unanswered_secs(self, now: float) -> float:
+        """Seconds since the chief last answered (0 before the probe runs)."""
+        return 0.0 if self.last_answer is None else now - self.last_answer
+
+    def stop(self):
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
 class Life:
     """One start of the chief: its process and what its lines say."""
 
@@ -106,6 +198,7 @@ class Life:
         self.started = time.monotonic()
         self.killed_by_us = False
         self.liveness_killed = False
+        self.probe = ChiefProbe(self.marker)
 
     def last_step_line_at(self) -> float | None:
         seen = [at for at, line in self.job.poll_lines() if _STEP_RE.match(line)]
@@ -161,6 +254,7 @@ def punish(folder: str) -> dict:
         code = life.job.proc.poll()
         now = time.monotonic()
         if code is not None:
+            life.probe.stop()
             life.job.finish()
             if code == 0:
                 break
@@ -172,13 +266,25 @@ def punish(folder: str) -> dict:
             continue
         last_line = life.last_step_line_at()
         silent = now - max(life.job.lines[-1][0] if life.job.lines else 0, life.started)
-        if last_line is not None and silent > f.chief_liveness_secs:
-            # The orchestrator's liveness probe: a chief that trained and went
-            # silent is hung. Killed once; a kill can take a while to end it.
+        if last_line is not None and f.chief_probe_secs > 0:
+            life.probe.start()
+        unanswered = life.probe.unanswered_secs(now)
+        if last_line is not None and (
+            silent > f.chief_liveness_secs
+            or (f.chief_probe_secs > 0 and unanswered > f.chief_probe_secs)
+        ):
+            # The orchestrator's liveness probes: a chief that trained and
+            # stopped answering on its port, or went silent, is hung. Killed
+            # once; a kill can take a while to end it.
             if not life.liveness_killed:
                 life.killed_by_us = life.liveness_killed = True
                 os.kill(life.job.proc.pid, signal.SIGKILL)
-                print(f"chief silent for {silent:.0f} s: killed (liveness)", flush=True)
+                why = (
+                    f"did not answer its liveness probe for {unanswered:.0f} s"
+                    if silent <= f.chief_liveness_secs
+                    else f"silent for {silent:.0f} s"
+                )
+                print(f"chief {why}: killed (liveness)", flush=True)
             time.sleep(_POLL_SECS)
             continue
         training = last_line is not None and now - last_line < _TRAINING_SECS

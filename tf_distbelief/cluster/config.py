@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from tf_distbelief import checks, console, errors
 from tf_distbelief.cluster import addresses
@@ -200,6 +200,23 @@ def validate_cluster(
     return jobs
 
 
+class ClusterTask(NamedTuple):
+    """One task's validated cluster, as plain values (no TensorFlow).
+
+    Attributes:
+      jobs: job name -> {task index: "host:port"} (`validate_cluster`).
+      task_type: this task's job (`chief`, `worker`, `ps`, `evaluator`), or
+        None.
+      task_id: this task's index in its job, or None.
+      rpc_layer: the protocol, `"grpc"` unless `TF_CONFIG` names another.
+    """
+
+    jobs: dict
+    task_type: str | None
+    task_id: int | None
+    rpc_layer: str
+
+
 def make_resolver(jobs, task_type, task_id, rpc_layer="grpc"):
     """Returns a `SimpleClusterResolver` of validated `jobs` for one task."""
     import tensorflow as tf
@@ -281,6 +298,23 @@ def resolve_cluster(cluster_resolver=None, cluster_from: str = "auto"):
         return make_resolver(
             jobs, task_type, task_id, cluster_resolver.rpc_layer or "grpc"
         )
+    task = resolve_task(cluster_from)
+    return None if task is None else make_resolver(*task)
+
+
+def resolve_task(cluster_from: str = "auto") -> ClusterTask | None:
+    """This task's validated cluster from `TF_CONFIG` or the JobSet environment
+    (as `resolve_cluster`), without TensorFlow; None for a local cluster.
+
+    Args:
+      cluster_from: one of `CLUSTER_SOURCES` (`--cluster_from`).
+
+    Returns:
+      A `ClusterTask`, or None when no cluster is given (`cluster_source`).
+
+    Raises:
+      ClusterConfigError: as `resolve_cluster`.
+    """
     source = cluster_source(cluster_from)
     if source is None:
         return None
@@ -298,11 +332,17 @@ def resolve_cluster(cluster_resolver=None, cluster_from: str = "auto"):
                 f"`TF_CONFIG` is not valid JSON ({e.msg} at line {e.lineno} column "
                 f"{e.colno}). Received: {console.shorten(text, 200)!r}"
             ) from None
-    return resolve_tf_config(config, text)
+    return tf_config_task(config, text)
 
 
 def resolve_tf_config(config: Any, text: str | None = None):
     """The resolver of a parsed `TF_CONFIG` (`text`: as given, for errors)."""
+    return make_resolver(*tf_config_task(config, text))
+
+
+def tf_config_task(config: Any, text: str | None = None) -> ClusterTask:
+    """The validated `ClusterTask` of a parsed `TF_CONFIG` (`text`: as given,
+    for errors); raises `ClusterConfigError` as `resolve_cluster`."""
     text = json.dumps(config) if text is None else text
     if not isinstance(config, dict) or "cluster" not in config:
         raise ClusterConfigError(
@@ -318,7 +358,7 @@ def resolve_tf_config(config: Any, text: str | None = None):
     task_type = canonical_job(task.get("type"))
     task_id = task.get("index", 0 if task_type else None)
     jobs = validate_cluster(config["cluster"], task_type, task_id)
-    return make_resolver(jobs, task_type, task_id, config.get("rpc_layer", "grpc"))
+    return ClusterTask(jobs, task_type, task_id, config.get("rpc_layer", "grpc"))
 
 
 def training_cluster_resolver(cluster_resolver):

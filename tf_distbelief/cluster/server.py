@@ -18,7 +18,9 @@ import sys
 import threading
 import time
 
+from tf_distbelief import console
 from tf_distbelief.cluster import config as config_lib
+from tf_distbelief.tf_internals import server_runtime
 
 _POLL_SECS = 0.1
 
@@ -35,9 +37,7 @@ def server_config(cpu_devices: int = 1, inter_op_threads: int = 0):
     Returns:
       A `tf.compat.v1.ConfigProto`.
     """
-    import tensorflow as tf
-
-    return tf.compat.v1.ConfigProto(
+    return server_runtime.load().ConfigProto(
         device_count={"CPU": cpu_devices},
         inter_op_parallelism_threads=inter_op_threads,
     )
@@ -84,15 +84,46 @@ def run_server(
       ClusterConfigError: the task type is not `ps` or `worker`.
       ClusterStartError: the server could not listen on its address.
     """
-    import tensorflow as tf
+    task = config_lib.ClusterTask(
+        cluster_resolver.cluster_spec().as_dict(),
+        cluster_resolver.task_type,
+        cluster_resolver.task_id,
+        cluster_resolver.rpc_layer or "grpc",
+    )
+    serve_task(task, cpu_devices, chief_gone_secs, ready_file)
 
-    task_type = cluster_resolver.task_type
+
+def serve_task(
+    task,
+    cpu_devices: int = 1,
+    chief_gone_secs: float | None = None,
+    ready_file: str | None = None,
+    lean: bool = False,
+) -> None:
+    """`run_server` for a `config.ClusterTask` (`config.resolve_task`).
+
+    Args:
+      task: this ps or worker task's `config.ClusterTask`.
+      cpu_devices, chief_gone_secs, ready_file: as for `run_server`.
+      lean: load TensorFlow's runtime without its Python API
+        (`tf_internals.server_runtime`); only for a process that runs nothing
+        but this server and has not imported TensorFlow.
+
+    Raises:
+      ClusterConfigError: the task type is not `ps` or `worker`.
+      ClusterStartError: the server could not listen on its address.
+    """
+    task_type, task_id = task.task_type, task.task_id
     if task_type not in config_lib.SERVER_JOBS:
         raise config_lib.ClusterConfigError(
             f"Only `ps` and `worker` tasks run a server. Received task type "
             f"{task_type!r}."
         )
-    spec = config_lib.training_cluster_resolver(cluster_resolver).cluster_spec()
+    # The evaluator is never contacted (`config.training_cluster_resolver`).
+    jobs = {job: tasks for job, tasks in task.jobs.items() if job != "evaluator"}
+    with console.quiet_tensorflow_startup():
+        runtime = server_runtime.load(lean=lean)
+    spec = runtime.ClusterSpec(jobs)
     stop = threading.Event()
 
     def _on_signal(signum, frame):
@@ -101,19 +132,20 @@ def run_server(
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    address = spec.task_address(task_type, cluster_resolver.task_id)
+    address = spec.task_address(task_type, task_id)
     try:
-        tf.distribute.Server(
-            spec,
-            job_name=task_type,
-            task_index=cluster_resolver.task_id,
-            protocol=cluster_resolver.rpc_layer or "grpc",
-            config=server_config(cpu_devices),
-            start=True,
-        )
-    except tf.errors.UnknownError as e:
+        with console.quiet_tensorflow_startup():
+            runtime.Server(
+                spec,
+                job_name=task_type,
+                task_index=task_id,
+                protocol=task.rpc_layer or "grpc",
+                config=server_config(cpu_devices),
+                start=True,
+            )
+    except runtime.UnknownError as e:
         raise config_lib.ClusterStartError(
-            f"The {task_type}:{cluster_resolver.task_id} server could not listen on "
+            f"The {task_type}:{task_id} server could not listen on "
             f"{address}: port {port_of(address)} is already in use or the host is "
             f"not this machine ({e.message})."
         ) from None

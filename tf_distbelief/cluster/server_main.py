@@ -9,18 +9,12 @@ import os
 
 from absl import app, flags
 
-from tf_distbelief import console
-
 if __name__ == "__main__":
-    # A ps or worker task builds no Keras model: `import tensorflow` then binds
-    # `tf.keras` to tf_keras (`TF_USE_LEGACY_KERAS`) instead of importing Keras
-    # 3, which brings scikit-learn and SciPy along (about a second of CPU time
-    # per task, on every local cluster start and task restart).
+    # Where the task's TensorFlow is imported whole (`tf_internals.server_runtime`
+    # finds a plugin to load), `import tensorflow` then binds `tf.keras` to
+    # tf_keras (`TF_USE_LEGACY_KERAS`) instead of importing Keras 3, which
+    # brings scikit-learn and SciPy along: a ps or worker task builds no model.
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-    # Before TensorFlow loads (the package imports no TensorFlow): keep its
-    # start-up lines below the log level, and the cuInit error of a task
-    # without a GPU, out of the task's log.
-    console.import_tensorflow_quietly()
 
 from tf_distbelief.cluster import config, server  # noqa: E402
 
@@ -41,11 +35,20 @@ _READY_FILE = flags.DEFINE_string(
 
 def main(argv):
     del argv
-    server.run_server(
-        config.resolve_cluster(),
+    task = config.resolve_task()
+    if task is None:
+        raise config.ClusterConfigError(
+            "A ps or worker task reads its cluster from `TF_CONFIG` (or a "
+            "JobSet's environment); neither is set."
+        )
+    # TensorFlow's runtime without its Python API: this process runs nothing
+    # but the server (`tf_internals.server_runtime`).
+    server.serve_task(
+        task,
         cpu_devices=_CPU_DEVICES.value,
         chief_gone_secs=_CHIEF_GONE_SECS.value,
         ready_file=_READY_FILE.value,
+        lean=True,
     )
 
 

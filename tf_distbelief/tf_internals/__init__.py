@@ -24,30 +24,32 @@ fails naming the TensorFlow version). One module per area:
 * `saved_model`: the object graph a checkpoint was saved from.
 * `checkpoint_manager`: a checkpoint written by a traced function, recorded
   by its `tf.train.CheckpointManager` (`record_written`).
+* `server_runtime`: a ps or worker task's server without TensorFlow's Python
+  API (`load(lean=True)`).
 """
 
-from tf_distbelief.tf_internals import (
-    checkpoint_manager,
-    coordinator,
-    eager_context,
-    keras_model,
-    optimizers,
-    saved_model,
-    variables,
+import importlib
+
+# The modules, by name: importing this package imports none of them, so that
+# a ps or worker task can load `server_runtime` before any TensorFlow import.
+MODULE_NAMES = (
+    "variables",
+    "optimizers",
+    "keras_model",
+    "coordinator",
+    "eager_context",
+    "saved_model",
+    "checkpoint_manager",
+    "server_runtime",
 )
 
-MODULES = (
-    variables,
-    optimizers,
-    keras_model,
-    coordinator,
-    eager_context,
-    saved_model,
-    checkpoint_manager,
-)
+
+def modules() -> tuple:
+    """The modules of `MODULE_NAMES`, imported."""
+    return tuple(importlib.import_module(f"{__name__}.{name}") for name in MODULE_NAMES)
 
 
 def check() -> None:
     """Runs every module's `check()`; fails on the first internal changed."""
-    for module in MODULES:
+    for module in modules():
         module.check()
