@@ -11,9 +11,10 @@ acting as the orchestrator, kills a chief that does not answer the liveness
 probe the job's pods carry (`python -m tf_distbelief.cluster.health`, run each
 second inside the local cluster's network namespace as a pod's exec probe runs
 inside its pod) for `--chief_probe_secs`, or whose output has been silent for
-`--chief_liveness_secs` (a stuck chief whose port still answers). A chief that exits, or is killed,
-is started again with the same command and `--model_dir`, as an orchestrator
-would; its cluster dies with it and restarts with it.
+`--chief_liveness_secs` (a stuck chief whose port still answers). A chief
+that exits, or is killed, is started again with the same command and
+`--model_dir`, as an orchestrator would; its cluster dies with it and
+restarts with it.
 
 A fault falls only while the job trains (a step line in the last 5 s) and,
 for a ps, once a checkpoint exists (before it a lost ps is an error by
