@@ -119,16 +119,21 @@ def test_jobset_is_the_default_kind_with_the_readme_job():
         assert container["ports"] == [
             {"name": "grpc", "containerPort": 2222, "protocol": "TCP"}
         ]
-        # A hung ps or worker (accepting connections, not answering) is
-        # restarted by the kubelet: the chief cannot.
-        probe = container.get("livenessProbe")
+        # A hung task (accepting connections, not answering) is restarted by
+        # the kubelet: a ps or worker for the chief, which cannot, and the
+        # chief itself, once its startup probe has allowed for connecting.
+        probe = container["livenessProbe"]
+        assert probe["exec"]["command"] == [
+            "python", "-m", "tf_distbelief.cluster.health", "127.0.0.1:2222", "3"
+        ]  # fmt: skip
+        assert probe["periodSeconds"] * probe["failureThreshold"] == 30
+        startup = container.get("startupProbe")
         if name == "chief":
-            assert probe is None
+            assert startup["exec"] == probe["exec"]
+            # The default --connect_timeout_secs (300) and 120 s more.
+            assert startup["periodSeconds"] * startup["failureThreshold"] == 420
         else:
-            assert probe["exec"]["command"] == [
-                "python", "-m", "tf_distbelief.cluster.health", "127.0.0.1:2222", "3"
-            ]  # fmt: skip
-            assert probe["periodSeconds"] * probe["failureThreshold"] == 30
+            assert startup is None
         env = {v["name"]: v.get("value", v.get("valueFrom")) for v in container["env"]}
         assert env == {
             "TFDB_JOBSET_NAME": {
@@ -236,6 +241,17 @@ def test_gpus_volume_and_model_dir_go_where_they_are_used():
     assert _rjobs(document)["evaluator"]["template"]["spec"]["backoffLimit"] == (
         2**31 - 1
     )
+
+
+def test_the_chief_s_startup_probe_allows_for_its_connect_timeout():
+    config = jobset.JobSetConfig(
+        image=IMAGE, train_args=("--model=digits", "--connect_timeout_secs=45")
+    )
+    rjobs = _rjobs(jobset.jobset(config))
+    (chief,) = _pod(rjobs["chief"])["spec"]["containers"]
+    startup = chief["startupProbe"]
+    # 45 s to connect and 120 s more, in 10 s periods, rounded up.
+    assert (startup["periodSeconds"], startup["failureThreshold"]) == (10, 17)
 
 
 @pytest.mark.parametrize(

@@ -9,31 +9,23 @@ The public names are re-exported here; `server_main` is the child tasks'
 entry point (`python -m tf_distbelief.cluster.server_main`).
 """
 
-from tf_distbelief.cluster.config import (
-    ALLOWED_JOBS,
-    JOB_ALIASES,
-    SERVER_JOBS,
-    resolve_cluster,
-    training_cluster_resolver,
-    validate_cluster,
-)
-from tf_distbelief.cluster.isolation import enter_private_network
-from tf_distbelief.cluster.local import (
-    DEFAULT_START_TIMEOUT_SECS,
-    LocalCluster,
-)
-from tf_distbelief.cluster.server import run_server, server_config
+from tf_distbelief import _lazy
 
-__all__ = [
-    "ALLOWED_JOBS",
-    "DEFAULT_START_TIMEOUT_SECS",
-    "JOB_ALIASES",
-    "SERVER_JOBS",
-    "LocalCluster",
-    "enter_private_network",
-    "resolve_cluster",
-    "run_server",
-    "server_config",
-    "training_cluster_resolver",
-    "validate_cluster",
-]
+# Lazy (`_lazy`): `python -m tf_distbelief.cluster.health`, the pods' liveness
+# probe, and a ps or worker task's `server_main` import only what they use.
+__all__, __getattr__, __dir__ = _lazy.exports(
+    __name__,
+    {
+        "ALLOWED_JOBS": "config",
+        "DEFAULT_START_TIMEOUT_SECS": "local",
+        "JOB_ALIASES": "config",
+        "SERVER_JOBS": "config",
+        "LocalCluster": "local",
+        "enter_private_network": "isolation",
+        "resolve_cluster": "config",
+        "run_server": "server",
+        "server_config": "server",
+        "training_cluster_resolver": "config",
+        "validate_cluster": "config",
+    },
+)

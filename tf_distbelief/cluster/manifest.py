@@ -16,9 +16,11 @@ Roles are TensorFlow's job names (`ROLES`); each kind names them its own way
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from tf_distbelief import checks
+from tf_distbelief.cluster import connect as connect_lib
 
 __all__ = [
     "CONTAINER_NAME",
@@ -42,25 +44,35 @@ ROLES = ("chief", "worker", "ps", "evaluator")
 # `TFJobDefaultContainerName`, port 2222, `TFJobDefaultPort`).
 CONTAINER_NAME = "tensorflow"
 PORT = 2222
-# A ps or worker pod that accepts connections but does not answer a status
-# probe (`python -m tf_distbelief.cluster.health`, 3 s deadline) three times
-# in a row, 10 s apart, is hung: the kubelet restarts it, and the chief's
-# TensorFlow sees a lost task. 60 s after start: TensorFlow loads first.
+# The status probe of a pod's task: `python -m tf_distbelief.cluster.health`,
+# a gRPC call to its port with a 3 s deadline (exit 0: it answers).
+_PROBE_COMMAND = {
+    "command": [
+        "python",
+        "-m",
+        "tf_distbelief.cluster.health",
+        f"127.0.0.1:{PORT}",
+        "3",
+    ]
+}
+# A pod whose task accepts connections but does not answer the probe three
+# times in a row, 10 s apart, is hung (SIGSTOP, a swap storm): the kubelet
+# restarts it. A ps or worker's restart is a lost task to the chief; a
+# chief's, a new chief that resumes from `--model_dir`. 60 s after start:
+# TensorFlow loads first.
 _LIVENESS_PROBE = {
-    "exec": {
-        "command": [
-            "python",
-            "-m",
-            "tf_distbelief.cluster.health",
-            f"127.0.0.1:{PORT}",
-            "3",
-        ]
-    },
+    "exec": _PROBE_COMMAND,
     "initialDelaySeconds": 60,
     "periodSeconds": 10,
     "timeoutSeconds": 10,
     "failureThreshold": 3,
 }
+# The chief's port serves once it has connected to every task, which it
+# waits for for up to `--connect_timeout_secs` after TensorFlow loads: its
+# liveness probe starts once this startup probe has passed, for which it has
+# that long and 120 s more.
+_STARTUP_PROBE_PERIOD_SECS = 10
+_STARTUP_MARGIN_SECS = 120.0
 # The mount path of `--pvc` when `model_dir` is not given.
 DEFAULT_MODEL_DIR = "/mnt/model_dir"
 # The main job of the README: its flags of `launch/train.py` besides the
@@ -275,11 +287,35 @@ def train_args(config: PodsConfig, role: str) -> list[str]:
     return args
 
 
+def chief_startup_probe(config: PodsConfig) -> dict:
+    """The chief pod's startup probe: the status probe every 10 s, for up to
+    the chief's `--connect_timeout_secs` (from `config.train_args`, else the
+    default) and 120 s more, after which a chief whose port never served is
+    restarted (it would have failed by itself)."""
+    timeout_secs = connect_lib.DEFAULT_CONNECT_TIMEOUT_SECS
+    for arg in config.train_args:
+        name, _, value = arg.lstrip("-").partition("=")
+        if name == "connect_timeout_secs":
+            try:
+                timeout_secs = float(value)
+            except ValueError:
+                pass  # `launch/train.py` refuses it, naming the value.
+    return {
+        "exec": _PROBE_COMMAND,
+        "periodSeconds": _STARTUP_PROBE_PERIOD_SECS,
+        "timeoutSeconds": 10,
+        "failureThreshold": math.ceil(
+            (timeout_secs + _STARTUP_MARGIN_SECS) / _STARTUP_PROBE_PERIOD_SECS
+        ),
+    }
+
+
 def pod_spec(config: PodsConfig, role: str, port_name: str, env=()) -> dict:
     """The pod spec (a `V1PodSpec` as a dict) of one role: its one container,
     listening on `PORT` named `port_name`, with environment `env` (a list of
     `V1EnvVar` dicts), the `--model_dir` volume where the role uses it, and,
-    on ps and worker pods, a liveness probe that restarts a hung task."""
+    on chief, ps and worker pods, a liveness probe that restarts a hung task
+    (the chief's after a startup probe that allows for its connecting)."""
     resources = {"requests": {"cpu": str(config.cpu), "memory": str(config.memory)}}
     if role == "worker" and config.gpus_per_worker > 0:
         resources["limits"] = {"nvidia.com/gpu": str(config.gpus_per_worker)}
@@ -293,8 +329,10 @@ def pod_spec(config: PodsConfig, role: str, port_name: str, env=()) -> dict:
     }
     if env:
         container["env"] = list(env)
-    if role in ("ps", "worker"):
+    if role in ("ps", "worker", "chief"):
         container["livenessProbe"] = dict(_LIVENESS_PROBE)
+    if role == "chief":
+        container["startupProbe"] = chief_startup_probe(config)
     spec = {"containers": [container]}
     if config.pvc and role in ("chief", "evaluator"):
         container["volumeMounts"] = [
