@@ -30,7 +30,8 @@ r`) give medians and `[min-max]`. Rows (`--rows`):
 NICs of each rate (`LocalCluster(nic_bandwidth=)`; `--ps_nic_rate` for the ps
 tasks), first entering a private network namespace; `--max_row_secs` cuts a
 row off after the evaluation interval that passes that many training seconds
-("not reached in T s", counting as T); `--stop_at_target` ends a row at its
+("not reached in T s", counting as T), for every row or per row
+(`150,stock=480`); `--stop_at_target` ends a row at its
 first evaluation at or above the target (a time-to-accuracy run needs nothing
 after it; its examples/s and bytes are measured over the steps it ran). Next
 to each row the planner (`tf_distbelief.planner`) predicts its examples/s
@@ -62,7 +63,7 @@ Usage:
   python benchmarks/downpour_bench.py \
       --rows=single,stock,n=4,n=4+outer,n=16,n=16+outer,n=64,n=64+outer \
       --nic_rates=unlimited,10gbit,1gbit,100mbit --rounds=3 \
-      --max_row_secs=450 --stop_at_target   # about 2 hours, 2 idle cores
+      --max_row_secs=450 --stop_at_target   # about 2.5 hours, 2 idle cores
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ _DEFAULT_ROWS = (
 _QUICK_ROWS = ("single", "stock", "n=1", "n=16", "n=16+outer")
 # n_fetch = n_push of the known Downpour rows (32 and 64: rarer exchanges, the
 # outer rule's regime in DiLoCo).
-_NS = (1, 4, 16, 32, 64)
+_NS = (1, 4, 8, 16, 32, 64)
 
 
 def _known_rows():
@@ -329,14 +330,15 @@ def define_flags():
         "The ps tasks' NIC rate at every shaped --nic_rates entry (default: "
         "that entry's rate); unlimited rows stay unshaped.",
     )
-    flags.DEFINE_float(
+    flags.DEFINE_list(
         "max_row_secs",
-        None,
+        [],
         "Cut a row off after the evaluation interval whose end passes this "
-        "many training seconds (reported as 'not reached in T s'); default: "
+        "many training seconds (reported as 'not reached in T s'): SECS for "
+        "every row, ROW=SECS for one row (e.g. '150,stock=480'); default: "
         "every row runs all its steps.",
-        lower_bound=1.0,
     )
+    flags.register_validator("max_row_secs", _check_max_row_secs)
     flags.DEFINE_bool(
         "stop_at_target",
         False,
@@ -442,7 +444,9 @@ class _Probe:
         if self.replicas:
             moved = sum(s.bytes_fetched + s.bytes_pushed for s in self.replicas.stats())
         cpu = {pid: traffic.cpu_secs(pid) for pid in self.pids}
-        sockets = traffic.read_sockets() if self.replicas is not False else []
+        sockets = (
+            traffic.read_sockets(pids=self.pids) if self.replicas is not False else []
+        )
         self.snaps[name] = (sockets, cpu, moved)
 
     def curve(self):
@@ -655,11 +659,12 @@ def _run(local, data, model_name, name, f, seed, nic=UNLIMITED) -> Row:
     # Kept until exit: a collected model's functions are removed from the
     # tasks, which the reconnected context no longer knows (noisy errors).
     _KEEP_ALIVE.append(model)
+    caps = _max_row_secs(f.max_row_secs)
     probe = _Probe(
         replicas,
         list(roles),
         lambda: training.accuracy(model, x_test, y_test, _EVAL_BATCH),
-        f.max_row_secs,
+        caps.get(name, caps.get("")),
         _target(f, model_name) if f.stop_at_target else None,
     )
     if kind == "single":
@@ -758,6 +763,44 @@ def _check_rows(names: list[str]) -> bool:
     return True
 
 
+def _max_row_secs(entries: list[str]) -> dict:
+    """`--max_row_secs` as `{row name: secs}`, `""` for every other row.
+
+    Raises:
+      ValueError: an entry that is not SECS or ROW=SECS with SECS > 0, or a
+        second SECS or ROW.
+    """
+    caps = {}
+    for entry in entries:
+        name, _, secs = entry.rpartition("=")
+        try:
+            value = float(secs)
+        except ValueError:
+            value = math.nan
+        if not value > 0 or math.isinf(value):
+            raise ValueError(
+                f"{entry!r}: SECS must be a number of seconds > 0 (SECS or ROW=SECS)"
+            )
+        if name in caps:
+            raise ValueError(f"{entry!r}: {name or 'SECS'} given twice")
+        caps[name] = value
+    return caps
+
+
+def _check_max_row_secs(entries: list[str]) -> bool:
+    """absl validator of `--max_row_secs`: SECS and ROW=SECS entries."""
+    try:
+        caps = _max_row_secs(entries)
+    except ValueError as e:
+        raise flags.ValidationError(f"--max_row_secs: {e}") from None
+    unknown = [n for n in caps if n and _straggler(n)[0] not in _known_rows()]
+    if unknown:
+        raise flags.ValidationError(
+            f"--max_row_secs: unknown rows {unknown}; known: {','.join(_known_rows())}"
+        )
+    return True
+
+
 def _rows(f) -> list[str]:
     return f.rows or list(_QUICK_ROWS if f.quick else _DEFAULT_ROWS)
 
@@ -784,7 +827,7 @@ def _header(f, rounds):
         if f.ps_nic_rate:
             nic += f" ps_nic={f.ps_nic_rate}"
         if f.max_row_secs:
-            nic += f" max_row_secs={f.max_row_secs:g}"
+            nic += f" max_row_secs={','.join(f.max_row_secs)}"
     stop = " stop_at_target" if f.stop_at_target else ""
     return (
         f"cores={os.cpu_count()} load={load} workers=2 ps={f.num_ps} "

@@ -199,6 +199,29 @@ def test_unknown_rows_are_refused_when_the_flags_are_parsed():
         bench._check_rows(["n=16", "n=128"])
 
 
+def test_max_row_secs_for_every_row_and_per_row():
+    assert bench._max_row_secs([]) == {}
+    caps = bench._max_row_secs(["100", "stock=480", "n=64+outer=90.5"])
+    assert caps == {"": 100.0, "stock": 480.0, "n=64+outer": 90.5}
+    assert bench._check_max_row_secs(["100", "stock=480"])
+
+
+@pytest.mark.parametrize(
+    "entries, match",
+    [
+        (["0"], r"'0': SECS must be a number of seconds > 0"),
+        (["stock=x"], r"'stock=x': SECS must be a number"),
+        (["stock=inf"], r"'stock=inf': SECS must be a number"),
+        (["100", "200"], r"'200': SECS given twice"),
+        (["stock=1", "stock=2"], r"'stock=2': stock given twice"),
+        (["n=128=50"], r"unknown rows \['n=128'\]"),
+    ],
+)
+def test_bad_max_row_secs_are_refused_when_the_flags_are_parsed(entries, match):
+    with pytest.raises(flags.ValidationError, match=match):
+        bench._check_max_row_secs(entries)
+
+
 @pytest.mark.parametrize(
     "name, base, slowdown",
     [

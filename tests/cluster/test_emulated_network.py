@@ -1,10 +1,11 @@
-"""The emulated network: each local task behind a NIC of a set rate (tc htb).
+"""The emulated network: each local task behind a NIC of a set rate (veth, htb).
 
 The real check runs a child process in the local cluster's private network
-namespace: a ps variable of known size is read by the chief through a ps NIC
-shaped to 50 Mbit/s, and the measured rate must be within 15% of it; then the
-same read through an unshaped cluster, in the same namespace, must be far
-faster.
+namespace: a ps variable of known size is read by the chief (a fetch) and
+written from a worker (a push, which the ps pulls from the worker's server)
+through a ps NIC shaped to 50 Mbit/s behind a worker NIC of 500 Mbit/s, and
+each measured rate must be within 15% of 50 Mbit/s; then the same transfers
+through an unshaped cluster, in the same namespace, must be far faster.
 """
 
 import json
@@ -68,42 +69,24 @@ def test_rates_and_their_line():
     assert rates.describe() == "every task's NIC at 1 Gbit/s in and out"
     both = network.NicRates.create("1gbit", "10gbit")
     assert both.describe() == (
-        "worker and chief NICs at 1 Gbit/s, ps NICs at 10 Gbit/s, in and out"
+        "worker NICs at 1 Gbit/s, ps NICs at 10 Gbit/s, in and out"
     )
     with pytest.raises(ValueError, match=r"`ps_nic_bandwidth` needs `nic_bandwidth`"):
         network.NicRates.create(None, "1gbit")
 
 
-def test_each_task_port_gets_a_class_in_and_out():
-    commands = network._commands(
-        {"chief": [1000], "worker": [2000], "ps": [3000]},
-        network.NicRates(10**9, 10**8),
-    )
-    assert commands[0][:8] == (
-        "qdisc",
-        "add",
-        "dev",
-        "lo",
-        "root",
-        "handle",
-        "1:",
-        "htb",
-    )
-    filters = [
-        (c[c.index("u32") + 3], c[c.index("u32") + 4], c[-1])
-        for c in commands
-        if c[0] == "filter"
+def test_each_end_of_a_task_link_gets_an_htb_at_the_task_rate():
+    lines = network._htb("nic0", 10**9).splitlines()
+    assert lines == [
+        "qdisc add dev nic0 root handle 1: htb default 1",
+        "class add dev nic0 parent 1: classid 1:1 htb rate 1000000000bit ceil "
+        "1000000000bit burst 131072 cburst 131072 quantum 65536",
     ]
-    assert filters == [
-        ("dport", "1000", "1:10"),
-        ("sport", "1000", "1:11"),
-        ("dport", "2000", "1:12"),
-        ("sport", "2000", "1:13"),
-        ("dport", "3000", "1:14"),
-        ("sport", "3000", "1:15"),
-    ]
-    rates = [c[c.index("rate") + 1] for c in commands if c[0] == "class"]
-    assert rates == ["1000000000bit"] * 4 + ["100000000bit"] * 2
+    # 1 ms of traffic when that is more than two packets.
+    assert "burst 1250000 " in network._htb("nic0", 10**10)
+    rates = network.NicRates.create("1gbit", "100mbit")
+    assert rates.bits_per_sec("worker") == 10**9
+    assert rates.bits_per_sec("ps") == 10**8
 
 
 def test_outside_a_private_namespace_it_is_refused_before_any_task_starts():
@@ -128,20 +111,41 @@ import tensorflow as tf
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import local
 
-def measure(rate):
-    with local.LocalCluster(1, 1, nic_bandwidth=rate) as cluster:
-        strategy = strategy_lib.DistBeliefStrategy(cluster.resolver)
-        with strategy.scope():
-            v = tf.Variable(tf.zeros([int(sys.argv[1]) // 4], tf.float32))
-        v.read_value().numpy()  # The connections and the function, first.
-        rates = []
-        for _ in range(3):
-            start = time.monotonic()
-            nbytes = v.read_value().numpy().nbytes
-            rates.append(nbytes * 8 / (time.monotonic() - start))
-        return sorted(rates)[1]
+def median_rate(run, nbytes):
+    run()  # The connections and the function, first.
+    rates = []
+    for _ in range(3):
+        start = time.monotonic()
+        run()
+        rates.append(nbytes * 8 / (time.monotonic() - start))
+    return sorted(rates)[1]
 
-print(json.dumps({"shaped": measure(sys.argv[2]), "unshaped": measure(None)}))
+def measure(rate, ps_rate):
+    with local.LocalCluster(1, 1, nic_bandwidth=rate, ps_nic_bandwidth=ps_rate) as c:
+        strategy = strategy_lib.DistBeliefStrategy(c.resolver)
+        size = int(sys.argv[1]) // 4
+        with strategy.scope():
+            v = tf.Variable(tf.zeros([size], tf.float32))
+
+        @tf.function
+        def push():
+            # Made on the worker, written on the ps: the ps pulls the bytes
+            # from the worker's server, and they enter the ps's NIC.
+            v.assign(tf.fill([size], 1.0))
+            return v.sparse_read([0])  # Read on the ps: after the write.
+
+        def on_worker():
+            with tf.device("/job:worker/replica:0/task:0"):
+                return push().numpy()
+
+        nbytes = size * 4
+        return {
+            "fetch": median_rate(lambda: v.read_value().numpy(), nbytes),
+            "push": median_rate(on_worker, nbytes),
+        }
+
+shaped = measure(sys.argv[2], sys.argv[3])
+print(json.dumps({"shaped": shaped, "unshaped": measure(None, None)}))
 sys.stdout.flush()
 os._exit(0)
 """
@@ -149,20 +153,24 @@ os._exit(0)
 
 @pytest.mark.slow
 @pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"no namespaces: {_UNAVAILABLE}")
-def test_a_fetch_through_the_emulated_nic_runs_at_its_rate():
+def test_fetches_and_pushes_cross_the_ps_nic_at_its_rate():
+    # Workers 10 times faster than the ps: both directions are the ps's.
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(VARIABLE_BYTES), str(RATE_BITS_PER_SEC)],
+        [sys.executable, "-c", _CHILD, str(VARIABLE_BYTES),
+         str(10 * RATE_BITS_PER_SEC), str(RATE_BITS_PER_SEC)],
         cwd=ROOT,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
         capture_output=True,
         text=True,
         timeout=300,
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert abs(measured["shaped"] / RATE_BITS_PER_SEC - 1) <= 0.15, measured
-    # The same read with no emulated network, in the same namespace.
-    assert measured["unshaped"] > 3 * RATE_BITS_PER_SEC, measured
+    for direction in ("fetch", "push"):
+        rate = measured["shaped"][direction]
+        assert abs(rate / RATE_BITS_PER_SEC - 1) <= 0.15, (direction, measured)
+        # The same transfer with no emulated network, in the same namespace.
+        assert measured["unshaped"][direction] > 3 * RATE_BITS_PER_SEC, measured
 
 
 def _train(args, **env):
@@ -204,9 +212,9 @@ def test_a_job_on_an_emulated_network_says_so_and_trains():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (
-        "network: emulated, worker and chief NICs at 1 Gbit/s, ps NICs at 100 "
-        "Mbit/s, in and out (tc htb on the private namespace's loopback; no added "
-        "latency)"
+        "network: emulated, worker NICs at 1 Gbit/s, ps NICs at 100 Mbit/s, in "
+        "and out (each task in its own network namespace behind a shaped veth; "
+        "the chief unshaped; no added latency)"
     ) in proc.stdout
     accuracy = float(re.findall(r"^test accuracy: ([0-9.]+)$", proc.stdout, re.M)[-1])
     assert accuracy >= 0.9

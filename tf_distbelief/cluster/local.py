@@ -94,9 +94,11 @@ class LocalCluster:
         gives (TensorFlow: one per core, so more tasks than cores on one host
         oversubscribe them); 1: each task a one-core machine, as the paper's.
       nic_bandwidth: None (default): loopback as it is. A rate (`"1gbit"`,
-        `"100mbit"`, bits per second): an emulated network, each task behind
-        a NIC of that rate in and out (`cluster.network`); needs this process
-        in a private network namespace (`isolation.enter_private_network`).
+        `"100mbit"`, bits per second): an emulated network, each ps and
+        worker task in a network namespace of its own behind a NIC of that
+        rate in and out, on its own address (`cluster.network`; the chief on
+        the bridge's); needs this process in a private network namespace
+        (`isolation.enter_private_network`).
       ps_nic_bandwidth: the ps tasks' NIC rate; None: `nic_bandwidth`.
       hung_task_timeout_secs: a ps or worker task that accepts connections but
         has not answered a status probe for this many seconds (stopped, or
@@ -170,6 +172,8 @@ class LocalCluster:
         self.hung_task_watch: hung_tasks.HungTaskWatch | None = None
         # None: loopback as it is; else each task's emulated NIC.
         self.nic_rates = network.NicRates.create(nic_bandwidth, ps_nic_bandwidth)
+        # The emulated network while the cluster runs (`start` makes it).
+        self.network: network.EmulatedNetwork | None = None
         if visible_gpus is None:
             visible_gpus = gpus_lib.visible_gpus()
         # `{(job, index): CUDA_VISIBLE_DEVICES}`; empty on a host without GPUs.
@@ -211,8 +215,9 @@ class LocalCluster:
         ready = self._ready_file(job, index)
         with contextlib.suppress(FileNotFoundError):
             os.remove(ready)
+        emulated = self.network
         try:
-            return server_lib.popen_for_life(
+            proc = server_lib.popen_for_life(
                 [
                     sys.executable,
                     "-m",
@@ -224,10 +229,34 @@ class LocalCluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=server_lib.set_parent_death_signal,
+                preexec_fn=(
+                    server_lib.set_parent_death_signal
+                    if emulated is None
+                    else _own_network_namespace
+                ),
             )
         finally:
             log.close()
+        if emulated is not None:
+            try:
+                emulated.attach(proc.pid, self._slot(job, index), job)
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+        return proc
+
+    def _slot(self, job: str, index: int) -> int:
+        """A task's place on the emulated network: the ps tasks, then the workers."""
+        return index if job == "ps" else self.num_ps + index
+
+    def _host(self, job: str, index: int = 0) -> str:
+        """The address a task listens on: its own on an emulated network."""
+        if self.network is None:
+            return "127.0.0.1"
+        if job == "chief":
+            return self.network.chief_host
+        return self.network.host(self._slot(job, index))
 
     def _ready_file(self, job: str, index: int) -> str:
         return os.path.join(self._log_dir, f"{job}_{index}.ready")
@@ -261,22 +290,22 @@ class LocalCluster:
                 ("ps", self.num_ps),
             )
         }
+        if self.nic_rates is not None:  # Before any task starts.
+            self.network = network.EmulatedNetwork(self.nic_rates)
         self.jobs = {
-            job: [f"127.0.0.1:{p}" for p in job_ports]
+            job: [f"{self._host(job, i)}:{p}" for i, p in enumerate(job_ports)]
             for job, job_ports in ports.items()
         }
-        if self.nic_rates is not None:  # Before any task starts.
-            network.shape(ports, self.nic_rates)
         _register_live(self)
         if any(self.gpu_assignment.values()):
             # Read when this process's TensorFlow first creates its GPU devices
             # (when the strategy connects); without it the chief would reserve
             # almost all memory of the GPUs it shares with the workers.
             os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
-        for job in ("ps", "worker"):
-            for index in range(len(self.jobs[job])):
-                self.processes[(job, index)] = self._spawn(job, index)
         try:
+            for job in ("ps", "worker"):
+                for index in range(len(self.jobs[job])):
+                    self.processes[(job, index)] = self._spawn(job, index)
             self._wait_listening()
         except BaseException:
             self.stop()
@@ -382,7 +411,7 @@ class LocalCluster:
                     f"Argument `{name}` must be in [1, {most}]. Received: {value}"
                 )
         jobs = {
-            "chief": {0: f"127.0.0.1:{portpicker.pick_unused_port()}"},
+            "chief": {0: f"{self._host('chief')}:{portpicker.pick_unused_port()}"},
             "worker": dict(enumerate(self.jobs["worker"][:num_workers])),
             "ps": dict(enumerate(self.jobs["ps"][:num_ps])),
         }
@@ -488,14 +517,21 @@ class LocalCluster:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 proc.wait()
-        if self.nic_rates is not None:
-            network.unshape()
+        if self.network is not None:
+            self.network.close()
+            self.network = None
 
     def __enter__(self) -> LocalCluster:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def _own_network_namespace() -> None:
+    """Child-side: dies with the chief, in a network namespace of its own."""
+    server_lib.set_parent_death_signal()
+    network.EmulatedNetwork.preexec()
 
 
 def _leave_tasks(addresses: list[str], lost_for_good: bool) -> None:

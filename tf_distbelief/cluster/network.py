@@ -2,24 +2,24 @@
 
 Downpour SGD trades staleness for bandwidth (Dean et al. 2012, section 4.1);
 on one host's loopback a byte costs almost nothing, so the trade cannot show.
-Inside the private network namespace the local cluster runs in
+Inside the local cluster's private network namespace
 (`isolation.enter_private_network`: the process is root of its own user and
-network namespaces, so no privilege is needed), the kernel's `htb` queueing
-discipline on the loopback device shapes traffic by TCP port: each task has a
-port of its own, hence a NIC of its own, one rate into the task and one out.
+network namespaces, so no privilege is needed), every ps and worker task runs
+in a network namespace of its own, as if on its own machine, linked to a
+bridge in the chief's namespace by a virtual Ethernet pair (veth) whose two
+ends each carry the kernel's `htb` queueing discipline: the task's end limits
+what the task sends, the bridge's end what it receives. Every byte into or
+out of a task crosses its NIC, whichever end opened the connection (the ps
+pulls the gradients of a push from the worker's server, and those bytes go
+into the ps's NIC as they would on a real network).
 
-How bytes are charged: every TCP connection between two tasks has a server
-end (the task's listening port) and a client end (an ephemeral port), and
-`u32` filters see only the ports, so a connection is charged to its server
-end's NIC: what a ps sends and receives (fetches and pushes) to the ps's NIC,
-what the chief sends a worker (scheduled functions) and receives from it to
-the worker's NIC. With one ps this is the real bottleneck of parameter-server
-training, every worker's parameters crossing the ps's NIC; with several ps a
-worker's own NIC, which carries its traffic to all of them, is not enforced
-(each ps's is). Latency cannot be added (this kernel has no `netem`).
+The chief stays in the private namespace, on the bridge's address, behind no
+NIC of its own (what it sends a task and reads from it still crosses that
+task's NIC). Latency cannot be added (this kernel has no `netem`).
 
-No TensorFlow. `LocalCluster(nic_bandwidth=...)` calls `shape` before any
-task starts and `unshape` when it stops.
+No TensorFlow. `LocalCluster(nic_bandwidth=...)` makes an `EmulatedNetwork`
+before any task starts, starts each task in its own namespace (`preexec`),
+gives it its NIC (`attach`) and closes the network when it stops.
 
 Example:
   ```
@@ -31,36 +31,44 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import os
 import re
 import subprocess
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Sequence
 
 from tf_distbelief import checks, errors
 from tf_distbelief.cluster import isolation
 
 __all__ = [
+    "EmulatedNetwork",
     "EmulatedNetworkError",
     "NicRates",
     "describe_rate",
     "parse_rate",
-    "shape",
-    "unshape",
 ]
 
-_DEVICE = "lo"
 # tc's units, as `--emulate_nic` takes them (decimal, bits per second).
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?bit)?\s*$", re.IGNORECASE)
 # Slower than a modem or faster than any NIC: a typo, not a network.
 _MIN_BITS_PER_SEC = 10**4
 _MAX_BITS_PER_SEC = 10**12
-# The loopback device's MTU is 64 KiB: a class's quantum (bytes it may send
-# per round) must hold one packet, and its burst enough packets that a fast
-# class is not held below its rate by the kernel's timer (1 ms of traffic).
-_LOOPBACK_MTU_BYTES = 65536
+# The links' MTU, the largest a veth takes (as loopback's 64 KiB: few packets
+# per byte on 2 cores). A class's quantum (bytes it may send per round) must
+# hold one packet, and its burst enough packets that a fast class is not held
+# below its rate by the kernel's timer (1 ms of traffic).
+_MTU_BYTES = 65535
+_QUANTUM_BYTES = 65536
 _BURST_SECS = 0.001
-_TC_TIMEOUT_SECS = 10.0
+_COMMAND_TIMEOUT_SECS = 10.0
+# Each network's subnet, 10.<64 + k>.0.0/16: the bridge (the chief) on .0.1,
+# task slot s (the ps tasks, then the workers) on 2 + s.
+_FIRST_SUBNET = 64
+_MAX_NETWORKS = 64
+_CLONE_NEWNET = 0x40000000
 
 
 class EmulatedNetworkError(errors.ConfigError):
@@ -122,7 +130,11 @@ class NicRates:
         if self.ps_bits_per_sec == self.worker_bits_per_sec:
             return f"every task's NIC at {worker} in and out"
         ps = describe_rate(self.ps_bits_per_sec)
-        return f"worker and chief NICs at {worker}, ps NICs at {ps}, in and out"
+        return f"worker NICs at {worker}, ps NICs at {ps}, in and out"
+
+    def bits_per_sec(self, job: str) -> int:
+        """The NIC rate of a task of `job` ("ps" or "worker")."""
+        return self.ps_bits_per_sec if job == "ps" else self.worker_bits_per_sec
 
 
 def parse_rate(value, name: str = "nic_bandwidth") -> int:
@@ -166,85 +178,172 @@ def describe_rate(bits_per_sec: int) -> str:
     return f"{bits_per_sec / 10**3:g} kbit/s"
 
 
-def _tc(tc: str, *args: str) -> None:
-    proc = subprocess.run(
-        [tc, *args], capture_output=True, text=True, timeout=_TC_TIMEOUT_SECS
-    )
-    if proc.returncode != 0:
+def _run(command: Sequence[str], stdin: str | None = None) -> None:
+    try:
+        proc = subprocess.run(
+            list(command),
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=_COMMAND_TIMEOUT_SECS,
+        )
+    except subprocess.TimeoutExpired:
         raise EmulatedNetworkError(
-            f"The emulated network could not be set up: `tc {' '.join(args)}` "
-            f"failed ({proc.stderr.strip() or proc.returncode}). It needs the "
-            "kernel's htb queueing discipline and u32 filters."
+            f"The emulated network could not be set up: `{' '.join(command)}` "
+            f"did not finish within {_COMMAND_TIMEOUT_SECS:g} s."
+        ) from None
+    if proc.returncode != 0:
+        lines = f": {stdin.strip()}" if stdin else ""
+        raise EmulatedNetworkError(
+            f"The emulated network could not be set up: `{' '.join(command)}"
+            f"{lines}` failed ({proc.stderr.strip() or proc.returncode}). It "
+            "needs the kernel's veth, bridge and htb."
         )
 
 
-def _commands(
-    jobs: Mapping[str, Sequence[int]], rates: NicRates
-) -> list[tuple[str, ...]]:
-    """The tc commands that give each task's port its NIC (in: dport, out: sport)."""
-    commands = [
-        # Unclassified traffic (none between tasks) goes out unshaped.
-        ("qdisc", "add", "dev", _DEVICE, "root", "handle", "1:", "htb", "default", "0"),
-    ]
-    minor = 0x10
-    for job in ("chief", "worker", "ps"):
-        bits = rates.ps_bits_per_sec if job == "ps" else rates.worker_bits_per_sec
-        burst = max(2 * _LOOPBACK_MTU_BYTES, round(bits / 8 * _BURST_SECS))
-        for port in jobs.get(job, ()):
-            for match in ("dport", "sport"):  # Into the task, out of it.
-                classid = f"1:{minor:x}"
-                commands.append(
-                    ("class", "add", "dev", _DEVICE, "parent", "1:", "classid",
-                     classid, "htb", "rate", f"{bits}bit", "ceil", f"{bits}bit",
-                     "burst", str(burst), "cburst", str(burst),
-                     "quantum", str(_LOOPBACK_MTU_BYTES))
-                )  # fmt: skip
-                commands.append(
-                    ("filter", "add", "dev", _DEVICE, "parent", "1:", "protocol",
-                     "ip", "prio", "1", "u32", "match", "ip", match, str(port),
-                     "0xffff", "flowid", classid)
-                )  # fmt: skip
-                minor += 1
-    return commands
+def _htb(device: str, bits: int) -> str:
+    """`tc -batch` lines: `device` sends at most `bits` per second."""
+    burst = max(2 * _QUANTUM_BYTES, round(bits / 8 * _BURST_SECS))
+    return (
+        f"qdisc add dev {device} root handle 1: htb default 1\n"
+        f"class add dev {device} parent 1: classid 1:1 htb rate {bits}bit "
+        f"ceil {bits}bit burst {burst} cburst {burst} quantum {_QUANTUM_BYTES}\n"
+    )
 
 
-def shape(jobs: Mapping[str, Sequence[int]], rates: NicRates) -> None:
-    """Puts each task's port behind a NIC of its job's rate, on the loopback device.
+def _enter_new_network_namespace() -> None:
+    """Child-side, before exec: a network namespace of the child's own."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNET) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"unshare(CLONE_NEWNET): {os.strerror(errno)}")
+
+
+_networks_in_use: set[int] = set()
+_networks_lock = threading.Lock()
+
+
+class EmulatedNetwork:
+    """The bridge of a local cluster's emulated network, and each task's NIC.
+
+    Made before any task starts; each task then starts in a network namespace
+    of its own (`preexec`), and `attach` links it to the bridge through a veth
+    pair shaped in both directions (see the module docstring).
 
     Args:
-      jobs: `{"chief": [port], "worker": [ports], "ps": [ports]}`.
       rates: the NIC rates.
 
     Raises:
       EmulatedNetworkError: this process is not in a private network
-        namespace (it would shape the host's loopback, and may not), `tc` is
-        missing, or the kernel refused htb or u32.
+        namespace (it would change the host's network, and may not), `ip`,
+        `tc` or `nsenter` is missing, the kernel refused a bridge, or more
+        than 64 emulated networks are open in this process.
     """
-    if not isolation.inside_private_network():
-        raise EmulatedNetworkError(
-            "An emulated network (`nic_bandwidth`, `--emulate_nic`) needs the "
-            "local cluster's private network namespace, and this process is not "
-            "in one: call tf_distbelief.cluster.isolation.enter_private_network() "
-            "first thing (launch/train.py does, unless --noisolate_network), on "
-            "a Linux host with user namespaces and util-linux unshare."
-        )
-    tc = isolation.find_tool("tc")
-    if tc is None:
-        raise EmulatedNetworkError(
-            "An emulated network needs iproute2's `tc`, which is not on PATH or "
-            "in /usr/sbin or /sbin: install iproute2."
-        )
-    unshape()
-    for command in _commands(jobs, rates):
-        _tc(tc, *command)
 
+    def __init__(self, rates: NicRates):
+        if not isolation.inside_private_network():
+            raise EmulatedNetworkError(
+                "An emulated network (`nic_bandwidth`, `--emulate_nic`) needs the "
+                "local cluster's private network namespace, and this process is "
+                "not in one: call "
+                "tf_distbelief.cluster.isolation.enter_private_network() first "
+                "thing (launch/train.py does, unless --noisolate_network), on a "
+                "Linux host with user namespaces and util-linux unshare."
+            )
+        tools = {name: isolation.find_tool(name) for name in ("ip", "tc", "nsenter")}
+        missing = [name for name, path in tools.items() if path is None]
+        if missing:
+            raise EmulatedNetworkError(
+                f"An emulated network needs {', '.join(missing)} (iproute2's ip "
+                "and tc, util-linux's nsenter), not found on PATH or in "
+                "/usr/sbin or /sbin."
+            )
+        self.rates = rates
+        self._ip, self._tc, self._nsenter = (tools[n] for n in ("ip", "tc", "nsenter"))
+        with _networks_lock:
+            free = [k for k in range(_MAX_NETWORKS) if k not in _networks_in_use]
+            if not free:
+                raise EmulatedNetworkError(
+                    f"At most {_MAX_NETWORKS} emulated networks can be open in one "
+                    "process; close a LocalCluster first."
+                )
+            self._number = free[0]
+            _networks_in_use.add(self._number)
+        self.bridge = f"dbnet{self._number}"
+        self._subnet = f"10.{_FIRST_SUBNET + self._number}"
+        self._links = 0
+        try:
+            self._ip_batch(
+                f"link add {self.bridge} type bridge\n"
+                f"addr add {self.chief_host}/16 dev {self.bridge}\n"
+                f"link set {self.bridge} up\n"
+            )
+        except BaseException:
+            self.close()
+            raise
 
-def unshape() -> None:
-    """Removes the emulated network from the loopback device, if there is one."""
-    tc = isolation.find_tool("tc")
-    if tc is not None and isolation.inside_private_network():
+    @property
+    def chief_host(self) -> str:
+        """The chief's address on the bridge."""
+        return f"{self._subnet}.0.1"
+
+    def host(self, slot: int) -> str:
+        """The address of task `slot` (0, 1, ...: the ps tasks, then the workers)."""
+        checks.check_int("slot", slot, 0)
+        n = slot + 2
+        if n > 0xFFFE:
+            raise ValueError(f"Argument `slot` must be < 65533. Received: {slot}")
+        return f"{self._subnet}.{n >> 8}.{n & 0xFF}"
+
+    @staticmethod
+    def preexec() -> None:
+        """Child-side (`Popen(preexec_fn=...)`): the task's own network namespace."""
+        _enter_new_network_namespace()
+
+    def attach(self, pid: int, slot: int, job: str) -> None:
+        """Links task process `pid` (started with `preexec`) to the bridge.
+
+        Its namespace gets the address `host(slot)`, a fixed MAC (a restarted
+        task is reached at once, by the same address), and one NIC at its
+        job's rate: an htb on each end of the veth pair.
+
+        Raises:
+          EmulatedNetworkError: an `ip`, `tc` or `nsenter` command failed.
+        """
+        bits = self.rates.bits_per_sec(job)
+        self._links += 1
+        outside = f"{self.bridge}h{self._links}"
+        inside = "nic0"
+        n = slot + 2
+        mac = f"02:db:{self._number:02x}:00:{n >> 8:02x}:{n & 0xFF:02x}"
+        self._ip_batch(
+            f"link add {outside} mtu {_MTU_BYTES} type veth peer name {inside} "
+            f"netns {pid} mtu {_MTU_BYTES}\n"
+            f"link set {outside} master {self.bridge} up\n"
+        )
+        _run([self._tc, "-batch", "-"], _htb(outside, bits))  # Into the task.
+        enter = [self._nsenter, f"--net=/proc/{pid}/ns/net"]
+        _run(
+            [*enter, self._ip, "-batch", "-"],
+            "link set lo up\n"
+            f"link set {inside} address {mac} up\n"
+            f"addr add {self.host(slot)}/16 dev {inside}\n",
+        )
+        _run([*enter, self._tc, "-batch", "-"], _htb(inside, bits))  # Out of it.
+
+    def close(self) -> None:
+        """Removes the bridge (a task's veth pair ends with its namespace)."""
+        number = getattr(self, "_number", None)
+        if number is None:
+            return
         subprocess.run(
-            [tc, "qdisc", "del", "dev", _DEVICE, "root"],
+            [self._ip, "link", "del", self.bridge],
             capture_output=True,
-            timeout=_TC_TIMEOUT_SECS,
+            timeout=_COMMAND_TIMEOUT_SECS,
         )
+        with _networks_lock:
+            _networks_in_use.discard(number)
+        self._number = None
+
+    def _ip_batch(self, lines: str) -> None:
+        _run([self._ip, "-batch", "-"], lines)

@@ -28,6 +28,7 @@ print(link.sent, link.received)
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import re
@@ -132,28 +133,43 @@ def parse_ss(text: str) -> list[TcpSocket]:
     return sockets
 
 
-def read_sockets(with_pids: bool = True) -> list[TcpSocket]:
+def read_sockets(with_pids: bool = True, pids: Iterable[int] = ()) -> list[TcpSocket]:
     """Runs `ss -tinpH state established` and parses it.
 
     Args:
       with_pids: whether to ask `ss` for the owning processes (`-p`, which
         reads every process's file descriptors); without, `pids` is empty.
+      pids: processes whose network namespaces are read too (each once, by
+        `nsenter`), e.g. the tasks of a local cluster on an emulated network,
+        each in a namespace of its own.
 
     Returns:
-      Every established TCP socket of the machine that `ss` shows.
+      Every established TCP socket that `ss` shows in this process's network
+      namespace and in those of `pids`.
 
     Raises:
-      subprocess.CalledProcessError: `ss` failed.
-      FileNotFoundError: there is no `ss` (iproute2) on the machine.
+      subprocess.CalledProcessError: `ss` (or `nsenter`) failed.
+      FileNotFoundError: there is no `ss` (iproute2) or, with `pids` in
+        other namespaces, no `nsenter` on the machine.
     """
     flags = "-tinpH" if with_pids else "-tinH"
-    out = subprocess.run(
-        ["ss", flags, "state", "established"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return parse_ss(out.stdout)
+    command = ["ss", flags, "state", "established"]
+    namespaces = {_netns("self"): None}
+    for pid in pids:
+        with contextlib.suppress(OSError):  # A process that has exited.
+            namespaces.setdefault(_netns(pid), pid)
+    sockets = []
+    for pid in namespaces.values():
+        enter = [] if pid is None else ["nsenter", f"--net=/proc/{pid}/ns/net"]
+        out = subprocess.run(
+            enter + command, check=True, capture_output=True, text=True
+        )
+        sockets += parse_ss(out.stdout)
+    return sockets
+
+
+def _netns(pid) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
 
 
 def bytes_received_on_ports(sockets: Iterable[TcpSocket], ports: Iterable[int]) -> int:

@@ -488,8 +488,9 @@ def _run(config, spec, print_fn, trainer, resolver) -> dict | None:
                 print_fn(f"local cluster GPUs: {gpu_summary(local.gpu_assignment)}")
             if local.nic_rates is not None:
                 print_fn(
-                    f"network: emulated, {local.nic_rates.describe()} (tc htb on "
-                    "the private namespace's loopback; no added latency)"
+                    f"network: emulated, {local.nic_rates.describe()} (each task "
+                    "in its own network namespace behind a shaped veth; the "
+                    "chief unshaped; no added latency)"
                 )
             return trainer.train(config, spec, local.resolver, print_fn)
     task_type = resolver.task_type
