@@ -200,9 +200,11 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "emulate_nic",
         d.emulate_nic,
-        "Local cluster only: an emulated network, each task behind a NIC of "
-        "this rate in and out (1gbit, 100mbit, 10gbit, ...; tc htb in the job's "
-        "private network namespace, no added latency). Unset: loopback as is.",
+        "Local cluster only: an emulated network, each ps and worker task in a "
+        "network namespace of its own behind a NIC of this rate in and out "
+        "(1gbit, 100mbit, 10gbit, ...; a veth shaped by tc htb, inside the "
+        "job's private network namespace; no added latency). Unset: loopback "
+        "as is.",
     )
     flags.DEFINE_string(
         "emulate_ps_nic",

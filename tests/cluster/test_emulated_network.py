@@ -173,6 +173,54 @@ def test_fetches_and_pushes_cross_the_ps_nic_at_its_rate():
         assert measured["unshaped"][direction] > 3 * RATE_BITS_PER_SEC, measured
 
 
+_RESTART_CHILD = r"""
+import json, os, sys, time
+from tf_distbelief.cluster import isolation
+isolation.enter_private_network()
+from tf_distbelief.cluster import health, local
+
+with local.LocalCluster(1, 1, nic_bandwidth="1gbit") as cluster:
+    address = cluster.jobs["worker"][0]
+    before = health.probe(address, 5.0).value
+    old = cluster.processes[("worker", 0)].pid
+    cluster.restart("worker", 0)
+    start = time.monotonic()
+    after = health.probe(address, 5.0).value
+    print(json.dumps({
+        "address": address,
+        "chief": cluster.resolver.cluster_spec().as_dict()["chief"][0],
+        "before": before,
+        "after": after,
+        "secs": time.monotonic() - start,
+        "new_process": cluster.processes[("worker", 0)].pid != old,
+    }))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"no namespaces: {_UNAVAILABLE}")
+def test_a_restarted_task_answers_at_once_on_its_own_address():
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESTART_CHILD],
+        cwd=ROOT,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Each task on an address of its own, the chief on the bridge's.
+    assert re.fullmatch(r"10\.64\.0\.3:\d+", seen["address"]), seen
+    assert re.fullmatch(r"10\.64\.0\.1:\d+", seen["chief"]), seen
+    assert seen["before"] == seen["after"] == "answers", seen
+    assert seen["new_process"], seen
+    # The same address and MAC: no wait for the neighbour tables to learn it.
+    assert seen["secs"] < 2.0, seen
+
+
 def _train(args, **env):
     return subprocess.run(
         [sys.executable, TRAIN, "--model=digits", *args],
