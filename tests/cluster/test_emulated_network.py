@@ -103,6 +103,21 @@ def test_a_bad_rate_is_refused_when_the_cluster_is_made():
         local.LocalCluster(1, 1, nic_bandwidth="fast")
 
 
+def _child_json(script: str, *args) -> dict:
+    """Runs `script` in a child Python (it enters the private namespace) and
+    returns the JSON object of its last output line."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        cwd=ROOT,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 _CHILD = r"""
 import json, os, sys, time
 from tf_distbelief.cluster import isolation
@@ -155,17 +170,9 @@ os._exit(0)
 @pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"no namespaces: {_UNAVAILABLE}")
 def test_fetches_and_pushes_cross_the_ps_nic_at_its_rate():
     # Workers 10 times faster than the ps: both directions are the ps's.
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(VARIABLE_BYTES),
-         str(10 * RATE_BITS_PER_SEC), str(RATE_BITS_PER_SEC)],
-        cwd=ROOT,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    measured = _child_json(
+        _CHILD, VARIABLE_BYTES, 10 * RATE_BITS_PER_SEC, RATE_BITS_PER_SEC
+    )
     for direction in ("fetch", "push"):
         rate = measured["shaped"][direction]
         assert abs(rate / RATE_BITS_PER_SEC - 1) <= 0.15, (direction, measured)
@@ -202,16 +209,7 @@ os._exit(0)
 @pytest.mark.slow
 @pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"no namespaces: {_UNAVAILABLE}")
 def test_a_restarted_task_answers_at_once_on_its_own_address():
-    proc = subprocess.run(
-        [sys.executable, "-c", _RESTART_CHILD],
-        cwd=ROOT,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen = _child_json(_RESTART_CHILD)
     # Each task on an address of its own, the chief on the bridge's.
     assert re.fullmatch(r"10\.64\.0\.3:\d+", seen["address"]), seen
     assert re.fullmatch(r"10\.64\.0\.1:\d+", seen["chief"]), seen
