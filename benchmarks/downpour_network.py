@@ -119,6 +119,7 @@ def predict_rows(
     steps_per_execution: int,
     accumulator: str = "squares",
     ps_nic_rate: str | None = None,
+    steps_between_joins: dict | None = None,
 ) -> dict:
     """`{(model, nic, name): Predicted}` for every cluster row (not `single`).
 
@@ -128,6 +129,9 @@ def predict_rows(
       accumulator: `--adagrad_accumulator`.
       ps_nic_rate: `--ps_nic_rate` (applies to shaped rows only); None: the
         row's NIC rate.
+      steps_between_joins: `{model: steps}` each worker runs between two
+        joins (the benchmark joins at every evaluation: `--eval_every` over
+        the workers); a model not in it, or None: no joins.
     """
     by_key = {(r.model, r.nic, r.name): r for r in rows}
     singles = {r.model: r for r in rows if r.name == "single"}
@@ -146,6 +150,7 @@ def predict_rows(
             compute_secs=0.0,
             batch_size=batch_size,
             steps_per_execution=steps_per_execution,
+            steps_between_joins=(steps_between_joins or {}).get(r.model),
         )
         setting = _setting(r.name, accumulator)
 

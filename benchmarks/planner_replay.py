@@ -48,6 +48,14 @@ def _define_flags() -> None:
     flags.DEFINE_string(
         "ps_nic_rate", None, "The recorded run's --ps_nic_rate (default: none)."
     )
+    flags.DEFINE_integer(
+        "eval_every",
+        160,
+        "The recorded run's steps between evaluations, all workers together "
+        "(the benchmark's default for speech: 160); each evaluation joins "
+        "the workers.",
+        lower_bound=1,
+    )
     flags.mark_flags_as_required(["csv", "params"])
 
 
@@ -99,6 +107,9 @@ def main(argv) -> None:
         steps_per_execution=f.steps_per_execution,
         accumulator=f.adagrad_accumulator,
         ps_nic_rate=f.ps_nic_rate,
+        steps_between_joins={
+            r.model: max(1, f.eval_every // f.num_workers) for r in rows
+        },
     )
     print(downpour_network.format_bandwidth(rows, predicted))
     sys.stdout.flush()

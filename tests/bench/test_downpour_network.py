@@ -81,6 +81,27 @@ def test_predictions_are_calibrated_on_the_rows_unshaped_rate():
     assert p.single_examples_per_sec == pytest.approx(64 / (0.02 + 0.064032768))
 
 
+def test_joins_at_evaluations_are_passed_to_the_planner():
+    # The benchmark joins the workers at every evaluation; the first exchange
+    # after a join meets the other worker at the ps NIC (the planner's test
+    # has the arithmetic): n=16 behind 1 Gbit/s is predicted slower with
+    # joins every 16 steps than without; stock, exchanging every step, not.
+    rows = _rows()
+    joined = downpour_network.predict_rows(
+        rows,
+        num_workers=2,
+        num_ps=1,
+        batch_size=32,
+        steps_per_execution=20,
+        steps_between_joins={"speech": 16},
+    )
+    free = _predicted(rows)
+    key = ("speech", "1gbit", "n=16")
+    assert joined[key].examples_per_sec < 0.95 * free[key].examples_per_sec
+    stock = ("speech", "1gbit", "stock")
+    assert joined[stock].examples_per_sec == free[stock].examples_per_sec
+
+
 def test_bandwidth_table_counts_a_cut_off_row_as_its_cut_off():
     rows = _rows()
     table = downpour_network.format_bandwidth(rows, _predicted(rows))

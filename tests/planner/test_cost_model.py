@@ -99,6 +99,32 @@ def test_only_exchanges_between_local_steps_queue_at_the_ps():
     assert p4.bottleneck == cm.WORKER_NIC
 
 
+def test_the_first_exchange_after_a_join_meets_every_worker():
+    # n=16 (fetch t_f, push t_p a step, as above), joins every 64 steps: a
+    # quarter of the exchanges follow a join and share the one ps NIC with
+    # the other worker (wait t_f + t_p a step, amortised), the rest spread:
+    # T = a + f (t_f + t_p) + (1 - f) (t_f^2 + t_p^2) / T, f = 16 / 64.
+    n16 = cm.Setting.parse("n=16")
+    t_f, t_p = 8 * 250_128 / 1e9, 8 * 500_128 / 1e9
+    a = 0.01 + t_f + t_p
+    b, f = a + 0.25 * (t_f + t_p), 0.25
+    step = (b + math.sqrt(b * b + 4 * (1 - f) * (t_f**2 + t_p**2))) / 2  # 18.32 ms.
+    p = cm.predict(_cluster(steps_between_joins=64), n16)
+    assert p.queue_secs == pytest.approx(step - a)
+    assert p.examples_per_sec == pytest.approx(64 / step)  # 3,493
+    # A join before every exchange: every one shares the NIC.
+    for joins in (16, 8):
+        p = cm.predict(_cluster(steps_between_joins=joins), n16)
+        assert p.queue_secs == pytest.approx(t_f + t_p)
+    # Exchanges every step are unaffected (the workers alternate).
+    stock = cm.Setting.parse("stock")
+    assert cm.predict(_cluster(steps_between_joins=4), stock).queue_secs == 0
+    # With no joins, as before.
+    assert cm.predict(_cluster(steps_between_joins=None), n16) == cm.predict(
+        _cluster(), n16
+    )
+
+
 def test_the_ps_nic_limits_many_workers():
     p = cm.predict(_cluster(num_workers=8), cm.Setting.parse("stock"))
     assert p.bottleneck == "ps NIC"
@@ -157,6 +183,7 @@ def test_parse_count(value, count):
         (lambda: _cluster(num_ps=0), r"`num_ps` must be positive. Received: 0"),
         (lambda: _cluster(ps_bits_per_sec=-1), r"`ps_bits_per_sec`.*-1"),
         (lambda: _cluster(compute_secs=math.nan), r"`compute_secs`.*nan"),
+        (lambda: _cluster(steps_between_joins=0), r"`steps_between_joins`.*: 0"),
         (lambda: cm.smallest_ps(_cluster(), cm.Setting(), 1.5), r"`busy_fraction`"),
     ],
 )
@@ -193,6 +220,16 @@ def test_command_line_prints_every_row_and_the_plan():
     assert rows["n=16"][1:4] == ["3,728", "worker", "CPU"]
     assert "plan without a push rule: n_fetch = n_push = 128, num_ps = 1" in lines
     assert "plan with the outer rule: n_fetch = n_push = 64, num_ps = 1" in lines
+    joined = _planner(
+        "--params=1M", "--workers=2", "--nic=1gbit", "--step_ms=10",
+        "--steps_per_execution=20", "--steps_between_joins=64",
+    )  # fmt: skip
+    assert joined.returncode == 0, joined.stderr
+    lines = joined.stdout.splitlines()
+    assert lines[0].endswith("accumulator=squares joins=every 64 steps")
+    rows = {line.split()[0]: line.split() for line in lines[2:10]}
+    assert rows["n=16"][1:4] == ["3,493", "worker", "CPU"]
+    assert rows["stock"][1:4] == ["864", "worker", "NIC"]
 
 
 def test_command_line_refuses_bad_arguments():
@@ -202,3 +239,8 @@ def test_command_line_refuses_bad_arguments():
     proc = _planner("--params=1M", "--workers=0", "--step_ms=10")
     assert proc.returncode == 2
     assert "`--workers` must be positive. Received: 0" in proc.stderr
+    proc = _planner(
+        "--params=1M", "--workers=2", "--step_ms=10", "--steps_between_joins=0"
+    )
+    assert proc.returncode == 2
+    assert "`--steps_between_joins` must be positive. Received: 0" in proc.stderr

@@ -80,6 +80,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="Fixed bytes per exchange per ps, each way.",
     )
     parser.add_argument(
+        "--steps_between_joins",
+        type=int,
+        default=None,
+        help="Steps each worker runs between two joins of the coordinator "
+        "(model.fit: steps_per_epoch / workers); default: no joins.",
+    )
+    parser.add_argument(
         "--accumulator", default="squares", choices=cost_model.ACCUMULATORS
     )
     parser.add_argument(
@@ -103,6 +110,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             steps_per_execution=args.steps_per_execution,
             function_secs=args.function_ms / 1e3,
             overhead_bytes=args.overhead_bytes,
+            steps_between_joins=args.steps_between_joins,
         )
         if not 0 < args.busy <= 1:
             raise ValueError(f"`--busy` must be in (0, 1]. Received: {args.busy!r}")
@@ -130,7 +138,12 @@ def format_table(
         f"nic={_describe(c.worker_bits_per_sec)} ps_nic={_describe(c.ps_bits_per_sec)} "
         f"step={c.compute_secs * 1e3:g} ms batch={c.batch_size} "
         f"steps_per_execution={c.steps_per_execution} "
-        f"function={c.function_secs * 1e3:g} ms accumulator={accumulator}",
+        f"function={c.function_secs * 1e3:g} ms accumulator={accumulator}"
+        + (
+            ""
+            if c.steps_between_joins is None
+            else f" joins=every {c.steps_between_joins} steps"
+        ),
         f"{'row':10} {'ex/s':>10} {'bottleneck':16} {'workers':>10} {'ps NIC':>10} "
         f"{'chief':>10} {'MB/st fetch':>11} {'MB/st push':>10} {'min ps':>6}",
     ]

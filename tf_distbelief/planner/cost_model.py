@@ -29,6 +29,16 @@ The bound (each resource alone, the slowest one wins):
   and they lock into alternation, one worker's fetch beside another's push
   on the two directions of the full-duplex NIC (measured: stock behind
   100 Mbit/s NICs ran at this bound without queueing).
+* **joins** (`steps_between_joins`): the coordinator joins every worker at
+  the end of each `model.fit` epoch and before each evaluation, and all of
+  them start the next interval together, so the first exchange of an
+  interval falls on every worker at once: each direction of a ps NIC then
+  carries all `W` transfers, and a worker waits `t * max(0, W / k - 1)`
+  beyond its own. The later exchanges of the interval are taken as
+  independent (above): differences in step times spread the workers apart.
+  With `s` steps per exchange and `J` steps between joins, a share `min(1,
+  s / J)` of the exchanges is aligned. Not modelled: a worker's idle time
+  at the join itself.
 
 Bytes per step, `M` the model's float32 bytes: stock moves `M` in and `M`
 out. Downpour fetches `M` every `n_fetch` steps and pushes every `n_push`:
@@ -265,6 +275,10 @@ class Cluster:
       steps_per_execution: steps per scheduled function.
       function_secs: the chief's cost per scheduled function.
       overhead_bytes: fixed bytes per exchange per ps, each way.
+      steps_between_joins: steps each worker runs between two joins of the
+        coordinator (`model.fit` joins at every epoch's end: its
+        `steps_per_epoch` over the workers); None: no joins (epochs far
+        longer than an exchange's segment).
     """
 
     num_params: int
@@ -277,11 +291,14 @@ class Cluster:
     steps_per_execution: int = DEFAULT_STEPS_PER_EXECUTION
     function_secs: float = DEFAULT_FUNCTION_SECS
     overhead_bytes: float = DEFAULT_OVERHEAD_BYTES
+    steps_between_joins: int | None = None
 
     def __post_init__(self):
         for name in ("num_params", "num_workers", "num_ps", "batch_size"):
             checks.check_int(name, getattr(self, name), 1)
         checks.check_int("steps_per_execution", self.steps_per_execution, 1)
+        if self.steps_between_joins is not None:
+            checks.check_int("steps_between_joins", self.steps_between_joins, 1)
         for name in ("worker_bits_per_sec", "ps_bits_per_sec"):
             value = getattr(self, name)
             if value is not None and not (
@@ -384,11 +401,13 @@ def _queue_secs(
 ) -> float:
     """A worker's wait per step behind the others' transfers at the ps NICs.
 
-    See the module docstring: `T = a + sum_d t_d * max(0, (1 + m_d) / k - 1)`
-    with `a` the step's compute and own transfer time, `m_d = (W - 1) * t_d /
-    T` and `k` the flows a ps NIC direction carries at a worker's full rate;
-    solved by bisection (the right side falls as `T` grows). The wait is
-    `T - a`. 0 for exchanges every step, one worker, or unlimited ps NICs.
+    See the module docstring: `T = a + sum_d t_d * (f * max(0, W / k - 1) +
+    (1 - f) * max(0, (1 + m_d) / k - 1))` with `a` the step's compute and own
+    transfer time, `m_d = (W - 1) * t_d / T`, `k` the flows a ps NIC
+    direction carries at a worker's full rate and `f` the share of exchanges
+    that follow a join; solved by bisection (the right side falls as `T`
+    grows). The wait is `T - a`. 0 for exchanges every step, one worker, or
+    unlimited ps NICs.
     """
     ps_rate = _bits_per_sec(c.ps_bits_per_sec)
     if setting.exchanges_per_step == 1 or c.num_workers == 1 or math.isinf(ps_rate):
@@ -399,9 +418,16 @@ def _queue_secs(
         for nbytes in (traffic.to_worker_bytes, traffic.to_ps_bytes)
     ]
     others = c.num_workers - 1
+    segment = 1.0 / setting.exchanges_per_step  # Steps per exchange.
+    joins = c.steps_between_joins
+    aligned = 0.0 if joins is None else min(1.0, segment / joins)
+    at_join = sum(t * max(0.0, c.num_workers / slots - 1) for t in own)
 
     def wait(step_secs: float) -> float:
-        return sum(t * max(0.0, (1 + others * t / step_secs) / slots - 1) for t in own)
+        spread = sum(
+            t * max(0.0, (1 + others * t / step_secs) / slots - 1) for t in own
+        )
+        return aligned * at_join + (1 - aligned) * spread
 
     a = c.compute_secs + sum(own)
     if a == 0:
