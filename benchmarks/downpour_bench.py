@@ -894,12 +894,15 @@ def _predictions(f, rows):
         steps_per_execution=f.steps_per_execution,
         accumulator=f.adagrad_accumulator,
         ps_nic_rate=f.ps_nic_rate,
+        # `fit` joins the workers at each evaluation (an epoch's end).
+        steps_between_joins={m: _eval_every(f, m) // 2 for m in f.models},
     )
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    console.import_tensorflow_quietly()  # No start-up noise (cuInit, oneDNN).
     import tensorflow as tf
 
     from tf_distbelief import cluster

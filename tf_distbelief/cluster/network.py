@@ -8,10 +8,13 @@ network namespaces, so no privilege is needed), every ps and worker task runs
 in a network namespace of its own, as if on its own machine, linked to a
 bridge in the chief's namespace by a virtual Ethernet pair (veth) whose two
 ends each carry the kernel's `htb` queueing discipline: the task's end limits
-what the task sends, the bridge's end what it receives. Every byte into or
-out of a task crosses its NIC, whichever end opened the connection (the ps
-pulls the gradients of a push from the worker's server, and those bytes go
-into the ps's NIC as they would on a real network).
+what the task sends, the bridge's end what it receives. Within each, small
+packets (acknowledgements, requests) go before bulk data, as a host's
+flow-queueing discipline sends them, so a NIC carries a push in beside a
+fetch out, both at its rate. Every byte into or out of a task crosses its
+NIC, whichever end opened the connection (the ps pulls the gradients of a
+push from the worker's server, and those bytes go into the ps's NIC as they
+would on a real network).
 
 The chief stays in the private namespace, on the bridge's address, behind no
 NIC of its own (what it sends a task and reads from it still crosses that
@@ -202,12 +205,33 @@ def _run(command: Sequence[str], stdin: str | None = None) -> None:
 
 
 def _htb(device: str, bits: int) -> str:
-    """`tc -batch` lines: `device` sends at most `bits` per second."""
+    """`tc -batch` lines: `device` sends at most `bits` per second.
+
+    Small packets (IPv4 total length under 512 bytes: TCP acknowledgements,
+    RPC requests) go first, in a class of their own that may use the whole
+    rate, the rest in turn: as a host's flow-queueing discipline (fq_codel)
+    sends a sparse flow's packets before a bulk flow's. In one FIFO, the
+    acknowledgements of a push into a ps wait behind a fetch's data leaving
+    it, and the push slows (measured: 85-91% of the rate beside a fetch).
+    """
     burst = max(2 * _QUANTUM_BYTES, round(bits / 8 * _BURST_SECS))
+    small = max(1, bits // 100)  # Guaranteed; borrows up to `bits` first.
+    shape = f"burst {burst} cburst {burst} quantum {_QUANTUM_BYTES}"
     return (
-        f"qdisc add dev {device} root handle 1: htb default 1\n"
+        f"qdisc add dev {device} root handle 1: htb default 20\n"
         f"class add dev {device} parent 1: classid 1:1 htb rate {bits}bit "
-        f"ceil {bits}bit burst {burst} cburst {burst} quantum {_QUANTUM_BYTES}\n"
+        f"ceil {bits}bit {shape}\n"
+        f"class add dev {device} parent 1:1 classid 1:10 htb rate {small}bit "
+        f"ceil {bits}bit {shape} prio 0\n"
+        f"class add dev {device} parent 1:1 classid 1:20 htb rate "
+        f"{bits - small}bit ceil {bits}bit {shape} prio 1\n"
+        # An IPv4 packet over 64 KiB (the kernel's BIG TCP aggregates) has a
+        # total length of 0: bulk (without this filter a push beside a fetch
+        # still ran at 75-86% of the rate).
+        f"filter add dev {device} parent 1: protocol ip prio 1 u32 "
+        f"match u16 0x0000 0xffff at 2 flowid 1:20\n"
+        f"filter add dev {device} parent 1: protocol ip prio 2 u32 "
+        f"match u16 0x0000 0xfe00 at 2 flowid 1:10\n"
     )
 
 
