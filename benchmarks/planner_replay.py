@@ -8,7 +8,7 @@ unshaped rate when the run has one, else on the `single` row's. No
 TensorFlow, no cluster:
 
   python benchmarks/planner_replay.py \
-      --csv=benchmarks/results/downpour_bandwidth_quiet.csv --params=2415616
+      --csv=benchmarks/results/downpour_bandwidth.csv --params=2415616
 
 `--params` is the model's trainable parameter count (the speech model:
 2,415,616); the cluster flags default to the benchmark's defaults and must
@@ -37,7 +37,7 @@ def _define_flags() -> None:
     flags.DEFINE_integer("num_ps", 1, "Ps tasks of the recorded run.")
     flags.DEFINE_integer("batch_size", 32, "Batch of the recorded run.")
     flags.DEFINE_integer(
-        "steps_per_execution", 10, "Steps per function of the recorded run."
+        "steps_per_execution", 20, "Steps per function of the recorded run."
     )
     flags.DEFINE_enum(
         "adagrad_accumulator",

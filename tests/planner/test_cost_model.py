@@ -34,9 +34,14 @@ def test_stock_is_limited_by_the_worker_nic():
     p = cm.predict(_cluster(), cm.Setting.parse("stock"))
     # 4,000,000 model bytes + 2,048 overhead each way, one exchange a step.
     assert (p.traffic.to_worker_bytes, p.traffic.to_ps_bytes) == (4_002_048,) * 2
-    transfer = 8 * 8_004_096 / 1e9  # 0.064032768 s.
-    assert p.transfer_secs == pytest.approx(transfer)
-    assert p.examples_per_sec == pytest.approx(2 * 32 / (0.01 + transfer))  # 864.5
+    t = 8 * 4_002_048 / 1e9  # 32.016 ms each way.
+    assert p.transfer_secs == pytest.approx(2 * t)
+    # Each transfer meets the other worker's, at independent times, on the
+    # one ps NIC's direction: T = a + 2 t^2 / T (as Downpour's, below).
+    a = 0.01 + 2 * t
+    step = (a + math.sqrt(a * a + 8 * t * t)) / 2  # 95.5 ms.
+    assert p.queue_secs == pytest.approx(step - a)  # 21.5 ms.
+    assert p.examples_per_sec == pytest.approx(2 * 32 / step)  # 670.2
     assert p.bottleneck == "worker NIC"
     assert p.bounds[cm.PS_NIC] == pytest.approx(1e9 * 32 / (8 * 4_002_048))  # 999.5
     assert p.bounds[cm.CHIEF] == pytest.approx(20 * 32 / 0.01)
@@ -68,11 +73,13 @@ def test_downpour_squares_push_twice_the_model_and_the_outer_rule_once():
     assert cm.Setting(4, 1).exchanges_per_step == 1.0
 
 
-def test_only_exchanges_between_local_steps_queue_at_the_ps():
-    # Stock and n = 1 exchange every step (the workers alternate); one worker
-    # or unlimited ps NICs have no one to wait for.
-    for name in ("stock", "n=1"):
-        assert cm.predict(_cluster(), cm.Setting.parse(name)).queue_secs == 0
+def test_workers_queue_at_the_ps_unless_alone_or_unlimited():
+    # Exchanges every step queue as well (stock above; n = 1 moves the same
+    # bytes); one worker or unlimited ps NICs have no one to wait for.
+    stock = cm.predict(_cluster(), cm.Setting.parse("stock"))
+    assert cm.predict(_cluster(), cm.Setting.parse("n=1")).queue_secs == pytest.approx(
+        stock.queue_secs
+    )
     n4 = cm.Setting.parse("n=4")
     assert cm.predict(_cluster(num_workers=1), n4).queue_secs == 0
     assert cm.predict(_cluster(ps_bits_per_sec=None), n4).queue_secs == 0
@@ -116,9 +123,13 @@ def test_the_first_exchange_after_a_join_meets_every_worker():
     for joins in (16, 8):
         p = cm.predict(_cluster(steps_between_joins=joins), n16)
         assert p.queue_secs == pytest.approx(t_f + t_p)
-    # Exchanges every step are unaffected (the workers alternate).
-    stock = cm.Setting.parse("stock")
-    assert cm.predict(_cluster(steps_between_joins=4), stock).queue_secs == 0
+    # Stock exchanges every step: joins every 4 steps align a quarter of them.
+    t = 8 * 4_002_048 / 1e9
+    a, f = 0.01 + 2 * t, 0.25
+    b = a + f * 2 * t
+    step = (b + math.sqrt(b * b + 4 * (1 - f) * 2 * t * t)) / 2  # 104.7 ms.
+    stock = cm.predict(_cluster(steps_between_joins=4), cm.Setting.parse("stock"))
+    assert stock.queue_secs == pytest.approx(step - a)  # 30.7 ms.
     # With no joins, as before.
     assert cm.predict(_cluster(steps_between_joins=None), n16) == cm.predict(
         _cluster(), n16
@@ -216,7 +227,7 @@ def test_command_line_prints_every_row_and_the_plan():
         "stock", "n=1", "n=4", "n=4+outer", "n=16", "n=16+outer", "n=64",
         "n=64+outer",
     ]  # fmt: skip
-    assert rows["stock"][1:4] == ["864", "worker", "NIC"]
+    assert rows["stock"][1:4] == ["670", "worker", "NIC"]
     assert rows["n=16"][1:4] == ["3,728", "worker", "CPU"]
     assert "plan without a push rule: n_fetch = n_push = 128, num_ps = 1" in lines
     assert "plan with the outer rule: n_fetch = n_push = 64, num_ps = 1" in lines
@@ -229,7 +240,7 @@ def test_command_line_prints_every_row_and_the_plan():
     assert lines[0].endswith("accumulator=squares joins=every 64 steps")
     rows = {line.split()[0]: line.split() for line in lines[2:10]}
     assert rows["n=16"][1:4] == ["3,493", "worker", "CPU"]
-    assert rows["stock"][1:4] == ["864", "worker", "NIC"]
+    assert rows["stock"][1:4] == ["666", "worker", "NIC"]
 
 
 def test_command_line_refuses_bad_arguments():

@@ -15,30 +15,24 @@ The bound (each resource alone, the slowest one wins):
   steps, pushes), at `min(worker NIC, num_ps * ps NIC)`. Named `worker CPU`
   when compute is the larger part, else `worker NIC`, or `ps NIC queueing` when the
   queueing is larger than the transfer.
-* **queueing at the ps NICs** (`queue_secs`, Downpour with both `n_fetch` and
-  `n_push` above 1): exchanges separated by local steps fall at independent
-  times on the workers, so a worker's fetch or push may share a ps NIC's
+* **queueing at the ps NICs** (`queue_secs`): the workers' exchanges fall at
+  independent times, so a worker's fetch or push may share a ps NIC's
   direction with other workers' transfers. A direction of one ps NIC carries
   `k = num_ps * ps_rate / worker_rate` flows at a worker's full rate (a
   worker's transfer is spread over the ps tasks); mean-field processor
   sharing: with `m = (W - 1) * t / T` other workers' transfers expected
   beside one of `t` seconds (`T` the step time), it takes `t * max(1, (1 +
   m) / k)`. `T = a + sum over the two directions of t * max(0, (1 + m) / k -
-  1)`, `a` compute plus transfer. Exchanges every step (stock, `n_fetch` or
-  `n_push` 1) get none: the workers' cycles are then nearly all transfer,
-  and they lock into alternation, one worker's fetch beside another's push
-  on the two directions of the full-duplex NIC (measured: stock behind
-  100 Mbit/s NICs ran at this bound without queueing).
-* **joins** (`steps_between_joins`): the coordinator joins every worker at
-  the end of each `model.fit` epoch and before each evaluation, and all of
-  them start the next interval together, so the first exchange of an
-  interval falls on every worker at once: each direction of a ps NIC then
-  carries all `W` transfers, and a worker waits `t * max(0, W / k - 1)`
-  beyond its own. The later exchanges of the interval are taken as
-  independent (above): differences in step times spread the workers apart.
-  With `s` steps per exchange and `J` steps between joins, a share `min(1,
-  s / J)` of the exchanges is aligned. Not modelled: a worker's idle time
-  at the join itself.
+  1)`, `a` compute plus transfer. This holds for exchanges every step
+  (stock, `n_fetch` or `n_push` 1) too: a NIC that shares its rate fairly
+  (small packets first, as a host's flow queueing sends them) keeps the
+  offset between two workers' transfers as it is, so nothing locks them
+  into alternation, one worker's fetch beside another's push (measured:
+  stock behind 1 Gbit/s NICs, 2 workers, ran at 228 to 235 ex/s, where
+  alternation would allow 313 and this term gives 253).
+* **joins** (`Cluster.steps_between_joins`): all workers start together
+  after a join, so the first exchange of each interval meets all the others
+  at the ps NIC (the attribute says how).
 
 Bytes per step, `M` the model's float32 bytes: stock moves `M` in and `M`
 out. Downpour fetches `M` every `n_fetch` steps and pushes every `n_push`:
@@ -278,7 +272,16 @@ class Cluster:
       steps_between_joins: steps each worker runs between two joins of the
         coordinator (`model.fit` joins at every epoch's end: its
         `steps_per_epoch` over the workers); None: no joins (epochs far
-        longer than an exchange's segment).
+        longer than an exchange's segment). All workers start the interval
+        after a join together, so its first exchange falls on every worker
+        at once: each direction of a ps NIC then carries all `W` transfers,
+        and a worker waits `t * max(0, W / k - 1)` beyond its own. The later
+        exchanges of the interval are taken as independent: differences in
+        step times spread the workers apart. With `s` steps per exchange and
+        `J` steps between joins, a share `min(1, s / J)` of the exchanges is
+        aligned. Not modelled: a worker's idle time at the join itself, and
+        workers that stay in step longer (transfers long against the
+        variation of a step).
     """
 
     num_params: int
@@ -335,7 +338,7 @@ class Prediction:
       traffic: the bytes of one worker step.
       transfer_secs: one worker's own transfer time per step.
       queue_secs: one worker's wait per step for the other workers'
-        transfers at the ps NICs (0 for exchanges every step).
+        transfers at the ps NICs.
     """
 
     setting: Setting
@@ -406,11 +409,10 @@ def _queue_secs(
     transfer time, `m_d = (W - 1) * t_d / T`, `k` the flows a ps NIC
     direction carries at a worker's full rate and `f` the share of exchanges
     that follow a join; solved by bisection (the right side falls as `T`
-    grows). The wait is `T - a`. 0 for exchanges every step, one worker, or
-    unlimited ps NICs.
+    grows). The wait is `T - a`. 0 for one worker or unlimited ps NICs.
     """
     ps_rate = _bits_per_sec(c.ps_bits_per_sec)
-    if setting.exchanges_per_step == 1 or c.num_workers == 1 or math.isinf(ps_rate):
+    if c.num_workers == 1 or math.isinf(ps_rate):
         return 0.0
     slots = c.num_ps * ps_rate / worker_rate  # >= 1: worker_rate is the min.
     own = [
