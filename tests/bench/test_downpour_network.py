@@ -46,9 +46,15 @@ def _rows():
     ]
 
 
-def _predicted(rows):
+def _predicted(rows, steps_between_joins=None):
+    """The benchmark's cluster: 2 workers, 1 ps, batch 32, 20 steps a function."""
     return downpour_network.predict_rows(
-        rows, num_workers=2, num_ps=1, batch_size=32, steps_per_execution=20
+        rows,
+        num_workers=2,
+        num_ps=1,
+        batch_size=32,
+        steps_per_execution=20,
+        steps_between_joins=steps_between_joins,
     )
 
 
@@ -94,14 +100,7 @@ def test_joins_at_evaluations_are_passed_to_the_planner():
     # joins every 16 steps than without; stock, exchanging every step, a
     # little (one exchange in 16 follows a join).
     rows = _rows()
-    joined = downpour_network.predict_rows(
-        rows,
-        num_workers=2,
-        num_ps=1,
-        batch_size=32,
-        steps_per_execution=20,
-        steps_between_joins={"speech": 16},
-    )
+    joined = _predicted(rows, steps_between_joins={"speech": 16})
     free = _predicted(rows)
     key = ("speech", "1gbit", "n=16")
     assert joined[key].examples_per_sec < 0.95 * free[key].examples_per_sec
@@ -206,14 +205,7 @@ def test_the_planner_replays_the_recorded_run():
 
     recorded = os.path.join(ROOT, "benchmarks/results/downpour_bandwidth.csv")
     rows = planner_replay.read_rows(recorded, num_params=2_415_616)
-    predicted = downpour_network.predict_rows(
-        rows,
-        num_workers=2,
-        num_ps=1,
-        batch_size=32,
-        steps_per_execution=20,
-        steps_between_joins={"speech": 80},
-    )
+    predicted = _predicted(rows, steps_between_joins={"speech": 80})
     ratios = {
         (r.nic, r.name): predicted[(r.model, r.nic, r.name)].examples_per_sec
         / r.examples_per_sec
