@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import models
 from models import digits
@@ -167,3 +168,52 @@ def test_worker_kills_never_apply_a_step_twice(local_cluster, keras, downpour):
     marked = run.tokens_marked()
     assert marked is None or marked == calls * STEPS < exactly_once.SLOTS
     assert np.all([np.isfinite(w).all() for w in run.weights()])
+
+
+def test_two_runs_of_one_token_at_once_apply_it_once(local_cluster):
+    """The coordinator retries as soon as it sees a worker's loss, so a retry
+    can reach the ps while the lost worker's step still runs there (its
+    gradients all sent). Here two workers run one token at once, the update
+    slowed by ps-side matmuls: the token's check, update and write run under
+    one lock, so the second finds the first's token and applies nothing
+    (without the lock both read the ring first and both applied)."""
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(2, 1))
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        applied = tf.Variable(0, dtype=tf.int64, trainable=False)
+        weights = tf.Variable(
+            tf.random.stateless_uniform([800, 800], seed=[1, 2]), trainable=False
+        )
+    tokens = exactly_once.StepTokens(applied, strategy)
+
+    @tf.function
+    def step(token):
+        def apply():
+            with tf.device(applied.device):
+                x = weights.read_value()
+                for _ in range(6):
+                    x = tf.tanh(tf.matmul(x, x) / 800.0)
+                with tf.control_dependencies([x]):
+                    counted = applied.assign_add(1, read_value=True)
+            return tf.constant(True), [counted]
+
+        return exactly_once.gate(
+            token,
+            tokens,
+            tf.constant(True),
+            apply,
+            lambda: (tf.constant(False), []),
+            lambda: tf.constant(False),
+        )
+
+    rounds = 6
+    for token in range(rounds):
+        both = [
+            coordinator.schedule(step, args=(tf.constant(token, tf.int64),))
+            for _ in range(2)
+        ]
+        coordinator.join()
+        assert sorted(bool(r.fetch()) for r in both) == [False, True]
+    assert int(applied.numpy()) == rounds
+    ring = tokens.ring.numpy()
+    np.testing.assert_array_equal(ring[:rounds], np.arange(rounds))

@@ -214,11 +214,15 @@ class Exchange:
             outputs = base.after(ops, tf.constant(-1, int64)), base.after(ops, False)
             return outputs, []
 
+        # The push as received on the ps, before the gate: its update reads
+        # these, so that no transfer runs under the token's lock (and a push
+        # refused or dropped for staleness has sent its sums too).
+        grads_on_ps, squares_on_ps = self._to_ps(pushed, pack, coded)
         reads_first = self.rules is not None and self.rules.reads_staleness_first
         if self.config.max_staleness is None and not reads_first:
 
             def apply_push():
-                arrived = self._apply(pushed, pack, None, h.worker, coded)
+                arrived = self._apply(grads_on_ps, squares_on_ps, None, h.worker)
                 # Counted once the push has reached the ps, not before: a
                 # control edge on a tensor already there costs no message (one
                 # per ps task otherwise).
@@ -243,7 +247,9 @@ class Exchange:
                 staleness = base.read(h.count, int64) - base.read(h.seen, int64)
 
                 def apply_fresh():
-                    arrived = self._apply(pushed, pack, staleness, h.worker, coded)
+                    arrived = self._apply(
+                        grads_on_ps, squares_on_ps, staleness, h.worker
+                    )
                     with tf.control_dependencies(arrived[:1]):
                         increment = base.add(h.count, one)
                     ops = [
@@ -304,9 +310,42 @@ class Exchange:
             sent = tf.where(applied, row_bytes, tf.constant(0, int64))
             return tf.identity(staleness), tf.identity(applied), sent
 
-    def _apply(
-        self, pushed, pack: bool, staleness=None, worker=None, coded=None
-    ) -> list:
+    def _to_ps(self, pushed, pack: bool, coded=None) -> tuple[list, list]:
+        """One push as tensors on the variables' ps tasks, clipped.
+
+        Gradient clipping, if the optimizer has it, applies to the gradients,
+        not to their squares. A compressed push (`coded`:
+        `CompressedPush.encode`'s parts) sends the parts and is decoded on the
+        ps; clipping applies to the decoded values.
+
+        Args:
+          pushed: as `push` takes it.
+          pack: pack the dense variables by group (`dense.DenseVariables`).
+          coded: a compressed push's parts, or None.
+
+        Returns:
+          `(grads, squares)`, one entry per variable in order; `squares`
+          entries are None where no squares are pushed.
+        """
+        opt, order = self.optimizer, self.order
+        (dense_grads, dense_squares), (row_grads, row_squares) = pushed
+        if coded is not None:
+            # Rules take no row-sparse variables: all are dense, no squares.
+            decoded = self.compression.to_ps(coded, self.dense.groups())
+            return tf_optimizers.clip_gradients(opt, decoded), [None] * len(decoded)
+        clipped = tf_optimizers.clip_gradients(opt, order.merge(dense_grads, row_grads))
+        dense_grads, row_grads = order.split(clipped)
+        grads = order.merge(
+            self.dense.to_ps(dense_grads, pack), self.rows.to_ps(row_grads)
+        )
+        squares = [None] * len(grads)
+        if dense_squares is not None:
+            squares = order.merge(
+                self.dense.to_ps(dense_squares, pack), self.rows.to_ps(row_squares)
+            )
+        return grads, squares
+
+    def _apply(self, grads, squares, staleness=None, worker=None) -> list:
         """Applies one push with the optimizer, variable by variable on its shard.
 
         The update ops (and the optimizer's casts of its hyperparameters) run
@@ -314,37 +353,20 @@ class Exchange:
         place them. With `n_push > 1`, `tf_distbelief.adagrad.Adagrad` grows
         its accumulator by the pushed squares (`apply_gradient_and_squares`)
         or counts the push as `n_push` updates (`apply_summed_gradient`), as
-        `config.adagrad_accumulator` says. Gradient clipping, if the optimizer
-        has it, applies to the gradients, not to their squares. With a push
-        rule on, `push_rules.on_ps.PushRules.apply` applies it (`staleness`: read
+        `config.adagrad_accumulator` says. With a push rule on,
+        `push_rules.on_ps.PushRules.apply` applies it (`staleness`: read
         before the push when the rule needs it; `worker`: the replica's
-        index). A compressed push (`coded`: `CompressedPush.encode`'s parts)
-        sends the parts and applies them as decoded on the ps; clipping, if
-        the optimizer has it, applies to the decoded values.
+        index).
+
+        Args:
+          grads, squares: `_to_ps`'s, on the ps tasks.
+          staleness: an int64 scalar, or None.
+          worker: the replica's index, an int64 scalar, or None.
 
         Returns:
-          The pushed gradients, as tensors on the variables' ps tasks.
+          `grads`.
         """
-        opt, order = self.optimizer, self.order
-        (dense_grads, dense_squares), (row_grads, row_squares) = pushed
-        if coded is not None:
-            # Rules take no row-sparse variables: all are dense, no squares.
-            decoded = self.compression.to_ps(coded, self.dense.groups())
-            grads = tf_optimizers.clip_gradients(opt, decoded)
-            dense_squares = None
-        else:
-            clipped = tf_optimizers.clip_gradients(
-                opt, order.merge(dense_grads, row_grads)
-            )
-            dense_grads, row_grads = order.split(clipped)
-            grads = order.merge(
-                self.dense.to_ps(dense_grads, pack), self.rows.to_ps(row_grads)
-            )
-        squares = [None] * len(grads)
-        if dense_squares is not None:
-            squares = order.merge(
-                self.dense.to_ps(dense_squares, pack), self.rows.to_ps(row_squares)
-            )
+        opt = self.optimizer
         mode = self.config.adagrad_accumulator
         steps = self.config.n_push if mode == "mean" else 1
         if self.rules is not None and self.rules.any:

@@ -91,7 +91,7 @@ class Guard:
         all_finite = tf.reduce_all(tf.stack(finite))
         iterations = self._optimizer.iterations
 
-        def update():
+        def update(grads_and_vars=grads_and_vars):
             return tf.identity(apply(distribution, grads_and_vars, **kwargs))
 
         def refuse():
@@ -117,9 +117,11 @@ class Guard:
             return tf.cond(all_finite, update, refuse)
         # A retried step whose update was applied already: nothing more.
         tokens = exactly_once.tokens_for(self._optimizer)
+        # The update reads the gradients as received on the ps (see `gate`).
+        on_ps = [(exactly_once.copy_to(v.device, g), v) for g, v in grads_and_vars]
 
         def update_marked():
-            done = update()  # `iterations` advanced on its ps task.
+            done = update(on_ps)  # `iterations` advanced on its ps task.
             return done, [done]
 
         return exactly_once.gate(

@@ -65,7 +65,12 @@ def make_step(
                     continue
                 if skipped is None:
                     grad = _check_numerics(grad, NONFINITE_TAG + path)
-                checked.append((shard, slot, grad))
+                # Read by the update as received on the ps (`gate`).
+                checked.append((shard, slot, exactly_once.copy_to(shard.device, grad)))
+        new_non_trainable = [
+            _to_ps(v, value, exactly_once)
+            for v, value in zip(weights.non_trainable, new_non_trainable)
+        ]
         # Every gradient is checked before any update: a step whose gradients
         # are not all finite changes no ps variable.
         gates = [_values(g) for *_, g in checked]
@@ -122,6 +127,15 @@ def make_step(
             )
 
     return step
+
+
+def _to_ps(variable, value, exactly_once):
+    """`value` copied to `variable`'s ps task, when the variable is whole (a
+    sharded one splits it on assignment: the worker sends each slice)."""
+    shards = variables_lib.shards_of(variable)
+    if len(shards) > 1:
+        return value
+    return exactly_once.copy_to(shards[0].device, value)
 
 
 def _values(gradient):
