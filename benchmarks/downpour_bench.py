@@ -35,7 +35,9 @@ row off after the evaluation interval that passes that many training seconds
 first evaluation at or above the target (a time-to-accuracy run needs nothing
 after it; its examples/s and bytes are measured over the steps it ran). Next
 to each row the planner (`tf_distbelief.planner`) predicts its examples/s
-(`downpour_network.py` says how it is calibrated).
+(`downpour_network.py` says how it is calibrated: on the host's loopback
+TCP rate, measured at the start, and `--step_jitter_ms`, which
+`benchmarks/step_jitter.py` measures).
 
 Printed: the headline table (seconds and examples to `--target_accuracy`,
 ratios to stock and single, final accuracy, ex/s, bytes per example; a `nic`
@@ -79,7 +81,7 @@ import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 from benchmarks import downpour_figures, downpour_network, plots  # noqa: E402
 from benchmarks.downpour_tables import (  # noqa: E402
@@ -339,6 +341,15 @@ def define_flags():
         "every row runs all its steps.",
     )
     flags.register_validator("max_row_secs", _check_max_row_secs)
+    flags.DEFINE_float(
+        "step_jitter_ms",
+        None,
+        "The planner's step_jitter_secs (in ms): the standard deviation of a "
+        "worker step's time on this cluster, as benchmarks/step_jitter.py "
+        "measures it; default: the planner's (only the first exchange after "
+        "a join in step).",
+        lower_bound=0,
+    )
     flags.DEFINE_bool(
         "stop_at_target",
         False,
@@ -842,7 +853,7 @@ def _header(f, rounds):
     )
 
 
-def _write_outputs(f, rows, round_rows, header):
+def _write_outputs(f, rows, round_rows, header, predicted):
     """The CSVs and figures; per NIC rate in `nic_<rate>/` when several."""
     targets = {m: _target(f, m) for m in f.models}
     paths = [
@@ -865,7 +876,6 @@ def _write_outputs(f, rows, round_rows, header):
             targets,
         )
     if several:
-        predicted = _predictions(f, rows)
         paths.append(
             downpour_network.write_bandwidth_csv(
                 os.path.join(f.out_dir, "downpour_bandwidth.csv"), rows, predicted
@@ -885,7 +895,7 @@ def _write_outputs(f, rows, round_rows, header):
         print(f"wrote {path}", flush=True)
 
 
-def _predictions(f, rows):
+def _predictions(f, rows, loopback_bits):
     return downpour_network.predict_rows(
         rows,
         num_workers=2,
@@ -896,19 +906,19 @@ def _predictions(f, rows):
         ps_nic_rate=f.ps_nic_rate,
         # `fit` joins the workers at each evaluation (an epoch's end).
         steps_between_joins={m: _eval_every(f, m) // 2 for m in f.models},
+        step_jitter_secs=(
+            None
+            if f.step_jitter_ms is None
+            else {m: f.step_jitter_ms / 1e3 for m in f.models}
+        ),
+        loopback_bits_per_sec=loopback_bits,
     )
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    console.import_tensorflow_quietly()  # No start-up noise (cuInit, oneDNN).
-    import tensorflow as tf
-
+    console.start_quiet_script(argv)
     from tf_distbelief import cluster
 
-    tf.get_logger().setLevel("ERROR")
-    logging.set_verbosity(logging.WARNING)
     f = flags.FLAGS
     bad = [m for m in f.models if m not in _MODELS]
     if bad:
@@ -920,6 +930,9 @@ def main(argv):
     rows = []
     round_rows = []
     data = {m: _load_data(m, f) for m in f.models}
+    # On idle cores, before any cluster: the planner's unlimited NIC.
+    loopback_bits = downpour_network.loopback_rate_bits()
+    print(f"loopback TCP rate: {loopback_bits / 1e9:.1f} Gbit/s", flush=True)
     for k, nic in enumerate(f.nic_rates):
         shaped = nic != UNLIMITED
         with cluster.LocalCluster(
@@ -961,11 +974,14 @@ def main(argv):
             "the row's unlimited ex/s (else single's):",
             flush=True,
         )
-        print(downpour_network.format_bandwidth(rows, _predictions(f, rows)))
+        predicted = _predictions(f, rows, loopback_bits)
+        print(downpour_network.format_bandwidth(rows, predicted))
         for line in downpour_network.best_downpour_lines(rows):
             print(line, flush=True)
     if f.out_dir:
-        _write_outputs(f, rows, round_rows, header)
+        _write_outputs(
+            f, rows, round_rows, header, _predictions(f, rows, loopback_bits)
+        )
 
 
 if __name__ == "__main__":

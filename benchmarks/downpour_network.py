@@ -7,13 +7,16 @@ private network namespace, and sets the planner's prediction
 (`tf_distbelief.planner.cost_model`) next to each measured row.
 
 Calibration: the planner's compute time of a worker step is taken from the
-same configuration's measured examples/s on the unshaped loopback
-(`compute_secs = workers * batch / ex/s`): what its workers, ps and chief
-cost on these cores when bytes are free, so the `unlimited` rows' predictions
-equal their measurements by construction and only the shaped rows test the
-model. Without an `unlimited` row it is the `single` row's (`workers * batch
-/ single ex/s`: the workers share the cores single-process training used),
-which the tables also show for every row as a second prediction.
+same configuration's measured examples/s on the unshaped loopback: what is
+left of its step once its transfers at the loopback's own TCP rate
+(`loopback_rate_bits`, about 10 Gbit/s here; bytes are not free there) are
+taken out, so the `unlimited` rows' predictions equal their measurements by
+construction and only the shaped rows test the model; a shaped NIC runs at
+most at the loopback's rate. Without a loopback rate, `compute_secs =
+workers * batch / ex/s` (unlimited taken as infinite). Without an
+`unlimited` row it is the `single` row's (`workers * batch / single ex/s`:
+the workers share the cores single-process training used), which the tables
+also show for every row as a second prediction.
 
 No TensorFlow: tested from fixed rows (tests/bench/test_downpour_network.py).
 """
@@ -22,6 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
+import threading
+import time
 from collections.abc import Sequence
 
 from benchmarks import plots
@@ -120,6 +126,8 @@ def predict_rows(
     accumulator: str = "squares",
     ps_nic_rate: str | None = None,
     steps_between_joins: dict | None = None,
+    step_jitter_secs: dict | None = None,
+    loopback_bits_per_sec: float | None = None,
 ) -> dict:
     """`{(model, nic, name): Predicted}` for every cluster row (not `single`).
 
@@ -132,6 +140,13 @@ def predict_rows(
       steps_between_joins: `{model: steps}` each worker runs between two
         joins (the benchmark joins at every evaluation: `--eval_every` over
         the workers); a model not in it, or None: no joins.
+      step_jitter_secs: `{model: seconds}`, the standard deviation of a
+        worker step's time (`benchmarks/step_jitter.py`); a model not in it,
+        or None: the planner's default (`Cluster.step_jitter_secs`).
+      loopback_bits_per_sec: the host's loopback TCP rate
+        (`loopback_rate_bits`), the NIC of an unlimited row: its compute time
+        is what is left of its step after transfers at this rate, and a
+        shaped row's NICs run at most at it. None: unlimited is infinite.
     """
     by_key = {(r.model, r.nic, r.name): r for r in rows}
     singles = {r.model: r for r in rows if r.name == "single"}
@@ -139,8 +154,10 @@ def predict_rows(
     for r in rows:
         if r.name == "single" or not r.examples_per_sec or not r.num_params:
             continue
-        worker = rate_bits(r.nic)
-        ps = worker if worker is None or ps_nic_rate is None else rate_bits(ps_nic_rate)
+        worker = _at_most(rate_bits(r.nic), loopback_bits_per_sec)
+        ps = worker
+        if rate_bits(r.nic) is not None and ps_nic_rate is not None:
+            ps = _at_most(rate_bits(ps_nic_rate), loopback_bits_per_sec)
         cluster = cost_model.Cluster(
             num_params=r.num_params,
             num_workers=num_workers,
@@ -151,18 +168,28 @@ def predict_rows(
             batch_size=batch_size,
             steps_per_execution=steps_per_execution,
             steps_between_joins=(steps_between_joins or {}).get(r.model),
+            step_jitter_secs=(step_jitter_secs or {}).get(r.model),
         )
         setting = _setting(r.name, accumulator)
+        unlimited = cluster.replace(
+            worker_bits_per_sec=loopback_bits_per_sec,
+            ps_bits_per_sec=loopback_bits_per_sec,
+        )
 
-        def predict(rate, cluster=cluster, setting=setting):
-            compute = num_workers * batch_size / rate
+        def predict(compute, cluster=cluster, setting=setting):
             return cost_model.predict(cluster.replace(compute_secs=compute), setting)
 
         single = singles.get(r.model)
-        by_single = predict(single.examples_per_sec) if single else None
+        # A single process moves nothing: its step is all compute.
+        by_single = (
+            predict(num_workers * batch_size / single.examples_per_sec)
+            if single
+            else None
+        )
         unshaped = by_key.get((r.model, UNLIMITED, r.name))
         if unshaped is not None and unshaped.examples_per_sec:
-            own, calibration = predict(unshaped.examples_per_sec), "row@unlimited"
+            compute = _compute_secs(unlimited, setting, unshaped.examples_per_sec)
+            own, calibration = predict(compute), "row@unlimited"
         elif by_single is not None:
             own, calibration = by_single, "single"
         else:
@@ -174,6 +201,69 @@ def predict_rows(
             by_single.examples_per_sec if by_single else math.nan,
         )
     return result
+
+
+def loopback_rate_bits(total_bytes: int = 1 << 30, chunk_bytes: int = 1 << 20) -> float:
+    """The host's TCP rate over 127.0.0.1, one flow, in bits per second.
+
+    What an unshaped task's bytes cross on this host: `total_bytes` sent
+    from a thread to this one in `chunk_bytes` writes (the kernel's copies;
+    Python's cost per 1 MiB chunk is small). Run on idle cores.
+    """
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        payload = bytes(chunk_bytes)
+
+        def send():
+            with socket.create_connection(("127.0.0.1", port)) as out:
+                for _ in range(total_bytes // chunk_bytes):
+                    out.sendall(payload)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        conn, _ = server.accept()
+        buffer = bytearray(chunk_bytes)
+        received, start = 0, time.perf_counter()
+        with conn:
+            while received < total_bytes // chunk_bytes * chunk_bytes:
+                got = conn.recv_into(buffer)
+                if not got:
+                    break
+                received += got
+        secs = time.perf_counter() - start
+        sender.join(timeout=60)
+    return 8 * received / secs
+
+
+def _at_most(bits: int | None, limit: float | None) -> float | None:
+    """A NIC's rate capped by the host's loopback rate (None: unlimited)."""
+    if limit is None:
+        return bits
+    return limit if bits is None else min(bits, limit)
+
+
+def _compute_secs(unlimited, setting, examples_per_sec: float) -> float:
+    """A worker step's compute time that makes the planner predict
+    `examples_per_sec` on `unlimited` (the cluster at the loopback rate);
+    the whole step when that rate is unlimited, 0 when the transfers alone
+    take longer than the step."""
+    step = unlimited.num_workers * unlimited.batch_size / examples_per_sec
+
+    def rate(compute):
+        return cost_model.predict(
+            unlimited.replace(compute_secs=compute), setting
+        ).examples_per_sec
+
+    if unlimited.worker_bits_per_sec is None or rate(0.0) <= examples_per_sec:
+        return step if unlimited.worker_bits_per_sec is None else 0.0
+    low, high = 0.0, step  # rate(low) > measured >= rate(high).
+    for _ in range(60):
+        mid = (low + high) / 2
+        if rate(mid) > examples_per_sec:
+            low = mid
+        else:
+            high = mid
+    return high
 
 
 def secs_counted(r) -> float:

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import downpour_network  # noqa: E402
 from benchmarks.downpour_tables import Row  # noqa: E402
+from tf_distbelief.cluster import network  # noqa: E402  (no TensorFlow)
 
 
 def _define_flags() -> None:
@@ -55,6 +56,19 @@ def _define_flags() -> None:
         "(the benchmark's default for speech: 160); each evaluation joins "
         "the workers.",
         lower_bound=1,
+    )
+    flags.DEFINE_float(
+        "step_jitter_ms",
+        None,
+        "The standard deviation of a worker step's time in the recorded run's "
+        "cluster (benchmarks/step_jitter.py); default: the planner's (None).",
+        lower_bound=0,
+    )
+    flags.DEFINE_string(
+        "loopback_rate",
+        None,
+        "The host's loopback TCP rate (e.g. 10.8gbit; the benchmark measures "
+        "and prints it): the NIC of the unlimited rows; default: infinite.",
     )
     flags.mark_flags_as_required(["csv", "params"])
 
@@ -110,6 +124,16 @@ def main(argv) -> None:
         steps_between_joins={
             r.model: max(1, f.eval_every // f.num_workers) for r in rows
         },
+        step_jitter_secs=(
+            None
+            if f.step_jitter_ms is None
+            else {r.model: f.step_jitter_ms / 1e3 for r in rows}
+        ),
+        loopback_bits_per_sec=(
+            None
+            if f.loopback_rate is None
+            else network.parse_rate(f.loopback_rate, "--loopback_rate")
+        ),
     )
     print(downpour_network.format_bandwidth(rows, predicted))
     sys.stdout.flush()

@@ -119,6 +119,37 @@ def test_a_tensorflow_import_prints_nothing_at_log_level_2():
     assert (proc.stdout, proc.stderr) == ("", "")
 
 
+def test_a_quiet_script_refuses_extra_arguments_and_keeps_tf_to_errors():
+    code = (
+        "from absl import app, logging\n"
+        "from tf_distbelief import console\n"
+        "def main(argv):\n"
+        "    console.start_quiet_script(argv)\n"
+        "    import tensorflow as tf\n"
+        "    tf.get_logger().warning('dropped')\n"
+        "    logging.info('dropped too')\n"
+        "    print(tf.get_logger().level, logging.get_verbosity())\n"
+        "app.run(main)\n"
+    )
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-c", code, *args],
+            cwd=ROOT,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    proc = run()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (proc.stdout, proc.stderr) == ("40 -1\n", "")  # ERROR; WARNING.
+    proc = run("extra")
+    assert proc.returncode == 1
+    assert "Unexpected arguments: ['extra']" in proc.stderr
+
+
 def _digits_dense(seed=0):
     tf_keras.utils.set_random_seed(seed)
     model = tf_keras.Sequential([tf_keras.layers.Dense(10, input_shape=(64,))])

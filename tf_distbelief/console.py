@@ -225,6 +225,25 @@ def import_tensorflow_quietly() -> None:
         tf.config.list_physical_devices()
 
 
+def start_quiet_script(argv: Sequence[str]) -> None:
+    """The start of a benchmark's `main(argv)` under `absl.app.run`.
+
+    Refuses positional arguments (`absl.app.UsageError`), imports TensorFlow
+    without its start-up noise (`import_tensorflow_quietly`), and keeps
+    TensorFlow's Python logger to errors and Abseil's to warnings, so that
+    the script's own lines are what its console shows.
+    """
+    from absl import app, logging
+
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {list(argv[1:])}")
+    import_tensorflow_quietly()
+    import tensorflow as tf
+
+    tf.get_logger().setLevel("ERROR")
+    logging.set_verbosity(logging.WARNING)
+
+
 def refusals_in_one_line(main, refused: tuple[type[BaseException], ...]):
     """`main(argv)` that ends the process with one line when it refuses a setting.
 

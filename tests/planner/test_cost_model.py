@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tf_distbelief.planner import cost_model as cm
@@ -136,6 +137,42 @@ def test_the_first_exchange_after_a_join_meets_every_worker():
     )
 
 
+def _mean_overlap(t, sd):
+    """E[max(0, 1 - |d| / t)], d ~ N(0, sd^2), by numeric integration."""
+    d = np.linspace(-t, t, 200_001)
+    density = np.exp(-0.5 * (d / sd) ** 2) / (sd * math.sqrt(2 * math.pi))
+    return float(np.trapezoid((1 - np.abs(d) / t) * density, d))
+
+
+def test_workers_in_step_after_a_join_drift_apart_by_their_step_jitter():
+    # n=16, joins every 32 steps: two exchanges an interval. The first meets
+    # the other worker at the ps NIC (wait t, as above); at the second the
+    # two are d ~ N(0, 2 x 16 sigma^2) apart and a transfer of t seconds
+    # meets the other's for E[max(0, 1 - |d| / t)] of its time (p, here
+    # more than the t / T of independent times), waiting t p:
+    # T = a + sum_d t_d (1 + p_d) / 2.
+    n16 = cm.Setting.parse("n=16")
+    t_f, t_p = 8 * 250_128 / 1e9, 8 * 500_128 / 1e9
+    a = 0.01 + t_f + t_p
+    sigma = 0.0005
+    sd = sigma * math.sqrt(2 * 16)
+    p_f, p_p = _mean_overlap(t_f, sd), _mean_overlap(t_p, sd)  # 0.24, 0.45.
+    step = a + t_f * (1 + p_f) / 2 + t_p * (1 + p_p) / 2  # 18.7 ms.
+    assert p_f > t_f / step and p_p > t_p / step
+    p = cm.predict(_cluster(steps_between_joins=32, step_jitter_secs=sigma), n16)
+    assert p.queue_secs == pytest.approx(step - a, rel=1e-6)
+    # No variation: the workers stay in step, every exchange waits t.
+    still = cm.predict(_cluster(steps_between_joins=256, step_jitter_secs=0), n16)
+    assert still.queue_secs == pytest.approx(t_f + t_p)
+    # A large one: only the first exchange is in step (the default, None).
+    loose = _cluster(steps_between_joins=256, step_jitter_secs=10.0)
+    assert cm.predict(loose, n16).queue_secs == pytest.approx(
+        cm.predict(loose.replace(step_jitter_secs=None), n16).queue_secs, rel=1e-3
+    )
+    # The jitter matters only with joins.
+    assert cm.predict(_cluster(step_jitter_secs=0), n16) == cm.predict(_cluster(), n16)
+
+
 def test_the_ps_nic_limits_many_workers():
     p = cm.predict(_cluster(num_workers=8), cm.Setting.parse("stock"))
     assert p.bottleneck == "ps NIC"
@@ -195,6 +232,7 @@ def test_parse_count(value, count):
         (lambda: _cluster(ps_bits_per_sec=-1), r"`ps_bits_per_sec`.*-1"),
         (lambda: _cluster(compute_secs=math.nan), r"`compute_secs`.*nan"),
         (lambda: _cluster(steps_between_joins=0), r"`steps_between_joins`.*: 0"),
+        (lambda: _cluster(step_jitter_secs=-0.001), r"`step_jitter_secs`.*-0.001"),
         (lambda: cm.smallest_ps(_cluster(), cm.Setting(), 1.5), r"`busy_fraction`"),
     ],
 )
@@ -214,15 +252,21 @@ def _planner(*args):
     )
 
 
-def test_command_line_prints_every_row_and_the_plan():
+def _table(*flags):
+    """The planner's header line and its rows by name, for 1M parameters,
+    2 workers, 1 Gbit/s, 10 ms a step, 20 steps a function, and `flags`."""
     proc = _planner(
         "--params=1M", "--workers=2", "--nic=1gbit", "--step_ms=10",
-        "--steps_per_execution=20",
+        "--steps_per_execution=20", *flags,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
+    return lines, {line.split()[0]: line.split() for line in lines[2:10]}
+
+
+def test_command_line_prints_every_row_and_the_plan():
+    lines, rows = _table()
     assert lines[0].startswith("params=1,000,000 (4.0 MB float32) workers=2 ps=1")
-    rows = {line.split()[0]: line.split() for line in lines[2:10]}
     assert list(rows) == [
         "stock", "n=1", "n=4", "n=4+outer", "n=16", "n=16+outer", "n=64",
         "n=64+outer",
@@ -231,16 +275,16 @@ def test_command_line_prints_every_row_and_the_plan():
     assert rows["n=16"][1:4] == ["3,728", "worker", "CPU"]
     assert "plan without a push rule: n_fetch = n_push = 128, num_ps = 1" in lines
     assert "plan with the outer rule: n_fetch = n_push = 64, num_ps = 1" in lines
-    joined = _planner(
-        "--params=1M", "--workers=2", "--nic=1gbit", "--step_ms=10",
-        "--steps_per_execution=20", "--steps_between_joins=64",
-    )  # fmt: skip
-    assert joined.returncode == 0, joined.stderr
-    lines = joined.stdout.splitlines()
+    lines, rows = _table("--steps_between_joins=64")
     assert lines[0].endswith("accumulator=squares joins=every 64 steps")
-    rows = {line.split()[0]: line.split() for line in lines[2:10]}
     assert rows["n=16"][1:4] == ["3,493", "worker", "CPU"]
     assert rows["stock"][1:4] == ["666", "worker", "NIC"]
+    # Workers that never drift apart: each n=16 exchange waits for the
+    # other's, 64 / (10 ms + 2 (t_f + t_p)) = 2,909 ex/s; the wait equals
+    # the worker's own transfer time (a tie: worker NIC).
+    lines, rows = _table("--steps_between_joins=64", "--step_jitter_ms=0")
+    assert lines[0].endswith("joins=every 64 steps step_jitter=0 ms")
+    assert rows["n=16"][1:4] == ["2,909", "worker", "NIC"]
 
 
 def test_command_line_refuses_bad_arguments():
@@ -255,3 +299,8 @@ def test_command_line_refuses_bad_arguments():
     )
     assert proc.returncode == 2
     assert "`--steps_between_joins` must be positive. Received: 0" in proc.stderr
+    proc = _planner("--params=1M", "--workers=2", "--step_ms=10", "--step_jitter_ms=-2")
+    assert proc.returncode == 2
+    assert "`--step_jitter_ms` must be a finite number >= 0. Received: -2.0" in (
+        proc.stderr
+    )

@@ -3,6 +3,8 @@
 * `cost_model`: bytes per step, NIC rates, ps count, compute and the chief's
   scheduling as bounds on examples/s; the fewest ps tasks and the smallest
   `n_push` that keep the workers busy (pure Python, no TensorFlow).
+* `queueing`: the wait of a worker's transfers behind the others' at the ps
+  NICs, with the coordinator's joins and the workers' step-time variation.
 * `python -m tf_distbelief.planner --params=42M --workers=200 --ps=8
   --nic=10gbit --step_ms=100` prints its table (docs/planning.md).
 """

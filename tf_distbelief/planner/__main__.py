@@ -30,6 +30,7 @@ _FLAGS = {
     "compute_secs": "--step_ms",
     "batch_size": "--batch",
     "function_secs": "--function_ms",
+    "step_jitter_secs": "--step_jitter_ms",
 }
 
 
@@ -87,6 +88,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "(model.fit: steps_per_epoch / workers); default: no joins.",
     )
     parser.add_argument(
+        "--step_jitter_ms",
+        type=float,
+        default=None,
+        help="Standard deviation of a worker step's time (with "
+        "--steps_between_joins: how fast workers in step after a join drift "
+        "apart); default: only the first exchange after a join in step.",
+    )
+    parser.add_argument(
         "--accumulator", default="squares", choices=cost_model.ACCUMULATORS
     )
     parser.add_argument(
@@ -96,6 +105,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="Workers are busy at this share of their compute-only rate.",
     )
     args = parser.parse_args(argv)
+    for flag in ("step_ms", "function_ms", "step_jitter_ms"):
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            parser.error(
+                f"`--{flag}` must be a finite number >= 0. Received: {value!r}"
+            )
     try:
         nic = _rate(args.nic, "--nic")
         ps_nic = nic if args.ps_nic is None else _rate(args.ps_nic, "--ps_nic")
@@ -111,6 +126,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             function_secs=args.function_ms / 1e3,
             overhead_bytes=args.overhead_bytes,
             steps_between_joins=args.steps_between_joins,
+            step_jitter_secs=(
+                None if args.step_jitter_ms is None else args.step_jitter_ms / 1e3
+            ),
         )
         if not 0 < args.busy <= 1:
             raise ValueError(f"`--busy` must be in (0, 1]. Received: {args.busy!r}")
@@ -143,6 +161,11 @@ def format_table(
             ""
             if c.steps_between_joins is None
             else f" joins=every {c.steps_between_joins} steps"
+        )
+        + (
+            ""
+            if c.step_jitter_secs is None
+            else f" step_jitter={c.step_jitter_secs * 1e3:g} ms"
         ),
         f"{'row':10} {'ex/s':>10} {'bottleneck':16} {'workers':>10} {'ps NIC':>10} "
         f"{'chief':>10} {'MB/st fetch':>11} {'MB/st push':>10} {'min ps':>6}",

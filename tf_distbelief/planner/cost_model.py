@@ -15,7 +15,7 @@ The bound (each resource alone, the slowest one wins):
   steps, pushes), at `min(worker NIC, num_ps * ps NIC)`. Named `worker CPU`
   when compute is the larger part, else `worker NIC`, or `ps NIC queueing` when the
   queueing is larger than the transfer.
-* **queueing at the ps NICs** (`queue_secs`): the workers' exchanges fall at
+* **queueing at the ps NICs** (`queueing.queue_secs`): the workers' exchanges fall at
   independent times, so a worker's fetch or push may share a ps NIC's
   direction with other workers' transfers. A direction of one ps NIC carries
   `k = num_ps * ps_rate / worker_rate` flows at a worker's full rate (a
@@ -32,7 +32,10 @@ The bound (each resource alone, the slowest one wins):
   alternation would allow 313 and this term gives 253).
 * **joins** (`Cluster.steps_between_joins`): all workers start together
   after a join, so the first exchange of each interval meets all the others
-  at the ps NIC (the attribute says how).
+  at the ps NIC. The fair NIC keeps them together; only the variation of
+  their step times (`Cluster.step_jitter_secs`) moves them apart, a random
+  walk, so behind a slow NIC (transfers long against that variation) they
+  stay in step for the whole interval (the attributes say how).
 
 Bytes per step, `M` the model's float32 bytes: stock moves `M` in and `M`
 out. Downpour fetches `M` every `n_fetch` steps and pushes every `n_push`:
@@ -40,9 +43,8 @@ out. Downpour fetches `M` every `n_fetch` steps and pushes every `n_push`:
 sums and squared sums), `M` with the outer rule (the parameter delta) or
 otherwise. Each exchange with the ps (every step, or every segment of
 `min(n_fetch, n_push)` steps when both exceed 1) adds `overhead_bytes` each
-way per ps. Not modelled: latency, queueing between per-step exchanges,
-CPU spent on serialization (the bound is optimistic where two resources are
-close).
+way per ps. Not modelled: latency, CPU spent on serialization (the bound
+is optimistic where two resources are close).
 
 Example:
   ```
@@ -60,6 +62,7 @@ import math
 import re
 
 from tf_distbelief import checks
+from tf_distbelief.planner import queueing
 
 __all__ = [
     "ACCUMULATORS",
@@ -276,12 +279,19 @@ class Cluster:
         after a join together, so its first exchange falls on every worker
         at once: each direction of a ps NIC then carries all `W` transfers,
         and a worker waits `t * max(0, W / k - 1)` beyond its own. The later
-        exchanges of the interval are taken as independent: differences in
-        step times spread the workers apart. With `s` steps per exchange and
-        `J` steps between joins, a share `min(1, s / J)` of the exchanges is
-        aligned. Not modelled: a worker's idle time at the join itself, and
-        workers that stay in step longer (transfers long against the
-        variation of a step).
+        exchanges spread as `step_jitter_secs` says. Not modelled: a
+        worker's idle time at the join itself.
+      step_jitter_secs: the standard deviation of one worker step's time
+        (`benchmarks/step_jitter.py` measures it); used with
+        `steps_between_joins`. Exchange `j` of an interval (`j = 0` right
+        after the join, `s` steps per exchange) finds two workers apart by
+        `d ~ N(0, 2 j s sigma^2)`, and a transfer of `t` seconds overlaps
+        another's for `E[max(0, 1 - |d| / t)]` of its time (at least the
+        `t / T` of independent times, `T` the step). None: only the first
+        exchange of an interval is in step, the later ones are independent
+        (a variation far larger than any transfer); 0: every exchange is in
+        step. Past the first `queueing.MAX_TRACKED_EXCHANGES` of an interval,
+        exchanges are taken as independent.
     """
 
     num_params: int
@@ -295,6 +305,7 @@ class Cluster:
     function_secs: float = DEFAULT_FUNCTION_SECS
     overhead_bytes: float = DEFAULT_OVERHEAD_BYTES
     steps_between_joins: int | None = None
+    step_jitter_secs: float | None = None
 
     def __post_init__(self):
         for name in ("num_params", "num_workers", "num_ps", "batch_size"):
@@ -311,6 +322,14 @@ class Cluster:
                     f"Argument `{name}` must be a positive number of bits/s or "
                     f"None (unlimited). Received: {value!r}"
                 )
+        jitter = self.step_jitter_secs
+        if jitter is not None and not (
+            checks.is_number(jitter) and math.isfinite(jitter) and jitter >= 0
+        ):
+            raise ValueError(
+                "Argument `step_jitter_secs` must be a finite number >= 0 or "
+                f"None. Received: {jitter!r}"
+            )
         for name in ("compute_secs", "function_secs", "overhead_bytes"):
             value = getattr(self, name)
             if not (checks.is_number(value) and math.isfinite(value) and value >= 0):
@@ -351,7 +370,7 @@ class Prediction:
 
 
 def _bits_per_sec(value: float | None) -> float:
-    return math.inf if value is None else float(value)
+    return queueing.bits_per_sec(value)
 
 
 def predict(cluster: Cluster, setting: Setting) -> Prediction:
@@ -371,7 +390,7 @@ def predict(cluster: Cluster, setting: Setting) -> Prediction:
         c.num_ps * _bits_per_sec(c.ps_bits_per_sec),
     )
     transfer_secs = 8 * traffic.total_bytes / worker_rate
-    queue_secs = _queue_secs(c, setting, traffic, worker_rate)
+    queue_secs = queueing.queue_secs(c, setting, traffic, worker_rate)
     step_secs = c.compute_secs + transfer_secs + queue_secs
     workers = math.inf if step_secs == 0 else c.num_workers * c.batch_size / step_secs
     # One ps's share of the larger direction per example, in bits.
@@ -397,51 +416,6 @@ def predict(cluster: Cluster, setting: Setting) -> Prediction:
     return Prediction(
         setting, bounds[best], bottleneck, bounds, traffic, transfer_secs, queue_secs
     )
-
-
-def _queue_secs(
-    c: Cluster, setting: Setting, traffic: Traffic, worker_rate: float
-) -> float:
-    """A worker's wait per step behind the others' transfers at the ps NICs.
-
-    See the module docstring: `T = a + sum_d t_d * (f * max(0, W / k - 1) +
-    (1 - f) * max(0, (1 + m_d) / k - 1))` with `a` the step's compute and own
-    transfer time, `m_d = (W - 1) * t_d / T`, `k` the flows a ps NIC
-    direction carries at a worker's full rate and `f` the share of exchanges
-    that follow a join; solved by bisection (the right side falls as `T`
-    grows). The wait is `T - a`. 0 for one worker or unlimited ps NICs.
-    """
-    ps_rate = _bits_per_sec(c.ps_bits_per_sec)
-    if c.num_workers == 1 or math.isinf(ps_rate):
-        return 0.0
-    slots = c.num_ps * ps_rate / worker_rate  # >= 1: worker_rate is the min.
-    own = [
-        8 * nbytes / worker_rate  # This worker's transfer, seconds a step.
-        for nbytes in (traffic.to_worker_bytes, traffic.to_ps_bytes)
-    ]
-    others = c.num_workers - 1
-    segment = 1.0 / setting.exchanges_per_step  # Steps per exchange.
-    joins = c.steps_between_joins
-    aligned = 0.0 if joins is None else min(1.0, segment / joins)
-    at_join = sum(t * max(0.0, c.num_workers / slots - 1) for t in own)
-
-    def wait(step_secs: float) -> float:
-        spread = sum(
-            t * max(0.0, (1 + others * t / step_secs) / slots - 1) for t in own
-        )
-        return aligned * at_join + (1 - aligned) * spread
-
-    a = c.compute_secs + sum(own)
-    if a == 0:
-        return 0.0
-    low, high = a, a + wait(a)  # wait(T) <= wait(a) for T >= a.
-    for _ in range(100):
-        mid = (low + high) / 2
-        if mid - a - wait(mid) < 0:
-            low = mid
-        else:
-            high = mid
-    return high - a
 
 
 def _busy(cluster: Cluster, setting: Setting, busy_fraction: float) -> bool:
@@ -499,6 +473,12 @@ def smallest_ps(
     """
     _check_fraction(busy_fraction)
     checks.check_int("max_ps", max_ps, 1)
+    # No count does better than one ps of unlimited NIC (no ps NIC bound, no
+    # queueing, the least overhead): if that is not busy, none is.
+    if not _busy(
+        cluster.replace(num_ps=1, ps_bits_per_sec=None), setting, busy_fraction
+    ):
+        return None
     for count in range(1, max_ps + 1):
         if _busy(cluster.replace(num_ps=count), setting, busy_fraction):
             return count
