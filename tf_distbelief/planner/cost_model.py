@@ -369,10 +369,6 @@ class Prediction:
     queue_secs: float = 0.0
 
 
-def _bits_per_sec(value: float | None) -> float:
-    return queueing.bits_per_sec(value)
-
-
 def predict(cluster: Cluster, setting: Setting) -> Prediction:
     """Examples/s of `setting` on `cluster`: the smallest bound of the resources.
 
@@ -386,8 +382,8 @@ def predict(cluster: Cluster, setting: Setting) -> Prediction:
     c = cluster
     traffic = step_traffic(setting, c.num_params, c.num_ps, c.overhead_bytes)
     worker_rate = min(
-        _bits_per_sec(c.worker_bits_per_sec),
-        c.num_ps * _bits_per_sec(c.ps_bits_per_sec),
+        queueing.bits_per_sec(c.worker_bits_per_sec),
+        c.num_ps * queueing.bits_per_sec(c.ps_bits_per_sec),
     )
     transfer_secs = 8 * traffic.total_bytes / worker_rate
     queue_secs = queueing.queue_secs(c, setting, traffic, worker_rate)
@@ -398,7 +394,7 @@ def predict(cluster: Cluster, setting: Setting) -> Prediction:
     ps = (
         math.inf
         if per_ps_bits == 0
-        else _bits_per_sec(c.ps_bits_per_sec) * c.batch_size / per_ps_bits
+        else queueing.bits_per_sec(c.ps_bits_per_sec) * c.batch_size / per_ps_bits
     )
     chief = (
         math.inf
