@@ -217,3 +217,89 @@ def test_two_runs_of_one_token_at_once_apply_it_once(local_cluster):
     assert int(applied.numpy()) == rounds
     ring = tokens.ring.numpy()
     np.testing.assert_array_equal(ring[:rounds], np.arange(rounds))
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_the_ps_applies_its_step_applies_it_once(
+    local_cluster,
+):
+    """A gated update runs on the ps under the lock; a worker killed
+    meanwhile does not stop it: the ps ends the update and writes the token,
+    so the coordinator's retry (on the same worker, restarted) applies
+    nothing. The step runs in a loop, as `fit`'s does, and its worker sends
+    the ps a tensor meanwhile, which fails with the worker. Every op of the
+    gate that names no device runs on the ring's ps: one placed on the
+    worker (here the `tf.identity` of the update's result, as
+    `nonfinite.Guard` returns it) made the token's write wait for the worker,
+    and the killed worker's step was applied and not marked, so the retry
+    applied it again (here 2 of 1; 502 of 500 steps under 4 worker kills)."""
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(1, 1))
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        # Each step adds 1 to both, one at the start of its update, one at
+        # the end: a step half applied leaves them apart.
+        begun = tf.Variable(0, dtype=tf.int64, trainable=False)
+        applied = tf.Variable(0, dtype=tf.int64, trainable=False)
+        after = tf.Variable(0.0, trainable=False)
+        weights = tf.Variable(
+            tf.random.stateless_uniform([1000, 1000], seed=[1, 2]), trainable=False
+        )
+    tokens = exactly_once.StepTokens(applied, strategy)
+
+    def slow(x):
+        """Seconds of straight-line matmuls (a loop op stops with its worker)."""
+        for _ in range(300):
+            x = tf.tanh(tf.matmul(x, x) / 1000.0)
+        return x
+
+    @tf.function
+    def step(token):
+        for k in tf.range(1, dtype=tf.int64):
+            done = one(token + k)
+        return done
+
+    def one(token):
+        def apply():
+            with tf.device(applied.device):
+                first = begun.assign_add(1, read_value=True)
+                x = slow(weights.read_value() + tf.cast(first, tf.float32))
+                more = tf.cast(tf.reduce_all(tf.math.is_finite(x)), tf.int64)
+                counted = applied.assign_add(more, read_value=True)
+            # No device named: the gate puts it on the ring's ps.
+            return tf.constant(True), [tf.identity(counted)]
+
+        done = exactly_once.gate(
+            token,
+            tokens,
+            tf.constant(True),
+            apply,
+            lambda: (tf.constant(False), []),
+            lambda: tf.constant(False),
+        )
+        # The worker's own work meanwhile, then sent to the ps: a transfer
+        # the ps waits for while it applies the step (the worker's lost, so
+        # it fails there).
+        y = slow(tf.fill([1000, 1000], tf.cast(token, tf.float32) * 1e-3))
+        with tf.device(applied.device):
+            after.assign_add(tf.reduce_sum(y))
+        return done
+
+    token = 7
+    try:
+        result = coordinator.schedule(step, args=(tf.constant(token, tf.int64),))
+        deadline = time.monotonic() + 120
+        while int(begun.numpy()) == 0:  # The ps is in the update.
+            assert time.monotonic() < deadline, "the update never began"
+            time.sleep(0.01)
+        local_cluster.kill("worker", 0, signal.SIGKILL)
+        local_cluster.restart("worker", 0)
+        coordinator.join()
+    finally:
+        if local_cluster.processes[("worker", 0)].poll() is not None:
+            local_cluster.restart("worker", 0)
+        wait_for_worker_recovery(strategy)
+    # The killed worker's step was applied whole and marked; its retry
+    # found it.
+    assert [int(begun.numpy()), int(applied.numpy())] == [1, 1]
+    assert bool(result.fetch()) is False
+    assert tokens.ring.numpy()[token] == token

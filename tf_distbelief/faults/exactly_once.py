@@ -20,7 +20,16 @@ gradients all sent) waits for it, then finds its token; without the lock
 both read the ring first (1002 of 1000 steps, 4 SIGKILLs, a loaded host).
 The lock is taken once every tensor the update reads is there; callers copy
 the step's inputs to the ps first (`copy_to`), so no transfer from a worker
-runs under it. The optimizer's `iterations` then counts applied steps only;
+runs under it. A branch, once begun, runs to its end, update and token
+write both, even when its worker is lost meanwhile: every op of the check
+and its branches that names no device runs on the ring's ps (an op left on
+the worker, a `tf.identity` of the update's result, made the token's write
+wait for the worker), and the branch runs as one function call there, not
+lowered into the step's graph (`tf_internals.control_flow.whole_cond`: when
+the worker was lost, the step's failed transfers cut a lowered branch
+between the update and the write). Either left the step applied and not
+marked, and its retry applied it again (501 or 502 of 500 steps, 4
+SIGKILLs). The optimizer's `iterations` then counts applied steps only;
 a step refused for a NaN or inf (`nonfinite="skip"`) is marked too, so its
 retry is not counted again. A Downpour replica whose retried push is
 dropped restarts its sums, as after a push dropped for staleness.
@@ -43,9 +52,11 @@ Limits: the ring is not checkpointed (tokens restart at 0 with a new
 coordinator, and so does the ring); a token is forgotten once `SLOTS` later
 tokens have been written, far more steps than run between a worker's loss and
 the coordinator's retry. With variables on several ps tasks, the variables
-on other tasks than the ring's are updated by the same `tf.cond`, so a
-worker lost between sending to one task and to another can leave a step half
-applied (TensorFlow's own limit: a step is not a transaction across tasks).
+on other tasks than the ring's are updated by the same `tf.cond`, which
+TensorFlow then lowers into the step's graph (a functional If cannot take
+variables of two tasks, `whole_cond`): a worker lost mid-update can leave
+the step half applied and its token unwritten, and the retry applies it
+again (TensorFlow's own limit: a step is not a transaction across tasks).
 """
 
 from __future__ import annotations
@@ -55,6 +66,8 @@ import threading
 import weakref
 
 import tensorflow as tf
+
+from tf_distbelief.tf_internals import control_flow
 
 __all__ = [
     "SLOTS",
@@ -202,9 +215,15 @@ def gate(token, tokens: StepTokens, ready, apply_fn, refuse_fn, duplicate_fn):
 
     The check, the branch taken and the token's write run in
     `tokens.section` (a `tf.CriticalSection` on the ring's ps task), whose
-    lock is taken once every tensor the branches read has been made. The
-    branches should read the step's inputs as copied to the ps (`copy_to`),
-    not the worker's: a transfer from the worker would run under the lock.
+    lock is taken once every tensor the branches read has been made, and on
+    that task: ops that name no device are placed there, and the branch taken
+    runs as one function call (`control_flow.whole_cond`), which ends once
+    begun even if the worker is lost. The branches should read the step's
+    inputs as copied to the ps (`copy_to`), not the worker's: a transfer
+    from the worker would run under the lock, and fail with the worker. They
+    should hold no loop op (`tf.while_loop`, a `tf.range` loop): a loop stops
+    when the step is cancelled, which would leave the update half applied
+    and its token unwritten.
 
     Args:
       token: the step token, an int64 scalar.
@@ -235,13 +254,18 @@ def gate(token, tokens: StepTokens, ready, apply_fn, refuse_fn, duplicate_fn):
 
     def check_and_apply():
         fresh = tokens.fresh(token)
-        return tf.cond(
+        # Kept whole: a branch begun on the ps ends, update and token write
+        # both, even when the worker is lost meanwhile.
+        return control_flow.whole_cond(
             tf.logical_and(ready, fresh),
             marked(apply_fn),
             lambda: tf.cond(fresh, marked(refuse_fn), duplicate_fn),
         )
 
-    return tokens.section.execute(check_and_apply)
+    # Every op of the check and its branches that names no device runs on
+    # the ring's ps task, not on the worker tracing the step.
+    with tf.device(tokens.ring.device):
+        return tokens.section.execute(check_and_apply)
 
 
 def install(model) -> None:

@@ -24,6 +24,8 @@ fails naming the TensorFlow version). One module per area:
 * `saved_model`: the object graph a checkpoint was saved from.
 * `checkpoint_manager`: a checkpoint written by a traced function, recorded
   by its `tf.train.CheckpointManager` (`record_written`).
+* `control_flow`: a `tf.cond` whose branch, once begun, runs to its end
+  (`whole_cond`, for exactly-once step tokens).
 * `server_runtime`: a ps or worker task's server without TensorFlow's Python
   API (`load(lean=True)`).
 """
@@ -40,6 +42,7 @@ MODULE_NAMES = (
     "eager_context",
     "saved_model",
     "checkpoint_manager",
+    "control_flow",
     "server_runtime",
 )
 
