@@ -179,7 +179,7 @@ class Exchange:
         residual (what is left unsent too), and only an applied push updates
         the residual.
         """
-        int64, one = tf.int64, tf.constant(1, tf.int64)
+        int64 = tf.int64
         (dense_grads, dense_squares), (row_grads, row_squares) = pushed
         row_bytes = self.rows.bytes_pushed(row_grads)
         squares = None
@@ -198,26 +198,38 @@ class Exchange:
         if step is None:
             step = base.read(h.stats["steps"], int64) + 1
         guard = self.guard_context
+        # What became of the push (the gated branch's third output): the
+        # replica's own counters (per-worker variables) are written after the
+        # gate from it, on the worker, so that the branch touches the ps only
+        # and runs there whole (`exactly_once.gate`).
+        duplicate, applied_code, dropped, refused = (
+            tf.constant(k, int64) for k in range(4)
+        )
 
         def refuse():
-            ops = push_guard.refuse_ops(
-                guard.mode,
-                h,
-                self.variables,
-                flags,
-                step,
-                [
-                    (self.dense, h.dense, zero_accumulators),
-                    (self.rows, h.rows, zero_accumulators),
-                ],
+            ops = []
+            if guard.mode == "raise":
+                ops = push_guard.refuse_ops(
+                    guard.mode, h, self.variables, flags, step, []
+                )
+            else:
+                ops = [base.add(h.skipped, tf.constant(1, int64))]  # On the ps.
+            outputs = (
+                base.after(ops, tf.constant(-1, int64)),
+                base.after(ops, False),
+                base.after(ops, refused),
             )
-            outputs = base.after(ops, tf.constant(-1, int64)), base.after(ops, False)
             return outputs, []
 
         # The push as received on the ps, before the gate: its update reads
         # these, so that no transfer runs under the token's lock (and a push
-        # refused or dropped for staleness has sent its sums too).
+        # refused or dropped for staleness has sent its sums too). The
+        # replica's count of pushes seen is read here too: a per-worker
+        # variable.
         grads_on_ps, squares_on_ps = self._to_ps(pushed, pack, coded)
+        seen = exactly_once.copy_to(
+            self.optimizer.iterations.device, base.read(h.seen, int64)
+        )
         reads_first = self.rules is not None and self.rules.reads_staleness_first
         if self.config.max_staleness is None and not reads_first:
 
@@ -227,76 +239,100 @@ class Exchange:
                 # control edge on a tensor already there costs no message (one
                 # per ps task otherwise).
                 with tf.control_dependencies(arrived[:1]):
-                    increment = base.add(h.count, one)
+                    increment = base.add(h.count, tf.constant(1, int64))
                 with tf.control_dependencies([increment]):
                     count = base.read(h.count, int64)
-                staleness = count - one - base.read(h.seen, int64)
-                ops = [
-                    base.add(h.seen, one),
-                    base.add(h.stats["pushes"], one),
-                    base.add(h.stats["row_bytes_pushed"], row_bytes),
-                ]
-                if coded is not None:
-                    ops += kept_residuals()
-                outputs = base.after(ops, staleness), base.after(ops, True)
+                staleness = count - 1 - seen
+                outputs = staleness, tf.constant(True), applied_code
                 return outputs, [count]  # `count`: on the ps, after the push.
 
         else:
 
             def apply_push():
-                staleness = base.read(h.count, int64) - base.read(h.seen, int64)
+                staleness = base.read(h.count, int64) - seen
 
                 def apply_fresh():
                     arrived = self._apply(
                         grads_on_ps, squares_on_ps, staleness, h.worker
                     )
                     with tf.control_dependencies(arrived[:1]):
-                        increment = base.add(h.count, one)
-                    ops = [
-                        increment,
-                        base.add(h.seen, one),
-                        base.add(h.stats["pushes"], one),
-                        base.add(h.stats["row_bytes_pushed"], row_bytes),
-                    ]
-                    if coded is not None:
-                        ops += kept_residuals()
-                    return base.after(ops, True)
-
-                def drop_push():
-                    ops = [
-                        base.assign(h.refetch, one),
-                        base.add(h.stats["dropped_pushes"], one),
-                    ]
-                    return base.after(ops, False)
+                        increment = base.add(h.count, tf.constant(1, int64))
+                    return base.after([increment], applied_code)
 
                 if self.config.max_staleness is None:
-                    applied = apply_fresh()
+                    status = apply_fresh()
                 else:
-                    applied = tf.cond(
-                        staleness <= self.config.max_staleness, apply_fresh, drop_push
+                    status = tf.cond(
+                        staleness <= self.config.max_staleness,
+                        apply_fresh,
+                        lambda: tf.identity(dropped),
                     )
                 # A dropped push is marked too: its retry would be as stale.
-                outputs = base.after([applied], staleness), applied
+                outputs = (
+                    base.after([status], staleness),
+                    tf.equal(status, applied_code),
+                    status,
+                )
                 return outputs, [base.read(h.count, int64)]
 
         finite = tf.reduce_all(tf.stack(flags))
         token = exactly_once.current()
         if token is None or self.tokens is None:
-            staleness, applied = tf.cond(
+            staleness, applied, status = tf.cond(
                 finite, lambda: apply_push()[0], lambda: refuse()[0]
             )
         else:
             # A retried step whose push was applied already pushes nothing;
             # its sums restart, as after a push dropped for staleness.
-            staleness, applied = exactly_once.gate(
+            staleness, applied, status = exactly_once.gate(
                 token,
                 self.tokens,
                 finite,
                 apply_push,
                 refuse,
-                lambda: (tf.constant(-1, int64), tf.constant(False)),
+                lambda: (tf.constant(-1, int64), tf.constant(False), duplicate),
             )
-        with tf.control_dependencies([applied, staleness]):
+        one = tf.constant(1, int64)
+
+        def when(code, make_ops):
+            """`make_ops()` (the replica's counters) if the push ended as `code`."""
+
+            def run():
+                return base.after(make_ops(), True)
+
+            return tf.cond(tf.equal(status, code), run, lambda: tf.constant(False))
+
+        def on_applied():
+            ops = [
+                base.add(h.seen, one),
+                base.add(h.stats["pushes"], one),
+                base.add(h.stats["row_bytes_pushed"], row_bytes),
+            ]
+            if coded is not None:
+                ops += kept_residuals()
+            return ops
+
+        def on_dropped():
+            return [
+                base.assign(h.refetch, one),
+                base.add(h.stats["dropped_pushes"], one),
+            ]
+
+        def on_refused():
+            # `skip` (with `raise` the branch failed): the replica refetches
+            # and its local accumulators go back to their pushed base.
+            ops = [
+                base.assign(h.refetch, one),
+                base.add(h.stats["nonfinite_pushes"], one),
+            ]
+            for kind, kh in ((self.dense, h.dense), (self.rows, h.rows)):
+                ops += kind.repair_local_accumulators(kh, zero_accumulators)
+            return ops
+
+        counted = [when(applied_code, on_applied), when(dropped, on_dropped)]
+        if guard.mode != "raise":
+            counted.append(when(refused, on_refused))
+        with tf.control_dependencies([applied, staleness, *counted]):
             most = base.read(h.stats["max_staleness_seen"], int64)
             ops = [
                 # A refused push (-1) adds nothing.
