@@ -170,6 +170,19 @@ def test_worker_kills_never_apply_a_step_twice(local_cluster, keras, downpour):
     assert np.all([np.isfinite(w).all() for w in run.weights()])
 
 
+def _gate_ready(token, tokens, apply):
+    """`exactly_once.gate` of a step always ready: `apply()` returns True
+    and its `after`; a refused or duplicate step returns False."""
+    return exactly_once.gate(
+        token,
+        tokens,
+        tf.constant(True),
+        apply,
+        lambda: (tf.constant(False), []),
+        lambda: tf.constant(False),
+    )
+
+
 def test_two_runs_of_one_token_at_once_apply_it_once(local_cluster):
     """The coordinator retries as soon as it sees a worker's loss, so a retry
     can reach the ps while the lost worker's step still runs there (its
@@ -197,14 +210,7 @@ def test_two_runs_of_one_token_at_once_apply_it_once(local_cluster):
                     counted = applied.assign_add(1, read_value=True)
             return tf.constant(True), [counted]
 
-        return exactly_once.gate(
-            token,
-            tokens,
-            tf.constant(True),
-            apply,
-            lambda: (tf.constant(False), []),
-            lambda: tf.constant(False),
-        )
+        return _gate_ready(token, tokens, apply)
 
     rounds = 6
     for token in range(rounds):
@@ -268,14 +274,7 @@ def test_a_worker_killed_while_the_ps_applies_its_step_applies_it_once(
             # No device named: the gate puts it on the ring's ps.
             return tf.constant(True), [tf.identity(counted)]
 
-        done = exactly_once.gate(
-            token,
-            tokens,
-            tf.constant(True),
-            apply,
-            lambda: (tf.constant(False), []),
-            lambda: tf.constant(False),
-        )
+        done = _gate_ready(token, tokens, apply)
         # The worker's own work meanwhile, then sent to the ps: a transfer
         # the ps waits for while it applies the step (the worker's lost, so
         # it fails there).

@@ -30,6 +30,14 @@ from tf_distbelief.tf_internals import optimizers as tf_optimizers
 __all__ = ["Exchange"]
 
 
+# What became of a push, the gated branch's third output (made in the branch,
+# so that nothing it returns comes from the worker): the replica's own
+# counters (per-worker variables) are written from it after the gate, on the
+# worker, and the branch touches the ps only (`exactly_once.gate` keeps it
+# whole there).
+_DUPLICATE, _APPLIED, _DROPPED, _REFUSED = range(4)
+
+
 class Exchange:
     """Fetches and pushes of one replica (the ops, for its step functions).
 
@@ -198,16 +206,8 @@ class Exchange:
         if step is None:
             step = base.read(h.stats["steps"], int64) + 1
         guard = self.guard_context
-        # What became of the push (the gated branch's third output): the
-        # replica's own counters (per-worker variables) are written after the
-        # gate from it, on the worker, so that the branch touches the ps only
-        # and runs there whole (`exactly_once.gate`).
-        duplicate, applied_code, dropped, refused = (
-            tf.constant(k, int64) for k in range(4)
-        )
 
         def refuse():
-            ops = []
             if guard.mode == "raise":
                 ops = push_guard.refuse_ops(
                     guard.mode, h, self.variables, flags, step, []
@@ -217,7 +217,7 @@ class Exchange:
             outputs = (
                 base.after(ops, tf.constant(-1, int64)),
                 base.after(ops, False),
-                base.after(ops, refused),
+                base.after(ops, tf.constant(_REFUSED, int64)),
             )
             return outputs, []
 
@@ -243,7 +243,7 @@ class Exchange:
                 with tf.control_dependencies([increment]):
                     count = base.read(h.count, int64)
                 staleness = count - 1 - seen
-                outputs = staleness, tf.constant(True), applied_code
+                outputs = staleness, tf.constant(True), tf.constant(_APPLIED, int64)
                 return outputs, [count]  # `count`: on the ps, after the push.
 
         else:
@@ -257,7 +257,7 @@ class Exchange:
                     )
                     with tf.control_dependencies(arrived[:1]):
                         increment = base.add(h.count, tf.constant(1, int64))
-                    return base.after([increment], applied_code)
+                    return base.after([increment], tf.constant(_APPLIED, int64))
 
                 if self.config.max_staleness is None:
                     status = apply_fresh()
@@ -265,12 +265,12 @@ class Exchange:
                     status = tf.cond(
                         staleness <= self.config.max_staleness,
                         apply_fresh,
-                        lambda: tf.identity(dropped),
+                        lambda: tf.constant(_DROPPED, int64),
                     )
                 # A dropped push is marked too: its retry would be as stale.
                 outputs = (
                     base.after([status], staleness),
-                    tf.equal(status, applied_code),
+                    tf.equal(status, _APPLIED),
                     status,
                 )
                 return outputs, [base.read(h.count, int64)]
@@ -290,7 +290,11 @@ class Exchange:
                 finite,
                 apply_push,
                 refuse,
-                lambda: (tf.constant(-1, int64), tf.constant(False), duplicate),
+                lambda: (
+                    tf.constant(-1, int64),
+                    tf.constant(False),
+                    tf.constant(_DUPLICATE, int64),
+                ),
             )
         one = tf.constant(1, int64)
 
@@ -329,9 +333,9 @@ class Exchange:
                 ops += kind.repair_local_accumulators(kh, zero_accumulators)
             return ops
 
-        counted = [when(applied_code, on_applied), when(dropped, on_dropped)]
+        counted = [when(_APPLIED, on_applied), when(_DROPPED, on_dropped)]
         if guard.mode != "raise":
-            counted.append(when(refused, on_refused))
+            counted.append(when(_REFUSED, on_refused))
         with tf.control_dependencies([applied, staleness, *counted]):
             most = base.read(h.stats["max_staleness_seen"], int64)
             ops = [
