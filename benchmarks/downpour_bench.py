@@ -31,7 +31,10 @@ NICs of each rate (`LocalCluster(nic_bandwidth=)`; `--ps_nic_rate` for the ps
 tasks), first entering a private network namespace; `--max_row_secs` cuts a
 row off after the evaluation interval that passes that many training seconds
 ("not reached in T s", counting as T), for every row or per row
-(`150,stock=480`); `--stop_at_target` ends a row at its
+(`150,stock=480`); `--calibration_secs` runs the unlimited rows (but
+`single`) one round each, cut off after that many seconds, only to calibrate
+the planner where running them to the target costs too long (the paper's
+42M-parameter model); `--stop_at_target` ends a row at its
 first evaluation at or above the target (a time-to-accuracy run needs nothing
 after it; its examples/s and bytes are measured over the steps it ran). Next
 to each row the planner (`tf_distbelief.planner`) predicts its examples/s
@@ -350,6 +353,18 @@ def define_flags():
         "a join in step).",
         lower_bound=0,
     )
+    flags.DEFINE_float(
+        "calibration_secs",
+        None,
+        "With an unlimited entry among --nic_rates: its rows other than "
+        "`single` run one round only, cut off after this many training "
+        "seconds, to calibrate the planner (their ex/s); for a model too large "
+        "to run to the target at every rate (default: every unlimited row "
+        "runs as the shaped ones do).",
+    )
+    flags.register_multi_flags_validator(
+        ["calibration_secs", downpour_network.RATES_FLAG], _check_calibration
+    )
     flags.DEFINE_bool(
         "stop_at_target",
         False,
@@ -612,8 +627,11 @@ def _single_process_fit(model, x, y, config, probe, intervals, steps):
     )
 
 
-def _run(local, data, model_name, name, f, seed, nic=UNLIMITED) -> Row:
-    """Trains one row (fresh strategy or, for `single`, no cluster); returns it."""
+def _run(local, data, model_name, name, f, seed, nic=UNLIMITED, max_secs=None) -> Row:
+    """Trains one row (fresh strategy or, for `single`, no cluster); returns it.
+
+    `max_secs`, when given, replaces the row's `--max_row_secs` cut-off.
+    """
     import statistics
 
     import models
@@ -675,7 +693,7 @@ def _run(local, data, model_name, name, f, seed, nic=UNLIMITED) -> Row:
         replicas,
         list(roles),
         lambda: training.accuracy(model, x_test, y_test, _EVAL_BATCH),
-        caps.get(name, caps.get("")),
+        max_secs or caps.get(name, caps.get("")),
         _target(f, model_name) if f.stop_at_target else None,
     )
     if kind == "single":
@@ -812,6 +830,27 @@ def _check_max_row_secs(entries: list[str]) -> bool:
     return True
 
 
+def _calibration(f, nic: str, name: str) -> bool:
+    """True for a row that runs only to calibrate the planner (`--calibration_secs`)."""
+    return f.calibration_secs is not None and nic == UNLIMITED and name != "single"
+
+
+def _check_calibration(values: dict) -> bool:
+    """absl validator: `--calibration_secs` needs unlimited and a shaped rate."""
+    rates, secs = values[downpour_network.RATES_FLAG], values["calibration_secs"]
+    if secs is not None and not 0 < secs < math.inf:
+        raise flags.ValidationError(
+            f"--calibration_secs must be a number of seconds > 0. Received: {secs}"
+        )
+    if secs is not None and (UNLIMITED not in rates or rates == [UNLIMITED]):
+        raise flags.ValidationError(
+            f"--calibration_secs={values['calibration_secs']} calibrates the "
+            f"planner on the unlimited rows for the shaped ones: --nic_rates "
+            f"must hold unlimited and a shaped rate. Received: {','.join(rates)}"
+        )
+    return True
+
+
 def _rows(f) -> list[str]:
     return f.rows or list(_QUICK_ROWS if f.quick else _DEFAULT_ROWS)
 
@@ -839,6 +878,8 @@ def _header(f, rounds):
             nic += f" ps_nic={f.ps_nic_rate}"
         if f.max_row_secs:
             nic += f" max_row_secs={','.join(f.max_row_secs)}"
+        if f.calibration_secs is not None:
+            nic += f" calibration_secs={f.calibration_secs:g} (unlimited: 1 round)"
     stop = " stop_at_target" if f.stop_at_target else ""
     return (
         f"cores={os.cpu_count()} load={load} workers=2 ps={f.num_ps} "
@@ -949,9 +990,19 @@ def main(argv):
                     for name in names:
                         if name == "single" and k > 0:
                             continue  # No network: once, at the first rate.
+                        calibration = _calibration(f, nic, name)
+                        if calibration and round_index > 0:
+                            continue  # The planner's calibration: one round.
                         seed = f.first_seed + round_index
                         r = _run(
-                            local, data[model_name], model_name, name, f, seed, nic
+                            local,
+                            data[model_name],
+                            model_name,
+                            name,
+                            f,
+                            seed,
+                            nic,
+                            max_secs=f.calibration_secs if calibration else None,
                         )
                         rows.append(r)
                         round_rows.append((round_index, r))

@@ -222,6 +222,41 @@ def test_bad_max_row_secs_are_refused_when_the_flags_are_parsed(entries, match):
         bench._check_max_row_secs(entries)
 
 
+def test_calibration_rows_are_the_unlimited_ones_but_single():
+    f = types.SimpleNamespace(calibration_secs=60.0)
+    assert bench._calibration(f, "unlimited", "stock")
+    assert not bench._calibration(f, "unlimited", "single")
+    assert not bench._calibration(f, "1gbit", "stock")
+    assert not bench._calibration(
+        types.SimpleNamespace(calibration_secs=None), "unlimited", "stock"
+    )
+    assert bench._check_calibration(
+        {"calibration_secs": 60.0, "nic_rates": ["unlimited", "1gbit"]}
+    )
+    assert bench._check_calibration(
+        {"calibration_secs": None, "nic_rates": ["unlimited"]}
+    )
+
+
+@pytest.mark.parametrize(
+    "secs, rates, match",
+    [
+        (
+            60.0,
+            ["1gbit"],
+            r"--calibration_secs=60.0 .* must hold unlimited and a shaped rate. "
+            r"Received: 1gbit",
+        ),
+        (60.0, ["unlimited"], r"Received: unlimited$"),
+        (0.0, ["unlimited", "1gbit"], r"> 0. Received: 0.0"),
+        (math.inf, ["unlimited", "1gbit"], r"> 0. Received: inf"),
+    ],
+)
+def test_bad_calibration_secs_are_refused_when_the_flags_are_parsed(secs, rates, match):
+    with pytest.raises(flags.ValidationError, match=match):
+        bench._check_calibration({"calibration_secs": secs, "nic_rates": rates})
+
+
 @pytest.mark.parametrize(
     "name, base, slowdown",
     [
