@@ -55,16 +55,17 @@ def test_watch_gives_up_a_silent_task_once_and_names_it():
         listener.listen()
         address = f"127.0.0.1:{listener.getsockname()[1]}"
         watch = hung_tasks.HungTaskWatch(
-            lambda: {"/job:worker/task:3": address},
+            {"/job:worker/task:3": address},
             timeout_secs=1.0,
-            on_hung=hung.append,
             action="killed, to be restarted",
             report=lines.append,
+            on_hung=hung.append,
         )
         deadline = time.monotonic() + 15
         while not hung and time.monotonic() < deadline:
             time.sleep(0.1)
         watch.stop()
+    assert watch._process.returncode == 0  # Ended by `stop`, not killed.
     assert hung[:1] == ["/job:worker/task:3"]
     assert re.search(
         rf"hung task: /job:worker/task:3 at {address} has accepted connections "
@@ -74,6 +75,108 @@ def test_watch_gives_up_a_silent_task_once_and_names_it():
     ), lines
     assert watch.given_up[0][0] == "/job:worker/task:3"
     assert watch.given_up[0][1] >= 1.0
+
+
+def _silent_listener_process():
+    """A child process that accepts connections and never answers; (proc, address)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import socket, sys, time\n"
+            "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+            "print(s.getsockname()[1], flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    return proc, f"127.0.0.1:{proc.stdout.readline().strip()}"
+
+
+def test_watch_kills_the_process_it_was_told_and_only_that_one():
+    """The watch's process kills a hung task by the id `pids`/`set_pid` gave."""
+    hung_proc, hung_address = _silent_listener_process()
+    other_proc, other_address = _silent_listener_process()
+    lines, hung = [], []
+    try:
+        watch = hung_tasks.HungTaskWatch(
+            {"/job:ps/task:0": hung_address, "/job:ps/task:1": other_address},
+            timeout_secs=1.0,
+            action="killed",
+            report=lines.append,
+            on_hung=hung.append,
+            pids={"/job:ps/task:0": hung_proc.pid},
+        )
+        watch.set_pid("/job:ps/task:1", None)
+        assert hung_proc.wait(timeout=20) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while len(hung) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        watch.stop()
+        # Both silent ones named; only the one with a process id killed.
+        assert sorted(hung) == ["/job:ps/task:0", "/job:ps/task:1"], lines
+        assert other_proc.poll() is None
+    finally:
+        hung_proc.kill()
+        other_proc.kill()
+        hung_proc.wait()
+        other_proc.wait()
+
+
+def test_watch_refuses_pids_of_tasks_it_does_not_watch():
+    tasks = {"/job:ps/task:0": "127.0.0.1:1"}
+    with pytest.raises(ValueError, match=r"not watched: \['/job:ps/task:7'\]"):
+        hung_tasks.HungTaskWatch(tasks, 1.0, "killed", pids={"/job:ps/task:7": 1})
+    watch = hung_tasks.HungTaskWatch(tasks, 1.0, "killed")
+    try:
+        with pytest.raises(ValueError, match=r"Received: '/job:worker/task:0'"):
+            watch.set_pid("/job:worker/task:0", 1)
+    finally:
+        watch.stop()
+
+
+@pytest.mark.slow
+def test_a_stopped_ps_is_killed_while_this_process_holds_the_gil():
+    """TensorFlow holds the GIL in some calls that wait on a remote task (a
+    tensor freed on a stopped ps waits for the deletion's answer), so the watch
+    cannot be a thread of the process that waits. Here the main thread holds
+    the GIL for longer than the watch needs to give the ps up (no thread of
+    this process runs): the ps is killed all the same."""
+    import sys
+
+    lines = []
+    cluster = local_lib.LocalCluster(
+        num_workers=1,
+        num_ps=1,
+        restart_lost_tasks=True,
+        hung_task_timeout_secs=HUNG_SECS,
+        report=lines.append,
+    ).start()
+    try:
+        ps = cluster.processes[("ps", 0)]
+        interval = sys.getswitchinterval()
+        cluster.kill("ps", 0, signal.SIGSTOP)
+        # Timeout, a probe's deadline, a round's pause and a margin.
+        end = time.monotonic() + HUNG_SECS + health.DEFAULT_PROBE_TIMEOUT_SECS + 6
+        sys.setswitchinterval(120)  # No other thread runs until it blocks.
+        try:
+            while time.monotonic() < end:
+                pass
+        finally:
+            sys.setswitchinterval(interval)
+        assert ps.poll() == -signal.SIGKILL
+        deadline = time.monotonic() + 60
+        while not any(line.startswith("hung task: /job:ps/task:0") for line in lines):
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.1)
+        while cluster.restarts != [("ps", 0)]:
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.1)
+    finally:
+        cluster.stop()
 
 
 @pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan"), "5"])
@@ -205,8 +308,8 @@ def test_downpour_survives_a_worker_stopped_for_good_and_a_ps_stopped_20_s(tmp_p
         [(1, "worker", 0, None), (2, "ps", 0, 20.0)],
     )
     assert code == 0, err[-3000:]
-    assert _hung_line("worker", out), out
-    assert _hung_line("ps", out), out
+    assert _hung_line("worker", out), out + err[-3000:]
+    assert _hung_line("ps", out), out + err[-3000:]
     assert re.search(r"^ps task lost: /job:ps/task:0 at ", out, re.M), out
-    assert re.search(r"^restored ckpt-\d+ \(step \d+\): .* bit for bit", out, re.M)
-    assert _test_accuracy(out) >= 0.95
+    assert re.search(r"^restored ckpt-\d+ \(step \d+\): .* bit for bit", out, re.M), out
+    assert _test_accuracy(out) >= 0.95, out

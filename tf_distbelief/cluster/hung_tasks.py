@@ -10,18 +10,39 @@ probe: the step watch's `--step_stall_timeout_secs` ends such a job.)
 
 `HungTaskWatch` probes every task (`health.probe`, a gRPC call with a
 deadline, answered by a running server's gRPC completion-queue threads,
-whatever its inter-op threads are doing) and
-gives up on a task that has stayed `SILENT` for `timeout_secs`: it prints one
-line naming the task and the time it gave up, and calls `on_hung`. A local
-cluster's `on_hung` kills the task, so that TensorFlow sees a lost task and its
-own recovery applies (the step in flight is run again elsewhere, exactly once
-through the step tokens; the cluster's supervisor restarts the task, which
-rejoins). A task that is down (connection refused) is not hung: the
-supervisor, an orchestrator, or the step watch handles it.
+whatever its inter-op threads are doing) and gives up on a task that has
+stayed `SILENT` for `timeout_secs`: it kills the task if it was told the
+task's process id (a local cluster's tasks), so that TensorFlow sees a lost
+task and its own recovery applies (the step in flight is run again
+elsewhere, exactly once through the step tokens; the cluster's supervisor
+restarts the task, which rejoins), prints one line naming the task and the
+time it gave up, and calls `on_hung`. A task that is down (connection
+refused) is not hung: the supervisor, an orchestrator, or the step watch
+handles it.
+
+The probes and the kill run in a process of their own
+(`python -m tf_distbelief.cluster.hung_tasks`), not in a thread of the chief:
+a thread runs only while no other thread of its process holds the Python GIL,
+and a call that waits on a task without releasing it (a C++ call of
+TensorFlow's that does not, or a long stretch of pure Python) would stop the
+watch along with the chief. A watch thread of the chief, in 3 of 4 full test
+runs on a loaded 2-core machine, let a ps stopped for 20 s pass as a 20 s
+pause, never given up (`tests/faults/test_hung_tasks.py` now holds the GIL on
+purpose while a ps is stopped). The watch process reads its orders (the
+tasks' process ids) on stdin and ends when stdin closes (the chief stopped it
+or died); it writes one JSON line per task it gave up on stdout, which a
+thread of the chief turns into the printed line and `on_hung` as soon as the
+chief runs Python again (the kill has by then ended any wait on the task).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,97 +51,224 @@ from absl import logging
 
 from tf_distbelief import checks
 from tf_distbelief.cluster import health
+from tf_distbelief.cluster import server as server_lib
 
 # A live server answers a probe in milliseconds, even mid-step; a stopped
 # process never does. 30 s rides out a loaded machine's pauses (a probe was
 # seen at 1.2 s) and costs a hung worker's step at most that long.
 DEFAULT_HUNG_TASK_TIMEOUT_SECS = 30.0
 _PROBE_EVERY_SECS = 1.0
+# The watch process's start (Python and gRPC, no TensorFlow) and exit.
+_PROCESS_SECS = 10.0
 
 
 class HungTaskWatch:
-    """Calls `on_hung(task)` for each task silent for `timeout_secs` in a row.
+    """Gives up on each task silent for `timeout_secs` in a row (own process).
 
     Args:
-      tasks: returns `{task name: "host:port"}` of the tasks to watch, called
-        before each round of probes (a cluster's tasks can change).
+      tasks: `{task name: "host:port"}` of the ps and worker tasks to watch.
       timeout_secs: seconds (finite, > 0) a task may stay `SILENT` before it is
         given up; each probe waits at most the smaller of this and
         `health.DEFAULT_PROBE_TIMEOUT_SECS`.
-      on_hung: called with the task's name once it is given up (a local
-        cluster kills it); exceptions are logged, not raised.
       action: what giving up does, in words, ending the line that names the
         task (a local cluster's: it kills the task and restarts it).
       report: where the line naming a hung task goes (default:
         `absl.logging.warning`).
+      on_hung: called with the task's name once it is given up and killed
+        (if its process id was set); exceptions are logged, not raised.
+      pids: `{task name: process id}` of the tasks that the watch kills when
+        it gives them up (`set_pid` changes one); tasks without one are only
+        named.
 
     Attributes:
-      given_up: `(task name, seconds silent)` of every task given up, in order.
+      given_up: `(task name, seconds silent)` of every task given up, in order
+        (appended when the chief's reader thread receives it).
 
     Raises:
-      ValueError: `timeout_secs` is not a finite number of seconds > 0.
+      ValueError: `timeout_secs` is not a finite number of seconds > 0, or a
+        task of `pids` is not one of `tasks`.
+      OSError: the watch process could not start.
     """
 
     def __init__(
         self,
-        tasks: Callable[[], Mapping[str, str]],
+        tasks: Mapping[str, str],
         timeout_secs: float,
-        on_hung: Callable[[str], None],
         action: str,
         report: Callable[[str], None] | None = None,
+        on_hung: Callable[[str], None] | None = None,
+        pids: Mapping[str, int] | None = None,
     ):
         self.timeout_secs = checks.check_positive_secs(
             "hung_task_timeout_secs", timeout_secs
         )
+        unknown = sorted(set(pids or ()) - set(tasks))
+        if unknown:
+            raise ValueError(
+                f"Argument `pids` names tasks that are not watched: {unknown}; "
+                f"watched: {sorted(tasks)}"
+            )
         self.given_up: list[tuple[str, float]] = []
-        self._tasks = tasks
-        self._on_hung = on_hung
+        self._tasks = dict(tasks)
         self._action = action
         self._report = report or logging.warning
+        self._on_hung = on_hung or (lambda task: None)
         self._probe_secs = min(self.timeout_secs, health.DEFAULT_PROBE_TIMEOUT_SECS)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="HungTaskWatch", daemon=True
+        self._stopping = False
+        self._write_lock = threading.Lock()
+        orders = {
+            "tasks": self._tasks,
+            "timeout_secs": self.timeout_secs,
+            "probe_secs": self._probe_secs,
+            "pids": dict(pids or {}),
+        }
+        self._process = server_lib.popen_for_life(
+            [sys.executable, "-m", __name__, json.dumps(orders)],
+            env=_env_with_this_package(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=server_lib.set_parent_death_signal,
         )
-        self._thread.start()
+        self._reader = threading.Thread(
+            target=self._read, name="HungTaskWatch", daemon=True
+        )
+        self._reader.start()
+
+    def set_pid(self, task: str, pid: int | None) -> None:
+        """Tells the watch the process id of `task` (None: do not kill it).
+
+        Args:
+          task: a watched task's name.
+          pid: its process, which the watch SIGKILLs when it gives the task up
+            (and then forgets); None: none to kill (its process ended). The
+            watch gives a task up only while something listens at its address
+            without answering, which an ended process does not.
+
+        Raises:
+          ValueError: `task` is not watched.
+        """
+        if task not in self._tasks:
+            raise ValueError(
+                f"Argument `task` must be a watched task ({sorted(self._tasks)}). "
+                f"Received: {task!r}"
+            )
+        self._send({"pids": {task: pid}})
 
     def stop(self) -> None:
-        """Ends the watch; returns within one probe's deadline."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(self._probe_secs + _PROBE_EVERY_SECS + 1.0)
-
-    def _run(self) -> None:
+        """Ends the watch and its process; returns within one probe round."""
+        self._stopping = True
+        with self._write_lock, contextlib.suppress(OSError, ValueError):
+            self._process.stdin.close()
         try:
-            self._watch()
-        except Exception:  # noqa: BLE001 - said, not lost with the thread.
-            logging.exception("HungTaskWatch stopped; hung tasks are not detected")
+            self._process.wait(self._probe_secs + _PROBE_EVERY_SECS + _PROCESS_SECS)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        if self._reader is not threading.current_thread():
+            self._reader.join(_PROCESS_SECS)
 
-    def _watch(self) -> None:
-        silent_since: dict[str, float] = {}
-        while not self._stop.wait(_PROBE_EVERY_SECS):
-            tasks = dict(self._tasks())
-            states = health.probe_all(tasks, self._probe_secs)
-            if self._stop.is_set():
+    def _send(self, order: dict) -> None:
+        with self._write_lock:
+            if self._stopping:
                 return
-            now = time.monotonic()
-            for task, state in states.items():
-                if state is not health.TaskState.SILENT:
-                    silent_since.pop(task, None)
-                    continue
-                # Counted from the start of the first silent probe.
-                since = silent_since.setdefault(task, now - self._probe_secs)
-                if now - since < self.timeout_secs:
-                    continue
-                del silent_since[task]
-                self.given_up.append((task, now - since))
-                self._report(
-                    f"hung task: {task} at {tasks[task]} has accepted connections "
-                    f"without answering for {now - since:.0f} s "
-                    f"(--hung_task_timeout_secs={self.timeout_secs:g}); given up at "
-                    f"{time.strftime('%H:%M:%S')} and treated as lost: {self._action}"
+            try:
+                self._process.stdin.write(json.dumps(order) + "\n")
+                self._process.stdin.flush()
+            except (OSError, ValueError):
+                logging.warning(
+                    "The hung task watch process has ended (code %s); order "
+                    "not delivered: %s",
+                    self._process.poll(),
+                    order,
                 )
-                try:
-                    self._on_hung(task)
-                except Exception:  # noqa: BLE001 - the watch goes on.
-                    logging.exception("Could not act on hung task %s", task)
+
+    def _read(self) -> None:
+        for line in self._process.stdout:
+            event = json.loads(line)
+            task, secs = event["task"], event["silent_secs"]
+            self.given_up.append((task, secs))
+            self._report(
+                f"hung task: {task} at {self._tasks[task]} has accepted "
+                f"connections without answering for {secs:.0f} s "
+                f"(--hung_task_timeout_secs={self.timeout_secs:g}); given up at "
+                f"{event['at']} and treated as lost: {self._action}"
+            )
+            try:
+                self._on_hung(task)
+            except Exception:  # noqa: BLE001 - the watch goes on.
+                logging.exception("Could not act on hung task %s", task)
+        code = self._process.wait()
+        if not self._stopping:
+            logging.error(
+                "The hung task watch process ended (code %s); hung tasks are no "
+                "longer detected",
+                code,
+            )
+
+
+def _env_with_this_package() -> dict:
+    """This process's environment, with this package importable first."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.environ.get("PYTHONPATH")
+    return dict(
+        os.environ, PYTHONPATH=root if not path else f"{root}{os.pathsep}{path}"
+    )
+
+
+def _watch(orders: dict, stdin, stdout) -> None:
+    """The watch process: probes, gives up, kills; ends when `stdin` closes."""
+    tasks, pids = orders["tasks"], dict(orders["pids"])
+    timeout_secs, probe_secs = orders["timeout_secs"], orders["probe_secs"]
+    lock, ended = threading.Lock(), threading.Event()
+
+    def read_orders():  # The chief's `set_pid`s, until it closes stdin.
+        for line in stdin:
+            with lock:
+                pids.update(json.loads(line)["pids"])
+        ended.set()
+
+    threading.Thread(target=read_orders, daemon=True).start()
+    silent_since: dict[str, float] = {}
+    while not ended.wait(_PROBE_EVERY_SECS):
+        states = health.probe_all(tasks, probe_secs)
+        now = time.monotonic()
+        for task, state in states.items():
+            if state is not health.TaskState.SILENT:
+                silent_since.pop(task, None)
+                continue
+            # Counted from the start of the first silent probe.
+            since = silent_since.setdefault(task, now - probe_secs)
+            if now - since < timeout_secs:
+                continue
+            del silent_since[task]
+            with lock:
+                pid = pids.pop(task, None)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            event = {
+                "task": task,
+                "silent_secs": now - since,
+                "at": time.strftime("%H:%M:%S"),
+            }
+            stdout.write(json.dumps(event) + "\n")
+            stdout.flush()
+
+
+def main(argv: list[str]) -> int:
+    """`python -m tf_distbelief.cluster.hung_tasks ORDERS_JSON` (HungTaskWatch's)."""
+    if len(argv) != 2:
+        print(
+            "usage: python -m tf_distbelief.cluster.hung_tasks ORDERS_JSON "
+            "(started by HungTaskWatch)",
+            file=sys.stderr,
+        )
+        return 2
+    with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
+        _watch(json.loads(argv[1]), sys.stdin, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv))

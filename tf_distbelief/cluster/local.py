@@ -321,34 +321,32 @@ class LocalCluster:
             )
             self._supervisor.start()
         if self.hung_task_timeout_secs is not None:
-            self.hung_task_watch = hung_tasks.HungTaskWatch(
-                self._task_addresses,
-                self.hung_task_timeout_secs,
-                on_hung=self._kill_hung,
-                action=(
-                    "killed, to be restarted"
-                    if self.restart_lost_tasks
-                    else "killed (`restart_lost_tasks` is off)"
-                ),
-                report=self._report,
-            )
+            # The watch kills a hung task itself (its own process: see
+            # `hung_tasks`); the supervisor restarts it.
+            with self._lock:
+                self.hung_task_watch = hung_tasks.HungTaskWatch(
+                    self._task_addresses(),
+                    self.hung_task_timeout_secs,
+                    action=(
+                        "killed, to be restarted"
+                        if self.restart_lost_tasks
+                        else "killed (`restart_lost_tasks` is off)"
+                    ),
+                    report=self._report,
+                    pids={
+                        _task_name(job, index): proc.pid
+                        for (job, index), proc in self.processes.items()
+                    },
+                )
         return self
 
     def _task_addresses(self) -> dict[str, str]:
         """`{"/job:worker/task:0": "127.0.0.1:port", ...}`: ps and worker tasks."""
         return {
-            f"/job:{job}/task:{index}": address
+            _task_name(job, index): address
             for job in ("worker", "ps")
             for index, address in enumerate(self.jobs.get(job, ()))
         }
-
-    def _kill_hung(self, task: str) -> None:
-        """SIGKILLs a hung task (a stopped one too); the supervisor restarts it."""
-        job, index = task.removeprefix("/job:").split("/task:")
-        with self._lock:
-            proc = self.processes[(job, int(index))]
-            if proc.poll() is None:
-                proc.kill()
 
     def _supervise(self) -> None:
         """Restarts each ps or worker task that exited (see the class docstring)."""
@@ -428,10 +426,15 @@ class LocalCluster:
 
     def _restart_locked(self, job: str, index: int) -> None:
         proc = self.processes[(job, index)]
+        watch = self.hung_task_watch
+        if watch is not None:
+            watch.set_pid(_task_name(job, index), None)  # Not a gone process's id.
         if proc.poll() is None:
             proc.kill()
         proc.wait()
         self.processes[(job, index)] = self._spawn(job, index)
+        if watch is not None:
+            watch.set_pid(_task_name(job, index), self.processes[(job, index)].pid)
         self._wait_listening({(job, index): self.processes[(job, index)]})
 
     def _wait_listening(self, pending=None) -> None:
@@ -526,6 +529,11 @@ class LocalCluster:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def _task_name(job: str, index: int) -> str:
+    """`"/job:ps/task:0"`: a task's name, as TensorFlow and the watch name it."""
+    return f"/job:{job}/task:{index}"
 
 
 def _own_network_namespace() -> None:

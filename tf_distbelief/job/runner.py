@@ -528,9 +528,8 @@ def _report_hung_tasks(config, resolver, print_fn) -> hung_tasks.HungTaskWatch:
         for index, address in enumerate(jobs.get(job, ()))
     }
     return hung_tasks.HungTaskWatch(
-        lambda: tasks,
+        tasks,
         config.hung_task_timeout_secs,
-        on_hung=lambda task: None,
         action=(
             "left to the orchestrator, which restarts it (the pods' liveness "
             "probe: python -m tf_distbelief.cluster.health); its step in flight "
