@@ -100,30 +100,51 @@ def test_watch_kills_the_process_it_was_told_and_only_that_one():
     """The watch's process kills a hung task by the id `pids`/`set_pid` gave."""
     hung_proc, hung_address = _silent_listener_process()
     other_proc, other_address = _silent_listener_process()
+    first_proc, _ = _silent_listener_process()  # ps 0's process, replaced.
     lines, hung = [], []
+    watch = hung_tasks.HungTaskWatch(
+        {"/job:ps/task:0": hung_address, "/job:ps/task:1": other_address},
+        timeout_secs=1.0,
+        action="killed",
+        report=lines.append,
+        on_hung=hung.append,
+        pids={"/job:ps/task:0": first_proc.pid, "/job:ps/task:1": other_proc.pid},
+    )
     try:
-        watch = hung_tasks.HungTaskWatch(
-            {"/job:ps/task:0": hung_address, "/job:ps/task:1": other_address},
-            timeout_secs=1.0,
-            action="killed",
-            report=lines.append,
-            on_hung=hung.append,
-            pids={"/job:ps/task:0": hung_proc.pid},
-        )
+        watch.set_pid("/job:ps/task:0", hung_proc.pid)
         watch.set_pid("/job:ps/task:1", None)
         assert hung_proc.wait(timeout=20) == -signal.SIGKILL
         deadline = time.monotonic() + 10
         while len(hung) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        watch.stop()
-        # Both silent ones named; only the one with a process id killed.
-        assert sorted(hung) == ["/job:ps/task:0", "/job:ps/task:1"], lines
-        assert other_proc.poll() is None
     finally:
-        hung_proc.kill()
-        other_proc.kill()
-        hung_proc.wait()
-        other_proc.wait()
+        watch.stop()
+        for proc in (hung_proc, other_proc, first_proc):
+            alive = proc.poll() is None
+            proc.kill()
+            proc.wait()
+            if proc is not hung_proc:
+                # Both silent ones named; only the one with a process id killed.
+                assert alive, proc.args
+    assert sorted(hung) == ["/job:ps/task:0", "/job:ps/task:1"], lines
+    assert lines[0].endswith("treated as lost: killed"), lines
+    assert lines[1].endswith("not killed: its process had ended or was not known")
+
+
+def test_watch_never_kills_a_process_that_took_a_known_id():
+    """The watch knows a process by id and start time: one whose start time
+    differs (the id reused after the task ended) is not killed."""
+    proc, _ = _silent_listener_process()
+    try:
+        pid, start = hung_tasks._identity(proc.pid)
+        assert start is not None
+        assert not hung_tasks._kill([pid, start - 1])
+        assert proc.poll() is None
+        assert hung_tasks._kill([pid, start])
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_watch_refuses_pids_of_tasks_it_does_not_watch():
@@ -160,7 +181,7 @@ def test_a_stopped_ps_is_killed_while_this_process_holds_the_gil():
         interval = sys.getswitchinterval()
         cluster.kill("ps", 0, signal.SIGSTOP)
         # Timeout, a probe's deadline, a round's pause and a margin.
-        end = time.monotonic() + HUNG_SECS + health.DEFAULT_PROBE_TIMEOUT_SECS + 6
+        end = time.monotonic() + HUNG_SECS + health.DEFAULT_PROBE_TIMEOUT_SECS + 10
         sys.setswitchinterval(120)  # No other thread runs until it blocks.
         try:
             while time.monotonic() < end:

@@ -114,16 +114,20 @@ class HungTaskWatch:
         self._report = report or logging.warning
         self._on_hung = on_hung or (lambda task: None)
         self._probe_secs = min(self.timeout_secs, health.DEFAULT_PROBE_TIMEOUT_SECS)
+        self._kills = bool(pids)
         self._stopping = False
         self._write_lock = threading.Lock()
         orders = {
             "tasks": self._tasks,
             "timeout_secs": self.timeout_secs,
             "probe_secs": self._probe_secs,
-            "pids": dict(pids or {}),
+            "pids": {task: _identity(pid) for task, pid in (pids or {}).items()},
         }
+        # -P (Python 3.11+): this package from `_env_with_this_package`, not
+        # a copy of it in the working folder.
+        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
         self._process = server_lib.popen_for_life(
-            [sys.executable, "-m", __name__, json.dumps(orders)],
+            [sys.executable, *safe_path, "-m", __name__, json.dumps(orders)],
             env=_env_with_this_package(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -140,10 +144,12 @@ class HungTaskWatch:
 
         Args:
           task: a watched task's name.
-          pid: its process, which the watch SIGKILLs when it gives the task up
-            (and then forgets); None: none to kill (its process ended). The
-            watch gives a task up only while something listens at its address
-            without answering, which an ended process does not.
+          pid: its process, running (not yet reaped), which the watch SIGKILLs
+            when it gives the task up (and then forgets); None: none to kill.
+            The watch knows the process by its id and start time
+            (`/proc/PID/stat`), so that it never kills another process that
+            got the same id after this one ended. Delivered to the watch
+            process in order with the others, not awaited.
 
         Raises:
           ValueError: `task` is not watched.
@@ -153,13 +159,24 @@ class HungTaskWatch:
                 f"Argument `task` must be a watched task ({sorted(self._tasks)}). "
                 f"Received: {task!r}"
             )
-        self._send({"pids": {task: pid}})
+        self._send({"pids": {task: None if pid is None else _identity(pid)}})
 
     def stop(self) -> None:
-        """Ends the watch and its process; returns within one probe round."""
+        """Ends the watch and its process.
+
+        Returns after the watch process's round in progress (at most a probe's
+        deadline and a pause), killing it after `_PROCESS_SECS` more.
+        """
         self._stopping = True
-        with self._write_lock, contextlib.suppress(OSError, ValueError):
-            self._process.stdin.close()
+        # Bounded: a `_send` of this thread's, interrupted by a signal handler
+        # that stops the cluster, holds the lock.
+        locked = self._write_lock.acquire(timeout=_PROBE_EVERY_SECS)
+        try:
+            with contextlib.suppress(OSError, ValueError):
+                self._process.stdin.close()
+        finally:
+            if locked:
+                self._write_lock.release()
         try:
             self._process.wait(self._probe_secs + _PROBE_EVERY_SECS + _PROCESS_SECS)
         except subprocess.TimeoutExpired:
@@ -185,19 +202,10 @@ class HungTaskWatch:
 
     def _read(self) -> None:
         for line in self._process.stdout:
-            event = json.loads(line)
-            task, secs = event["task"], event["silent_secs"]
-            self.given_up.append((task, secs))
-            self._report(
-                f"hung task: {task} at {self._tasks[task]} has accepted "
-                f"connections without answering for {secs:.0f} s "
-                f"(--hung_task_timeout_secs={self.timeout_secs:g}); given up at "
-                f"{event['at']} and treated as lost: {self._action}"
-            )
             try:
-                self._on_hung(task)
-            except Exception:  # noqa: BLE001 - the watch goes on.
-                logging.exception("Could not act on hung task %s", task)
+                self._given_up(json.loads(line))
+            except Exception:  # noqa: BLE001 - read on: the watch goes on.
+                logging.exception("Hung task watch: could not handle %r", line)
         code = self._process.wait()
         if not self._stopping:
             logging.error(
@@ -205,6 +213,53 @@ class HungTaskWatch:
                 "longer detected",
                 code,
             )
+
+    def _given_up(self, event: dict) -> None:
+        task, secs = event["task"], event["silent_secs"]
+        self.given_up.append((task, secs))
+        action = self._action
+        if self._kills and not event["killed"]:
+            action = "not killed: its process had ended or was not known"
+        self._report(
+            f"hung task: {task} at {self._tasks[task]} has accepted "
+            f"connections without answering for {secs:.0f} s "
+            f"(--hung_task_timeout_secs={self.timeout_secs:g}); given up at "
+            f"{event['at']} and treated as lost: {action}"
+        )
+        try:
+            self._on_hung(task)
+        except Exception:  # noqa: BLE001 - the watch goes on.
+            logging.exception("Could not act on hung task %s", task)
+
+
+def _identity(pid: int) -> list:
+    """`[pid, start time]` of a running process (start time None without /proc)."""
+    return [pid, _start_time(pid)]
+
+
+def _start_time(pid: int) -> int | None:
+    """Field 22 of `/proc/PID/stat`: clock ticks from boot to the start."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces.
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+def _kill(identity: list | None) -> bool:
+    """SIGKILLs the process of `_identity`'s `identity` if it still is that one."""
+    if identity is None:
+        return False
+    pid, start = identity
+    if start is not None and _start_time(pid) != start:
+        return False  # Ended; the id may be another process's now.
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _env_with_this_package() -> dict:
@@ -216,44 +271,67 @@ def _env_with_this_package() -> dict:
     )
 
 
-def _watch(orders: dict, stdin, stdout) -> None:
-    """The watch process: probes, gives up, kills; ends when `stdin` closes."""
-    tasks, pids = orders["tasks"], dict(orders["pids"])
-    timeout_secs, probe_secs = orders["timeout_secs"], orders["probe_secs"]
-    lock, ended = threading.Lock(), threading.Event()
+class _Watch:
+    """The watch process's state: probes, gives up, kills (see the module)."""
 
-    def read_orders():  # The chief's `set_pid`s, until it closes stdin.
-        for line in stdin:
-            with lock:
-                pids.update(json.loads(line)["pids"])
-        ended.set()
+    def __init__(self, orders: dict, stdout):
+        self._tasks = orders["tasks"]
+        self._pids = dict(orders["pids"])  # Task: `_identity`, or None.
+        self._timeout_secs = orders["timeout_secs"]
+        self._probe_secs = orders["probe_secs"]
+        self._stdout = stdout
+        self._lock = threading.Lock()
+        self._ended = threading.Event()
+        self._renewed: set[str] = set()  # A new process since the last round.
+        self._silent_since: dict[str, float] = {}
 
-    threading.Thread(target=read_orders, daemon=True).start()
-    silent_since: dict[str, float] = {}
-    while not ended.wait(_PROBE_EVERY_SECS):
-        states = health.probe_all(tasks, probe_secs)
+    def run(self, stdin) -> None:
+        """Rounds of probes until `stdin` (the chief's orders) closes."""
+        threading.Thread(target=self._read_orders, args=(stdin,), daemon=True).start()
+        while not self._ended.wait(_PROBE_EVERY_SECS):
+            try:
+                self._round()
+            except BrokenPipeError:
+                return  # The chief is gone.
+            except Exception as e:  # noqa: BLE001 - said; the next round may do.
+                print(f"hung task watch: a round failed: {e!r}", file=sys.stderr)
+
+    def _read_orders(self, stdin) -> None:  # The chief's `set_pid`s.
+        try:
+            for line in stdin:
+                order = json.loads(line)["pids"]
+                with self._lock:
+                    self._pids.update(order)
+                    self._renewed.update(order)
+        finally:
+            self._ended.set()
+
+    def _round(self) -> None:
+        with self._lock:
+            for task in self._renewed:
+                self._silent_since.pop(task, None)  # The old process's silence.
+            self._renewed.clear()
+        states = health.probe_all(self._tasks, self._probe_secs)
         now = time.monotonic()
         for task, state in states.items():
             if state is not health.TaskState.SILENT:
-                silent_since.pop(task, None)
+                self._silent_since.pop(task, None)
                 continue
             # Counted from the start of the first silent probe.
-            since = silent_since.setdefault(task, now - probe_secs)
-            if now - since < timeout_secs:
+            since = self._silent_since.setdefault(task, now - self._probe_secs)
+            if now - since < self._timeout_secs:
                 continue
-            del silent_since[task]
-            with lock:
-                pid = pids.pop(task, None)
-            if pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            del self._silent_since[task]
+            with self._lock:
+                identity = self._pids.pop(task, None)
             event = {
                 "task": task,
                 "silent_secs": now - since,
                 "at": time.strftime("%H:%M:%S"),
+                "killed": _kill(identity),
             }
-            stdout.write(json.dumps(event) + "\n")
-            stdout.flush()
+            self._stdout.write(json.dumps(event) + "\n")
+            self._stdout.flush()
 
 
 def main(argv: list[str]) -> int:
@@ -265,8 +343,10 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
-        _watch(json.loads(argv[1]), sys.stdin, sys.stdout)
+    # Ctrl-C reaches the whole process group: the chief ends the watch.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(BrokenPipeError):
+        _Watch(json.loads(argv[1]), sys.stdout).run(sys.stdin)
     return 0
 
 

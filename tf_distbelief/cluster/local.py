@@ -323,7 +323,7 @@ class LocalCluster:
         if self.hung_task_timeout_secs is not None:
             # The watch kills a hung task itself (its own process: see
             # `hung_tasks`); the supervisor restarts it.
-            with self._lock:
+            with _stopped_on_error(self), self._lock:
                 self.hung_task_watch = hung_tasks.HungTaskWatch(
                     self._task_addresses(),
                     self.hung_task_timeout_secs,
@@ -428,7 +428,7 @@ class LocalCluster:
         proc = self.processes[(job, index)]
         watch = self.hung_task_watch
         if watch is not None:
-            watch.set_pid(_task_name(job, index), None)  # Not a gone process's id.
+            watch.set_pid(_task_name(job, index), None)  # It forgets the old one.
         if proc.poll() is None:
             proc.kill()
         proc.wait()
@@ -529,6 +529,16 @@ class LocalCluster:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def _stopped_on_error(cluster: LocalCluster):
+    """Stops `cluster` (its tasks) if the block raises, and re-raises."""
+    try:
+        yield
+    except BaseException:
+        cluster.stop()
+        raise
 
 
 def _task_name(job: str, index: int) -> str:
