@@ -77,6 +77,18 @@ def test_watch_gives_up_a_silent_task_once_and_names_it():
     assert watch.given_up[0][1] >= 1.0
 
 
+def _watched_cluster(lines):
+    """A started 1-worker, 1-ps LocalCluster whose hung tasks are killed and
+    restarted after `HUNG_SECS`; its lines go to `lines`."""
+    return local_lib.LocalCluster(
+        num_workers=1,
+        num_ps=1,
+        restart_lost_tasks=True,
+        hung_task_timeout_secs=HUNG_SECS,
+        report=lines.append,
+    ).start()
+
+
 def _silent_listener_process():
     """A child process that accepts connections and never answers; (proc, address)."""
     import subprocess
@@ -161,21 +173,16 @@ def test_watch_refuses_pids_of_tasks_it_does_not_watch():
 
 @pytest.mark.slow
 def test_a_stopped_ps_is_killed_while_this_process_holds_the_gil():
-    """TensorFlow holds the GIL in some calls that wait on a remote task (a
-    tensor freed on a stopped ps waits for the deletion's answer), so the watch
-    cannot be a thread of the process that waits. Here the main thread holds
-    the GIL for longer than the watch needs to give the ps up (no thread of
-    this process runs): the ps is killed all the same."""
+    """A thread of the chief runs only while no other thread holds the GIL,
+    and a call that waits on a task without releasing it would stop a watch
+    thread with the chief (a watch thread once let a ps stopped for 20 s pass
+    unseen on a loaded machine), so the watch is a process of its own. Here
+    the main thread holds the GIL for longer than the watch needs to give the
+    ps up (no thread of this process runs): the ps is killed all the same."""
     import sys
 
     lines = []
-    cluster = local_lib.LocalCluster(
-        num_workers=1,
-        num_ps=1,
-        restart_lost_tasks=True,
-        hung_task_timeout_secs=HUNG_SECS,
-        report=lines.append,
-    ).start()
+    cluster = _watched_cluster(lines)
     try:
         ps = cluster.processes[("ps", 0)]
         interval = sys.getswitchinterval()
@@ -225,13 +232,7 @@ def _raw_call(address, method):
 @pytest.mark.slow
 def test_local_cluster_kills_a_stopped_task_restarts_it_and_stops_in_time():
     lines = []
-    cluster = local_lib.LocalCluster(
-        num_workers=1,
-        num_ps=1,
-        restart_lost_tasks=True,
-        hung_task_timeout_secs=HUNG_SECS,
-        report=lines.append,
-    ).start()
+    cluster = _watched_cluster(lines)
     try:
         ps = cluster.jobs["ps"][0]
         assert health.probe(ps) is health.TaskState.ANSWERS
