@@ -215,8 +215,13 @@ def test_ps_optimizers_that_move_unpushed_entries_are_refused(
         downpour.DownpourTrainer(model, config)
 
 
-def test_fit_in_segments_matches_reference(local_cluster):
-    """`fit` runs the steps between exchanges in segments (`Downpour.run_steps`)."""
+@pytest.mark.parametrize("num_ps", [2, 1])
+def test_fit_in_segments_matches_reference(local_cluster, num_ps):
+    """`fit` runs the steps between exchanges in segments (`Downpour.run_steps`).
+
+    With one ps task every variable, flag and step token is there, and each
+    push's gated `tf.cond` runs whole on it: the flags' control edges once
+    hung every step there (`sparse_fetch.SparseFetch.mark`)."""
     config = Config(
         3,
         3,
@@ -227,7 +232,8 @@ def test_fit_in_segments_matches_reference(local_cluster):
         sparse_fetches=True,
     )
     x, y, params = _softmax_data(seed=3)
-    model = _softmax_model(_strategy(local_cluster), params, steps_per_execution=4)
+    strategy = _strategy(local_cluster, num_ps=num_ps)
+    model = _softmax_model(strategy, params, steps_per_execution=4)
     replicas = downpour.install(model, config)
     assert replicas.runs_segments
     model.fit(_dataset(x, y).repeat(), epochs=1, steps_per_epoch=STEPS, verbose=0)

@@ -286,14 +286,19 @@ class SparseFetch:
           grads: the applied push per variable, tensors on the variables' ps
             tasks (decoded: 0 where nothing was sent).
           applied: the ops that applied it; each variable's flags are set
-          after those of them on its ps task (all of them if none is), and
-          after a read of the variable, which TensorFlow's automatic control
-          dependencies order after every update of it traced before.
+          after the stateful ones of them on its ps task (all stateful ones
+          if none is), and after a read of the variable, which TensorFlow's
+          automatic control dependencies order after every update of it
+          traced before. Stateless ops are left out: among them are the
+          branch's captured inputs (`Placeholder` ops), and a control edge
+          from one hung every step when the push's `tf.cond` ran whole on a
+          single ps task (`exactly_once.gate` with one ps).
 
         Returns:
           The ops, one per variable, on its ps task.
         """
         ops = []
+        applied = [op for op in applied if op.op_def.is_stateful]
         rows = tf.range(self.num_workers, dtype=tf.int64)
         for j, (g, v) in enumerate(zip(grads, self.variables)):
             if not v.shape.num_elements():
