@@ -199,3 +199,64 @@ def test_dropped_functions_and_iterators_stay_on_the_tasks_until_the_cluster_sto
     assert "resources kept: 1" in out, out
     assert "bounded: True" in out, out
     assert "after stop: False 0 0" in out, out
+
+
+def test_tensorflows_coordinator_and_strategy_stay_as_tensorflow_defines_them(
+    local_cluster,
+):
+    # The strategy's coordinator keeps per-worker resources and its connection
+    # keeps dropped functions; neither reaches TensorFlow's own classes or a
+    # stock ParameterServerStrategy connected after it in the same process.
+    import gc
+
+    from tensorflow.python.distribute.coordinator import cluster_coordinator as cc
+    from tensorflow.python.eager import context
+
+    from tf_distbelief.tf_internals import coordinator as tf_coordinator
+    from tf_distbelief.tf_internals import eager_context
+
+    ClusterCoordinator = tf.distribute.experimental.coordinator.ClusterCoordinator
+    ours = strategy_lib.DistBeliefStrategy(
+        local_cluster.resolver_for(num_workers=1, num_ps=1)
+    )
+    with ours.scope():
+        model = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(3,))])
+        model.compile(tf_keras.optimizers.SGD(0.1), "mse")
+    x = np.ones((16, 3), np.float32)
+    model.fit(
+        tf.data.Dataset.from_tensor_slices((x, x[:, :1])).repeat().batch(4),
+        epochs=1,
+        steps_per_epoch=4,
+        verbose=0,
+    )
+    assert type(ClusterCoordinator(ours)) is tf_coordinator.KeepingCoordinator
+    assert type(model._cluster_coordinator) is tf_coordinator.KeepingCoordinator
+    # ClusterCoordinator's class dictionary holds TensorFlow's own functions.
+    for name, value in vars(cc.ClusterCoordinator).items():
+        function = getattr(value, "__func__", value)
+        if callable(function) and hasattr(function, "__code__"):
+            assert function.__module__ == cc.__name__, name
+            assert function.__qualname__ == f"ClusterCoordinator.{name}", name
+
+    stock = tf.distribute.experimental.ParameterServerStrategy(
+        local_cluster.resolver_for(num_workers=1, num_ps=1)
+    )
+    coordinator = ClusterCoordinator(stock)
+    assert type(coordinator) is cc.ClusterCoordinator
+    kept = tf_coordinator.kept_per_worker_resources()
+    iterator = iter(
+        coordinator.create_per_worker_dataset(lambda: tf.data.Dataset.range(4))
+    )
+    assert tf_coordinator.kept_per_worker_resources() == kept
+    del iterator
+    with stock.scope():
+        v = tf.Variable(1.0)
+    step = tf.function(lambda: v.assign_add(1.0))
+    name = step.get_concrete_function().name
+    assert float(coordinator.schedule(step).fetch()) == 2.0
+    assert context.context().has_function(name)
+    del step
+    gc.collect()
+    # Removed at once, as TensorFlow does, not put off.
+    assert not context.context().has_function(name)
+    assert name not in eager_context.kept_function_names()

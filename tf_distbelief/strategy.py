@@ -260,13 +260,15 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
         # Connecting while an earlier coordinator of this process still works
         # crashed the process (see `wait_for_idle_coordinators`).
         wait_for_idle_coordinators()
+        super().__init__(resolver, variable_partitioner)
         # A tf.function dropped while connected would be removed from every
         # task by a blocking call holding the GIL: seconds on a busy cluster.
         eager_context.keep_remote_functions()
-        # A per-worker dataset iterator dropped at the end of a `fit` holds
-        # its worker for seconds (tf.data threads) while it is deleted.
-        tf_coordinator.keep_per_worker_resources()
-        super().__init__(resolver, variable_partitioner)
+        # The strategy's one coordinator (TensorFlow makes it at the first
+        # `scope()`; `fit` asks for it): a per-worker dataset iterator dropped
+        # at the end of a `fit` would hold its worker for seconds (tf.data
+        # threads) while it is deleted, so this one keeps the newest.
+        tf_coordinator.make_keeping_coordinator(self)
         self.variable_wrapper: Callable | None = None
         self.num_ps = num_ps
         workers = resolver.cluster_spec().job_tasks("worker")

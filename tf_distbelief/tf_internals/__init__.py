@@ -18,7 +18,7 @@ fails naming the TensorFlow version). One module per area:
   overrides on a user's model (`override_method`, `override_train_function`).
 * `coordinator`: a `ClusterCoordinator`'s threads, worker recovery,
   closure queue, and its per-worker datasets and iterators kept while
-  connected (`keep_per_worker_resources`).
+  connected (`KeepingCoordinator`, the strategy's own coordinator).
 * `eager_context`: functions kept registered on remote tasks while connected
   (`keep_remote_functions`), leaving a cluster's tasks (`disconnect_from_tasks`).
 * `saved_model`: the object graph a checkpoint was saved from.

@@ -22,9 +22,6 @@ from tensorflow.python.distribute.coordinator import cluster_coordinator as cc
 
 from tf_distbelief.tf_internals import _shapes
 
-# `ClusterCoordinator._create_per_worker_resources` as TensorFlow defines it,
-# once replaced (`keep_per_worker_resources`).
-_CREATE_PER_WORKER_RESOURCES = None
 # The newest per-worker resources kept, at most this many: a job makes one
 # per `fit` (its iterator). Few: the coordinator creates every live one anew
 # on a worker that rejoins.
@@ -229,51 +226,38 @@ class CoordinatorProgress:
         return True
 
 
-def keep_per_worker_resources() -> None:
-    """Keeps the per-worker datasets and iterators alive while connected.
+class KeepingCoordinator(cc.ClusterCoordinator):
+    """A `ClusterCoordinator` that keeps its per-worker datasets and iterators.
 
     A `fit` (tf_keras, Keras 3, Downpour) iterates a per-worker dataset
-    (`ClusterCoordinator.create_per_worker_dataset`): one dataset iterator on
-    each worker. When Python drops it, at the end of the `fit`, each worker
-    deletes its iterator, and the deletion waits for the iterator's tf.data
-    threads while holding the worker's remote tensor manager lock: seen here,
-    with stacks taken by gdb, for 4 s to over 30 s, during which the worker
-    answered no TensorFlow call (both inter-op threads of a 2-core machine
-    held) and the chief's next request to it, registering the evaluation's
-    functions, waited as long (an end-of-`fit` pause of 20 to 46 s in a
-    36 s digits job). After this call, the per-worker resources the
-    coordinator creates are also referenced here, the newest
-    `MAX_KEPT_PER_WORKER_RESOURCES` of them, so a `fit` that ends does not
-    delete them; `release_per_worker_resources` drops them (the local
-    cluster's stop, after leaving the tasks, when a deletion has no remote
-    target left; a stop that cannot leave them politely keeps them to the
-    end of the process). A kept iterator also keeps its coordinator (the
-    iterator's creating closure holds its dataset, which holds the
-    coordinator), with its threads. A job that makes more than the bound (a
-    `fit` with `validation_data` makes one per evaluation) drops the oldest,
-    and its deletion then waits on the workers as before. A process that
-    ends through `os._exit` (the launch scripts) never deletes them. The
-    cost: a worker that rejoins gets every resource still referenced created
-    anew (TensorFlow's `_on_worker_recovery`), the kept ones too, and keeps
-    their buffers and threads; hence the small bound. Calling it again does
-    nothing more.
+    (`create_per_worker_dataset`): one dataset iterator on each worker. When
+    Python drops it, at the end of the `fit`, each worker deletes its
+    iterator, and the deletion waits for the iterator's tf.data threads while
+    holding the worker's remote tensor manager lock: seconds, during which the
+    worker answers no TensorFlow call, so the chief's next request (the
+    evaluation's functions) waits as long. This coordinator also references
+    the newest `MAX_KEPT_PER_WORKER_RESOURCES` per-worker resources it
+    creates, so a `fit` that ends does not delete them;
+    `release_per_worker_resources` drops them once the tasks are left (a
+    deletion then has no remote target). A job that makes more than the bound
+    (a `fit` with `validation_data` makes one per evaluation) drops the
+    oldest, whose deletion waits on the workers as before. The cost: a worker
+    that rejoins gets every resource still referenced created anew
+    (TensorFlow's `_on_worker_recovery`); hence the small bound.
 
-    Public route checked: none; `create_per_worker_dataset` has no option
-    for it and tf_keras drops its data handler at the end of `fit`.
-    `ClusterCoordinator._create_per_worker_resources` is wrapped (both
+    `DistBeliefStrategy` hands it out as its coordinator
+    (`ClusterCoordinator(strategy)` returns the strategy's one instance), so
+    TensorFlow's `ClusterCoordinator` class, and any other strategy's
+    coordinator in the process, is left as TensorFlow defines it.
+
+    Public route checked: none; `create_per_worker_dataset` has no option for
+    it and tf_keras drops its data handler at the end of `fit`.
+    `_create_per_worker_resources` is overridden (both
     `PerWorkerDataset.build` and `__iter__` create through it).
     """
-    global _CREATE_PER_WORKER_RESOURCES
-    with _KEPT_LOCK:
-        if _CREATE_PER_WORKER_RESOURCES is not None:
-            return
-        _CREATE_PER_WORKER_RESOURCES = (
-            cc.ClusterCoordinator._create_per_worker_resources
-        )
-    create = _CREATE_PER_WORKER_RESOURCES
 
-    def create_and_keep(self, fn, args=None, kwargs=None):
-        resources = create(self, fn, args, kwargs)
+    def _create_per_worker_resources(self, fn, args=None, kwargs=None):
+        resources = super()._create_per_worker_resources(fn, args, kwargs)
         with _KEPT_LOCK:
             _KEPT.append(resources)
             oldest = None
@@ -283,12 +267,27 @@ def keep_per_worker_resources() -> None:
         del oldest
         return resources
 
-    create_and_keep.__doc__ = create.__doc__
-    cc.ClusterCoordinator._create_per_worker_resources = create_and_keep
+
+def make_keeping_coordinator(strategy) -> KeepingCoordinator:
+    """Makes `strategy`'s one coordinator a `KeepingCoordinator` and returns it.
+
+    Call it before anything else makes the strategy's coordinator (TensorFlow
+    makes one on the first `strategy.scope()`).
+
+    Raises:
+      TypeError: `strategy` already has a coordinator of another class.
+    """
+    coordinator = KeepingCoordinator(strategy)
+    if not isinstance(coordinator, KeepingCoordinator):
+        raise TypeError(
+            "The strategy already has a ClusterCoordinator of class "
+            f"{type(coordinator).__name__}; make the KeepingCoordinator first."
+        )
+    return coordinator
 
 
 def kept_per_worker_resources() -> int:
-    """How many per-worker resources `keep_per_worker_resources` holds now."""
+    """How many per-worker resources the `KeepingCoordinator`s hold now."""
     with _KEPT_LOCK:
         return len(_KEPT)
 
@@ -324,8 +323,7 @@ def check() -> None:
     from tensorflow.python.distribute.coordinator import values
 
     creates = callable(
-        _CREATE_PER_WORKER_RESOURCES
-        or getattr(cc.ClusterCoordinator, "_create_per_worker_resources", None)
+        getattr(cc.ClusterCoordinator, "_create_per_worker_resources", None)
     ) and all(
         "_create_per_worker_resources" in _shapes.code_names(method)
         for method in (
@@ -341,6 +339,12 @@ def check() -> None:
                 "_CoordinatedClosureQueue internals for step_watch and "
                 "cancel_queued_on_failure",
                 ok,
+            ),
+            (
+                "ClusterCoordinator.__new__ returns strategy._cluster_coordinator "
+                "(one coordinator per strategy: make_keeping_coordinator)",
+                "_cluster_coordinator"
+                in cc.ClusterCoordinator.__new__.__code__.co_names,
             ),
             (
                 "ClusterCoordinator._create_per_worker_resources, called by "

@@ -45,11 +45,7 @@ def disconnect_from_tasks(addresses) -> bool:
     """
     server_def = context.get_server_def()
     addresses = set(addresses)
-    if server_def is None or not any(
-        address in addresses
-        for job in server_def.cluster.job
-        for address in job.tasks.values()
-    ):
+    if server_def is None or not _names(server_def, addresses):
         return False
     local = type(server_def)()
     local.CopyFrom(server_def)
@@ -64,10 +60,21 @@ def disconnect_from_tasks(addresses) -> bool:
         if tasks:
             local.cluster.job.add(name=job.name).tasks.update(tasks)
     local.ClearField("cluster_device_filters")
+    with _KEPT_LOCK:
+        _CONNECTIONS[:] = [kept for kept in _CONNECTIONS if not _names(kept, addresses)]
     context.context().update_server_def(local)
     if not _has_remote_tasks(local):
         _remove_kept_functions()
     return True
+
+
+def _names(server_def, addresses) -> bool:
+    """Whether `server_def`'s cluster holds a task at one of `addresses`."""
+    return any(
+        address in addresses
+        for job in server_def.cluster.job
+        for address in job.tasks.values()
+    )
 
 
 def connected_to_no_remote_task() -> bool:
@@ -87,50 +94,55 @@ _REMOVE_FUNCTION = None
 _KEPT_LOCK = threading.RLock()
 # (context, function name) pairs whose removal was put off while connected.
 _KEPT: list[tuple[object, str]] = []
+# The server defs (by identity) that `keep_remote_functions` was called with:
+# while the eager context holds one of them, removals are put off. A
+# coordinator's failure handler reconnects a worker with the very object it
+# was made with, and any other connection (another strategy, a disconnect)
+# sets a new one.
+_CONNECTIONS: list = []
 
 
 def keep_remote_functions() -> None:
-    """Keeps dropped tf.functions registered while this process has remote tasks.
+    """Keeps dropped tf.functions registered while this connection lasts.
 
     When Python drops a traced function (`AtomicFunction.__del__`, often in a
     garbage collection at an arbitrary point of `fit`), TensorFlow's eager
     context removes it from every remote task it was registered on, one
     blocking gRPC call per task, with the GIL held
-    (`EagerContext::MaybeRemoveFunctionRemotely` waiting in
-    `GrpcEagerClient::StreamingEnqueueAsync`). On a busy cluster a worker
-    answers it after seconds: a chief was seen frozen 2 to 9 s, whole (no
-    Python thread ran, no line was printed), at the end of `fit` when the
-    per-worker dataset's functions were dropped, and for over 20 s in longer
-    jobs, where a liveness probe took it for hung. After this call, a
-    removal while the eager context has a task other than its own is put
-    off: the function stays registered here and on the tasks, with its
-    cached kernels (a training job drops a handful per `fit`; a task that
-    rejoins is sent every function registered). Only removals called from
-    `AtomicFunction.__del__` are put off; the context's own server def
-    decides. The removals
+    (`EagerContext::MaybeRemoveFunctionRemotely`). On a busy cluster a worker
+    answers after seconds, during which the whole chief is frozen (no Python
+    thread runs), and a liveness probe may take it for hung. After this call,
+    a removal called from `AtomicFunction.__del__` while the eager context's
+    server def is the one it holds now (the connection `DistBeliefStrategy`
+    just made) is put off: the function stays registered here and on the tasks, with its
+    cached kernels (a training job drops a handful per `fit`). The removals
     put off are made once `disconnect_from_tasks` has left every remote
-    task, when they are local and immediate; a process that ends through
-    `os._exit` (the launch scripts) skips them with the rest of its teardown.
-    Calling it again does nothing more.
+    task, when they are local and immediate.
+
+    Process-wide by nature: the eager context is one per process, and
+    `Context.remove_function` is replaced once (what `AtomicFunction.__del__`
+    calls). Every other connection of the process (TensorFlow's own
+    `ParameterServerStrategy`, a later cluster) gets TensorFlow's removal, as
+    does a caller that removes a function by name to add another (graph
+    conversions).
 
     Public route checked: none. `tf.config.experimental_connect_to_cluster`
     has no option for it, and `tf.function` objects have no way to outlive
-    their Python owner; `Context.remove_function` is replaced (it is what
-    `AtomicFunction.__del__` calls).
+    their Python owner.
     """
     global _REMOVE_FUNCTION
+    server_def = context.get_server_def()
     with _KEPT_LOCK:
+        if server_def is not None:
+            _CONNECTIONS.append(server_def)
         if _REMOVE_FUNCTION is not None:
             return
         _REMOVE_FUNCTION = context.Context.remove_function
     dropped = _atomic_del().__code__
 
     def remove_function(ctx, name):
-        # Only a function Python dropped: a caller that removes a function to
-        # add another under its name (TensorFlow's graph conversions) gets
-        # the removal it asked for.
         caller = sys._getframe(1).f_code  # noqa: SLF001 - the caller's code.
-        if caller is dropped and _has_remote_tasks(ctx.get_server_def()):
+        if caller is dropped and _kept_connection(ctx.get_server_def()):
             kept = (ctx, name)
             with _KEPT_LOCK:
                 _KEPT.append(kept)
@@ -139,6 +151,14 @@ def keep_remote_functions() -> None:
 
     remove_function.__doc__ = _REMOVE_FUNCTION.__doc__
     context.Context.remove_function = remove_function
+
+
+def _kept_connection(server_def) -> bool:
+    """Whether `server_def` is one that `keep_remote_functions` was called with."""
+    with _KEPT_LOCK:
+        return server_def is not None and any(
+            server_def is kept for kept in _CONNECTIONS
+        )
 
 
 def kept_function_names() -> list[str]:
