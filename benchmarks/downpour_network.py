@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from benchmarks import plots
 from benchmarks.downpour_tables import UNLIMITED
 from tf_distbelief.cluster import network
-from tf_distbelief.planner import cost_model
+from tf_distbelief.planner import cost_model, records
 
 RATES_FLAG = "nic_rates"
 PS_RATE_FLAG = "ps_nic_rate"
@@ -101,7 +101,7 @@ class Predicted:
     single_examples_per_sec: float
 
 
-def _setting(name: str, accumulator: str) -> cost_model.Setting:
+def _setting(name: str, accumulator: str) -> records.Setting:
     """The planner's setting of a row; `+dc` and `+stale` push as plain
     Downpour, `+outer0` as `+outer`, and `+topk`, `+q8`, `+q2`, `+sparse` are
     predicted uncompressed (the planner does not model compressed pushes or
@@ -109,11 +109,11 @@ def _setting(name: str, accumulator: str) -> cost_model.Setting:
     it (the planner assumes equal workers)."""
     name = name.partition("/")[0]
     if name == "stock":
-        return cost_model.Setting(accumulator=accumulator)
+        return records.Setting(accumulator=accumulator)
     n, _, rules = name.partition("+")
     n = int(n[len("n=") :])
     outer = any(r in ("outer", "outer0") for r in rules.split("+"))
-    return cost_model.Setting(n, n, outer, accumulator)
+    return records.Setting(n, n, outer, accumulator)
 
 
 def predict_rows(
@@ -158,7 +158,7 @@ def predict_rows(
         ps = worker
         if rate_bits(r.nic) is not None and ps_nic_rate is not None:
             ps = _at_most(rate_bits(ps_nic_rate), loopback_bits_per_sec)
-        cluster = cost_model.Cluster(
+        cluster = records.Cluster(
             num_params=r.num_params,
             num_workers=num_workers,
             num_ps=num_ps,
