@@ -1,7 +1,7 @@
 """The emulated network of `benchmarks/downpour_bench.py`: rates, planner, tables.
 
 `--nic_rates` runs every row behind NICs of each rate (`LocalCluster(
-nic_bandwidth=...)`, `tf_distbelief.cluster.network`); this module reads the
+nic_bandwidth=...)`, `tf_distbelief.cluster.network.emulated`); this module reads the
 rates, decides before TensorFlow loads whether the benchmark must enter the
 private network namespace, and sets the planner's prediction
 (`tf_distbelief.planner.cost_model`) next to each measured row.
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 from benchmarks import plots
 from benchmarks.downpour_tables import UNLIMITED
-from tf_distbelief.cluster import network
+from tf_distbelief.cluster.network import emulated
 from tf_distbelief.planner import cost_model, records
 
 RATES_FLAG = "nic_rates"
@@ -47,7 +47,7 @@ def rate_bits(nic: str) -> int | None:
     """
     if nic == UNLIMITED:
         return None
-    return network.parse_rate(nic, f"--{RATES_FLAG}")
+    return emulated.parse_rate(nic, f"--{RATES_FLAG}")
 
 
 def check_rates(values: Sequence[str]) -> bool:

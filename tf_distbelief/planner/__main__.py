@@ -16,7 +16,7 @@ import argparse
 import math
 import sys
 
-from tf_distbelief.cluster import network
+from tf_distbelief.cluster.network import emulated
 from tf_distbelief.planner import cost_model, records
 
 __all__ = ["format_table", "main", "parse_args"]
@@ -37,11 +37,11 @@ _FLAGS = {
 def _rate(value: str, name: str) -> float | None:
     if value in ("unlimited", "none", ""):
         return None
-    return network.parse_rate(value, name)
+    return emulated.parse_rate(value, name)
 
 
 def _describe(bits_per_sec: float | None) -> str:
-    return "unlimited" if bits_per_sec is None else network.describe_rate(bits_per_sec)
+    return "unlimited" if bits_per_sec is None else emulated.describe_rate(bits_per_sec)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

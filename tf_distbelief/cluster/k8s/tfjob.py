@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tf_distbelief.cluster import manifest
+from tf_distbelief.cluster.k8s import manifest
 
 __all__ = [
     "JOB_NAME_LABEL",
