@@ -96,7 +96,7 @@ def serve_task(
     ready_file: str | None = None,
     lean: bool = False,
 ) -> None:
-    """`run_server` for a `config.ClusterTask` (`config.resolve_task`).
+    """`run_server` for a `config.ClusterTask` (`source.resolve_task`).
 
     Args:
       task: this ps or worker task's `config.ClusterTask`.

@@ -93,7 +93,7 @@ class JobConfig:
         of that rate in and out (`cluster.network.emulated`; needs the private
         network namespace). Refused with `TF_CONFIG`.
       emulate_ps_nic: the ps tasks' emulated NIC rate; None: `emulate_nic`.
-      cluster_from: where the cluster comes from (`cluster.config.CLUSTER_SOURCES`):
+      cluster_from: where the cluster comes from (`cluster.source.CLUSTER_SOURCES`):
         `auto` (`TF_CONFIG`, else a JobSet's environment, else the local
         cluster), `tf_config`, or `jobset` (the pod's JobSet identity).
     """

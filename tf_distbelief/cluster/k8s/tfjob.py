@@ -1,7 +1,7 @@
 """Kubernetes manifests for a training job: a Kubeflow `TFJob` and its `NetworkPolicy`.
 
 The Kubeflow training operator (`kubeflow.org/v1`, kind `TFJob`) runs one pod per
-replica and gives each the `TF_CONFIG` that `tf_distbelief.cluster.config`
+replica and gives each the `TF_CONFIG` that `tf_distbelief.cluster.source`
 reads::
 
     {"cluster": {"chief": ["<job>-chief-0.<namespace>.svc:2222"],

@@ -20,8 +20,8 @@ warning naming the risk and the ports (`warn_if_exposed`).
 
 Example, first thing in a script that starts a `LocalCluster`:
   ```
-  from tf_distbelief.cluster.network import isolation
-  isolation.enter_private_network()  # Re-executes the script, or returns.
+  from tf_distbelief import cluster
+  cluster.enter_private_network()  # Re-executes the script, or returns.
   ```
 """
 
