@@ -29,7 +29,7 @@ setuptools.setup(
         # `tf.summary` needs it to write TensorBoard scalars; TF 2.21 no longer
         # depends on it.
         "tensorboard>=2.21",
-        # `tf_distbelief.cluster.manifest` writes Kubernetes manifests as YAML
+        # `tf_distbelief.cluster.k8s.manifest` writes Kubernetes manifests as YAML
         # (`launch/k8s.py`).
         "pyyaml>=6.0",
     ],

@@ -86,7 +86,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks import downpour_figures, downpour_network, plots  # noqa: E402
+from benchmarks import (  # noqa: E402
+    downpour_figures,
+    downpour_network,
+    plots,
+    traffic,
+)
 from benchmarks.downpour_tables import (  # noqa: E402
     UNLIMITED,
     Row,
@@ -97,7 +102,7 @@ from benchmarks.downpour_tables import (  # noqa: E402
     write_headline_csv,
 )
 from tf_distbelief import console  # noqa: E402  (no TensorFlow)
-from tf_distbelief.cluster import isolation, traffic  # noqa: E402  (no TensorFlow)
+from tf_distbelief.cluster.network import isolation  # noqa: E402  (no TensorFlow)
 
 if __name__ == "__main__":
     # An emulated NIC needs the private network namespace: re-execute in it

@@ -1,7 +1,7 @@
 """The emulated network of `benchmarks/downpour_bench.py`: rates, planner, tables.
 
 `--nic_rates` runs every row behind NICs of each rate (`LocalCluster(
-nic_bandwidth=...)`, `tf_distbelief.cluster.network`); this module reads the
+nic_bandwidth=...)`, `tf_distbelief.cluster.network.emulated`); this module reads the
 rates, decides before TensorFlow loads whether the benchmark must enter the
 private network namespace, and sets the planner's prediction
 (`tf_distbelief.planner.cost_model`) next to each measured row.
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 
 from benchmarks import plots
 from benchmarks.downpour_tables import UNLIMITED
-from tf_distbelief.cluster import network
-from tf_distbelief.planner import cost_model
+from tf_distbelief.cluster.network import emulated
+from tf_distbelief.planner import cost_model, records
 
 RATES_FLAG = "nic_rates"
 PS_RATE_FLAG = "ps_nic_rate"
@@ -47,7 +47,7 @@ def rate_bits(nic: str) -> int | None:
     """
     if nic == UNLIMITED:
         return None
-    return network.parse_rate(nic, f"--{RATES_FLAG}")
+    return emulated.parse_rate(nic, f"--{RATES_FLAG}")
 
 
 def check_rates(values: Sequence[str]) -> bool:
@@ -101,7 +101,7 @@ class Predicted:
     single_examples_per_sec: float
 
 
-def _setting(name: str, accumulator: str) -> cost_model.Setting:
+def _setting(name: str, accumulator: str) -> records.Setting:
     """The planner's setting of a row; `+dc` and `+stale` push as plain
     Downpour, `+outer0` as `+outer`, and `+topk`, `+q8`, `+q2`, `+sparse` are
     predicted uncompressed (the planner does not model compressed pushes or
@@ -109,11 +109,11 @@ def _setting(name: str, accumulator: str) -> cost_model.Setting:
     it (the planner assumes equal workers)."""
     name = name.partition("/")[0]
     if name == "stock":
-        return cost_model.Setting(accumulator=accumulator)
+        return records.Setting(accumulator=accumulator)
     n, _, rules = name.partition("+")
     n = int(n[len("n=") :])
     outer = any(r in ("outer", "outer0") for r in rules.split("+"))
-    return cost_model.Setting(n, n, outer, accumulator)
+    return records.Setting(n, n, outer, accumulator)
 
 
 def predict_rows(
@@ -158,7 +158,7 @@ def predict_rows(
         ps = worker
         if rate_bits(r.nic) is not None and ps_nic_rate is not None:
             ps = _at_most(rate_bits(ps_nic_rate), loopback_bits_per_sec)
-        cluster = cost_model.Cluster(
+        cluster = records.Cluster(
             num_params=r.num_params,
             num_workers=num_workers,
             num_ps=num_ps,

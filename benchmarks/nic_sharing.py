@@ -4,7 +4,7 @@ The planner (`tf_distbelief.planner.queueing`) assumes that a NIC sharing
 its rate fairly keeps the offset between two workers' transfers as it is,
 so that only their step times move them apart. This script checks it with
 plain TCP, no TensorFlow: in the private network namespace, a ps task behind
-an emulated NIC of `--rate` (`tf_distbelief.cluster.network`) and two worker
+an emulated NIC of `--rate` (`tf_distbelief.cluster.network.emulated`) and two worker
 tasks that each fetch `--megabytes` from it, `--trials` times. Each trial
 starts the second fetch `offset` after the first (0, then a quarter and a
 half of one fetch's time alone, `t`), and measures the offset between their
@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tf_distbelief.cluster import isolation, network  # noqa: E402  (no TensorFlow)
+from tf_distbelief.cluster.network import emulated, isolation  # noqa: E402  (no TensorFlow)
 
 if __name__ == "__main__":
     isolation.enter_private_network()
@@ -78,10 +78,10 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
-    rate = network.parse_rate(f.rate, "--rate")
+    rate = emulated.parse_rate(f.rate, "--rate")
     nbytes = int(f.megabytes * 1e6)
     alone = 8 * nbytes / rate
-    net = network.EmulatedNetwork(network.NicRates(rate, rate))
+    net = emulated.EmulatedNetwork(emulated.NicRates(rate, rate))
     tasks = []
     try:
         for slot, role in enumerate(["ps", "worker", "worker"]):

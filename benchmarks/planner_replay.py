@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import downpour_network  # noqa: E402
 from benchmarks.downpour_tables import Row  # noqa: E402
-from tf_distbelief.cluster import network  # noqa: E402  (no TensorFlow)
+from tf_distbelief.cluster.network import emulated  # noqa: E402  (no TensorFlow)
 
 
 def _define_flags() -> None:
@@ -132,7 +132,7 @@ def main(argv) -> None:
         loopback_bits_per_sec=(
             None
             if f.loopback_rate is None
-            else network.parse_rate(f.loopback_rate, "--loopback_rate")
+            else emulated.parse_rate(f.loopback_rate, "--loopback_rate")
         ),
     )
     print(downpour_network.format_bandwidth(rows, predicted))

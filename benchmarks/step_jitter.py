@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from tf_distbelief import console  # noqa: E402  (no TensorFlow)
-from tf_distbelief.cluster import isolation  # noqa: E402  (no TensorFlow)
+from tf_distbelief.cluster.network import isolation  # noqa: E402  (no TensorFlow)
 
 if __name__ == "__main__":
     # As the benchmark's rows: the cluster in the private network namespace,

@@ -10,8 +10,8 @@ TFJob (the v1 training operator). Training flags for every pod come from
 
   python launch/k8s.py --image=IMAGE --pvc=runs --evaluator -- --model=digits --epochs=5
 
-The manifests are built by `tf_distbelief.cluster.jobset` and
-`tf_distbelief.cluster.tfjob`; see their docstrings.
+The manifests are built by `tf_distbelief.cluster.k8s.jobset` and
+`tf_distbelief.cluster.k8s.tfjob`; see their docstrings.
 """
 
 import dataclasses
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from tf_distbelief.cluster import jobset, manifest, tfjob  # noqa: E402
+from tf_distbelief.cluster.k8s import jobset, manifest, tfjob  # noqa: E402
 
 FLAGS = flags.FLAGS
 # --kind -> (its configuration class, the function writing its documents).

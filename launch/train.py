@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging  # noqa: E402
 
 from tf_distbelief import console  # noqa: E402  (no TensorFlow)
-from tf_distbelief.cluster import isolation  # noqa: E402  (no TensorFlow)
+from tf_distbelief.cluster.network import isolation  # noqa: E402  (no TensorFlow)
 
 if __name__ == "__main__":
     # The local job's TensorFlow servers listen on every interface: re-execute
@@ -43,8 +43,8 @@ if __name__ == "__main__":
 import models  # noqa: E402
 from launch import sandblaster_flags  # noqa: E402
 from tf_distbelief import downpour, errors, job  # noqa: E402
-from tf_distbelief.cluster import config as cluster_config  # noqa: E402
-from tf_distbelief.cluster import network  # noqa: E402
+from tf_distbelief.cluster import source as cluster_source  # noqa: E402
+from tf_distbelief.cluster.network import emulated  # noqa: E402
 from tf_distbelief.downpour import config as downpour_config  # noqa: E402
 from tf_distbelief.downpour.push_rules import rule as push_rule  # noqa: E402
 
@@ -214,7 +214,7 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "cluster_from",
         d.cluster_from,
-        list(cluster_config.CLUSTER_SOURCES),
+        list(cluster_source.CLUSTER_SOURCES),
         "auto: TF_CONFIG when set, else the pod's JobSet identity when its "
         "environment is there (launch/k8s.py --kind=jobset), else the local "
         "cluster; tf_config: TF_CONFIG or the local cluster; jobset: TF_CONFIG "
@@ -379,7 +379,7 @@ def define_flags() -> None:
 
 def _is_rate(value: str) -> bool:
     try:
-        network.parse_rate(value)
+        emulated.parse_rate(value)
     except ValueError:
         return False
     return True

@@ -27,6 +27,7 @@ PURE_MODULES = [
     "tf_distbelief.hooks",
     "tf_distbelief.paths",
     "tf_distbelief.adagrad.rule",
+    "tf_distbelief.downpour.config_fields",
     "tf_distbelief.downpour.schedule",
     "tf_distbelief.downpour.push_rules.rule",
     "tf_distbelief.downpour.push_rules.reference",
@@ -42,11 +43,14 @@ PURE_MODULES = [
     "tf_distbelief.sandblaster.two_loop",
     "tf_distbelief.sandblaster.vector_ops",
     "tf_distbelief.model_parallel.partition_math",
-    "tf_distbelief.cluster.gpus",
+    "tf_distbelief.cluster.local.gpus",
+    "tf_distbelief.cluster.local.proc_stat",
     # Kubernetes manifests, and a JobSet pod's cluster from its identity.
-    "tf_distbelief.cluster.manifest",
-    "tf_distbelief.cluster.jobset",
-    "tf_distbelief.cluster.tfjob",
+    "tf_distbelief.cluster.k8s.manifest",
+    "tf_distbelief.cluster.k8s.jobset",
+    "tf_distbelief.cluster.k8s.tfjob",
+    "tf_distbelief.cluster.jobset_pod",
+    "tf_distbelief.planner.records",
     "tf_distbelief.planner.cost_model",
     "tf_distbelief.errors",
     # The launch script's first line and start-up filter, before TensorFlow.
@@ -171,6 +175,116 @@ def test_the_layout_test_sees_an_arrow_back_up(tmp_path, monkeypatch):
         "tf_distbelief/fit/bad.py: tf_distbelief.downpour",
         "tf_distbelief/fit/bad.py: tf_distbelief.downpour.replica",
     ]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """{module: the package's modules it imports}, from every `import` and
+    `from ... import` statement, at module level or inside a function.
+
+    `from p import m` is an edge to module `p.m` where there is one, else to
+    `p`. A package's `__init__` importing a module inside it is no edge: the
+    package is its children's face, not a module they depend on.
+    """
+    modules = {_module_name(path): path for path in _package_files((PACKAGE,))}
+    packages = {name for name, path in modules.items() if path.endswith("__init__.py")}
+    graph = {}
+    for name, path in modules.items():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        here = name if name in packages else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = here.split(".")
+                    parts = parts[: len(parts) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                for a in node.names:
+                    child = f"{base}.{a.name}"
+                    targets.add(child if child in modules else base)
+        graph[name] = {
+            t
+            for t in targets
+            if t in modules
+            and t != name
+            and not (name in packages and t.startswith(name + "."))
+        }
+    return graph
+
+
+def _import_circles() -> list[list[str]]:
+    """Each circle of `_import_graph`: its modules, sorted (Tarjan's strongly
+    connected components of more than one module)."""
+    graph = _import_graph()
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(circles)
+
+
+def test_no_import_circle():
+    # A module that imports another which (through others) imports it back
+    # holds a concept in the wrong place: the shared part belongs in a module
+    # both import. Imports inside functions count.
+    assert _import_circles() == []
+
+
+def test_the_layout_test_sees_an_import_circle(tmp_path, monkeypatch):
+    fake = tmp_path / "tf_distbelief"
+    (fake / "cluster").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    # A face importing its own children: no circle.
+    (fake / "cluster" / "__init__.py").write_text(
+        "from tf_distbelief.cluster import config\n"
+    )
+    (fake / "cluster" / "config.py").write_text(
+        "from tf_distbelief import checks\n\n"
+        "def source():\n    from tf_distbelief.cluster import jobset\n"
+    )
+    (fake / "cluster" / "jobset.py").write_text(
+        "from tf_distbelief.cluster.manifest import PORT\n"
+    )
+    (fake / "cluster" / "manifest.py").write_text(
+        "import tf_distbelief.cluster.config\nPORT = 2222\n"
+    )
+    (fake / "checks.py").write_text("import tf_distbelief.cluster\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", str(fake))
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    assert _import_circles() == [
+        [
+            "tf_distbelief.cluster.config",
+            "tf_distbelief.cluster.jobset",
+            "tf_distbelief.cluster.manifest",
+        ]
+    ]
+    (fake / "cluster" / "manifest.py").write_text("PORT = 2222\n")
+    assert _import_circles() == []
 
 
 def test_the_model_dir_layout_has_one_owner():

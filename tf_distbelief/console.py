@@ -107,7 +107,7 @@ def starting_line(
     Returns:
       `loading TensorFlow (local job: 2 workers, 2 ps)` or
       `loading TensorFlow (TF_CONFIG task worker:1)`, or in a JobSet's pod
-      (`cluster.jobset`) `loading TensorFlow (JobSet task worker:1)`. It
+      (`cluster.jobset_pod`) `loading TensorFlow (JobSet task worker:1)`. It
       claims nothing started: a bad flag still fails after it, before any task starts.
     """
     from absl import flags
@@ -119,7 +119,7 @@ def starting_line(
         except (ValueError, AttributeError):
             name = "task (unreadable)"  # Validated, with a named error, once loaded.
         return f"loading TensorFlow (TF_CONFIG {name})"
-    # `cluster.jobset`'s ENV_REPLICAS, ENV_REPLICATED_JOB, ENV_JOB_INDEX;
+    # `cluster.jobset_pod`'s ENV_REPLICAS, ENV_REPLICATED_JOB, ENV_JOB_INDEX;
     # validated once loaded.
     if environ.get("TFDB_JOBSET_REPLICAS"):
         task = (

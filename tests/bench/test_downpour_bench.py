@@ -1,6 +1,6 @@
 """The tables of `benchmarks/downpour_bench.py`: medians, ratios, rows; no cluster.
 
-Its socket counters are `tf_distbelief.cluster.traffic`'s
+Its socket counters are `benchmarks.traffic`'s
 (tests/cluster/test_traffic.py).
 """
 

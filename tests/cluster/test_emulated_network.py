@@ -18,7 +18,8 @@ import pytest
 
 import tf_distbelief as tfdb
 from tests.fixtures.launch import ROOT, TRAIN
-from tf_distbelief.cluster import isolation, local, network
+from tf_distbelief.cluster.local import local_cluster
+from tf_distbelief.cluster.network import emulated, isolation
 
 RATE_BITS_PER_SEC = 50 * 10**6
 # 12.5 MB: 2 s at 50 Mbit/s, long against the connection's start and htb's burst.
@@ -51,7 +52,7 @@ _UNAVAILABLE = _unavailable()
     ],
 )
 def test_parse_rate(text, bits):
-    assert network.parse_rate(text) == bits
+    assert emulated.parse_rate(text) == bits
 
 
 @pytest.mark.parametrize(
@@ -59,24 +60,24 @@ def test_parse_rate(text, bits):
 )
 def test_parse_rate_refuses_with_the_forms_allowed(bad):
     with pytest.raises(ValueError, match=r"`emulate_nic` must be a rate such as 1gbit"):
-        network.parse_rate(bad, "emulate_nic")
+        emulated.parse_rate(bad, "emulate_nic")
 
 
 def test_rates_and_their_line():
-    assert network.NicRates.create(None) is None
-    rates = network.NicRates.create("1gbit")
-    assert rates == network.NicRates(10**9, 10**9)
+    assert emulated.NicRates.create(None) is None
+    rates = emulated.NicRates.create("1gbit")
+    assert rates == emulated.NicRates(10**9, 10**9)
     assert rates.describe() == "every task's NIC at 1 Gbit/s in and out"
-    both = network.NicRates.create("1gbit", "10gbit")
+    both = emulated.NicRates.create("1gbit", "10gbit")
     assert both.describe() == (
         "worker NICs at 1 Gbit/s, ps NICs at 10 Gbit/s, in and out"
     )
     with pytest.raises(ValueError, match=r"`ps_nic_bandwidth` needs `nic_bandwidth`"):
-        network.NicRates.create(None, "1gbit")
+        emulated.NicRates.create(None, "1gbit")
 
 
 def test_each_end_of_a_task_link_gets_an_htb_at_the_task_rate():
-    lines = network._htb("nic0", 10**9).splitlines()
+    lines = emulated._htb("nic0", 10**9).splitlines()
     shape = "burst 131072 cburst 131072 quantum 65536"
     assert lines == [
         "qdisc add dev nic0 root handle 1: htb default 20",
@@ -94,15 +95,15 @@ def test_each_end_of_a_task_link_gets_an_htb_at_the_task_rate():
         "0xfe00 at 2 flowid 1:10",
     ]
     # 1 ms of traffic when that is more than two packets.
-    assert "burst 1250000 " in network._htb("nic0", 10**10)
-    rates = network.NicRates.create("1gbit", "100mbit")
+    assert "burst 1250000 " in emulated._htb("nic0", 10**10)
+    rates = emulated.NicRates.create("1gbit", "100mbit")
     assert rates.bits_per_sec("worker") == 10**9
     assert rates.bits_per_sec("ps") == 10**8
 
 
 def test_outside_a_private_namespace_it_is_refused_before_any_task_starts():
     assert not isolation.inside_private_network()
-    cluster = local.LocalCluster(1, 1, nic_bandwidth="1gbit")
+    cluster = local_cluster.LocalCluster(1, 1, nic_bandwidth="1gbit")
     with pytest.raises(tfdb.EmulatedNetworkError, match=r"private network namespace"):
         cluster.start()
     assert cluster.processes == {}
@@ -111,7 +112,7 @@ def test_outside_a_private_namespace_it_is_refused_before_any_task_starts():
 
 def test_a_bad_rate_is_refused_when_the_cluster_is_made():
     with pytest.raises(ValueError, match=r"`nic_bandwidth` must be a rate"):
-        local.LocalCluster(1, 1, nic_bandwidth="fast")
+        local_cluster.LocalCluster(1, 1, nic_bandwidth="fast")
 
 
 def _child_json(script: str, *args) -> dict:
@@ -131,11 +132,11 @@ def _child_json(script: str, *args) -> dict:
 
 _CHILD = r"""
 import json, os, sys, time
-from tf_distbelief.cluster import isolation
+from tf_distbelief.cluster.network import isolation
 isolation.enter_private_network()
 import tensorflow as tf
 from tf_distbelief import strategy as strategy_lib
-from tf_distbelief.cluster import local
+from tf_distbelief.cluster.local import local_cluster
 
 def median_rate(run, nbytes):
     run()  # The connections and the function, first.
@@ -147,7 +148,9 @@ def median_rate(run, nbytes):
     return sorted(rates)[1]
 
 def measure(rate, ps_rate):
-    with local.LocalCluster(1, 1, nic_bandwidth=rate, ps_nic_bandwidth=ps_rate) as c:
+    with local_cluster.LocalCluster(
+        1, 1, nic_bandwidth=rate, ps_nic_bandwidth=ps_rate
+    ) as c:
         strategy = strategy_lib.DistBeliefStrategy(c.resolver)
         size = int(sys.argv[1]) // 4
         with strategy.scope():
@@ -193,7 +196,7 @@ def test_fetches_and_pushes_cross_the_ps_nic_at_its_rate():
 
 _DUPLEX_CHILD = r"""
 import json, os, subprocess, sys, time
-from tf_distbelief.cluster import isolation, network
+from tf_distbelief.cluster.network import isolation, emulated
 isolation.enter_private_network()
 
 # Plain TCP between three namespaces: a "ps" server, a "push" client that
@@ -236,7 +239,7 @@ for line in sys.stdin:
     c.close()
 '''
 rate, nbytes = int(sys.argv[1]), int(sys.argv[2])
-net = network.EmulatedNetwork(network.NicRates(rate, rate))
+net = emulated.EmulatedNetwork(emulated.NicRates(rate, rate))
 tasks = {}
 try:
     for slot, role in enumerate(["ps", "push", "fetch"]):
@@ -278,11 +281,12 @@ def test_a_ps_nic_carries_a_push_in_beside_a_fetch_out_at_its_rate():
 
 _RESTART_CHILD = r"""
 import json, os, sys, time
-from tf_distbelief.cluster import isolation
+from tf_distbelief.cluster.network import isolation
 isolation.enter_private_network()
-from tf_distbelief.cluster import health, local
+from tf_distbelief.cluster import health
+from tf_distbelief.cluster.local import local_cluster
 
-with local.LocalCluster(1, 1, nic_bandwidth="1gbit") as cluster:
+with local_cluster.LocalCluster(1, 1, nic_bandwidth="1gbit") as cluster:
     address = cluster.jobs["worker"][0]
     before = health.probe(address, 5.0).value
     old = cluster.processes[("worker", 0)].pid

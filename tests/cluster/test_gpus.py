@@ -1,5 +1,5 @@
 """GPU hosts (issue 12): which GPUs each local task sees, tested with injected
-GPU lists on a CPU machine (`tf_distbelief.cluster.gpus`, `LocalCluster`)."""
+GPU lists on a CPU machine (`tf_distbelief.cluster.local.gpus`, `LocalCluster`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 import tf_distbelief as tfdb
 from tf_distbelief import cluster, job
-from tf_distbelief.cluster import gpus
+from tf_distbelief.cluster.local import gpus
 
 SMI = """\
 GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-11111111-2222-3333-4444-555555555555)

@@ -29,7 +29,7 @@ from tests.fixtures.launch import (
     _marked_pids,
     _wait_no_marked,
 )
-from tf_distbelief.cluster import isolation
+from tf_distbelief.cluster.network import isolation
 
 WARNING = "tf_distbelief: the local cluster's TensorFlow servers listen on every"
 _POLL_SECS = 0.05
@@ -149,7 +149,7 @@ def test_readme_job_listens_on_no_host_interface(tmp_path):
     assert _accuracy(watch.stdout) >= 0.95
     assert _wait_no_marked(watch.marker) == []
     # Seen while the chief, its hung task watch (a process of its own:
-    # `cluster.hung_tasks`), 2 workers and 2 ps ran: none in the host's
+    # `cluster.local.hung_tasks`), 2 workers and 2 ps ran: none in the host's
     # network namespace, none listening there.
     assert watch.most_processes == 6
     assert os.readlink("/proc/self/ns/net") not in watch.namespaces

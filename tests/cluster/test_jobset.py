@@ -33,7 +33,8 @@ from tests.fixtures.launch import ROOT, TRAIN, _accuracy, _env, _wait_no_marked
 from tests.fixtures.ps_kill import checkpoint_written
 from tf_distbelief import console
 from tf_distbelief.cluster import config as config_lib
-from tf_distbelief.cluster import jobset
+from tf_distbelief.cluster import jobset_pod, source
+from tf_distbelief.cluster.k8s import jobset
 
 pytest.importorskip("kubernetes.client")
 jsonschema = pytest.importorskip("jsonschema")
@@ -301,7 +302,7 @@ def test_a_pod_builds_the_tf_config_of_its_identity():
     document, _ = manifest(f"--image={IMAGE}", "--job_name=mnist", "--num_ps=1")
     environ = _pod_environ(document, "worker", 1)
     assert environ == _ENVIRON
-    assert jobset.tf_config(environ) == {
+    assert jobset_pod.tf_config(environ) == {
         "cluster": {
             "chief": ["mnist-chief-0-0.mnist:2222"],
             "worker": ["mnist-worker-0-0.mnist:2222", "mnist-worker-1-0.mnist:2222"],
@@ -313,7 +314,7 @@ def test_a_pod_builds_the_tf_config_of_its_identity():
     # Every pod's address is its own hostname.
     hostnames = jobset_pods.pod_hostnames(document)
     for (rjob, index), host in hostnames.items():
-        config = jobset.tf_config(_pod_environ(document, rjob, index))
+        config = jobset_pod.tf_config(_pod_environ(document, rjob, index))
         assert config["cluster"][rjob][index] == f"{host}:2222"
 
 
@@ -327,21 +328,21 @@ def test_the_jobset_environment_is_used_when_tf_config_is_not(monkeypatch):
     for key, value in _pod_environ(document, "ps", 0).items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    assert config_lib.cluster_source() == "jobset"
-    assert config_lib.cluster_source("tf_config") is None
-    resolver = config_lib.resolve_cluster()
+    assert source.cluster_source() == "jobset"
+    assert source.cluster_source("tf_config") is None
+    resolver = source.resolve_cluster()
     assert (resolver.task_type, resolver.task_id) == ("ps", 0)
     assert resolver.cluster_spec().as_dict()["ps"] == [
         "tf-distbelief-ps-0-0.tf-distbelief:2222"
     ]
     monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["h:1"], "ps": ["h:2"]}}')
-    assert config_lib.cluster_source() == "tf_config"
+    assert source.cluster_source() == "tf_config"
     with pytest.raises(
         config_lib.ClusterConfigError,
         match=r"--cluster_from=jobset builds the cluster from the pod's JobSet "
         r"identity, but `TF_CONFIG` is set too",
     ):
-        config_lib.resolve_cluster(cluster_from="jobset")
+        source.resolve_cluster(cluster_from="jobset")
 
 
 @pytest.mark.parametrize(
@@ -396,7 +397,7 @@ def test_a_missing_or_inconsistent_variable_is_named(monkeypatch, change, messag
         if value is not None:
             monkeypatch.setenv(key, value)
     with pytest.raises(config_lib.ClusterConfigError, match=message):
-        config_lib.resolve_cluster(cluster_from="jobset")
+        source.resolve_cluster(cluster_from="jobset")
 
 
 def test_train_py_refuses_a_broken_jobset_environment_before_any_server():

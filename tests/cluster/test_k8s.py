@@ -19,7 +19,7 @@ import pytest
 from tests.fixtures.k8s import FULL_SETTINGS, IMAGE, README_COMMAND, manifest, run_k8s
 from tests.fixtures.k8s import round_trip as _round_trip
 from tests.fixtures.launch import ROOT, _accuracy, _env, _wait_no_marked
-from tf_distbelief.cluster import tfjob
+from tf_distbelief.cluster.k8s import tfjob
 
 pytest.importorskip("kubernetes.client")
 

@@ -10,6 +10,8 @@ file names it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -27,7 +29,7 @@ from tests.fixtures.downpour import (
 )
 from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
-from tf_distbelief.downpour import schedule
+from tf_distbelief.downpour import config_fields, schedule
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.push_rules import rule
 
@@ -111,6 +113,20 @@ def test_register_refuses_a_rule_named_after_no_setting():
         rule.register(Unnamed)
     with pytest.raises(TypeError, match=r"must be a PushRule subclass"):
         rule.register(object)
+
+
+def test_register_refuses_a_setting_named_after_a_config_field():
+    class Cadence(rule.PushRule):
+        name = "n_push"
+        settings = (rule.Setting("n_push", None, "int", "Taken.", 1),)
+
+    with pytest.raises(ValueError, match=r"new, distinct names.*taken: n_push"):
+        rule.register(Cadence)
+
+
+def test_the_config_declares_the_fields_the_registry_keeps_free():
+    declared = [f.name for f in dataclasses.fields(DownpourConfig)]
+    assert declared == [*config_fields.FIELDS, "rule_settings"]
 
 
 # --- The reference, then the trainer on a cluster against it --------------------

@@ -19,8 +19,9 @@ import pytest
 
 from tests.fixtures.launch import _wait_no_marked
 from tests.fixtures.ps_kill import _task_pid, start_job
-from tf_distbelief.cluster import health, hung_tasks
-from tf_distbelief.cluster import local as local_lib
+from tf_distbelief.cluster import health
+from tf_distbelief.cluster.local import hung_tasks
+from tf_distbelief.cluster.local import local_cluster as local_lib
 
 # A test cluster's hung task is given up after this long.
 HUNG_SECS = 4

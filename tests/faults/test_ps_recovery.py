@@ -26,7 +26,7 @@ from tests.fixtures.ps_kill import (
 )
 from tests.fixtures.sandblaster import _VALUE, _latest_iteration, _relative_errors
 from tf_distbelief import job, paths
-from tf_distbelief.cluster import local as local_lib
+from tf_distbelief.cluster.local import local_cluster as local_lib
 from tf_distbelief.faults import recovery
 
 TRAIN = os.path.join(ROOT, "launch", "train.py")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tf_distbelief.planner import cost_model as cm
+from tf_distbelief.planner import records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,11 +29,11 @@ def _cluster(**changes):
         overhead_bytes=2048,
     )
     values.update(changes)
-    return cm.Cluster(**values)
+    return records.Cluster(**values)
 
 
 def test_stock_is_limited_by_the_worker_nic():
-    p = cm.predict(_cluster(), cm.Setting.parse("stock"))
+    p = cm.predict(_cluster(), records.Setting.parse("stock"))
     # 4,000,000 model bytes + 2,048 overhead each way, one exchange a step.
     assert (p.traffic.to_worker_bytes, p.traffic.to_ps_bytes) == (4_002_048,) * 2
     t = 8 * 4_002_048 / 1e9  # 32.016 ms each way.
@@ -49,7 +50,7 @@ def test_stock_is_limited_by_the_worker_nic():
 
 
 def test_downpour_squares_push_twice_the_model_and_the_outer_rule_once():
-    p = cm.predict(_cluster(), cm.Setting.parse("n=16"))
+    p = cm.predict(_cluster(), records.Setting.parse("n=16"))
     # Fetch 4e6/16, push 2 x 4e6/16, overhead 2048/16 a step each way.
     assert p.traffic.to_worker_bytes == pytest.approx(250_128)
     assert p.traffic.to_ps_bytes == pytest.approx(500_128)
@@ -63,25 +64,25 @@ def test_downpour_squares_push_twice_the_model_and_the_outer_rule_once():
     assert p.examples_per_sec == pytest.approx(64 / step)  # 3,728
     assert p.bottleneck == "worker CPU"  # 7.2 ms of transfer and wait < 10 ms.
     assert p.bounds[cm.PS_NIC] == pytest.approx(32e9 / (8 * 500_128))
-    outer = cm.predict(_cluster(), cm.Setting.parse("n=16+outer"))
+    outer = cm.predict(_cluster(), records.Setting.parse("n=16+outer"))
     assert outer.traffic.to_ps_bytes == pytest.approx(250_128)
     a = 0.01 + 2 * t_f
     step = (a + math.sqrt(a * a + 8 * t_f**2)) / 2
     assert outer.examples_per_sec == pytest.approx(64 / step)
     # n_push = 1 sends no squares; "mean" never does.
-    assert cm.Setting(1, 1).push_copies == 1
-    assert cm.Setting(4, 4, accumulator="mean").push_copies == 1
-    assert cm.Setting(4, 1).exchanges_per_step == 1.0
+    assert records.Setting(1, 1).push_copies == 1
+    assert records.Setting(4, 4, accumulator="mean").push_copies == 1
+    assert records.Setting(4, 1).exchanges_per_step == 1.0
 
 
 def test_workers_queue_at_the_ps_unless_alone_or_unlimited():
     # Exchanges every step queue as well (stock above; n = 1 moves the same
     # bytes); one worker or unlimited ps NICs have no one to wait for.
-    stock = cm.predict(_cluster(), cm.Setting.parse("stock"))
-    assert cm.predict(_cluster(), cm.Setting.parse("n=1")).queue_secs == pytest.approx(
-        stock.queue_secs
-    )
-    n4 = cm.Setting.parse("n=4")
+    stock = cm.predict(_cluster(), records.Setting.parse("stock"))
+    assert cm.predict(
+        _cluster(), records.Setting.parse("n=1")
+    ).queue_secs == pytest.approx(stock.queue_secs)
+    n4 = records.Setting.parse("n=4")
     assert cm.predict(_cluster(num_workers=1), n4).queue_secs == 0
     assert cm.predict(_cluster(ps_bits_per_sec=None), n4).queue_secs == 0
     # 8 workers, 2 ps, 1 Gbit/s NICs, n=4+outer: each worker moves 1,001,024 B
@@ -90,7 +91,7 @@ def test_workers_queue_at_the_ps_unless_alone_or_unlimited():
     # at full rate. With 7 others, (1 + 7 t / T) / 2 > 1 while T < 7 t, so
     # T = a + 2 t ((1 + 7 t / T) / 2 - 1) = a - t + 7 t^2 / T.
     c = _cluster(num_workers=8, num_ps=2)
-    p = cm.predict(c, cm.Setting.parse("n=4+outer"))
+    p = cm.predict(c, records.Setting.parse("n=4+outer"))
     assert p.traffic.to_worker_bytes == pytest.approx(1_001_024)
     t = 8 * 1_001_024 / 1e9
     a = 0.01 + 2 * t
@@ -102,7 +103,7 @@ def test_workers_queue_at_the_ps_unless_alone_or_unlimited():
     assert p.bounds[cm.PS_NIC] == pytest.approx(2e9 * 32 / (8 * 1_001_024))
     assert p.bottleneck == cm.PS_NIC
     # 4 ps carry k = 4 flows each: (1 + 7 t / T) / 4 <= 1 for T >= a, no wait.
-    p4 = cm.predict(c.replace(num_ps=4), cm.Setting.parse("n=4+outer"))
+    p4 = cm.predict(c.replace(num_ps=4), records.Setting.parse("n=4+outer"))
     assert p4.queue_secs == 0
     assert p4.bottleneck == cm.WORKER_NIC
 
@@ -112,7 +113,7 @@ def test_the_first_exchange_after_a_join_meets_every_worker():
     # quarter of the exchanges follow a join and share the one ps NIC with
     # the other worker (wait t_f + t_p a step, amortised), the rest spread:
     # T = a + f (t_f + t_p) + (1 - f) (t_f^2 + t_p^2) / T, f = 16 / 64.
-    n16 = cm.Setting.parse("n=16")
+    n16 = records.Setting.parse("n=16")
     t_f, t_p = 8 * 250_128 / 1e9, 8 * 500_128 / 1e9
     a = 0.01 + t_f + t_p
     b, f = a + 0.25 * (t_f + t_p), 0.25
@@ -129,7 +130,7 @@ def test_the_first_exchange_after_a_join_meets_every_worker():
     a, f = 0.01 + 2 * t, 0.25
     b = a + f * 2 * t
     step = (b + math.sqrt(b * b + 4 * (1 - f) * 2 * t * t)) / 2  # 104.7 ms.
-    stock = cm.predict(_cluster(steps_between_joins=4), cm.Setting.parse("stock"))
+    stock = cm.predict(_cluster(steps_between_joins=4), records.Setting.parse("stock"))
     assert stock.queue_secs == pytest.approx(step - a)  # 30.7 ms.
     # With no joins, as before.
     assert cm.predict(_cluster(steps_between_joins=None), n16) == cm.predict(
@@ -151,7 +152,7 @@ def test_workers_in_step_after_a_join_drift_apart_by_their_step_jitter():
     # meets the other's for E[max(0, 1 - |d| / t)] of its time (p, here
     # more than the t / T of independent times), waiting t p:
     # T = a + sum_d t_d (1 + p_d) / 2.
-    n16 = cm.Setting.parse("n=16")
+    n16 = records.Setting.parse("n=16")
     t_f, t_p = 8 * 250_128 / 1e9, 8 * 500_128 / 1e9
     a = 0.01 + t_f + t_p
     sigma = 0.0005
@@ -174,20 +175,20 @@ def test_workers_in_step_after_a_join_drift_apart_by_their_step_jitter():
 
 
 def test_the_ps_nic_limits_many_workers():
-    p = cm.predict(_cluster(num_workers=8), cm.Setting.parse("stock"))
+    p = cm.predict(_cluster(num_workers=8), records.Setting.parse("stock"))
     assert p.bottleneck == "ps NIC"
     assert p.examples_per_sec == pytest.approx(32e9 / (8 * 4_002_048))
     # Two ps: each carries half the model and its own overhead.
-    p2 = cm.predict(_cluster(num_workers=8, num_ps=2), cm.Setting.parse("stock"))
+    p2 = cm.predict(_cluster(num_workers=8, num_ps=2), records.Setting.parse("stock"))
     assert p2.bounds[cm.PS_NIC] == pytest.approx(2e9 * 32 / (8 * 4_004_096))
 
 
 def test_the_chief_limits_short_functions_and_unlimited_nics_only_compute():
     c = _cluster(worker_bits_per_sec=None, ps_bits_per_sec=None)
-    p = cm.predict(c, cm.Setting.parse("stock"))
+    p = cm.predict(c, records.Setting.parse("stock"))
     assert (p.examples_per_sec, p.bottleneck) == (pytest.approx(6400), "worker CPU")
     assert math.isinf(p.bounds[cm.PS_NIC])
-    p = cm.predict(c.replace(steps_per_execution=1), cm.Setting.parse("n=4"))
+    p = cm.predict(c.replace(steps_per_execution=1), records.Setting.parse("n=4"))
     assert (p.examples_per_sec, p.bottleneck) == (
         pytest.approx(3200),
         "chief scheduling",
@@ -201,11 +202,11 @@ def test_smallest_ps_and_n():
     # 100 workers at 10 Gbit/s, ps at 1 Gbit/s: busy is 90% of 320,000 ex/s.
     # n=64+outer: ps bound 4e9 P / (62,500 + 32 P) >= 288,000 from P = 5.
     c = _cluster(num_workers=100, worker_bits_per_sec=1e10)
-    setting = cm.Setting.parse("n=64+outer")
+    setting = records.Setting.parse("n=64+outer")
     assert cm.smallest_ps(c, setting) == 5
     assert cm.predict(c.replace(num_ps=4), setting).bounds[cm.PS_NIC] < 288_000
     # Stock: 8 MB a step at 10 Gbit/s is 6.4 ms of transfer; never busy.
-    assert cm.smallest_ps(c, cm.Setting.parse("stock")) is None
+    assert cm.smallest_ps(c, records.Setting.parse("stock")) is None
     # 2 workers at 1 Gbit/s: busy needs <= 138,889 bytes a step:
     # (12e6 + 4096) / n without a rule (n >= 86.4), (8e6 + 4096) / n with it.
     assert cm.smallest_n(_cluster()) == 128
@@ -225,15 +226,18 @@ def test_parse_count(value, count):
     "make, match",
     [
         (lambda: cm.parse_count("lots"), r"`params`.*'lots'"),
-        (lambda: cm.Setting.parse("n=0"), r"`name`.*'n=0'"),
-        (lambda: cm.Setting(4, None), r"`n_fetch` and `n_push`"),
-        (lambda: cm.Setting(accumulator="cubes"), r"`accumulator`.*'cubes'"),
+        (lambda: records.Setting.parse("n=0"), r"`name`.*'n=0'"),
+        (lambda: records.Setting(4, None), r"`n_fetch` and `n_push`"),
+        (lambda: records.Setting(accumulator="cubes"), r"`accumulator`.*'cubes'"),
         (lambda: _cluster(num_ps=0), r"`num_ps` must be positive. Received: 0"),
         (lambda: _cluster(ps_bits_per_sec=-1), r"`ps_bits_per_sec`.*-1"),
         (lambda: _cluster(compute_secs=math.nan), r"`compute_secs`.*nan"),
         (lambda: _cluster(steps_between_joins=0), r"`steps_between_joins`.*: 0"),
         (lambda: _cluster(step_jitter_secs=-0.001), r"`step_jitter_secs`.*-0.001"),
-        (lambda: cm.smallest_ps(_cluster(), cm.Setting(), 1.5), r"`busy_fraction`"),
+        (
+            lambda: cm.smallest_ps(_cluster(), records.Setting(), 1.5),
+            r"`busy_fraction`",
+        ),
     ],
 )
 def test_bad_inputs_name_the_argument(make, match):

@@ -1,7 +1,9 @@
 """Cluster configuration: `TF_CONFIG`, validation and the resolver.
 
-This is the only module that reads `TF_CONFIG`. It follows TensorFlow's layout for
-parameter-server training (`tf.distribute.experimental.ParameterServerStrategy`):
+What a cluster is and the checks it passes, whoever gives it (`source`
+reads `TF_CONFIG`, or builds the same dict from a JobSet pod's identity,
+`jobset_pod`). It follows TensorFlow's layout for parameter-server training
+(`tf.distribute.experimental.ParameterServerStrategy`):
 
 * `chief`: the coordinator (Dean et al. 2012, section 4: it schedules work; in
   Sandblaster it also drives the optimizer). It runs the training program.
@@ -24,18 +26,14 @@ parameter-server training (`tf.distribute.experimental.ParameterServerStrategy`)
 Addresses are checked before any server starts (`addresses`): ports in 1-65535,
 and no machine and port used by two tasks.
 
-In a JobSet's pod (`jobset`) the cluster comes from the pod's identity
-instead: `jobset.tf_config` builds the same dict, which goes through the same
-checks (`CLUSTER_SOURCES`, `resolve_cluster`'s `cluster_from`).
-
-With no cluster and no explicit resolver, `tf_distbelief.cluster.local`
-starts the ps and worker tasks as child processes on free 127.0.0.1 ports.
+With no cluster and no explicit resolver, the local cluster
+(`cluster.local`) starts the ps and worker tasks as child processes on free
+127.0.0.1 ports.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -47,10 +45,6 @@ SERVER_JOBS = ("worker", "ps")
 # Other names of a job, accepted in `TF_CONFIG` and renamed: Kubeflow's TFJob
 # calls the chief `master` in its older examples (replica type `Master`).
 JOB_ALIASES = {"master": "chief"}
-_TF_CONFIG = "TF_CONFIG"
-# Where a task's cluster comes from (`--cluster_from`): `auto` is `TF_CONFIG`
-# when set, else a JobSet's environment when present, else the local cluster.
-CLUSTER_SOURCES = ("auto", "tf_config", "jobset")
 
 
 class ClusterConfigError(errors.ConfigError):
@@ -225,114 +219,6 @@ def make_resolver(jobs, task_type, task_id, rpc_layer="grpc"):
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         cluster_spec, task_type=task_type, task_id=task_id, rpc_layer=rpc_layer
     )
-
-
-def cluster_source(cluster_from: str = "auto", environ=None) -> str | None:
-    """Where this task's cluster comes from: `"tf_config"`, `"jobset"`, or None
-    (the local cluster), for `cluster_from` in `CLUSTER_SOURCES`.
-
-    Raises:
-      ClusterConfigError: `cluster_from` is unknown, or `jobset` while
-        `TF_CONFIG` is set too (two clusters).
-    """
-    from tf_distbelief.cluster import jobset
-
-    environ = os.environ if environ is None else environ
-    given = bool(environ.get(_TF_CONFIG, "").strip())
-    if cluster_from not in CLUSTER_SOURCES:
-        raise ClusterConfigError(
-            f"`cluster_from` must be one of {', '.join(CLUSTER_SOURCES)}. "
-            f"Received: {cluster_from!r}"
-        )
-    if cluster_from == "jobset":
-        if given:
-            raise ClusterConfigError(
-                "--cluster_from=jobset builds the cluster from the pod's JobSet "
-                "identity, but `TF_CONFIG` is set too: unset `TF_CONFIG`, or "
-                "use --cluster_from=tf_config."
-            )
-        return "jobset"
-    if given:
-        return "tf_config"
-    if cluster_from == "auto" and jobset.in_jobset(environ):
-        return "jobset"
-    return None
-
-
-def cluster_given() -> bool:
-    """Whether this task is part of a cluster (`TF_CONFIG`, or a JobSet's
-    environment), not the local one; for `cluster_from="auto"`."""
-    return cluster_source() is not None
-
-
-def resolve_cluster(cluster_resolver=None, cluster_from: str = "auto"):
-    """Returns the validated cluster to train on, or None for a local cluster.
-
-    An explicit `cluster_resolver` wins over `TF_CONFIG`. `TF_CONFIG` is parsed
-    here, validated with `validate_cluster`, and turned into a TensorFlow
-    `SimpleClusterResolver` (sparse jobs with string keys are normalised, which
-    `TFConfigClusterResolver` does not do; a `master` job and task type become
-    `chief`; other `TF_CONFIG` fields, such as Kubeflow's `environment`, are
-    ignored). In a JobSet's pod (`cluster_source`) `jobset.tf_config` builds
-    the same dict from the pod's identity, and it is checked the same way.
-
-    Args:
-      cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`, or
-        None to read `TF_CONFIG` (or the JobSet environment).
-      cluster_from: one of `CLUSTER_SOURCES` (`--cluster_from`).
-
-    Returns:
-      A `tf.distribute.cluster_resolver.ClusterResolver`, or None when neither a
-      resolver nor a cluster (`cluster_source`) is given.
-
-    Raises:
-      ClusterConfigError: `TF_CONFIG` is not valid JSON, lacks `cluster`, a
-        JobSet variable is missing or inconsistent, or the cluster fails
-        `validate_cluster`.
-    """
-    if cluster_resolver is not None:
-        spec = cluster_resolver.cluster_spec().as_dict()
-        task_type = canonical_job(cluster_resolver.task_type)
-        task_id = cluster_resolver.task_id
-        jobs = validate_cluster(spec, task_type, task_id)
-        return make_resolver(
-            jobs, task_type, task_id, cluster_resolver.rpc_layer or "grpc"
-        )
-    task = resolve_task(cluster_from)
-    return None if task is None else make_resolver(*task)
-
-
-def resolve_task(cluster_from: str = "auto") -> ClusterTask | None:
-    """This task's validated cluster from `TF_CONFIG` or the JobSet environment
-    (as `resolve_cluster`), without TensorFlow; None for a local cluster.
-
-    Args:
-      cluster_from: one of `CLUSTER_SOURCES` (`--cluster_from`).
-
-    Returns:
-      A `ClusterTask`, or None when no cluster is given (`cluster_source`).
-
-    Raises:
-      ClusterConfigError: as `resolve_cluster`.
-    """
-    source = cluster_source(cluster_from)
-    if source is None:
-        return None
-    if source == "jobset":
-        from tf_distbelief.cluster import jobset
-
-        config = jobset.tf_config(os.environ)
-        text = json.dumps(config)
-    else:
-        text = os.environ[_TF_CONFIG].strip()
-        try:
-            config = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ClusterConfigError(
-                f"`TF_CONFIG` is not valid JSON ({e.msg} at line {e.lineno} column "
-                f"{e.colno}). Received: {console.shorten(text, 200)!r}"
-            ) from None
-    return tf_config_task(config, text)
 
 
 def resolve_tf_config(config: Any, text: str | None = None):

@@ -24,7 +24,7 @@ finished for the step watch's limit fails naming the workers.
 
 `python -m tf_distbelief.cluster.health HOST:PORT` probes one task and exits
 0 if it answers, 1 if not: a Kubernetes liveness probe for ps and worker pods
-(`cluster.manifest`), so that the orchestrator restarts a hung task.
+(`cluster.k8s.manifest`), so that the orchestrator restarts a hung task.
 
 gRPC is TensorFlow's own transport (`grpcio` comes with `tensorflow`); the
 request is empty and any answer within the deadline, whatever its status, is a

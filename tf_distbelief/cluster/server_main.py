@@ -16,7 +16,7 @@ if __name__ == "__main__":
     # brings scikit-learn and SciPy along: a ps or worker task builds no model.
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-from tf_distbelief.cluster import config, server  # noqa: E402
+from tf_distbelief.cluster import config, server, source  # noqa: E402
 
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", 1, "CPU devices the server exposes.", lower_bound=1
@@ -35,7 +35,7 @@ _READY_FILE = flags.DEFINE_string(
 
 def main(argv):
     del argv
-    task = config.resolve_task()
+    task = source.resolve_task()
     if task is None:
         raise config.ClusterConfigError(
             "A ps or worker task reads its cluster from `TF_CONFIG` (or a "

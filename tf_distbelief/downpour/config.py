@@ -14,11 +14,11 @@ import dataclasses
 
 import numpy as np
 
+from tf_distbelief.downpour import config_fields
 from tf_distbelief.downpour.push_rules import rule as push_rule
 
 __all__ = [
     "ADAGRAD_ACCUMULATORS",
-    "FIELDS",
     "LOCAL_LEARNING_RATE",
     "LOCAL_OPTIMIZERS",
     "DownpourConfig",
@@ -138,7 +138,7 @@ class DownpourConfig:
             local_optimizer,
             adagrad_accumulator,
         )
-        for name, value in zip(FIELDS, values):
+        for name, value in zip(config_fields.FIELDS, values):
             object.__setattr__(self, name, value)
         defaults = {s.name: s.default for s in push_rule.settings()}
         unknown = sorted(set(settings) - set(defaults))
@@ -165,7 +165,7 @@ class DownpourConfig:
         raise AttributeError(f"'DownpourConfig' object has no attribute {name!r}")
 
     def __repr__(self) -> str:
-        pairs = [(name, getattr(self, name)) for name in FIELDS]
+        pairs = [(name, getattr(self, name)) for name in config_fields.FIELDS]
         pairs += list(self.rule_settings)
         inner = ", ".join(f"{name}={value!r}" for name, value in pairs)
         return f"DownpourConfig({inner})"
@@ -173,7 +173,7 @@ class DownpourConfig:
     @classmethod
     def setting_names(cls) -> tuple[str, ...]:
         """Every keyword argument: the fields, then the push rules' settings."""
-        return FIELDS + tuple(s.name for s in push_rule.settings())
+        return config_fields.FIELDS + tuple(s.name for s in push_rule.settings())
 
     def _check(self) -> None:
         _check_int("n_fetch", self.n_fetch, 1, ">= 1 (fetch every n_fetch steps)")
@@ -249,9 +249,3 @@ class DownpourConfig:
                 "rate is not a number (a schedule). Received: None"
             )
         return float(ps_learning_rate)
-
-
-# `DownpourConfig`'s own fields, in order (the push rules' settings follow).
-FIELDS = tuple(
-    f.name for f in dataclasses.fields(DownpourConfig) if f.name != "rule_settings"
-)

@@ -35,6 +35,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from tf_distbelief.cluster.local import proc_stat
+
 __all__ = ["PARTS", "Goodput", "active", "current", "process_start_secs"]
 
 # The parts of the wall time besides `train`, in the order `line` shows them.
@@ -50,11 +52,10 @@ def process_start_secs(clock: Callable[[], float] = time.monotonic) -> float:
     """
     now = clock()
     try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
+        started_ticks = int(proc_stat.fields()[proc_stat.START_FIELD])
         with open("/proc/uptime") as f:
             uptime_secs = float(f.read().split()[0])
-        started_secs = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        started_secs = started_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return now
     return now - max(0.0, uptime_secs - started_secs)

@@ -18,7 +18,7 @@ unchanged. Callers that bound their own waits, like
 `sandblaster.SandblasterObjective` (`stall_timeout_secs`), suspend the watch.
 
 A worker that hangs, accepting connections but never answering (SIGSTOP, a
-swap storm), is `cluster.hung_tasks`'s: a local cluster kills it once it has
+swap storm), is `cluster.local.hung_tasks`'s: a local cluster kills it once it has
 been silent `hung_task_timeout_secs` (the coordinator then runs its step
 elsewhere), and with `TF_CONFIG` the chief names it and the pod's liveness
 probe restarts it. The watch's lines name hung workers apart from those not

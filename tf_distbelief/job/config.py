@@ -14,9 +14,10 @@ from tf_distbelief import console, errors, paths
 from tf_distbelief import downpour as downpour_lib
 from tf_distbelief import sandblaster as sandblaster_lib
 from tf_distbelief import strategy as strategy_lib
-from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as connect_lib
-from tf_distbelief.cluster import hung_tasks, network
+from tf_distbelief.cluster import source as cluster_source
+from tf_distbelief.cluster.local import hung_tasks
+from tf_distbelief.cluster.network import emulated
 from tf_distbelief.faults import nonfinite as nonfinite_lib
 from tf_distbelief.faults import recovery as recovery_lib
 from tf_distbelief.faults import step_watch
@@ -63,7 +64,7 @@ class JobConfig:
         seconds (> 0; a local cluster's tasks already listen when it connects).
       hung_task_timeout_secs: a ps or worker task that accepts connections but
         has not answered a status probe for this many seconds is hung and
-        treated as lost (`cluster.hung_tasks`): the local cluster kills and
+        treated as lost (`cluster.local.hung_tasks`): the local cluster kills and
         restarts it, so its step in flight runs again on another worker;
         with `TF_CONFIG` the chief names it and leaves it to the orchestrator
         (the pods' liveness probe). Finite, > 0.
@@ -85,14 +86,14 @@ class JobConfig:
         devices; with `TF_CONFIG`, worker tasks start with that many.
       gpus_per_worker: local cluster on a GPU host: GPUs each worker sees
         (`CUDA_VISIBLE_DEVICES`; ps tasks none), >= 0; None shares the
-        host's GPUs evenly (`cluster.gpus`); 0 trains on CPUs. Ignored with
+        host's GPUs evenly (`cluster.local.gpus`); 0 trains on CPUs. Ignored with
         `TF_CONFIG` (the cluster manager assigns devices).
       emulate_nic: local cluster only: None (default) uses loopback as it is;
         a rate (`1gbit`, `100mbit`, ...) puts each task behind an emulated NIC
-        of that rate in and out (`cluster.network`; needs the private
+        of that rate in and out (`cluster.network.emulated`; needs the private
         network namespace). Refused with `TF_CONFIG`.
       emulate_ps_nic: the ps tasks' emulated NIC rate; None: `emulate_nic`.
-      cluster_from: where the cluster comes from (`cluster.config.CLUSTER_SOURCES`):
+      cluster_from: where the cluster comes from (`cluster.source.CLUSTER_SOURCES`):
         `auto` (`TF_CONFIG`, else a JobSet's environment, else the local
         cluster), `tf_config`, or `jobset` (the pod's JobSet identity).
     """
@@ -143,7 +144,7 @@ class JobConfig:
             ("optimizer", OPTIMIZERS),
             ("partitioner", PARTITIONERS),
             ("nonfinite", NONFINITE_MODES),
-            ("cluster_from", cluster_config.CLUSTER_SOURCES),
+            ("cluster_from", cluster_source.CLUSTER_SOURCES),
         ):
             if getattr(self, name) not in allowed:
                 raise errors.ConfigError(
@@ -220,7 +221,7 @@ class JobConfig:
         for name in ("emulate_nic", "emulate_ps_nic"):
             if getattr(self, name) is not None:
                 try:
-                    network.parse_rate(getattr(self, name), name)
+                    emulated.parse_rate(getattr(self, name), name)
                 except ValueError as e:
                     raise errors.ConfigError(str(e)) from None
         if self.emulate_ps_nic is not None and self.emulate_nic is None:

@@ -22,7 +22,7 @@ from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as cluster_connect
-from tf_distbelief.cluster import hung_tasks
+from tf_distbelief.cluster.local import hung_tasks
 from tf_distbelief.faults import goodput, recovery
 from tf_distbelief.fit import evaluation, export, training
 from tf_distbelief.job.config import JobConfig
@@ -520,7 +520,7 @@ def _run(config, spec, print_fn, trainer, resolver) -> dict | None:
 
 def _report_hung_tasks(config, resolver, print_fn) -> hung_tasks.HungTaskWatch:
     """The `TF_CONFIG` chief's watch: names a hung task; its pod's liveness
-    probe (`cluster.manifest`), or whatever runs it, restarts it."""
+    probe (`cluster.k8s.manifest`), or whatever runs it, restarts it."""
     jobs = resolver.cluster_spec().as_dict()
     tasks = {
         f"/job:{job}/task:{index}": address

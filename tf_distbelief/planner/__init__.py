@@ -3,6 +3,8 @@
 * `cost_model`: bytes per step, NIC rates, ps count, compute and the chief's
   scheduling as bounds on examples/s; the fewest ps tasks and the smallest
   `n_push` that keep the workers busy (pure Python, no TensorFlow).
+* `records`: what a prediction is of, `Cluster`, `Setting` and a step's
+  `Traffic`, which `cost_model` and `queueing` both read.
 * `queueing`: the wait of a worker's transfers behind the others' at the ps
   NICs, with the coordinator's joins and the workers' step-time variation.
 * `python -m tf_distbelief.planner --params=42M --workers=200 --ps=8
@@ -14,10 +16,10 @@ from tf_distbelief import _lazy
 __all__, __getattr__, __dir__ = _lazy.exports(
     __name__,
     {
-        "Cluster": "cost_model",
+        "Cluster": "records",
         "Prediction": "cost_model",
-        "Setting": "cost_model",
-        "Traffic": "cost_model",
+        "Setting": "records",
+        "Traffic": "records",
         "chief_steps_per_execution": "cost_model",
         "parse_count": "cost_model",
         "plan": "cost_model",

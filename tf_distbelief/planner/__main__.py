@@ -16,8 +16,8 @@ import argparse
 import math
 import sys
 
-from tf_distbelief.cluster import network
-from tf_distbelief.planner import cost_model
+from tf_distbelief.cluster.network import emulated
+from tf_distbelief.planner import cost_model, records
 
 __all__ = ["format_table", "main", "parse_args"]
 
@@ -37,11 +37,11 @@ _FLAGS = {
 def _rate(value: str, name: str) -> float | None:
     if value in ("unlimited", "none", ""):
         return None
-    return network.parse_rate(value, name)
+    return emulated.parse_rate(value, name)
 
 
 def _describe(bits_per_sec: float | None) -> str:
-    return "unlimited" if bits_per_sec is None else network.describe_rate(bits_per_sec)
+    return "unlimited" if bits_per_sec is None else emulated.describe_rate(bits_per_sec)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -61,23 +61,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--step_ms", type=float, required=True, help="One worker's compute per step."
     )
-    parser.add_argument("--batch", type=int, default=cost_model.DEFAULT_BATCH_SIZE)
+    parser.add_argument("--batch", type=int, default=records.DEFAULT_BATCH_SIZE)
     parser.add_argument(
         "--steps_per_execution",
         type=int,
-        default=cost_model.DEFAULT_STEPS_PER_EXECUTION,
+        default=records.DEFAULT_STEPS_PER_EXECUTION,
         help="Steps per scheduled function.",
     )
     parser.add_argument(
         "--function_ms",
         type=float,
-        default=cost_model.DEFAULT_FUNCTION_SECS * 1e3,
+        default=records.DEFAULT_FUNCTION_SECS * 1e3,
         help="The chief's cost per scheduled function.",
     )
     parser.add_argument(
         "--overhead_bytes",
         type=float,
-        default=cost_model.DEFAULT_OVERHEAD_BYTES,
+        default=records.DEFAULT_OVERHEAD_BYTES,
         help="Fixed bytes per exchange per ps, each way.",
     )
     parser.add_argument(
@@ -96,7 +96,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "apart); default: only the first exchange after a join in step.",
     )
     parser.add_argument(
-        "--accumulator", default="squares", choices=cost_model.ACCUMULATORS
+        "--accumulator", default="squares", choices=records.ACCUMULATORS
     )
     parser.add_argument(
         "--busy",
@@ -114,7 +114,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     try:
         nic = _rate(args.nic, "--nic")
         ps_nic = nic if args.ps_nic is None else _rate(args.ps_nic, "--ps_nic")
-        args.cluster = cost_model.Cluster(
+        args.cluster = records.Cluster(
             num_params=cost_model.parse_count(args.params, "--params"),
             num_workers=args.workers,
             num_ps=args.ps,
@@ -145,11 +145,11 @@ def _fmt(value: float) -> str:
 
 
 def format_table(
-    cluster: cost_model.Cluster, accumulator: str = "squares", busy: float = 0.9
+    cluster: records.Cluster, accumulator: str = "squares", busy: float = 0.9
 ) -> str:
     """The table `main` prints, one line per setting, then the plan lines."""
     c = cluster
-    model_mb = c.num_params * cost_model.BYTES_PER_PARAM / 1e6
+    model_mb = c.num_params * records.BYTES_PER_PARAM / 1e6
     lines = [
         f"params={c.num_params:,} ({model_mb:.1f} MB float32) "
         f"workers={c.num_workers} ps={c.num_ps} "

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # Annotations only: cost_model imports this module.
-    from tf_distbelief.planner.cost_model import Cluster, Setting, Traffic
+from tf_distbelief.planner import records
 
 __all__ = ["MAX_TRACKED_EXCHANGES", "bits_per_sec", "queue_secs"]
 
@@ -33,7 +31,10 @@ def bits_per_sec(value: float | None) -> float:
 
 
 def queue_secs(
-    c: Cluster, setting: Setting, traffic: Traffic, worker_rate: float
+    c: records.Cluster,
+    setting: records.Setting,
+    traffic: records.Traffic,
+    worker_rate: float,
 ) -> float:
     """A worker's wait per step behind the others' transfers at the ps NICs.
 
@@ -114,7 +115,7 @@ class _Interval:
         return linear + rest * waits(spread)
 
 
-def _overlaps(c: Cluster, segment: float, transfer_secs: float):
+def _overlaps(c: records.Cluster, segment: float, transfer_secs: float):
     """`(weights, overlaps, untracked)` of the exchanges of a join interval.
 
     Exchange `j` (weight its share of the interval's exchanges: `J / s` of

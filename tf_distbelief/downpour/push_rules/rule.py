@@ -45,6 +45,8 @@ import pkgutil
 
 import numpy as np
 
+from tf_distbelief.downpour import config_fields
+
 __all__ = [
     "POSITION_BYTES",
     "PushRule",
@@ -383,8 +385,6 @@ def register(rule: type[PushRule]) -> type[PushRule]:
       ValueError: its `name` is not one of its settings, or its name or a
         setting's is taken (by a registered rule or a `DownpourConfig` field).
     """
-    from tf_distbelief.downpour import config as config_lib
-
     _load_builtins()
     if not (isinstance(rule, type) and issubclass(rule, PushRule)):
         raise TypeError(
@@ -397,7 +397,7 @@ def register(rule: type[PushRule]) -> type[PushRule]:
             f"({', '.join(names) or 'none'}). Received: {rule.name!r}"
         )
     taken = {s.name for other in _RULES.values() for s in other.settings}
-    taken |= set(_RULES) | set(config_lib.FIELDS)
+    taken |= set(_RULES) | set(config_fields.FIELDS)
     clash = sorted(taken.intersection(names))
     if clash or len(set(names)) != len(names):
         raise ValueError(

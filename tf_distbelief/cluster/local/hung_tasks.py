@@ -21,7 +21,7 @@ refused) is not hung: the supervisor, an orchestrator, or the step watch
 handles it.
 
 The probes and the kill run in a process of their own
-(`python -m tf_distbelief.cluster.hung_tasks`), not in a thread of the chief:
+(`python -m tf_distbelief.cluster.local.hung_tasks`), not in a thread of the chief:
 a thread runs only while no other thread of its process holds the Python GIL,
 and a call that waits on a task without releasing it (a C++ call of
 TensorFlow's that does not, or a long stretch of pure Python) would stop the
@@ -51,7 +51,7 @@ from absl import logging
 
 from tf_distbelief import checks
 from tf_distbelief.cluster import health
-from tf_distbelief.cluster import server as server_lib
+from tf_distbelief.cluster.local import children, proc_stat
 
 # A live server answers a probe in milliseconds, even mid-step; a stopped
 # process never does. 30 s rides out a loaded machine's pauses (a probe was
@@ -126,13 +126,13 @@ class HungTaskWatch:
         # -P (Python 3.11+): this package from `_env_with_this_package`, not
         # a copy of it in the working folder.
         safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-        self._process = server_lib.popen_for_life(
+        self._process = children.popen_for_life(
             [sys.executable, *safe_path, "-m", __name__, json.dumps(orders)],
             env=_env_with_this_package(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            preexec_fn=server_lib.set_parent_death_signal,
+            preexec_fn=children.set_parent_death_signal,
         )
         self._reader = threading.Thread(
             target=self._read, name="HungTaskWatch", daemon=True
@@ -234,18 +234,7 @@ class HungTaskWatch:
 
 def _identity(pid: int) -> list:
     """`[pid, start time]` of a running process (start time None without /proc)."""
-    return [pid, _start_time(pid)]
-
-
-def _start_time(pid: int) -> int | None:
-    """Field 22 of `/proc/PID/stat`: clock ticks from boot to the start."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) is in parentheses and may hold spaces.
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    return [pid, proc_stat.start_ticks(pid)]
 
 
 def _kill(identity: list | None) -> bool:
@@ -253,7 +242,7 @@ def _kill(identity: list | None) -> bool:
     if identity is None:
         return False
     pid, start = identity
-    if start is not None and _start_time(pid) != start:
+    if start is not None and proc_stat.start_ticks(pid) != start:
         return False  # Ended; the id may be another process's now.
     try:
         os.kill(pid, signal.SIGKILL)
@@ -264,7 +253,8 @@ def _kill(identity: list | None) -> bool:
 
 def _env_with_this_package() -> dict:
     """This process's environment, with this package importable first."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # The folder that holds `tf_distbelief/cluster/local/`.
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
     path = os.environ.get("PYTHONPATH")
     return dict(
         os.environ, PYTHONPATH=root if not path else f"{root}{os.pathsep}{path}"
@@ -335,10 +325,11 @@ class _Watch:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m tf_distbelief.cluster.hung_tasks ORDERS_JSON` (HungTaskWatch's)."""
+    """`python -m tf_distbelief.cluster.local.hung_tasks ORDERS_JSON`, the
+    process of a `HungTaskWatch`."""
     if len(argv) != 2:
         print(
-            "usage: python -m tf_distbelief.cluster.hung_tasks ORDERS_JSON "
+            "usage: python -m tf_distbelief.cluster.local.hung_tasks ORDERS_JSON "
             "(started by HungTaskWatch)",
             file=sys.stderr,
         )

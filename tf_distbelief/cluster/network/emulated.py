@@ -43,7 +43,7 @@ import threading
 from collections.abc import Sequence
 
 from tf_distbelief import checks, errors
-from tf_distbelief.cluster import isolation
+from tf_distbelief.cluster.network import isolation
 
 __all__ = [
     "EmulatedNetwork",
@@ -270,7 +270,7 @@ class EmulatedNetwork:
                 "An emulated network (`nic_bandwidth`, `--emulate_nic`) needs the "
                 "local cluster's private network namespace, and this process is "
                 "not in one: call "
-                "tf_distbelief.cluster.isolation.enter_private_network() first "
+                "tf_distbelief.cluster.enter_private_network() first "
                 "thing (launch/train.py does, unless --noisolate_network), on a "
                 "Linux host with user namespaces and util-linux unshare."
             )

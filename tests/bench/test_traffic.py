@@ -1,4 +1,4 @@
-"""The socket-byte parser and attribution of `tf_distbelief.cluster.traffic`.
+"""The socket-byte parser and attribution of `benchmarks.traffic`.
 
 Pure functions on captured `ss -tinpH state established` text; no cluster.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tf_distbelief.cluster import traffic
+from benchmarks import traffic
 
 # Captured on a LocalCluster (2 workers, 1 ps) during the benchmark, info lines
 # cut short: a worker (pid 15955) connected to the ps (port 45919, pid 15956),

@@ -1,7 +1,7 @@
 """Kubernetes manifests for a training job: a Kubeflow `TFJob` and its `NetworkPolicy`.
 
 The Kubeflow training operator (`kubeflow.org/v1`, kind `TFJob`) runs one pod per
-replica and gives each the `TF_CONFIG` that `tf_distbelief.cluster.config`
+replica and gives each the `TF_CONFIG` that `tf_distbelief.cluster.source`
 reads::
 
     {"cluster": {"chief": ["<job>-chief-0.<namespace>.svc:2222"],
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tf_distbelief.cluster import manifest
+from tf_distbelief.cluster.k8s import manifest
 
 __all__ = [
     "JOB_NAME_LABEL",

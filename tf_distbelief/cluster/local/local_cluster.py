@@ -22,9 +22,11 @@ from absl import logging
 
 from tf_distbelief import checks
 from tf_distbelief.cluster import config as config_lib
-from tf_distbelief.cluster import gpus as gpus_lib
-from tf_distbelief.cluster import health, hung_tasks, isolation, network
+from tf_distbelief.cluster import health
 from tf_distbelief.cluster import server as server_lib
+from tf_distbelief.cluster.local import children, hung_tasks
+from tf_distbelief.cluster.local import gpus as gpus_lib
+from tf_distbelief.cluster.network import emulated, isolation
 
 # A child server imports TensorFlow (4-5 s on this class of machine) before it
 # listens; 120 s leaves room for a loaded 2-core machine starting 4 of them.
@@ -74,7 +76,7 @@ class LocalCluster:
         [...]}`; jobs left out get free ports from portpicker.
       gpus_per_worker: GPUs each worker sees on a GPU host (its own
         `CUDA_VISIBLE_DEVICES`; ps tasks see none): None (default) shares the
-        host's GPUs evenly, 0 hides them; see `cluster.gpus`. Worker GPU
+        host's GPUs evenly, 0 hides them; see `cluster.local.gpus`. Worker GPU
         memory grows as used (`TF_FORCE_GPU_ALLOW_GROWTH`), and so does the
         chief's unless TensorFlow already uses a GPU in this process.
       visible_gpus: the GPU ids to share out; None finds them
@@ -96,13 +98,13 @@ class LocalCluster:
       nic_bandwidth: None (default): loopback as it is. A rate (`"1gbit"`,
         `"100mbit"`, bits per second): an emulated network, each ps and
         worker task in a network namespace of its own behind a NIC of that
-        rate in and out, on its own address (`cluster.network`; the chief on
+        rate in and out, on its own address (`cluster.network.emulated`; the chief on
         the bridge's); needs this process in a private network namespace
         (`isolation.enter_private_network`).
       ps_nic_bandwidth: the ps tasks' NIC rate; None: `nic_bandwidth`.
       hung_task_timeout_secs: a ps or worker task that accepts connections but
         has not answered a status probe for this many seconds (stopped, or
-        stuck) is killed as lost (`cluster.hung_tasks`), so that TensorFlow's
+        stuck) is killed as lost (`cluster.local.hung_tasks`), so that TensorFlow's
         recovery runs (and the supervisor, with `restart_lost_tasks`,
         restarts it); None (default): hung tasks are not watched.
 
@@ -171,9 +173,9 @@ class LocalCluster:
         self.hung_task_timeout_secs = hung_task_timeout_secs
         self.hung_task_watch: hung_tasks.HungTaskWatch | None = None
         # None: loopback as it is; else each task's emulated NIC.
-        self.nic_rates = network.NicRates.create(nic_bandwidth, ps_nic_bandwidth)
+        self.nic_rates = emulated.NicRates.create(nic_bandwidth, ps_nic_bandwidth)
         # The emulated network while the cluster runs (`start` makes it).
-        self.network: network.EmulatedNetwork | None = None
+        self.network: emulated.EmulatedNetwork | None = None
         if visible_gpus is None:
             visible_gpus = gpus_lib.visible_gpus()
         # `{(job, index): CUDA_VISIBLE_DEVICES}`; empty on a host without GPUs.
@@ -217,7 +219,7 @@ class LocalCluster:
             os.remove(ready)
         emulated = self.network
         try:
-            proc = server_lib.popen_for_life(
+            proc = children.popen_for_life(
                 [
                     sys.executable,
                     "-m",
@@ -230,7 +232,7 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=(
-                    server_lib.set_parent_death_signal
+                    children.set_parent_death_signal
                     if emulated is None
                     else _own_network_namespace
                 ),
@@ -291,7 +293,7 @@ class LocalCluster:
             )
         }
         if self.nic_rates is not None:  # Before any task starts.
-            self.network = network.EmulatedNetwork(self.nic_rates)
+            self.network = emulated.EmulatedNetwork(self.nic_rates)
         self.jobs = {
             job: [f"{self._host(job, i)}:{p}" for i, p in enumerate(job_ports)]
             for job, job_ports in ports.items()
@@ -548,8 +550,8 @@ def _task_name(job: str, index: int) -> str:
 
 def _own_network_namespace() -> None:
     """Child-side: dies with the chief, in a network namespace of its own."""
-    server_lib.set_parent_death_signal()
-    network.EmulatedNetwork.preexec()
+    children.set_parent_death_signal()
+    emulated.EmulatedNetwork.preexec()
 
 
 def _leave_tasks(addresses: list[str], lost_for_good: bool) -> None:

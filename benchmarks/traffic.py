@@ -13,7 +13,7 @@ measure a job on one machine (Linux):
   `bytes_received_on_ports` sums what every connection touching a set of ports
   (a cluster's task ports) received.
 * `cpu_secs` reads a process's user plus system CPU seconds from
-  `/proc/<pid>/stat`.
+  `/proc/<pid>/stat` (`tf_distbelief.cluster.local.proc_stat`).
 
 Example:
 
@@ -34,6 +34,8 @@ import os
 import re
 import subprocess
 from collections.abc import Iterable, Mapping
+
+from tf_distbelief.cluster.local import proc_stat
 
 __all__ = [
     "Endpoint",
@@ -275,11 +277,8 @@ def cpu_secs(pid: int) -> float:
       ProcessLookupError: no process `pid` (or it is gone).
     """
     try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            stat = f.read()
+        fields = proc_stat.fields(pid)
     except FileNotFoundError:
         raise ProcessLookupError(f"No process {pid} (no /proc/{pid}/stat).") from None
-    # The command name (field 2) is in parentheses and may hold spaces.
-    fields = stat.rpartition(")")[2].split()
-    user_ticks, system_ticks = int(fields[11]), int(fields[12])
+    user_ticks, system_ticks = (int(fields[i]) for i in proc_stat.CPU_FIELDS)
     return (user_ticks + system_ticks) / os.sysconf("SC_CLK_TCK")

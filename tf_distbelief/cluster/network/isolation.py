@@ -20,8 +20,8 @@ warning naming the risk and the ports (`warn_if_exposed`).
 
 Example, first thing in a script that starts a `LocalCluster`:
   ```
-  from tf_distbelief.cluster import isolation
-  isolation.enter_private_network()  # Re-executes the script, or returns.
+  from tf_distbelief import cluster
+  cluster.enter_private_network()  # Re-executes the script, or returns.
   ```
 """
 
@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from absl import logging
 
 from tf_distbelief import console
-from tf_distbelief.cluster import config as config_lib
+from tf_distbelief.cluster import source
 
 # Set in the environment of the re-executed program: the host's network
 # namespace (`/proc/self/ns/net`). A process is inside the private namespace
@@ -51,7 +51,7 @@ _EXTRA_PATH = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
 _PROBE_TIMEOUT_SECS = 10.0
 _PYTHON_API_REASON = (
     "a LocalCluster started from Python runs in the calling process's network "
-    "namespace (call tf_distbelief.cluster.isolation.enter_private_network() "
+    "namespace (call tf_distbelief.cluster.enter_private_network() "
     "first thing to isolate it)"
 )
 # Why the job is not isolated, for the warning (set by `enter_private_network`).
@@ -210,7 +210,7 @@ def enter_private_network(requested: bool = True) -> Decision:
     decision = decide(
         requested=requested,
         inside=inside_private_network(),
-        tf_config_given=config_lib.cluster_given(),
+        tf_config_given=source.cluster_given(),
         platform=sys.platform,
         running="tensorflow" in sys.modules
         or threading.active_count() > 1
