@@ -211,6 +211,17 @@ def test_local_cluster_sets_each_tasks_intra_op_threads(monkeypatch, threads):
     assert "TF_NUM_INTRAOP_THREADS" not in os.environ  # Not the chief's.
 
 
+@pytest.mark.slow
+def test_local_cluster_removes_its_temporary_log_folder_at_stop():
+    local = cluster.LocalCluster(num_workers=1, num_ps=1).start()
+    log_dir = local._log_dir
+    try:
+        assert sorted(os.listdir(log_dir))[:2] == ["ps_0.log", "ps_0.ready"]
+    finally:
+        local.stop()
+    assert not os.path.exists(log_dir)
+
+
 # TF_CONFIG forms in use elsewhere (issue 12).
 
 

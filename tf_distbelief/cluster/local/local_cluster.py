@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,7 +72,9 @@ class LocalCluster:
       num_ps: ps tasks (parameter shards), >= 1.
       cpu_devices_per_worker: CPU devices each worker server exposes, >= 1.
       start_timeout_secs: how long to wait for all tasks to listen.
-      log_dir: where task logs go; a temporary folder by default.
+      log_dir: where the task logs (`<job>_<index>.log`) and ready files go,
+        kept after `stop` (the launch script passes `<model_dir>/cluster`);
+        None: a temporary folder, removed by `stop`.
       ports: optional fixed ports, `{"chief": [p], "worker": [p, ...], "ps":
         [...]}`; jobs left out get free ports from portpicker.
       gpus_per_worker: GPUs each worker sees on a GPU host (its own
@@ -186,7 +189,11 @@ class LocalCluster:
         self.num_ps = num_ps
         self.cpu_devices_per_worker = cpu_devices_per_worker
         self.start_timeout_secs = start_timeout_secs
+        # A temporary folder of our own is removed at `stop`; a given one kept.
+        self._temporary_log_dir = log_dir is None
         self._log_dir = log_dir or tempfile.mkdtemp(prefix="tf_distbelief_cluster_")
+        if not self._temporary_log_dir:
+            os.makedirs(log_dir, exist_ok=True)
         self.jobs: dict[str, list[str]] = {}
         self.processes: dict[tuple[str, int], subprocess.Popen] = {}
         self.resolver = None
@@ -525,6 +532,8 @@ class LocalCluster:
         if self.network is not None:
             self.network.close()
             self.network = None
+        if self._temporary_log_dir:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
         return self.start()
