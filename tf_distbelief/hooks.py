@@ -42,6 +42,9 @@ class FitHooks:
         counters; may raise `tf.errors.OpError` while a task is replaced.
       interval_figures: `(now, last) -> {name: float}`, the figures between
         two readings of `read_counters` (`last` None: since the start).
+      state: the algorithm's own object, or None: what its `install`
+        returned (Downpour's `Downpour`), for the job's reports
+        (`downpour.DownpourMetrics`).
     """
 
     name: str
@@ -49,6 +52,7 @@ class FitHooks:
     checkpoint_state: Callable[[], Any] | None = None
     read_counters: Callable[[], Any] | None = None
     interval_figures: Callable[[Any, Any], dict[str, float]] | None = None
+    state: Any = None
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):

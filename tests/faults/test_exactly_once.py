@@ -12,7 +12,7 @@ import tensorflow as tf
 import models
 from models import digits
 from tests.fixtures.helpers import wait_for_worker_recovery
-from tf_distbelief import job
+from tf_distbelief import hooks, job
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import DownpourConfig
 from tf_distbelief.faults import exactly_once
@@ -75,7 +75,7 @@ class _Keras2:
         """Steps applied on the ps, and with Downpour pushes applied."""
         counts = [int(self.model.optimizer.iterations.numpy())]
         if self.downpour is not None:
-            counts.append(int(self.model.downpour.update_count.numpy()))
+            counts.append(int(hooks.of(self.model).state.update_count.numpy()))
         return counts
 
     def weights(self) -> list:
