@@ -11,8 +11,11 @@ tf_keras model; an algorithm that replaces how a step's update reaches the ps
 * figures for progress lines and TensorBoard (staleness, bytes moved).
 
 The algorithm's `install(model, ...)` calls `attach(model, FitHooks(...))`;
-the fit layer asks `of(model)`. No attribute is set on the user's model and
-the fit layer imports no algorithm: this module sits under both.
+the fit layer asks `of(model)`. Keras 3 training (`keras3.fit`) takes
+Downpour's as a `FitHooks` too (`keras3.downpour.fit_hooks`), for its guard
+and its state in checkpoints (`faults.checkpoint_contents`). No attribute
+is set on the user's model and the fit layer imports no algorithm: this
+module sits under both.
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def test_a_worker_killed_while_the_ps_applies_its_step_applies_it_once(
     the ps a tensor meanwhile, which fails with the worker. Every op of the
     gate that names no device runs on the ring's ps: one placed on the
     worker (here the `tf.identity` of the update's result, as
-    `nonfinite.Guard` returns it) made the token's write wait for the worker,
+    `tf_keras_fit.Guard` returns it) made the token's write wait for the worker,
     and the killed worker's step was applied and not marked, so the retry
     applied it again (here 2 of 1; 502 of 500 steps under 4 worker kills)."""
     strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(1, 1))
