@@ -21,7 +21,7 @@ the ps (ps, chief: the rerun's start-up included) or to the restarted worker
 serving (the coordinator then reconnects it within seconds); `acc` test
 accuracy and `d acc` its difference to the unfaulted run, in points;
 `bit-exact` whether every restored value read back from the ps equals the
-checkpoint file's bytes (`recovery.VerifyRestored`; a difference would fail
+checkpoint file's bytes (`tf_keras_fit.VerifyRestored`; a difference would fail
 the run).
 
 Usage:

@@ -515,3 +515,84 @@ def test_the_wheel_holds_only_tf_distbelief(tmp_path):
             if not name.split("/")[0].endswith(".dist-info")
         }
     assert tops == {"tf_distbelief"}
+
+
+# Fault policies every Keras shares: none of them imports tf_keras (their
+# tf_keras side is `faults.tf_keras_fit`).
+NEUTRAL_FAULTS = [
+    "tf_distbelief.faults.checkpoint_contents",
+    "tf_distbelief.faults.exactly_once",
+    "tf_distbelief.faults.goodput",
+    "tf_distbelief.faults.nonfinite",
+    "tf_distbelief.faults.recovery",
+    "tf_distbelief.faults.resume",
+]
+MAX_FUNCTION_LINES = 80
+
+
+def _keras3_training_modules() -> list[str]:
+    folder = os.path.join(PACKAGE, "keras3")
+    return sorted(
+        f"tf_distbelief.keras3.{name[: -len('.py')]}"
+        for name in os.listdir(folder)
+        if name.startswith("training") and name.endswith(".py")
+    )
+
+
+def test_keras3_training_and_the_fault_policies_import_no_tf_keras():
+    modules = _keras3_training_modules() + NEUTRAL_FAULTS
+    assert "tf_distbelief.keras3.training" in modules
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in modules)
+        + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tf_keras'))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _function_code_lines(node) -> int:
+    """Lines of a function but its docstring (its signature and body)."""
+    lines = node.end_lineno - node.lineno + 1
+    body = node.body
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
+        lines -= body[0].end_lineno - body[0].lineno + 1
+    return lines
+
+
+def test_keras3_training_functions_are_short():
+    # A function that needs splitting along its concepts (setup, the epochs,
+    # checkpoints, evaluation); its docstring is not counted, as above.
+    long = {}
+    for module in _keras3_training_modules():
+        path = os.path.join(ROOT, *module.split(".")) + ".py"
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = _function_code_lines(node)
+                if lines > MAX_FUNCTION_LINES:
+                    long[f"{module}.{node.name}"] = lines
+    assert long == {}, f"functions over {MAX_FUNCTION_LINES} lines"
+
+
+def test_checkpoint_keys_are_spelled_in_one_place():
+    # What a checkpoint holds and how its keys are named: `checkpoint_contents`.
+    spelled = set()
+    for path in _package_files():
+        with open(path) as f:
+            if "ATTRIBUTES/VARIABLE_VALUE" in f.read():
+                spelled.add(os.path.relpath(path, ROOT))
+    assert spelled == {"tf_distbelief/faults/checkpoint_contents.py"}

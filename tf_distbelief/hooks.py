@@ -11,8 +11,11 @@ tf_keras model; an algorithm that replaces how a step's update reaches the ps
 * figures for progress lines and TensorBoard (staleness, bytes moved).
 
 The algorithm's `install(model, ...)` calls `attach(model, FitHooks(...))`;
-the fit layer asks `of(model)`. No attribute is set on the user's model and
-the fit layer imports no algorithm: this module sits under both.
+the fit layer asks `of(model)`. Keras 3 training (`keras3.fit`) takes
+Downpour's as a `FitHooks` too (`keras3.downpour.fit_hooks`), for its guard
+and its state in checkpoints (`faults.checkpoint_contents`). No attribute
+is set on the user's model and the fit layer imports no algorithm: this
+module sits under both.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ class FitHooks:
         counters; may raise `tf.errors.OpError` while a task is replaced.
       interval_figures: `(now, last) -> {name: float}`, the figures between
         two readings of `read_counters` (`last` None: since the start).
+      state: the algorithm's own object, or None: what its `install`
+        returned (Downpour's `Downpour`), for the job's reports
+        (`downpour.DownpourMetrics`).
     """
 
     name: str
@@ -49,6 +55,7 @@ class FitHooks:
     checkpoint_state: Callable[[], Any] | None = None
     read_counters: Callable[[], Any] | None = None
     interval_figures: Callable[[Any, Any], dict[str, float]] | None = None
+    state: Any = None
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):

@@ -347,3 +347,25 @@ class ModelDirLock:
             self.model_dir,
             holder,
         )
+
+
+def model_dir_lock(
+    model_dir: str | None, print_fn=None
+) -> ModelDirLock | contextlib.nullcontext:
+    """What a training run holds while it trains into `model_dir`.
+
+    The one way every trainer (`fit.fit`, `keras3.fit`, Sandblaster) takes
+    the lock: one job per `model_dir`, no other process writes checkpoints
+    between ours.
+
+    Args:
+      model_dir: the job's `model_dir`, or None (nothing to hold).
+      print_fn: where the line about a lock taken over goes (None: nowhere).
+
+    Returns:
+      A context manager: `ModelDirLock(model_dir, print_fn)`, or a
+      `contextlib.nullcontext()` without a `model_dir`.
+    """
+    if not model_dir:
+        return contextlib.nullcontext()
+    return ModelDirLock(model_dir, print_fn)

@@ -14,7 +14,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_distbelief as tfdb
-from tf_distbelief import downpour
+from tf_distbelief import downpour, hooks
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.fit import training
 
@@ -52,9 +52,7 @@ def _model(strategy, n):
             tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             steps_per_execution=1,
         )
-        model.downpour = downpour.install(
-            model, downpour.DownpourConfig(n_fetch=n, n_push=n)
-        )
+        downpour.install(model, downpour.DownpourConfig(n_fetch=n, n_push=n))
     return model
 
 
@@ -78,7 +76,7 @@ def _fit(model, steps, pattern, **kwargs):
         steps_per_epoch=steps,
         batch_size=BATCH,
         print_fn=lines.append,
-        callbacks=[downpour.DownpourMetrics(model.downpour)],
+        callbacks=[downpour.DownpourMetrics(hooks.of(model).state)],
         **kwargs,
     )
     return result, lines
@@ -109,10 +107,10 @@ class _Keras2:
         try:
             result, lines = _fit(model, steps, pattern, **kwargs)
         except tfdb.NonFiniteError as error:
-            error.run = (model, model.downpour)
+            error.run = (model, hooks.of(model).state)
             raise
         assert result.history[0]["nonfinite_pushes"] == result.nonfinite_skipped
-        return model, model.downpour, result.nonfinite_skipped, lines
+        return model, hooks.of(model).state, result.nonfinite_skipped, lines
 
     weights = staticmethod(_weights)
 
@@ -216,7 +214,7 @@ def test_skip_restarts_the_replica_from_its_last_push(strategy):
     model = _model(strategy, 2)
     result, _ = _fit(model, 8, [1, 0, 1, 1], nonfinite="skip")
     assert result.nonfinite_skipped == 2
-    (stats,) = model.downpour.stats()
+    (stats,) = hooks.of(model).state.stats()
     assert (stats.steps, stats.pushes, stats.nonfinite_pushes) == (8, 2, 2)
     reference = _model(strategy, 2)
     _fit(reference, 4, [1])

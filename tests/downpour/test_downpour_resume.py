@@ -16,7 +16,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_distbelief as tfdb
-from tf_distbelief import downpour
+from tf_distbelief import downpour, hooks
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import replica_state
 from tf_distbelief.faults import resume
@@ -63,7 +63,7 @@ def _model(strategy, local_optimizer, n_fetch=N, n_push=N, **push_rules):
             local_optimizer=local_optimizer,
             **push_rules,
         )
-        model.downpour = downpour.install(model, config)
+        downpour.install(model, config)
     return model
 
 
@@ -85,7 +85,7 @@ def _fit(model, epochs, model_dir=None, steps_per_epoch=STEPS_PER_EPOCH, lines=N
 def _state(model):
     """The ps variables, the ps AdaGrad accumulators and the iteration count."""
     optimizer = model.optimizer
-    rules = model.downpour._exchange.rules
+    rules = hooks.of(model).state._exchange.rules
     momentums = [m.numpy() for m in getattr(rules, "momentums", [])]
     return [v.numpy() for v in model.trainable_weights] + [
         a.numpy() for a in optimizer._accumulators
@@ -110,7 +110,7 @@ def test_resume_at_a_push_boundary_equals_an_uninterrupted_run(
     uninterrupted = _model(strategy, "sgd", **push_rules)
     _fit(uninterrupted, 2)
     if push_rules:  # 2 sharded variables, 2 shards each: 4 momentum slots.
-        momentums = uninterrupted.downpour._exchange.rules.momentums
+        momentums = hooks.of(uninterrupted).state._exchange.rules.momentums
         assert len(momentums) == 4
         assert all(np.abs(m.numpy()).max() > 0 for m in momentums)
     got, got_iterations = _state(resumed)
@@ -124,7 +124,7 @@ def _worker_state(model):
     """Worker 0's value of every per-worker Downpour variable, by name."""
     return {
         name: v.read_all()[0].numpy()
-        for name, v in model.downpour.worker_variables().items()
+        for name, v in hooks.of(model).state.worker_variables().items()
     }
 
 
@@ -139,8 +139,8 @@ def _assert_same_state(got_model, want_model, but=()):
     assert sorted(got_workers) == sorted(want_workers)
     for name in sorted(set(want_workers) - set(but)):
         np.testing.assert_array_equal(got_workers[name], want_workers[name], name)
-    assert int(got_model.downpour.update_count.numpy()) == int(
-        want_model.downpour.update_count.numpy()
+    assert int(hooks.of(got_model).state.update_count.numpy()) == int(
+        hooks.of(want_model).state.update_count.numpy()
     )
 
 
@@ -315,12 +315,12 @@ def test_a_replica_state_holding_nan_is_saved_as_start_fresh(strategy):
     a NaN in the worker's accumulator makes the replica 'start fresh', named."""
     model = _model(strategy, "adagrad")
     _fit(model, 1)
-    state = replica_state.ReplicaState(model.downpour)
+    state = replica_state.ReplicaState(hooks.of(model).state)
     assert state.capture() == []
     assert int(state.replicas[0].saved.numpy()) == 1
     name = "dense/accumulator/0"
     accumulator = tf_variables.worker_variable(
-        model.downpour.worker_variables()[name], 0, 60.0
+        hooks.of(model).state.worker_variables()[name], 0, 60.0
     )
     value = accumulator.read_value().numpy()
     np.testing.assert_array_equal(state.replicas[0].values[name].numpy(), value)

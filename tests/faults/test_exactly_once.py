@@ -12,7 +12,7 @@ import tensorflow as tf
 import models
 from models import digits
 from tests.fixtures.helpers import wait_for_worker_recovery
-from tf_distbelief import job
+from tf_distbelief import hooks, job
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import DownpourConfig
 from tf_distbelief.faults import exactly_once
@@ -75,7 +75,7 @@ class _Keras2:
         """Steps applied on the ps, and with Downpour pushes applied."""
         counts = [int(self.model.optimizer.iterations.numpy())]
         if self.downpour is not None:
-            counts.append(int(self.model.downpour.update_count.numpy()))
+            counts.append(int(hooks.of(self.model).state.update_count.numpy()))
         return counts
 
     def weights(self) -> list:
@@ -236,7 +236,7 @@ def test_a_worker_killed_while_the_ps_applies_its_step_applies_it_once(
     the ps a tensor meanwhile, which fails with the worker. Every op of the
     gate that names no device runs on the ring's ps: one placed on the
     worker (here the `tf.identity` of the update's result, as
-    `nonfinite.Guard` returns it) made the token's write wait for the worker,
+    `tf_keras_fit.Guard` returns it) made the token's write wait for the worker,
     and the killed worker's step was applied and not marked, so the retry
     applied it again (here 2 of 1; 502 of 500 steps under 4 worker kills)."""
     strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(1, 1))

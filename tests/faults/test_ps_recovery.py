@@ -237,8 +237,8 @@ def test_recovery_without_a_checkpoint_names_the_task_and_the_fix(tmp_path):
         down = f"127.0.0.1:{closed.getsockname()[1]}"
     calls = []
 
-    def attempt(callbacks):
-        calls.append(callbacks)
+    def attempt():
+        calls.append(True)
         raise _unavailable("from remote target /job:ps/replica:0/task:0")
 
     with pytest.raises(
@@ -258,7 +258,7 @@ def test_a_task_that_never_serves_again_fails_within_ps_recovery_secs(tmp_path):
         closed.bind(("127.0.0.1", 0))
         down = f"127.0.0.1:{closed.getsockname()[1]}"
 
-    def attempt(callbacks):
+    def attempt():
         raise _unavailable(f"ipv4:{down}: Connection refused")
 
     start = time.monotonic()
@@ -290,8 +290,8 @@ def test_a_ps_lost_again_and_again_without_a_new_checkpoint_ends_the_job(tmp_pat
         listening.listen()
         up = f"127.0.0.1:{listening.getsockname()[1]}"
 
-        def attempt(callbacks):
-            calls.append(callbacks)
+        def attempt():
+            calls.append(True)
             raise _unavailable("from remote target /job:ps/replica:0/task:0")
 
         with pytest.raises(

@@ -22,7 +22,7 @@ import tf_keras
 import tf_distbelief as tfdb
 from tests.fixtures.launch import ROOT, _env
 from tf_distbelief import strategy as strategy_lib
-from tf_distbelief.faults import resume
+from tf_distbelief.faults import resume, tf_keras_fit
 from tf_distbelief.fit import training
 
 VOCAB, DIM, CLASSES, IDS, BATCH = 40, 8, 3, 4, 16
@@ -438,7 +438,7 @@ def test_bad_arguments_are_named(kwargs, message):
 _FAILED_WRITE = """
 import json, resource, signal, sys
 import numpy as np, tensorflow as tf, tf_keras
-from tf_distbelief.faults import resume
+from tf_distbelief.faults import resume, tf_keras_fit
 
 model_dir, limit = sys.argv[1], int(sys.argv[2])
 tf.random.set_seed(0)
@@ -450,7 +450,8 @@ manager = tf.train.CheckpointManager(
     tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step, epoch=epoch),
     model_dir, max_to_keep=3)
 x, y = np.ones([12, 64], np.float32), np.zeros([12, 256], np.float32)
-saver = resume.Checkpointer(manager, step, epoch, steps_per_epoch=6, every_steps=2)
+saver = tf_keras_fit.Checkpointer(
+    manager, step, epoch, steps_per_epoch=6, every_steps=2)
 model.fit(x, y, batch_size=2, epochs=1, callbacks=[saver], verbose=0)
 np.save(model_dir + ".npy", model.get_weights()[0])
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -490,7 +491,7 @@ def test_a_failed_checkpoint_write_leaves_only_whole_checkpoints(tmp_path):
     # And training state restores from it exactly.
     model = tf_keras.Sequential([tf_keras.Input([64]), tf_keras.layers.Dense(256)])
     model.compile(tf_keras.optimizers.Adagrad(0.1), "mse")
-    resume.build(model)
+    tf_keras_fit.build(model)
     step = tf.Variable(0, dtype=tf.int64)
     epoch = tf.Variable(0, dtype=tf.int64)
     resume.restore(

@@ -196,11 +196,13 @@ def test_each_replica_reads_its_own_records(local_cluster):
 
 def test_each_keras3_replica_reads_its_own_records(local_cluster):
     """`keras3.fit(x, y)` gives each worker its shard, as `dataset_creator`."""
-    from tf_distbelief.keras3 import training as keras3_training
+    from tf_distbelief.keras3 import training_setup as keras3_training_setup
 
     strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(3, 1))
     records = np.arange(30, dtype=np.int64)
-    dataset_fn = keras3_training._arrays_dataset_fn(strategy, records, records, 10, 0)
+    dataset_fn = keras3_training_setup.arrays_dataset_fn(
+        strategy, records, records, 10, 0
+    )
     passes = _shard_passes(strategy, dataset_fn)
     assert sorted(passes) == [0, 1, 2]
     for worker, batches in passes.items():

@@ -468,9 +468,24 @@ def test_fit_rejects_bad_reliability_arguments(kwargs, match):
 
 def test_nonfinite_modes_are_the_fault_layers():
     from tf_distbelief.faults import nonfinite
-    from tf_distbelief.keras3 import training
 
-    assert training._NONFINITE_MODES == nonfinite.MODES
+    # `keras3.fit` takes the fault layer's modes, and refuses another one
+    # with the fault layer's message listing them.
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"Argument `nonfinite` must be one of {', '.join(nonfinite.MODES)}. "
+            "Received: 'neither'"
+        ),
+    ):
+        keras3.fit(
+            digits.build_keras3_model(),
+            np.zeros((4, 64), np.float32),
+            np.zeros(4, np.int64),
+            strategy=None,
+            steps_per_epoch=1,
+            nonfinite="neither",
+        )
 
 
 def test_only_models_with_a_keras3_builder_take_keras_3():

@@ -29,10 +29,10 @@ Example with `fit`:
   with strategy.scope():
     model = digits.build_model()
     model.compile(tfdb.adagrad.Adagrad(0.1), loss=..., metrics=["accuracy"])
-    model.downpour = downpour.install(model, downpour.DownpourConfig(4, 4))
+    state = downpour.install(model, downpour.DownpourConfig(4, 4))
   model.fit(dataset, epochs=5, steps_per_epoch=100,
-            callbacks=[downpour.DownpourMetrics(model.downpour)])
-  print(model.downpour.stats())
+            callbacks=[downpour.DownpourMetrics(state)])
+  print(state.stats())
   ```
 """
 
@@ -215,6 +215,7 @@ def install(
             checkpoint_state=functools.partial(replica_state.ReplicaState, downpour),
             read_counters=downpour.stats,
             interval_figures=interval_figures,
+            state=downpour,
         ),
     )
     return downpour

@@ -96,7 +96,7 @@ def refuse_ops(
 
 
 class Guard:
-    """What `training.fit` reads of Downpour's guard (as of `nonfinite.Guard`).
+    """What `training.fit` reads of Downpour's guard (as of `tf_keras_fit.Guard`).
 
     Args:
       downpour: the `replica.Downpour`.

@@ -129,7 +129,7 @@ class ReplicaState(tf.Module):
     coordinator).
 
     Args:
-      downpour: the `Downpour` (`model.downpour`).
+      downpour: the `Downpour` (`downpour.install`'s, `hooks.of(model).state`).
       num_replicas: replicas to hold copies for; None: the strategy's workers.
 
     Attributes:

@@ -36,9 +36,9 @@ dropped restarts its sums, as after a push dropped for staleness.
 
 Where it applies (each through `scope`, read when the step is traced):
 
-* stock parameter-server training under `training.fit`: `install` replaces
-  the model's train function with one that takes the tokens; the update
-  (and its non-finite guard, `nonfinite.Guard`) runs in one `tf.cond`;
+* tf_keras `training.fit`: `tf_keras_fit.install_exactly_once` gives the
+  train function the tokens; the update (and its non-finite guard,
+  `tf_keras_fit.Guard`) runs in one `tf.cond`;
 * stock Keras 3 training (`keras3.fit`): each step's AdaGrad update is
   gated in its own scheduled function, with a step counter as the ring's
   neighbour;
@@ -75,7 +75,6 @@ __all__ = [
     "copy_to",
     "current",
     "gate",
-    "install",
     "scope",
     "tokens_for",
 ]
@@ -266,57 +265,3 @@ def gate(token, tokens: StepTokens, ready, apply_fn, refuse_fn, duplicate_fn):
     # the ring's ps task, not on the worker tracing the step.
     with tf.device(tokens.ring.device):
         return tokens.section.execute(check_and_apply)
-
-
-def install(model) -> None:
-    """Makes `model.fit` give each scheduled step a token (see the module).
-
-    Replaces the model's train function under a `ClusterCoordinator` (stock
-    parameter-server training, and Downpour's one-step-at-a-time path) with
-    tf_keras's own loop of `steps_per_execution` steps, each traced inside
-    `scope` of its token. A model whose `make_train_function` was replaced
-    already (Downpour in segments, which takes tokens itself) is left alone.
-
-    Args:
-      model: a compiled tf_keras model under a parameter-server strategy.
-    """
-    # Here, not at the top: Keras 3 training gates its steps with this module
-    # and imports no tf_keras.
-    from tf_distbelief.tf_internals import keras_model
-
-    if keras_model.overrides(model, "make_train_function"):
-        return
-
-    def build():
-        counter = keras_model.train_counter(model)
-        strategy = model.distribute_strategy
-
-        def one_step(iterator, token):
-            def run_step(data):
-                # The token's scope in both threads that trace the step (it
-                # is thread-local): `strategy.run` traces the step in a
-                # replica thread (Downpour's push is gated there), and runs
-                # the optimizer's `merge_call` part in this one (the update
-                # of stock training is gated there). With the scope in this
-                # thread only, no Downpour push was gated: 1501 of 1500 steps
-                # under worker kills.
-                with scope(token):
-                    outputs = model.train_step(data)
-                # As tf_keras: the counter moves once the step succeeded.
-                with tf.control_dependencies(tf.nest.flatten(outputs)):
-                    counter.assign_add(1)
-                return outputs
-
-            with scope(token):
-                outputs = strategy.run(run_step, args=(next(iterator),))
-            return keras_model.reduce_per_replica(model, outputs)
-
-        @tf.function(reduce_retracing=True)
-        def train_function(iterator, first_token, steps):
-            for k in tf.range(steps):
-                outputs = one_step(iterator, first_token + k)
-            return outputs
-
-        return train_function, tokens_for(model.optimizer, strategy)
-
-    keras_model.override_train_function(model, build)

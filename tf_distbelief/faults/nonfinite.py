@@ -4,13 +4,15 @@ One non-finite gradient applied to a ps variable makes every later step of
 every replica non-finite (each reads the same ps values), and a checkpoint
 written after it keeps the damage. The guard works at two points:
 
-* **Each step** (stock parameter-server training under tf_keras `fit`): the
-  optimizer's update of all its variables for a step runs inside one
-  `tf.cond` on the worker that computed the gradients: with every gradient
-  finite it applies them as the optimizer always does; otherwise it applies
-  none of them, and either stops the job (`mode="raise"`: a `errors.NonFiniteError`
-  naming the step and the variables) or counts the step as skipped
-  (`mode="skip"`).
+* **Each step** (stock parameter-server training): the update of all the
+  optimizer's variables for a step runs inside one `tf.cond` on the worker
+  that computed the gradients: with every gradient finite it applies them;
+  otherwise it applies none of them, and either stops the job
+  (`mode="raise"`: an `errors.NonFiniteError` naming the step and the
+  variables) or counts the step as skipped (`mode="skip"`). The `tf.cond`
+  sits where each Keras applies a step: `faults.tf_keras_fit.Guard` on a
+  tf_keras optimizer, `keras3.step` in a Keras 3 step; this module holds
+  what both share (`MODES`, the failure's marker, `error_from`).
 * **Each checkpoint** (`nonfinite_variables`): every variable a checkpoint
   would hold is checked on its own ps task before writing; one non-finite
   value and the checkpoint is refused.
@@ -30,22 +32,18 @@ gradients are then non-finite and stop (or are skipped).
 from __future__ import annotations
 
 import re
-import weakref
 
 import tensorflow as tf
 
 from tf_distbelief import errors
-from tf_distbelief.faults import exactly_once
-from tf_distbelief.tf_internals import optimizers as tf_optimizers
 from tf_distbelief.tf_internals import variables as tf_variables
 
 MODES = ("raise", "skip")
 # Marks the assertion a failed check raises on the worker, so that the error
 # the coordinator re-raises can be told apart from any other.
-_MARKER = "tf_distbelief non-finite gradient at step"
+MARKER = "tf_distbelief non-finite gradient at step"
 # The same for a Downpour push (`downpour.push_guard`).
 PUSH_MARKER = "tf_distbelief non-finite push at step"
-_GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_mode(mode: str) -> str:
@@ -60,122 +58,6 @@ def check_mode(mode: str) -> str:
             f"Received: {mode!r}"
         )
     return mode
-
-
-class Guard:
-    """The per-step check installed on one tf_keras optimizer (see `install`).
-
-    Attributes:
-      mode: `raise` or `skip`, one of `MODES`.
-      skipped: a ps variable, `[]` int64: steps skipped since `install`.
-    """
-
-    def __init__(self, optimizer, mode: str):
-        self.mode = mode
-        # On a ps task, so that every worker's skips add up in one place.
-        self.skipped = tf.Variable(
-            0, dtype=tf.int64, trainable=False, name="nonfinite_skipped"
-        )
-        self._optimizer = optimizer
-        tf_optimizers.wrap_distributed_apply(optimizer, self._apply)
-
-    def skipped_steps(self) -> int:
-        """Steps skipped so far (reads the ps variable)."""
-        return int(self.skipped.numpy())
-
-    def _apply(self, apply, distribution, grads_and_vars, **kwargs):
-        grads_and_vars = list(grads_and_vars)
-        finite = [
-            tf.reduce_all(tf.math.is_finite(_values(g))) for g, _ in grads_and_vars
-        ]
-        all_finite = tf.reduce_all(tf.stack(finite))
-        iterations = self._optimizer.iterations
-
-        def update(grads_and_vars=grads_and_vars):
-            return tf.identity(apply(distribution, grads_and_vars, **kwargs))
-
-        def refuse():
-            if self.mode == "raise":
-                names = tf.constant([v.name for _, v in grads_and_vars])
-                failed = tf.debugging.Assert(
-                    False,
-                    [
-                        _MARKER,
-                        iterations + 1,
-                        tf.boolean_mask(names, tf.logical_not(tf.stack(finite))),
-                    ],
-                    summarize=len(grads_and_vars),
-                )
-                deps = [failed]
-            else:
-                deps = [self.skipped.assign_add(1)]
-            with tf.control_dependencies(deps):
-                return tf.identity(iterations)
-
-        token = exactly_once.current()
-        if token is None:
-            return tf.cond(all_finite, update, refuse)
-        # A retried step whose update was applied already: nothing more.
-        tokens = exactly_once.tokens_for(self._optimizer)
-        # The update reads the gradients as received on the ps (see `gate`).
-        on_ps = [(exactly_once.copy_to(v.device, g), v) for g, v in grads_and_vars]
-
-        def update_marked():
-            done = update(on_ps)  # `iterations` advanced on its ps task.
-            return done, [done]
-
-        return exactly_once.gate(
-            token,
-            tokens,
-            all_finite,
-            update_marked,
-            lambda: (refuse(), []),
-            lambda: tf.identity(iterations),
-        )
-
-
-def _values(gradient):
-    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
-
-
-def install(model, mode: str = "raise") -> Guard:
-    """Guards every step of `model`'s optimizer against non-finite gradients.
-
-    Call under nothing in particular; the skip counter is created under the
-    model's strategy scope (on a ps task). Installing again on the same
-    optimizer changes the mode of the guard already there (and makes `fit`
-    trace its train function anew).
-
-    Args:
-      model: a compiled tf_keras model whose optimizer is a
-        `tf_keras.optimizers.Optimizer` (not a legacy one).
-      mode: `raise` (stop at the first non-finite step) or `skip`.
-
-    Returns:
-      The `Guard`.
-
-    Raises:
-      ValueError: `mode` is not one of `MODES`.
-      TypeError: the optimizer is not a `tf_keras.optimizers.Optimizer`.
-    """
-    import tf_keras
-
-    check_mode(mode)
-    optimizer = model.optimizer
-    if not isinstance(optimizer, tf_keras.optimizers.Optimizer):
-        raise TypeError(
-            "The non-finite guard needs a `tf_keras.optimizers.Optimizer` "
-            f"(not a legacy one). Received: {optimizer!r}"
-        )
-    guard = _GUARDS.get(optimizer)
-    if guard is None:
-        with model.distribute_strategy.scope():
-            guard = Guard(optimizer, mode)
-        _GUARDS[optimizer] = guard
-    elif guard.mode != mode:
-        guard.mode = mode
-        model.train_function = None  # The mode is read when it is traced.
-    return guard
 
 
 def error_from(error: Exception) -> errors.NonFiniteError | None:
@@ -203,7 +85,7 @@ def error_from(error: Exception) -> errors.NonFiniteError | None:
             step,
             names,
         )
-    found = re.search(re.escape(_MARKER) + r"\] \[(\d+)\] \[(.*?)\]", message)
+    found = re.search(re.escape(MARKER) + r"\] \[(\d+)\] \[(.*?)\]", message)
     if not found:
         return None
     step = int(found.group(1))

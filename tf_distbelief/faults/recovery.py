@@ -18,7 +18,7 @@ that inside the chief process:
 3. it runs a new attempt. The new strategy reconnects to the same cluster
    (TensorFlow sends the restarted task a new eager context), `fit` creates
    every variable and slot again on the ps tasks and restores them from the
-   latest checkpoint in `model_dir` (exactly: `resume`), and `VerifyRestored`
+   latest checkpoint in `model_dir` (exactly: `resume`), and `verify_restored`
    reads them back before the first step and compares them with the checkpoint
    file bit for bit. Training continues to the requested step.
 
@@ -47,11 +47,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
-import tf_keras
 
 from tf_distbelief import errors, paths
 from tf_distbelief.cluster import server as server_lib
-from tf_distbelief.faults import resume
+from tf_distbelief.faults import checkpoint_contents, resume
 
 # A real cluster's orchestrator reschedules a pod in seconds to minutes (an
 # image pull, a node drain); a local task restarts in 4-5 s.
@@ -166,51 +165,14 @@ def wait_for_ps(tasks: Mapping[str, str], timeout_secs: float, print_fn=print) -
         time.sleep(_POLL_SECS)
 
 
-class VerifyRestored(tf_keras.callbacks.Callback):
-    """Before the first step, compares every restored value with the checkpoint.
-
-    `training.fit` has restored the latest checkpoint of `model_dir` when
-    training begins; this callback reads every variable and optimizer slot
-    back from the ps tasks (a `ShardedVariable` whole) and compares its bytes
-    with the checkpoint file's (`tf.train.load_checkpoint`). It prints one line
-    with the count, or raises naming each variable that differs. Nothing is
-    checked when no checkpoint was restored. The cost is one read of every
-    value, as a checkpoint's write, once per resumed run.
-
-    Args:
-      model_dir: the job's `model_dir`.
-      print_fn: where the line goes.
-
-    Raises:
-      resume.RestoreError: at train begin, naming each value that differs.
-    """
-
-    def __init__(self, model_dir: str | None, print_fn=print):
-        super().__init__()
-        self._model_dir = model_dir
-        self._print_fn = print_fn
-        self.checked: str | None = None
-
-    def on_train_begin(self, logs=None):
-        path = paths.latest_checkpoint(self._model_dir)
-        if self.checked or not path:
-            return  # `fit` may call `Model.fit` twice in one run.
-        self.checked = path
-        verify_restored(
-            tf.train.Checkpoint(model=self.model, optimizer=self.model.optimizer),
-            path,
-            self._print_fn,
-        )
-
-
 def verify_restored(root, path: str, print_fn=print) -> None:
     """Compares every value of `root` on the ps tasks with checkpoint `path`.
 
     Each variable (a `ShardedVariable` whole) is read back from its ps task
     and its bytes compared with the checkpoint file's
     (`tf.train.load_checkpoint`); one line with the count is printed. Shared
-    by every trainer that restores from a `model_dir` (`VerifyRestored` for
-    tf_keras, `keras3.fit`).
+    by every trainer that restores from a `model_dir`
+    (`tf_keras_fit.VerifyRestored` for tf_keras, `keras3.fit`).
 
     Args:
       root: what was restored from `path` (a `tf.train.Checkpoint`).
@@ -220,7 +182,7 @@ def verify_restored(root, path: str, print_fn=print) -> None:
     Raises:
       resume.RestoreError: naming each value that differs.
     """
-    keys, _ = resume.variable_keys(root)
+    keys, _ = checkpoint_contents.variable_keys(root)
     reader = tf.train.load_checkpoint(path)
     differ, num_bytes = [], 0
     for key, variable in keys.items():
@@ -235,7 +197,7 @@ def verify_restored(root, path: str, print_fn=print) -> None:
         saved = reader.get_tensor(key)
         num_bytes += value.nbytes
         if value.shape != saved.shape or value.tobytes() != saved.tobytes():
-            differ.append(key.partition("/.ATTRIBUTES")[0])
+            differ.append(checkpoint_contents.object_path(key))
     if differ:
         raise resume.RestoreError(
             f"After restoring {path}, {len(differ)} values on the ps tasks "
@@ -262,7 +224,7 @@ def _no_recovery_error(lost, why: str, model_dir) -> PsLostError:
 
 
 def run_with_ps_recovery(
-    attempt: Callable[[list], dict],
+    attempt: Callable[[], dict],
     ps_addresses: Sequence[str],
     model_dir: str | None,
     ps_recovery_secs: float = DEFAULT_PS_RECOVERY_SECS,
@@ -273,10 +235,11 @@ def run_with_ps_recovery(
     See the module docstring.
 
     Args:
-      attempt: one training attempt from `model_dir`; called with a list of
-        tf_keras callbacks to pass to `fit` (`VerifyRestored`), it returns
-        the training result. It must build everything that lives on the
-        cluster (strategy, model, optimizer) anew each call.
+      attempt: one training attempt from `model_dir`, called with no
+        argument; it returns the training result. It must build everything
+        that lives on the cluster (strategy, model, optimizer) anew each call
+        and verify what it restored (`verify_restored`; tf_keras `fit`:
+        `tf_keras_fit.VerifyRestored`).
       ps_addresses: the ps tasks' `host:port`, by task index.
       model_dir: where `attempt` writes and resumes from checkpoints, or None.
       ps_recovery_secs: the longest wait for a lost task to serve again, in
@@ -297,7 +260,7 @@ def run_with_ps_recovery(
     last_restored = None
     while True:
         try:
-            result = attempt([VerifyRestored(model_dir, print_fn)])
+            result = attempt()
         except Exception as error:  # noqa: BLE001  (re-raised unless a ps loss)
             lost = lost_ps_tasks(error, ps_addresses)
             if not lost:

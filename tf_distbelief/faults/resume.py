@@ -1,22 +1,5 @@
 """Exact resume: every variable and optimizer slot back bit for bit, or an error.
 
-Why the optimizer is built before a restore. A tf_keras optimizer creates its
-slots (AdaGrad's accumulators) at its first step. Restored before that, a
-checkpoint is matched lazily, as each slot appears. For a variable that a
-partitioner split over the ps tasks, the optimizer keeps the slot's shards in
-a list (`_accumulators`: `[emb/part_0, emb/part_1, kernel, ...]`) but saves
-the list coalesced, one `ShardedVariable` per slot (`[emb, kernel, ...]`), and
-the same `ShardedVariable`s again in its `_variables` list. Matched lazily,
-the list's entries are paired by position: shard `emb/part_0` with the saved
-`emb` (a shape that does not fit: TensorFlow skips it without a word),
-`emb/part_1` with the saved `kernel`, and so on; when the real
-`ShardedVariable`s then appear in `_variables`, their saved values are
-already taken ("Inconsistent references" in TensorFlow's log) and are not
-restored. Every accumulator stays at its initial value, sharded or not, while
-the weights restore exactly. With every slot created first, the optimizer
-coalesces its shards before the checkpoint is read, each saved value has one
-object, and a value that does not fit raises.
-
 `restore` also insists that every value in the checkpoint found its object
 and every object its value (`assert_consumed`), so that a missing slot is an
 error naming it, never a silent reset. ShardedVariables restore into any
@@ -31,13 +14,11 @@ import shutil
 import weakref
 
 import tensorflow as tf
-import tf_keras
 from absl import logging
 
 from tf_distbelief import console, errors
-from tf_distbelief.faults import nonfinite
+from tf_distbelief.faults import checkpoint_contents, nonfinite
 from tf_distbelief.tf_internals import checkpoint_manager, saved_model
-from tf_distbelief.tf_internals import variables as tf_variables
 
 
 class RestoreError(errors.DistBeliefError, ValueError):
@@ -209,141 +190,6 @@ def _write_failed(path: str, error: BaseException, manager) -> str:
     )
 
 
-def input_spec(data):
-    """The `tf.TypeSpec` structure of one batch of features in `data`, or None.
-
-    `data` is a `tf.data.Dataset` or a tf_keras `DatasetCreator`; the
-    creator's function is traced on the coordinator (not run: no record is
-    read, and a function that asks for its worker index only registers the
-    question).
-    """
-    if isinstance(data, tf.data.Dataset):
-        spec = data.element_spec
-    elif isinstance(data, tf_keras.utils.experimental.DatasetCreator):
-        specs = []
-
-        @tf.function
-        def trace():
-            specs.append(data(tf.distribute.InputContext()).element_spec)
-            return 0
-
-        trace.get_concrete_function()
-        spec = specs[0]
-    else:
-        return None
-    x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(spec)
-    return x
-
-
-def build(model: tf_keras.Model, data=None) -> None:
-    """Creates every variable of `model` and every slot of its optimizer.
-
-    An unbuilt model (no input shape) is built by one forward pass on the
-    coordinator over a batch of zeros shaped as `data`'s features. Then the
-    optimizer builds its slots for `model.trainable_variables`, as its first
-    step would, under the model's strategy (each slot on its variable's ps
-    shard).
-
-    Raises:
-      ValueError: `model` is not built and `data` gives no feature shapes.
-    """
-    strategy = model.distribute_strategy
-    if not model.built:
-        spec = input_spec(data)
-        if spec is None or not all(
-            isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(spec)
-        ):
-            raise ValueError(
-                "Resuming needs the model's variables before the first step: "
-                "build the model (an `InputLayer`, `Input`, or "
-                f"`model.build(input_shape)`). Received an unbuilt model and "
-                f"data without plain feature shapes: {data!r}"
-            )
-        zeros = tf.nest.map_structure(
-            lambda s: tf.zeros([1 if d is None else d for d in s.shape], s.dtype),
-            spec,
-        )
-        with strategy.scope():
-            model(zeros, training=False)
-    optimizer = model.optimizer
-    if optimizer is not None and hasattr(optimizer, "build"):
-        with strategy.scope():
-            optimizer.build(model.trainable_variables)
-
-
-_VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
-# Keys of the checkpoint's own bookkeeping, not of the objects restored.
-_OWN_KEYS = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter" + _VALUE_SUFFIX)
-
-
-def _escape(name: str) -> str:
-    # How TensorFlow escapes a name in a checkpoint key
-    # (`trackable_utils.escape_local_name`).
-    return name.replace(".", "..").replace("/", ".S")
-
-
-def _walk(root, children, key=id):
-    """Shortest paths from `root`, breadth first, as checkpoints key them.
-
-    Args:
-      root: the root node.
-      children: `node -> {name: child}`.
-      key: a node's identity (`id` for objects; node ids are their own).
-
-    Returns:
-      `(paths, order)`: `{key(node): path}` and the nodes in visiting order.
-    """
-    paths, order, queue = {key(root): ""}, [root], [root]
-    while queue:
-        node = queue.pop(0)
-        for name, child in children(node).items():
-            if key(child) not in paths:
-                parent = paths[key(node)]
-                paths[key(child)] = (
-                    f"{parent}/{_escape(name)}" if parent else _escape(name)
-                )
-                order.append(child)
-                queue.append(child)
-    return paths, order
-
-
-def _is_variable(obj) -> bool:
-    return isinstance(obj, (tf.Variable, tf_variables.ShardedVariable))
-
-
-def variable_keys(root) -> tuple[dict, dict]:
-    """The checkpoint keys of the variables `root` would save, and their holders.
-
-    The keys are those `tf.train.Checkpoint(root).save` writes: the shortest
-    path from `root`, breadth first, as `tf.train.TrackableView` walks it (a
-    `ShardedVariable` is one variable, saved whole).
-
-    Returns:
-      `({key: variable}, {holder path: [variable names]})`: a holder is an
-      object with variables among its direct children (a layer, the
-      optimizer's list of slots).
-    """
-    view = tf.train.TrackableView(root)
-
-    def children(node):
-        return {} if _is_variable(node) else view.children(node)
-
-    paths, order = _walk(root, children)
-    keys, holders = {}, {}
-    for node in order:
-        if _is_variable(node):
-            keys[paths[id(node)] + _VALUE_SUFFIX] = node
-            continue
-        held = [
-            nonfinite.variable_name(c)
-            for c in children(node).values()
-            if _is_variable(c)
-        ]
-        if held:
-            holders[paths[id(node)]] = held
-    return keys, holders
-
-
 def mismatches(root, path: str) -> list[str]:
     """What keeps checkpoint `path` from restoring exactly into `root`.
 
@@ -362,11 +208,12 @@ def mismatches(root, path: str) -> list[str]:
     reader = tf.train.load_checkpoint(path)
     shapes = reader.get_variable_to_shape_map()
     dtypes = reader.get_variable_to_dtype_map()
-    expected, holders = variable_keys(root)
+    expected, holders = checkpoint_contents.variable_keys(root)
     problems = []
     for key, variable in expected.items():
         name = (
-            f"`{nonfinite.variable_name(variable)}` ({key.removesuffix(_VALUE_SUFFIX)})"
+            f"`{nonfinite.variable_name(variable)}` "
+            f"({checkpoint_contents.object_path(key)})"
         )
         if key not in shapes:
             problems.append(f"{name}: no value in the checkpoint")
@@ -380,13 +227,14 @@ def mismatches(root, path: str) -> list[str]:
                 f"{name}: dtype {dtypes[key].name} in the checkpoint, "
                 f"{variable.dtype.name} here"
             )
-    values = {k for k in shapes if k.endswith(_VALUE_SUFFIX)}
-    for key in sorted(values - set(expected) - set(_OWN_KEYS)):
+    values = {k for k in shapes if checkpoint_contents.is_value_key(k)}
+    own = set(checkpoint_contents.OWN_KEYS)
+    for key in sorted(values - set(expected) - own):
         problems.append(
-            f"{key.removesuffix(_VALUE_SUFFIX)}: a value with no variable here"
+            f"{checkpoint_contents.object_path(key)}: a value with no variable here"
         )
     nodes = saved_model.saved_object_graph(path)
-    saved_paths, _ = _walk(0, lambda i: nodes[i][0], key=int)
+    saved_paths, _ = checkpoint_contents.walk(0, lambda i: nodes[i][0], key=int)
     saved_holders = {
         saved_paths[i]
         for i in range(len(nodes))
@@ -434,113 +282,6 @@ def restore(checkpoint: tf.train.Checkpoint, path: str) -> None:
         raise RestoreError(
             f"The checkpoint {path} does not restore exactly into this model: {detail}"
         ) from None
-
-
-class Checkpointer(tf_keras.callbacks.Callback):
-    """Writes a checkpoint every `every_steps` steps and at each epoch end.
-
-    Each checkpoint records the global step (`step`: steps finished over all
-    workers, all runs) and the epochs finished (`epoch`), and is numbered by
-    the step (`ckpt-<step>`). Steps are scheduled asynchronously under
-    parameter-server training: before a mid-epoch save this waits for the
-    steps in flight (`ClusterCoordinator.join`), so the values saved are
-    exactly those after `step` steps; the save comes at the first execution
-    boundary at or after each multiple of `every_steps` (every step with
-    `steps_per_execution=1`). Before writing, every variable is checked on its
-    ps task; one NaN or inf and the checkpoint is refused
-    (`errors.NonFiniteError`), the earlier ones kept.
-
-    Args:
-      manager: the `tf.train.CheckpointManager` to save with.
-      step: the `int64` variable the checkpoint holds as the global step; its
-        value is where this run starts.
-      epoch: the `int64` variable it holds as the epochs finished.
-      steps_per_epoch: steps per epoch, >= 1.
-      every_steps: steps between checkpoints; 0 saves at epoch ends only.
-      before_save: None, or a callable run after the checks, before each
-        write (e.g. `downpour.replica_state.ReplicaState.capture`).
-      goodput: None, or the job's `goodput.Goodput`: each save's time (the
-        wait, the checks, the write) counts as `checkpointing`.
-    """
-
-    def __init__(
-        self,
-        manager,
-        step,
-        epoch,
-        steps_per_epoch,
-        every_steps=0,
-        before_save=None,
-        goodput=None,
-    ):
-        super().__init__()
-        self.goodput = goodput
-        self.before_save = before_save
-        # Batch hooks under parameter-server training are allowed only for
-        # callbacks that take remote logs; this one never reads them.
-        self._supports_tf_logs = True
-        self.manager = manager
-        self.step = step
-        self.epoch = epoch
-        self.steps_per_epoch = steps_per_epoch
-        self.every_steps = every_steps
-        self.done = int(step.numpy())
-        self.saved_step = self.done
-        self._epoch_start = self.done
-
-    def on_epoch_begin(self, epoch, logs=None):
-        # A resumed run's first epoch starts where the checkpoint stopped.
-        self._epoch_start = max(epoch * self.steps_per_epoch, self.done)
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.done = self._epoch_start + batch + 1
-        every = self.every_steps
-        if every and self.done // every > self.saved_step // every:
-            self.save()
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.done != self.saved_step:
-            self.save()
-
-    def save(self) -> str:
-        """Waits for the steps in flight, checks every value, writes; the path.
-
-        Raises:
-          errors.NonFiniteError: a value holds NaN or inf (nothing written).
-          CheckpointWriteError: the write failed (nothing of it kept).
-        """
-        if self.goodput is None:
-            return self._save()
-        # The steps already scheduled run on the workers while the chief
-        # waits for them: training time, not the checkpoint's (tf_keras
-        # schedules far ahead: about 1.2 s of steps per checkpoint in the
-        # punisher's digits job, against 0.05 s for the checks and write).
-        self._join()
-        with self.goodput.timing("checkpointing"):
-            path = self._save()
-        self.goodput.step_done(self.done)
-        return path
-
-    def _join(self) -> None:
-        """Waits for every step in flight (none without a coordinator)."""
-        strategy = self.model.distribute_strategy
-        if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-            # The coordinator `fit` made (one per strategy).
-            tf.distribute.experimental.coordinator.ClusterCoordinator(strategy).join()
-
-    def _save(self) -> str:
-        self._join()  # Nothing to wait for when `save` has waited.
-        path = write_checkpoint(
-            self.manager,
-            self.step,
-            self.epoch,
-            self.done,
-            self.steps_per_epoch,
-            [*self.model.weights, *self.model.optimizer.variables],
-            self.before_save,
-        )
-        self.saved_step = self.done
-        return path
 
 
 def write_checkpoint(
@@ -591,6 +332,38 @@ def write_checkpoint(
     path = save_whole(manager, done)
     logging.info("Saved checkpoint %s at step %d", path, done)
     return path
+
+
+def restore_contents(contents, path: str, steps_per_epoch: int, print_fn) -> int:
+    """Restores checkpoint `path` exactly into `contents`; the step to start at.
+
+    The algorithm's state (if any) goes back to the workers, each of its
+    lines printed; a checkpoint without a recorded step starts at its
+    epoch's first step. Then the `resumed_line` is printed.
+
+    Args:
+      contents: the run's `checkpoint_contents.Contents`.
+      path: the checkpoint.
+      steps_per_epoch: steps per epoch over all workers, >= 1.
+      print_fn: where the lines go.
+
+    Returns:
+      The global step the checkpoint recorded.
+
+    Raises:
+      RestoreError: it does not restore exactly (see `restore`).
+    """
+    keys = {name for name, _ in tf.train.list_variables(path)}
+    checkpoint, restored = contents.restoring(keys)
+    restore(checkpoint, path)
+    if contents.state is not None:  # Each replica's state to its worker.
+        for line in contents.state.write_back(restored):
+            print_fn(line)
+    if checkpoint_contents.STEP_KEY not in keys:
+        contents.step.assign(contents.epoch * steps_per_epoch)
+    step = int(contents.step.numpy())
+    print_fn(resumed_line(path, step, steps_per_epoch))
+    return step
 
 
 def resumed_line(path: str, step: int, steps_per_epoch: int) -> str:

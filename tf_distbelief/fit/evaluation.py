@@ -20,19 +20,21 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import console, paths
+from tf_distbelief.faults import checkpoint_contents
 
 # Long enough for a trainer that restarts (a new pod, TensorFlow loading,
 # restoring), short enough that an evaluator whose trainer is gone ends.
 DEFAULT_TIMEOUT_SECS = 3600.0
 _POLL_SECS = 0.5
-_STEP_KEY = "step/.ATTRIBUTES/VARIABLE_VALUE"
 EVAL_PREFIX = "eval/"
 
 
 def checkpoint_step(path: str) -> int:
     """The global step of checkpoint `path` (its `step`, else its number)."""
     try:
-        return int(tf.train.load_checkpoint(path).get_tensor(_STEP_KEY))
+        return int(
+            tf.train.load_checkpoint(path).get_tensor(checkpoint_contents.STEP_KEY)
+        )
     except (tf.errors.NotFoundError, ValueError):
         number = paths.checkpoint_number(path)
         if number is None:

@@ -10,7 +10,6 @@ computed on the coordinator.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -18,7 +17,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import checks, console, hooks, paths
-from tf_distbelief.faults import exactly_once, resume
+from tf_distbelief.faults import checkpoint_contents, resume, tf_keras_fit
 from tf_distbelief.faults import goodput as goodput_lib
 from tf_distbelief.faults import nonfinite as nonfinite_lib
 from tf_distbelief.fit import shards, validation
@@ -239,178 +238,122 @@ def fit(
     )
     checks.check_checkpoint_cadence(model_dir, checkpoint_every_steps)
     nonfinite_lib.check_mode(nonfinite)
-    # One job per model_dir: no other process writes checkpoints between ours.
-    lock = contextlib.nullcontext()
-    if model_dir:
-        lock = paths.ModelDirLock(model_dir, print_fn)
-    with lock:
-        return _fit(
-            model,
-            data,
-            epochs,
-            steps_per_epoch,
+    with paths.model_dir_lock(model_dir, print_fn):
+        own_goodput = goodput is None and goodput_lib.current() is None
+        if goodput is None:
+            goodput = goodput_lib.current() or goodput_lib.Goodput()
+        progress = Progress(
             batch_size,
-            model_dir,
             log_every_steps,
-            callbacks,
+            paths.tensorboard_dir(model_dir) if model_dir else None,
             print_fn,
-            checkpoint_every_steps,
-            nonfinite,
-            validation_data,
-            validation_freq,
-            validation_steps,
-            goodput,
+            epochs=epochs,
+            steps_per_epoch=steps_per_epoch,
+            goodput=goodput,
         )
-
-
-def _fit(
-    model,
-    data,
-    epochs,
-    steps_per_epoch,
-    batch_size,
-    model_dir,
-    log_every_steps,
-    callbacks,
-    print_fn,
-    checkpoint_every_steps,
-    nonfinite,
-    validation_data,
-    validation_freq,
-    validation_steps,
-    goodput,
-) -> FitResult:
-    """`fit` after its checks, holding the model_dir's lock."""
-    own_goodput = goodput is None and goodput_lib.current() is None
-    if goodput is None:
-        goodput = goodput_lib.current() or goodput_lib.Goodput()
-    progress = Progress(
-        batch_size,
-        log_every_steps,
-        paths.tensorboard_dir(model_dir) if model_dir else None,
-        print_fn,
-        epochs=epochs,
-        steps_per_epoch=steps_per_epoch,
-        goodput=goodput,
-    )
-    # The caller's callbacks first, so that logs they add are printed.
-    all_callbacks = list(callbacks)
-    if validation_data is not None:
-        all_callbacks.insert(
-            0,
-            validation.ExactValidation(
-                validation_data, validation_freq, validation_steps
-            ),
-        )
-    # An algorithm that applies its updates outside the optimizer's apply
-    # (Downpour's pushes) brings its own guard, state and figures.
-    algorithm = hooks.of(model)
-    if algorithm is None:
-        guard = nonfinite_lib.install(model, nonfinite)
-    else:
-        guard = algorithm.install_guard(model, nonfinite)
-    exactly_once.install(model)  # No step applied twice after a worker loss.
-    skipped_before = guard.skipped_steps()
-    all_callbacks.append(_CountSkipped(guard, print_fn))
-    all_callbacks.append(progress)
-    initial_step = 0
-    manager = None
-    if model_dir:
-        step_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
-        replicas = None  # State on the workers (Downpour's replicas), if any.
-        if algorithm is not None and algorithm.checkpoint_state is not None:
-            replicas = algorithm.checkpoint_state()
-        extra = {} if replicas is None else {algorithm.name: replicas}
-        manager = tf.train.CheckpointManager(
-            tf.train.Checkpoint(
-                model=model,
-                optimizer=model.optimizer,
-                epoch=epoch_var,
-                step=step_var,
-                **extra,
-            ),
-            paths.checkpoint_dir(model_dir),
-            max_to_keep=paths.MAX_CHECKPOINTS_TO_KEEP,
-        )
-        resume.build(model, data)
-        latest = manager.latest_checkpoint
-        if latest:
-            keys = {name for name, _ in tf.train.list_variables(latest)}
-            # Checkpoints written before steps were recorded hold epochs only.
-            tracked = dict(model=model, optimizer=model.optimizer, epoch=epoch_var)
-            if "step/.ATTRIBUTES/VARIABLE_VALUE" in keys:
-                tracked["step"] = step_var
-            restored = None if replicas is None else replicas.restoring(keys)
-            if restored is not None:  # Shaped as the checkpoint's replicas.
-                tracked[algorithm.name] = restored
-            resume.restore(tf.train.Checkpoint(**tracked), latest)
-            if replicas is not None:  # Each replica's state to its worker.
-                for line in replicas.write_back(restored):
-                    print_fn(line)
-            if "step" not in tracked:
-                step_var.assign(epoch_var * steps_per_epoch)
-            initial_step = int(step_var.numpy())
-            print_fn(resume.resumed_line(latest, initial_step, steps_per_epoch))
-        all_callbacks.append(
-            resume.Checkpointer(
-                manager,
-                step_var,
-                epoch_var,
-                steps_per_epoch,
-                checkpoint_every_steps,
-                before_save=None if replicas is None else replicas.capture,
-                goodput=goodput,
+        # The caller's callbacks first, so that logs they add are printed.
+        all_callbacks = list(callbacks)
+        if validation_data is not None:
+            all_callbacks.insert(
+                0,
+                validation.ExactValidation(
+                    validation_data, validation_freq, validation_steps
+                ),
             )
+        # An algorithm that applies its updates outside the optimizer's apply
+        # (Downpour's pushes) brings its own guard, state and figures.
+        algorithm = hooks.of(model)
+        if algorithm is None:
+            guard = tf_keras_fit.install_guard(model, nonfinite)
+        else:
+            guard = algorithm.install_guard(model, nonfinite)
+        tf_keras_fit.install_exactly_once(
+            model
+        )  # No step applied twice after a worker loss.
+        skipped_before = guard.skipped_steps()
+        all_callbacks.append(_CountSkipped(guard, print_fn))
+        all_callbacks.append(progress)
+        initial_step, manager = 0, None
+        if model_dir:
+            contents = checkpoint_contents.Contents(model, model.optimizer, algorithm)
+            manager = contents.manager(model_dir)
+            tf_keras_fit.build(model, data)
+            if manager.latest_checkpoint:
+                initial_step = resume.restore_contents(
+                    contents, manager.latest_checkpoint, steps_per_epoch, print_fn
+                )
+            all_callbacks.append(
+                tf_keras_fit.Checkpointer(
+                    manager,
+                    contents.step,
+                    contents.epoch,
+                    steps_per_epoch,
+                    checkpoint_every_steps,
+                    before_save=None
+                    if contents.state is None
+                    else contents.state.capture,
+                    goodput=goodput,
+                )
+            )
+        progress.steps_done = initial_step
+        _train(model, data, epochs, steps_per_epoch, all_callbacks, progress, goodput)
+        if own_goodput:
+            print_fn(goodput.line())
+        return FitResult(
+            initial_epoch=initial_step // steps_per_epoch,
+            epochs=max(epochs, initial_step // steps_per_epoch),
+            history=progress.history,
+            checkpoint_path=manager.latest_checkpoint if manager else None,
+            initial_step=initial_step,
+            steps=max(initial_step, progress.steps_done),
+            nonfinite_skipped=guard.skipped_steps() - skipped_before,
         )
-    progress.steps_done = initial_step
+
+
+def _train(model, data, epochs, steps_per_epoch, callbacks, progress, goodput):
+    """`model.fit` from `progress.steps_done` to `epochs * steps_per_epoch` steps.
+
+    A run resumed mid-epoch first trains the rest of that epoch.
+    """
+    initial_step = progress.steps_done
     initial_epoch, into = divmod(initial_step, steps_per_epoch)
     if initial_step >= epochs * steps_per_epoch:
-        print_fn(f"Already trained {initial_epoch} epochs (>= --epochs={epochs}).")
-    else:
-        goodput.begin_training(initial_step)
-        failed = True
-        try:
-            if into:
-                # The rest of the epoch the checkpoint stopped in.
-                model.fit(
-                    data,
-                    epochs=initial_epoch + 1,
-                    initial_epoch=initial_epoch,
-                    steps_per_epoch=steps_per_epoch - into,
-                    callbacks=all_callbacks,
-                    verbose=0,
-                )
-                initial_epoch += 1
-            if initial_epoch < epochs:
-                model.fit(
-                    data,
-                    epochs=epochs,
-                    initial_epoch=initial_epoch,
-                    steps_per_epoch=steps_per_epoch,
-                    callbacks=all_callbacks,
-                    verbose=0,
-                )
-            failed = False
-        except tf.errors.InvalidArgumentError as e:
-            error = nonfinite_lib.error_from(e)
-            if error is None:
-                raise
-            raise error from None
-        finally:
-            progress.close()
-            goodput.end_training(max(initial_step, progress.steps_done), failed)
-    if own_goodput:
-        print_fn(goodput.line())
-    return FitResult(
-        initial_epoch=initial_step // steps_per_epoch,
-        epochs=max(epochs, initial_step // steps_per_epoch),
-        history=progress.history,
-        checkpoint_path=manager.latest_checkpoint if manager else None,
-        initial_step=initial_step,
-        steps=max(initial_step, progress.steps_done),
-        nonfinite_skipped=guard.skipped_steps() - skipped_before,
-    )
+        progress.print_fn(
+            f"Already trained {initial_epoch} epochs (>= --epochs={epochs})."
+        )
+        return
+    goodput.begin_training(initial_step)
+    failed = True
+    try:
+        if into:
+            # The rest of the epoch the checkpoint stopped in.
+            model.fit(
+                data,
+                epochs=initial_epoch + 1,
+                initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch - into,
+                callbacks=callbacks,
+                verbose=0,
+            )
+            initial_epoch += 1
+        if initial_epoch < epochs:
+            model.fit(
+                data,
+                epochs=epochs,
+                initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch,
+                callbacks=callbacks,
+                verbose=0,
+            )
+        failed = False
+    except tf.errors.InvalidArgumentError as e:
+        error = nonfinite_lib.error_from(e)
+        if error is None:
+            raise
+        raise error from None
+    finally:
+        progress.close()
+        goodput.end_training(max(initial_step, progress.steps_done), failed)
 
 
 def accuracy(

@@ -17,13 +17,13 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import adagrad, cluster, console, downpour, errors, paths
+from tf_distbelief import adagrad, cluster, console, downpour, errors, hooks, paths
 from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as cluster_connect
 from tf_distbelief.cluster.local import hung_tasks
-from tf_distbelief.faults import goodput, recovery
+from tf_distbelief.faults import goodput, recovery, tf_keras_fit
 from tf_distbelief.fit import evaluation, export, training
 from tf_distbelief.job.config import JobConfig
 from tf_distbelief.job.spec import ModelSpec
@@ -98,7 +98,7 @@ def compile_model(config: JobConfig, strategy, spec: ModelSpec) -> tf_keras.Mode
     """Builds and compiles `spec`'s model under `strategy`'s scope.
 
     With `config.downpour`, Downpour is enabled on `strategy` first and installed
-    on the compiled model; its `Downpour` object is `model.downpour`.
+    on the compiled model; its `Downpour` object is `hooks.of(model).state`.
     """
     if config.downpour is not None:
         downpour.enable(strategy)
@@ -111,7 +111,7 @@ def compile_model(config: JobConfig, strategy, spec: ModelSpec) -> tf_keras.Mode
             steps_per_execution=config.steps_per_execution,
         )
         if config.downpour is not None:
-            model.downpour = downpour.install(model, config.downpour)
+            downpour.install(model, config.downpour)
     return model
 
 
@@ -140,9 +140,7 @@ def train(
       recovery.PsLostError: a ps task was lost and could not be recovered.
     """
     return recovery.run_with_ps_recovery(
-        lambda callbacks: _train_attempt(
-            config, spec, cluster_resolver, print_fn, callbacks
-        ),
+        lambda: _train_attempt(config, spec, cluster_resolver, print_fn),
         cluster_resolver.cluster_spec().job_tasks("ps"),
         config.model_dir,
         config.ps_recovery_secs,
@@ -174,7 +172,7 @@ def connect_strategy(
     )
 
 
-def _train_attempt(config, spec, cluster_resolver, print_fn, more_callbacks) -> dict:
+def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
     """One attempt of `train`: a new strategy and model, resumed from `model_dir`."""
     strategy = connect_strategy(config, cluster_resolver)
     if config.optimizer == "lbfgs":
@@ -188,9 +186,10 @@ def _train_attempt(config, spec, cluster_resolver, print_fn, more_callbacks) -> 
             x_train, y_train, config.batch_size, config.seed
         )
     model = compile_model(config, strategy, spec)
-    downpour_on = config.downpour is not None
-    callbacks = [downpour.DownpourMetrics(model.downpour)] if downpour_on else []
-    callbacks += more_callbacks
+    algorithm = hooks.of(model)  # Downpour's, or None.
+    callbacks = [] if algorithm is None else [downpour.DownpourMetrics(algorithm.state)]
+    # Before the first step of a resumed attempt: the restore was exact.
+    callbacks.append(tf_keras_fit.VerifyRestored(config.model_dir, print_fn))
     start = time.monotonic()
     result = training.fit(
         model,
@@ -207,8 +206,8 @@ def _train_attempt(config, spec, cluster_resolver, print_fn, more_callbacks) -> 
     )
     train_secs = time.monotonic() - start
     test_accuracy = training.accuracy(model, *test) if test is not None else None
-    if downpour_on:
-        replica_stats = model.downpour.stats()
+    if algorithm is not None:
+        replica_stats = algorithm.read_counters()
         for worker, stats in enumerate(replica_stats):
             print_fn(f"downpour replica {worker}: {stats}")
         if not replica_stats:

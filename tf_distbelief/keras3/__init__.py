@@ -14,7 +14,9 @@ the tf_keras path:
 * `training`: `fit(model, x, y, ...)`, stock asynchronous training: each step
   is a function scheduled on a worker (`step`, or `downpour` with Downpour)
   that calls `model.stateless_call` on the ps values. Keras 3 callbacks and a
-  `keras.callbacks.History`.
+  `keras.callbacks.History`. Its parts: `training_args` (the arguments'
+  record and checks), `training_setup` (what a run trains with),
+  `training_loop` (the epochs).
 * `checkpoints`: `fit(model_dir=...)`'s checkpoints, in the tf_keras job's
   layout and written, restored and verified by the same `faults` services
   (exact resume into any number of ps tasks).

@@ -15,20 +15,19 @@ services:
 * `faults.recovery.verify_restored`: the values read back from the ps tasks
   equal the checkpoint's bit for bit, checked once per resumed run.
 
-What the checkpoint holds: `model` (the ps variables of `PsWeights`, by
-position), `optimizer` (the AdaGrad accumulators, by position; with Downpour
-the ps optimizer, `tf_distbelief.adagrad.Adagrad`, with its iteration count),
+What the checkpoint holds (`faults.checkpoint_contents.Contents`, as for
+tf_keras): `model` (the ps variables of `PsWeights`, by position),
+`optimizer` (the AdaGrad accumulators, by position; with Downpour the ps
+optimizer, `tf_distbelief.adagrad.Adagrad`, with its iteration count),
 `downpour` (each replica's state, `downpour.replica_state`), `step` and
-`epoch`. This module imports tf_keras (through `faults`): `keras3.fit` imports
-it only when given a `model_dir`.
+`epoch`.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_distbelief import paths
-from tf_distbelief.faults import recovery, resume
+from tf_distbelief.faults import checkpoint_contents, recovery, resume
 
 
 class Checkpoints:
@@ -40,8 +39,9 @@ class Checkpoints:
       weights: the run's `PsWeights`.
       steps_per_epoch: steps per epoch over all workers, >= 1.
       every_steps: steps between checkpoints besides each epoch end, >= 0.
-      downpour: None, or the run's `Downpour` (its ps optimizer and its
-        replicas' state are checkpointed too).
+      algorithm: None, or the `hooks.FitHooks` of the algorithm that trains
+        (`keras3.downpour.make_step`'s): its ps optimizer (`state.optimizer`)
+        and its checkpointed state are saved too.
       print_fn: where the resume lines go.
 
     Attributes:
@@ -55,34 +55,25 @@ class Checkpoints:
         weights,
         steps_per_epoch: int,
         every_steps: int = 0,
-        downpour=None,
+        algorithm=None,
         print_fn=print,
     ):
         self._steps_per_epoch = steps_per_epoch
         self._every = every_steps
         self._print_fn = print_fn
-        self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
         optimizer = weights.checkpoint_optimizer
-        self._replicas = None
-        if downpour is not None:
-            from tf_distbelief.downpour import replica_state
-
-            optimizer = downpour.optimizer
-            self._replicas = replica_state.ReplicaState(downpour)
-        self._roots = dict(model=weights.checkpoint_model, optimizer=optimizer)
-        extra = {} if self._replicas is None else {"downpour": self._replicas}
-        self.manager = tf.train.CheckpointManager(
-            tf.train.Checkpoint(
-                **self._roots, epoch=self.epoch, step=self.step, **extra
-            ),
-            paths.checkpoint_dir(model_dir),
-            max_to_keep=paths.MAX_CHECKPOINTS_TO_KEEP,
+        if algorithm is not None:
+            optimizer = algorithm.state.optimizer
+        self._contents = checkpoint_contents.Contents(
+            weights.checkpoint_model, optimizer, algorithm
         )
+        self.step, self.epoch = self._contents.step, self._contents.epoch
+        self.manager = self._contents.manager(model_dir)
+        optimizer_root = tf.train.Checkpoint(optimizer=optimizer)
         self._variables = [
             *weights.trainable,
             *weights.non_trainable,
-            *resume.variable_keys(tf.train.Checkpoint(optimizer=optimizer))[0].values(),
+            *checkpoint_contents.variable_keys(optimizer_root)[0].values(),
         ]
         self.saved_step = 0
 
@@ -100,24 +91,12 @@ class Checkpoints:
         latest = self.manager.latest_checkpoint
         if not latest:
             return 0
-        keys = {name for name, _ in tf.train.list_variables(latest)}
-        tracked = dict(**self._roots, epoch=self.epoch, step=self.step)
-        restored = None
-        if self._replicas is not None:
-            restored = self._replicas.restoring(keys)
-            if restored is not None:  # Shaped as the checkpoint's replicas.
-                tracked["downpour"] = restored
-        resume.restore(tf.train.Checkpoint(**tracked), latest)
-        if self._replicas is not None:  # Each replica's state to its worker.
-            for line in self._replicas.write_back(restored):
-                self._print_fn(line)
-        self.saved_step = int(self.step.numpy())
         # The lines in the tf_keras job's order: resumed, then verified.
-        self._print_fn(
-            resume.resumed_line(latest, self.saved_step, self._steps_per_epoch)
+        self.saved_step = resume.restore_contents(
+            self._contents, latest, self._steps_per_epoch, self._print_fn
         )
         recovery.verify_restored(
-            tf.train.Checkpoint(**self._roots), latest, self._print_fn
+            tf.train.Checkpoint(**self._contents.roots), latest, self._print_fn
         )
         return self.saved_step
 
@@ -134,7 +113,7 @@ class Checkpoints:
           errors.NonFiniteError: a value holds NaN or inf (nothing written).
           resume.CheckpointWriteError: the write failed (nothing of it kept).
         """
-        before = None if self._replicas is None else self._capture
+        before = None if self._contents.state is None else self._capture
         path = resume.write_checkpoint(
             self.manager,
             self.step,
@@ -148,7 +127,7 @@ class Checkpoints:
         return path
 
     def _capture(self) -> None:
-        for line in self._replicas.capture():
+        for line in self._contents.state.capture():
             self._print_fn(line)
 
 

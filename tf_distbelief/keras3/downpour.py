@@ -17,10 +17,14 @@ model never meets tf_keras.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import tensorflow as tf
 
+from tf_distbelief import hooks
 from tf_distbelief.adagrad import optimizer as tf_keras_adagrad
+from tf_distbelief.downpour import push_guard, replica_state
 from tf_distbelief.downpour import replica as replica_lib
 from tf_distbelief.faults import exactly_once
 from tf_distbelief.keras3 import variables as variables_lib
@@ -138,3 +142,19 @@ def make_step(
                 return tf.nest.map_structure(tf.identity, summed)
 
     return step, downpour, finished
+
+
+def fit_hooks(downpour) -> hooks.FitHooks:
+    """Downpour's services to `keras3.fit`, as `downpour.install` gives a
+    tf_keras model's `fit`: the guard of its pushes (`push_guard`), its
+    replicas' state in checkpoints (`replica_state`), the `Downpour` itself.
+
+    Args:
+      downpour: the `Downpour` of `make_step`.
+    """
+    return hooks.FitHooks(
+        name="downpour",
+        install_guard=functools.partial(push_guard.install, downpour),
+        checkpoint_state=functools.partial(replica_state.ReplicaState, downpour),
+        state=downpour,
+    )

@@ -21,13 +21,13 @@ import numpy as np
 import tensorflow as tf
 
 from tf_distbelief import console, errors
-from tf_distbelief.faults import recovery
+from tf_distbelief.faults import goodput, recovery
 from tf_distbelief.fit import export
 from tf_distbelief.job import runner
 from tf_distbelief.job import spec as spec_lib
 from tf_distbelief.job.config import JobConfig
+from tf_distbelief.keras3 import checkpoints, training
 from tf_distbelief.keras3 import optimizer as optimizer_lib
-from tf_distbelief.keras3 import training
 
 # JobConfig fields the Keras 3 path does not have, with their allowed values
 # and why.
@@ -106,9 +106,8 @@ def train(
       recovery.PsLostError: a ps task was lost and could not be recovered.
     """
     return recovery.run_with_ps_recovery(
-        # `keras3.fit` verifies every restore itself: the tf_keras
-        # callbacks recovery offers are not for it.
-        lambda _: _train_attempt(config, spec, cluster_resolver, print_fn),
+        # `keras3.fit` verifies every restore itself.
+        lambda: _train_attempt(config, spec, cluster_resolver, print_fn),
         cluster_resolver.cluster_spec().job_tasks("ps"),
         config.model_dir,
         config.ps_recovery_secs,
@@ -155,6 +154,7 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
         checkpoint_every_steps=config.checkpoint_every_steps,
         nonfinite=config.nonfinite,
         log_every_steps=config.log_every_steps,
+        goodput=goodput.current(),  # The job's accountant (`runner.run`).
     )
     train_secs = time.monotonic() - start
     predictions = model.predict(x_test, batch_size=256, verbose=0)
@@ -212,8 +212,6 @@ def evaluate_checkpoints(
       ValueError: `config.model_dir` is not set, or the spec has no test set.
       TimeoutError: no new checkpoint for an hour before the last one.
     """
-    from tf_distbelief.keras3 import checkpoints
-
     test_set = runner.evaluator_test_set(config, spec)
     # The evaluator has one device: the same partitions (hence the same
     # checkpointed weights) on CPU:0.

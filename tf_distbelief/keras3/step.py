@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_distbelief.faults import exactly_once
 from tf_distbelief.keras3 import variables as variables_lib
 
 # Tag of the `check_numerics` ops, to tell a non-finite gradient from other errors.
@@ -42,8 +43,6 @@ def make_step(
     Returns `(iterator, first_token) -> (loss sum (float64), steps (int64),
     metric state deltas summed)`, with step `k` under token `first_token + k`.
     """
-    from tf_distbelief.faults import exactly_once  # Imports no tf_keras.
-
     shards = [variables_lib.shards_of(v) for v in weights.trainable]
 
     def one_step(x, y, token):

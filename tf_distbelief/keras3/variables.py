@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from tf_distbelief.tf_internals import variables as tf_variables
+
 
 def shards_of(variable) -> list:
     """The per-ps `tf.Variable`s of a ps variable (one when it is whole)."""
@@ -38,10 +40,6 @@ def _whole(shards: list):
     whole, so that it restores into any number of ps tasks), or the one."""
     if len(shards) == 1:
         return shards[0]
-    # Imported here: `tf_internals` imports tf_keras, which training without
-    # checkpoints never needs.
-    from tf_distbelief.tf_internals import variables as tf_variables
-
     return tf_variables.ShardedVariable(shards)
 
 

@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_distbelief import checks, errors, paths
-from tf_distbelief.faults import nonfinite, resume
+from tf_distbelief.faults import checkpoint_contents, nonfinite, resume
 from tf_distbelief.sandblaster import lbfgs_state, ps_vectors
 from tf_distbelief.tf_internals import variables as tf_variables
 
@@ -51,7 +51,6 @@ __all__ = ["LbfgsCheckpointer", "describe_model"]
 _FLOATS = ("gamma", "loss", "grad_norm")
 _INTS = ("num_iters", "num_evals", "num_skipped_pairs")
 _FLOAT_LISTS = ("rho_history", "loss_history", "step_history")
-_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
 
 
 class _QuietSaverRetracing(logging.Filter):
@@ -287,13 +286,15 @@ class LbfgsCheckpointer:
         }
         numbers = {}
         for name in _FLOATS + _FLOAT_LISTS:
-            key = name + _VALUE
+            key = checkpoint_contents.value_key(name)
             shape = shapes.get(key, [])
             numbers[name] = tf.Variable(tf.zeros(shape, tf.float64))
         for name in _INTS:
             numbers[name] = tf.Variable(np.int64(0))
-        if "gram" + _VALUE in shapes:
-            numbers["gram"] = tf.Variable(tf.zeros(shapes["gram" + _VALUE], tf.float64))
+        if checkpoint_contents.value_key("gram") in shapes:
+            numbers["gram"] = tf.Variable(
+                tf.zeros(shapes[checkpoint_contents.value_key("gram")], tf.float64)
+            )
         numbers["history"] = tf.Variable(np.int64(0))
         numbers["model"] = tf.Variable([""] * len(self.model), dtype=tf.string)
         sharded = {
@@ -322,16 +323,19 @@ class LbfgsCheckpointer:
 
     def _check_made_for_this_run(self, path, reader, shapes) -> None:
         problems = []
-        if "history" + _VALUE in shapes:
-            saved = int(reader.get_tensor("history" + _VALUE))
+        if checkpoint_contents.value_key("history") in shapes:
+            saved = int(reader.get_tensor(checkpoint_contents.value_key("history")))
             if saved != self.history:
                 problems.append(
                     f"`history`: {saved} (s, y) pairs in the checkpoint, "
                     f"{self.history} here (the L-BFGS memory must match: "
                     f"--lbfgs_history={saved}, or another --model_dir)"
                 )
-        if "model" + _VALUE in shapes:
-            saved = [b.decode() for b in reader.get_tensor("model" + _VALUE)]
+        if checkpoint_contents.value_key("model") in shapes:
+            saved = [
+                b.decode()
+                for b in reader.get_tensor(checkpoint_contents.value_key("model"))
+            ]
             if len(saved) != len(self.model):
                 problems.append(
                     f"`model`: {len(saved)} weights in the checkpoint, "
@@ -359,5 +363,5 @@ def _vectors(state: lbfgs_state.LbfgsState) -> dict:
 
 def _num_pairs(shapes: dict) -> int:
     """Pairs in a checkpoint: its `rho_history` length (0 if it has none)."""
-    shape = shapes.get("rho_history" + _VALUE)
+    shape = shapes.get(checkpoint_contents.value_key("rho_history"))
     return int(shape[0]) if shape else 0

@@ -9,7 +9,6 @@ weights and writes the result back into them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -180,10 +179,7 @@ class SandblasterTrainer:
           paths.ModelDirInUseError: another process trains into `model_dir`
             (`paths.ModelDirLock`, held for the run).
         """
-        lock = contextlib.nullcontext()
-        if model_dir:
-            lock = paths.ModelDirLock(model_dir, print_fn)
-        with lock:
+        with paths.model_dir_lock(model_dir, print_fn):
             return self._fit(
                 max_iters, gtol, ftol, record_iterates, model_dir, print_fn
             )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import types
 
 import tensorflow as tf
-import tf_keras
 
 
 def code_names(function) -> set[str]:
@@ -36,6 +35,10 @@ def expect(module: str, expectations: list[tuple[str, bool]]) -> None:
       expectations: `(internal, still has the shape relied on)` pairs.
     """
     missing = [name for name, ok in expectations if not ok]
+    # Imported here, for the message only: the `tf_internals` modules that
+    # Keras 3 training uses (`variables`, `coordinator`, ...) import no tf_keras.
+    import tf_keras
+
     versions = f"TensorFlow {tf.__version__}, tf_keras {tf_keras.__version__}"
     assert not missing, (
         f"TensorFlow internals that tf_distbelief relies on changed shape in "
