@@ -32,14 +32,9 @@ if __name__ == "__main__":
     isolation.enter_private_network(isolation.flag_value(sys.argv))
     # A pipe (docker, Kubernetes, `| tee`) shows each line as it is written.
     sys.stdout.reconfigure(line_buffering=True)
-    # Loading TensorFlow takes seconds (tens on a loaded machine): say so first.
-    console.echo(
-        console.starting_line(
-            sys.argv, os.environ, console.LOCAL_NUM_WORKERS, console.LOCAL_NUM_PS
-        )
-    )
-    console.import_tensorflow_quietly()
 
+# None of these imports TensorFlow: the flags are parsed, and `--help` or a
+# bad value answered, before it loads (in `main`).
 import models  # noqa: E402
 from launch import sandblaster_flags  # noqa: E402
 from tf_distbelief import downpour, errors, job  # noqa: E402
@@ -436,6 +431,13 @@ def main(argv):
         # absl turns an unset --verbosity into INFO; TensorFlow's INFO logs
         # would bury the progress lines.
         logging.set_verbosity(logging.WARNING)
+    # Loading TensorFlow takes seconds (tens on a loaded machine): say so first.
+    console.echo(
+        console.starting_line(
+            sys.argv, os.environ, console.LOCAL_NUM_WORKERS, console.LOCAL_NUM_PS
+        )
+    )
+    console.import_tensorflow_quietly()
     spec = model_spec()
     if FLAGS.keras == "3":
         from tf_distbelief.keras3 import job as keras3_job

@@ -9,26 +9,34 @@ user's spec (`--model=package.module:function`).
 from __future__ import annotations
 
 import functools
+import importlib
 
-from models import digits, embedding, speech
+# Imports no TensorFlow: the launch script reads the names and the speech
+# model's sizes before TensorFlow loads; a model's module is imported when
+# its spec builds or loads.
+from models import speech
 from tf_distbelief import errors
 from tf_distbelief.job import spec as spec_lib
 
-MODELS = {"digits": digits, "speech": speech, "embedding": embedding}
+# The demo models, each a module `models.<name>`.
+MODELS = ("digits", "speech", "embedding")
 # Models with a model-parallel version (`models.model_parallel`).
 MODEL_PARALLEL = ("digits", "speech")
-# Models with a Keras 3 builder (`launch/train.py --keras=3`).
-KERAS3 = {"digits": digits.build_keras3_model}
+# Models with a Keras 3 builder, `build_keras3_model` (`launch/train.py --keras=3`).
+KERAS3 = ("digits",)
 
 __all__ = [
     "KERAS3",
     "MODELS",
     "MODEL_PARALLEL",
-    "digits",
-    "embedding",
-    "speech",
+    "module",
     "spec",
 ]
+
+
+def module(name: str):
+    """The module of demo model `name` (one of `MODELS`), imported."""
+    return importlib.import_module(f"{__name__}.{name}")
 
 
 def _build(name, seed, speech_hidden_units, speech_classes, keras, devices):
@@ -44,16 +52,16 @@ def _build(name, seed, speech_hidden_units, speech_classes, keras, devices):
             keras=keras,
         )
     if keras == 3:
-        return KERAS3[name](seed=seed)
+        return module(name).build_keras3_model(seed=seed)
     if name == "speech":
         return speech.build_model(speech_hidden_units, speech_classes, seed=seed)
-    return MODELS[name].build_model(seed=seed)
+    return module(name).build_model(seed=seed)
 
 
 def _load(name, seed, speech_classes):
     if name == "speech":
         return speech.load_data(num_classes=speech_classes, seed=seed)
-    return MODELS[name].load_data(seed=seed)
+    return module(name).load_data(seed=seed)
 
 
 def spec(

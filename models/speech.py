@@ -15,7 +15,6 @@ within a few thousand steps. Every run with the same seed gets the same data.
 from __future__ import annotations
 
 import numpy as np
-import tf_keras
 
 NUM_FEATURES = 440  # 11 frames x 40 log-energies.
 PAPER_HIDDEN_UNITS = 2560
@@ -76,6 +75,10 @@ def build_model(hidden_units=256, num_classes=PAPER_NUM_CLASSES, seed=0):
       A tf_keras `Sequential` mapping `[batch, 440]` float32 to
       `[batch, num_classes]` logits.
     """
+    # Here, not at the top: the launch script reads this module's sizes
+    # before TensorFlow loads (its flags are parsed first).
+    import tf_keras
+
     check_positive(hidden_units=hidden_units, num_classes=num_classes)
     init = tf_keras.initializers.GlorotUniform
     layers = [tf_keras.layers.InputLayer(input_shape=(NUM_FEATURES,))]

@@ -23,16 +23,12 @@ import tensorflow as tf
 from absl import logging
 
 from tf_distbelief import cluster as cluster_lib
-from tf_distbelief import errors
+from tf_distbelief import errors, partitioning
 from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as connect_lib
-from tf_distbelief.faults import step_watch
+from tf_distbelief.faults import settings, step_watch
 from tf_distbelief.tf_internals import coordinator as tf_coordinator
 from tf_distbelief.tf_internals import eager_context
-
-# A shard smaller than this is not worth its RPC: TensorFlow's own suggested
-# value for `MinSizePartitioner` (256 KiB).
-DEFAULT_MIN_SHARD_BYTES = 256 << 10
 
 KERAS3_MESSAGE = (
     "DistBeliefStrategy (a ParameterServerStrategy) does not support Keras 3 "
@@ -53,16 +49,14 @@ class Keras3Error(errors.DistBeliefError, RuntimeError):
     """
 
 
-PARTITIONERS = ("min_size", "max_size", "fixed")
-
-
 def make_partitioner(name: str, num_ps: int, shard_bytes: int):
-    """Returns the TensorFlow partitioner `name` (one of `PARTITIONERS`) names.
+    """Returns the TensorFlow partitioner that `name` names.
 
     Args:
-      name: `min_size` / `max_size` (shards of `shard_bytes`, at most one per
-        ps: `MinSizePartitioner` / `MaxSizePartitioner`) or `fixed` (one shard
-        per ps: `FixedShardsPartitioner`).
+      name: one of `partitioning.PARTITIONERS`: `min_size` / `max_size`
+        (shards of `shard_bytes`, at most one per ps: `MinSizePartitioner` /
+        `MaxSizePartitioner`) or `fixed` (one shard per ps:
+        `FixedShardsPartitioner`).
       num_ps: ps tasks, >= 1.
       shard_bytes: the shard size of `min_size` and `max_size`, in bytes.
 
@@ -70,7 +64,7 @@ def make_partitioner(name: str, num_ps: int, shard_bytes: int):
       A `tf.distribute.experimental.partitioners.Partitioner`.
 
     Raises:
-      ValueError: `name` is not one of `PARTITIONERS`.
+      ValueError: `name` is not one of `partitioning.PARTITIONERS`.
     """
     partitioners = tf.distribute.experimental.partitioners
     if name == "min_size":
@@ -80,11 +74,14 @@ def make_partitioner(name: str, num_ps: int, shard_bytes: int):
     if name == "fixed":
         return partitioners.FixedShardsPartitioner(num_ps)
     raise ValueError(
-        f"`partitioner` must be one of {', '.join(PARTITIONERS)}. Received: {name!r}"
+        "`partitioner` must be one of "
+        f"{', '.join(partitioning.PARTITIONERS)}. Received: {name!r}"
     )
 
 
-def default_partitioner(num_ps: int, min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES):
+def default_partitioner(
+    num_ps: int, min_shard_bytes: int = partitioning.DEFAULT_MIN_SHARD_BYTES
+):
     """Returns the default variable partitioner for `num_ps` ps tasks.
 
     `tf.distribute.experimental.partitioners.MinSizePartitioner`: a variable is cut
@@ -233,7 +230,7 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
         cluster_resolver=None,
         variable_partitioner=None,
         connect_timeout_secs: float = connect_lib.DEFAULT_CONNECT_TIMEOUT_SECS,
-        step_stall_timeout_secs: float = step_watch.DEFAULT_STEP_STALL_TIMEOUT_SECS,
+        step_stall_timeout_secs: float = settings.DEFAULT_STEP_STALL_TIMEOUT_SECS,
     ):
         step_watch.check_timeout(step_stall_timeout_secs)
         resolver = cluster_lib.resolve_cluster(cluster_resolver)

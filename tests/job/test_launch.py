@@ -155,6 +155,41 @@ def test_bad_flags_fail_at_parse_time(flag, message):
     assert "local cluster" not in proc.stdout  # Nothing started.
 
 
+# The launch script run as `__main__` in this child, without the re-execution
+# in a private network namespace, so that the child sees what it imported.
+_PARSE_ONLY = """
+import runpy, sys
+sys.argv = [sys.argv[1], "--noisolate_network", *sys.argv[2:]]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as e:
+    print("exit", e.code, "tensorflow" in sys.modules, "tf_keras" in sys.modules)
+"""
+
+
+# absl's `--help` exits with 1, as its usage errors do.
+@pytest.mark.parametrize(
+    "flag, code",
+    [
+        ("--help", 1),
+        ("--optimizer=adam", 1),
+        ("--n_fetch=2", 1),
+    ],
+)
+def test_flags_are_answered_before_tensorflow_loads(flag, code):
+    # `--help`, a bad value and a Downpour flag without --downpour: no
+    # TensorFlow, so the answer takes a fraction of a second, not its load.
+    proc = subprocess.run(
+        [sys.executable, "-c", _PARSE_ONLY, TRAIN, flag],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert f"exit {code} False False" in proc.stdout, proc.stdout + proc.stderr
+    assert "loading TensorFlow" not in proc.stdout
+
+
 def test_bad_tf_config_fails_before_any_server():
     marker = uuid.uuid4().hex
     tf_config = json.dumps(

@@ -467,14 +467,15 @@ def test_fit_rejects_bad_reliability_arguments(kwargs, match):
 
 
 def test_nonfinite_modes_are_the_fault_layers():
-    from tf_distbelief.faults import nonfinite
+    from tf_distbelief.faults import settings
 
     # `keras3.fit` takes the fault layer's modes, and refuses another one
     # with the fault layer's message listing them.
     with pytest.raises(
         ValueError,
         match=re.escape(
-            f"Argument `nonfinite` must be one of {', '.join(nonfinite.MODES)}. "
+            "Argument `nonfinite` must be one of "
+            f"{', '.join(settings.NONFINITE_MODES)}. "
             "Received: 'neither'"
         ),
     ):

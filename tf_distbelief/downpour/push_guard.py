@@ -27,7 +27,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_distbelief.downpour import base
-from tf_distbelief.faults import nonfinite
+from tf_distbelief.faults import nonfinite, settings
 
 __all__ = ["Guard", "finite_flags", "install", "refuse_ops"]
 
@@ -62,7 +62,7 @@ def refuse_ops(
     """The ops of a push refused for a NaN or inf (see the module docstring).
 
     Args:
-      mode: `raise` or `skip` (`nonfinite.MODES`).
+      mode: `raise` or `skip` (`settings.NONFINITE_MODES`).
       h: the scheduled function's handles.
       variables: the pushed variables (shards), in `flags` order.
       flags: `finite_flags` of the push.
@@ -130,7 +130,7 @@ def install(downpour, model, mode: str) -> Guard:
     Args:
       downpour: the `replica.Downpour` installed on `model`.
       model: the tf_keras model it trains.
-      mode: `raise` or `skip` (`tf_distbelief.faults.nonfinite.MODES`).
+      mode: `raise` or `skip` (`tf_distbelief.faults.settings.NONFINITE_MODES`).
 
     Returns:
       The `Guard` (`mode`, `skipped_steps()`: pushes skipped so far).
@@ -138,7 +138,7 @@ def install(downpour, model, mode: str) -> Guard:
     Raises:
       ValueError: `mode` is not one of the modes.
     """
-    nonfinite.check_mode(mode)
+    settings.check_nonfinite_mode(mode)
     if mode != downpour.nonfinite:
         downpour.nonfinite = mode
         model.train_function = None

@@ -12,7 +12,7 @@ written after it keeps the damage. The guard works at two points:
   variables) or counts the step as skipped (`mode="skip"`). The `tf.cond`
   sits where each Keras applies a step: `faults.tf_keras_fit.Guard` on a
   tf_keras optimizer, `keras3.step` in a Keras 3 step; this module holds
-  what both share (`MODES`, the failure's marker, `error_from`).
+  what both share (the failure's marker, `error_from`).
 * **Each checkpoint** (`nonfinite_variables`): every variable a checkpoint
   would hold is checked on its own ps task before writing; one non-finite
   value and the checkpoint is refused.
@@ -38,26 +38,11 @@ import tensorflow as tf
 from tf_distbelief import errors
 from tf_distbelief.tf_internals import variables as tf_variables
 
-MODES = ("raise", "skip")
 # Marks the assertion a failed check raises on the worker, so that the error
 # the coordinator re-raises can be told apart from any other.
 MARKER = "tf_distbelief non-finite gradient at step"
 # The same for a Downpour push (`downpour.push_guard`).
 PUSH_MARKER = "tf_distbelief non-finite push at step"
-
-
-def check_mode(mode: str) -> str:
-    """Returns `mode` if it is one of `MODES`.
-
-    Raises:
-      ValueError: naming the argument, the allowed values and the value.
-    """
-    if mode not in MODES:
-        raise ValueError(
-            f"Argument `nonfinite` must be one of {', '.join(MODES)}. "
-            f"Received: {mode!r}"
-        )
-    return mode
 
 
 def error_from(error: Exception) -> errors.NonFiniteError | None:

@@ -50,11 +50,8 @@ import tensorflow as tf
 
 from tf_distbelief import errors, paths
 from tf_distbelief.cluster import server as server_lib
-from tf_distbelief.faults import checkpoint_contents, resume
+from tf_distbelief.faults import checkpoint_contents, resume, settings
 
-# A real cluster's orchestrator reschedules a pod in seconds to minutes (an
-# image pull, a node drain); a local task restarts in 4-5 s.
-DEFAULT_PS_RECOVERY_SECS = 300.0
 # Recoveries in a row that saw no new checkpoint: a ps that fails again before
 # the job got anywhere is a fault that recovery will not fix.
 MAX_RECOVERIES_WITHOUT_PROGRESS = 3
@@ -227,7 +224,7 @@ def run_with_ps_recovery(
     attempt: Callable[[], dict],
     ps_addresses: Sequence[str],
     model_dir: str | None,
-    ps_recovery_secs: float = DEFAULT_PS_RECOVERY_SECS,
+    ps_recovery_secs: float = settings.DEFAULT_PS_RECOVERY_SECS,
     print_fn=print,
 ) -> dict:
     """Runs `attempt` until it returns, recovering each lost ps task.

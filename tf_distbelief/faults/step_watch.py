@@ -40,9 +40,6 @@ from tf_distbelief import checks, errors
 from tf_distbelief.cluster import health
 from tf_distbelief.tf_internals import coordinator as tf_coordinator
 
-# Longer than a local task's restart (4-5 s) and a Kubernetes pod's reschedule
-# (an image pull: minutes); as long as Sandblaster's portion wait.
-DEFAULT_STEP_STALL_TIMEOUT_SECS = 600.0
 _POLL_SECS = 0.5
 _REPORT_EVERY_SECS = 30.0
 

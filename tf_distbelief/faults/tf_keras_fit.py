@@ -40,7 +40,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import paths
-from tf_distbelief.faults import exactly_once, nonfinite, recovery, resume
+from tf_distbelief.faults import exactly_once, nonfinite, recovery, resume, settings
 from tf_distbelief.tf_internals import keras_model
 from tf_distbelief.tf_internals import optimizers as tf_optimizers
 
@@ -51,7 +51,7 @@ class Guard:
     """The per-step check installed on one tf_keras optimizer (`install_guard`).
 
     Attributes:
-      mode: `raise` or `skip`, one of `nonfinite.MODES`.
+      mode: `raise` or `skip`, one of `settings.NONFINITE_MODES`.
       skipped: a ps variable, `[]` int64: steps skipped since installed.
     """
 
@@ -140,10 +140,10 @@ def install_guard(model, mode: str = "raise") -> Guard:
       The `Guard`.
 
     Raises:
-      ValueError: `mode` is not one of `nonfinite.MODES`.
+      ValueError: `mode` is not one of `settings.NONFINITE_MODES`.
       TypeError: the optimizer is not a `tf_keras.optimizers.Optimizer`.
     """
-    nonfinite.check_mode(mode)
+    settings.check_nonfinite_mode(mode)
     optimizer = model.optimizer
     if not isinstance(optimizer, tf_keras.optimizers.Optimizer):
         raise TypeError(

@@ -17,7 +17,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import checks, console, hooks, paths
-from tf_distbelief.faults import checkpoint_contents, resume, tf_keras_fit
+from tf_distbelief.faults import checkpoint_contents, resume, settings, tf_keras_fit
 from tf_distbelief.faults import goodput as goodput_lib
 from tf_distbelief.faults import nonfinite as nonfinite_lib
 from tf_distbelief.fit import shards, validation
@@ -204,7 +204,7 @@ def fit(
       print_fn: where progress lines go (stdout, flushed).
       checkpoint_every_steps: steps between checkpoints besides each epoch
         end, >= 0 (0: epoch ends only); needs `model_dir`.
-      nonfinite: `raise` or `skip` (`tf_distbelief.faults.nonfinite.MODES`).
+      nonfinite: `raise` or `skip` (`tf_distbelief.faults.settings.NONFINITE_MODES`).
       validation_data: as `Model.fit`'s, evaluated exactly on the
         coordinator (`validation.ExactValidation`, first among the
         callbacks); `val_*` figures reach every callback. None: no validation.
@@ -237,7 +237,7 @@ def fit(
         "steps over all workers)",
     )
     checks.check_checkpoint_cadence(model_dir, checkpoint_every_steps)
-    nonfinite_lib.check_mode(nonfinite)
+    settings.check_nonfinite_mode(nonfinite)
     with paths.model_dir_lock(model_dir, print_fn):
         own_goodput = goodput is None and goodput_lib.current() is None
         if goodput is None:

@@ -8,43 +8,29 @@
   `evaluate_checkpoints`, `main`.
 """
 
-from tf_distbelief.job.config import (
-    NONFINITE_MODES,
-    OPTIMIZERS,
-    PARTITIONERS,
-    JobConfig,
-)
-from tf_distbelief.job.runner import (
-    TF_KERAS,
-    Trainer,
-    build_model,
-    build_optimizer,
-    check_spec,
-    compile_model,
-    connect_strategy,
-    evaluate_checkpoints,
-    main,
-    run,
-    train,
-)
-from tf_distbelief.job.spec import ModelSpec, load_spec
+from tf_distbelief import _lazy
 
-__all__ = [
-    "NONFINITE_MODES",
-    "OPTIMIZERS",
-    "PARTITIONERS",
-    "JobConfig",
-    "ModelSpec",
-    "TF_KERAS",
-    "Trainer",
-    "build_model",
-    "build_optimizer",
-    "check_spec",
-    "compile_model",
-    "connect_strategy",
-    "evaluate_checkpoints",
-    "load_spec",
-    "main",
-    "run",
-    "train",
-]
+# Imported on first use: `config` and `spec` load without TensorFlow, so that
+# the launch script parses its flags before TensorFlow loads.
+__all__, __getattr__, __dir__ = _lazy.exports(
+    __name__,
+    {
+        "NONFINITE_MODES": "config",
+        "OPTIMIZERS": "config",
+        "PARTITIONERS": "config",
+        "JobConfig": "config",
+        "TF_KERAS": "runner",
+        "Trainer": "runner",
+        "build_model": "runner",
+        "build_optimizer": "runner",
+        "check_spec": "runner",
+        "compile_model": "runner",
+        "connect_strategy": "runner",
+        "evaluate_checkpoints": "runner",
+        "main": "runner",
+        "run": "runner",
+        "train": "runner",
+        "ModelSpec": "spec",
+        "load_spec": "spec",
+    },
+)

@@ -10,21 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from tf_distbelief import console, errors, paths
+from tf_distbelief import console, errors, partitioning, paths
 from tf_distbelief import downpour as downpour_lib
 from tf_distbelief import sandblaster as sandblaster_lib
-from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import connect as connect_lib
 from tf_distbelief.cluster import source as cluster_source
 from tf_distbelief.cluster.local import hung_tasks
 from tf_distbelief.cluster.network import emulated
-from tf_distbelief.faults import nonfinite as nonfinite_lib
-from tf_distbelief.faults import recovery as recovery_lib
-from tf_distbelief.faults import step_watch
+from tf_distbelief.faults import settings as fault_settings
 
 OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
-NONFINITE_MODES = nonfinite_lib.MODES
-PARTITIONERS = strategy_lib.PARTITIONERS
+NONFINITE_MODES = fault_settings.NONFINITE_MODES
+PARTITIONERS = partitioning.PARTITIONERS
 
 
 @dataclasses.dataclass
@@ -44,7 +41,7 @@ class JobConfig:
       steps_per_execution: steps in one scheduled function, >= 1.
       num_workers: local cluster workers (ignored with `TF_CONFIG`), >= 1.
       num_ps: local cluster ps tasks (ignored with `TF_CONFIG`), >= 1.
-      partitioner: one of `strategy.PARTITIONERS` (`strategy.make_partitioner`).
+      partitioner: one of `partitioning.PARTITIONERS` (`strategy.make_partitioner`).
       shard_bytes: the shard size of `min_size` and `max_size`, > 0.
       model_dir: checkpoints and TensorBoard logs, or None.
       export_dir: where the chief exports the trained model at the end
@@ -54,7 +51,7 @@ class JobConfig:
         steps. Needs `model_dir`.
       nonfinite: a step (Downpour: a push) with a NaN or inf gradient is
         never applied; `raise` stops the job naming the step, `skip` skips
-        and counts it (`nonfinite.MODES`).
+        and counts it (`faults.settings.NONFINITE_MODES`).
       log_every_steps: progress lines every so many steps; 0 per epoch only.
       seed: model initialisation and data seed.
       chief_gone_secs: a ps/worker task exits once the chief has been gone this
@@ -110,7 +107,7 @@ class JobConfig:
     num_workers: int = console.LOCAL_NUM_WORKERS
     num_ps: int = console.LOCAL_NUM_PS
     partitioner: str = "min_size"
-    shard_bytes: int = strategy_lib.DEFAULT_MIN_SHARD_BYTES
+    shard_bytes: int = partitioning.DEFAULT_MIN_SHARD_BYTES
     model_dir: str | None = None
     export_dir: str | None = None
     checkpoint_every_steps: int = 0
@@ -120,8 +117,8 @@ class JobConfig:
     chief_gone_secs: float | None = None
     connect_timeout_secs: float = connect_lib.DEFAULT_CONNECT_TIMEOUT_SECS
     hung_task_timeout_secs: float = hung_tasks.DEFAULT_HUNG_TASK_TIMEOUT_SECS
-    step_stall_timeout_secs: float = step_watch.DEFAULT_STEP_STALL_TIMEOUT_SECS
-    ps_recovery_secs: float = recovery_lib.DEFAULT_PS_RECOVERY_SECS
+    step_stall_timeout_secs: float = fault_settings.DEFAULT_STEP_STALL_TIMEOUT_SECS
+    ps_recovery_secs: float = fault_settings.DEFAULT_PS_RECOVERY_SECS
     downpour: downpour_lib.DownpourConfig | None = None
     sandblaster: sandblaster_lib.SandblasterConfig = dataclasses.field(
         default_factory=lambda: sandblaster_lib.SandblasterConfig()

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 
 from tf_distbelief import checks
-from tf_distbelief.faults import nonfinite as nonfinite_lib
+from tf_distbelief.faults import settings
 from tf_distbelief.keras3 import optimizer as optimizer_lib
 
 
@@ -63,7 +63,7 @@ def check(model, args: FitArgs) -> None:
         args.batch_size,
     )
     checks.check_checkpoint_cadence(args.model_dir, args.checkpoint_every_steps)
-    nonfinite_lib.check_mode(args.nonfinite)
+    settings.check_nonfinite_mode(args.nonfinite)
     _check_validation_data(args.validation_data)
     if not checks.is_int(args.initial_epoch) or args.initial_epoch < 0:
         raise ValueError(

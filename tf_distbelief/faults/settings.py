@@ -1,0 +1,32 @@
+"""The fault layer's settings that a job chooses, without TensorFlow.
+
+`job.JobConfig` and the launch script's flags are checked before TensorFlow
+loads (a typo'd flag is answered at once); the modules that apply these
+settings (`nonfinite`, `step_watch`, `recovery`) import TensorFlow.
+"""
+
+from __future__ import annotations
+
+# What a step (Downpour: a push) with a NaN or inf gradient does; it is never
+# applied: `raise` stops the job naming the step, `skip` skips and counts it.
+NONFINITE_MODES = ("raise", "skip")
+# Longer than a local task's restart (4-5 s) and a Kubernetes pod's reschedule
+# (an image pull: minutes); as long as Sandblaster's portion wait.
+DEFAULT_STEP_STALL_TIMEOUT_SECS = 600.0
+# A real cluster's orchestrator reschedules a pod in seconds to minutes (an
+# image pull, a node drain); a local task restarts in 4-5 s.
+DEFAULT_PS_RECOVERY_SECS = 300.0
+
+
+def check_nonfinite_mode(mode: str) -> str:
+    """Returns `mode` if it is one of `NONFINITE_MODES`.
+
+    Raises:
+      ValueError: naming the argument, the allowed values and the value.
+    """
+    if mode not in NONFINITE_MODES:
+        raise ValueError(
+            f"Argument `nonfinite` must be one of {', '.join(NONFINITE_MODES)}. "
+            f"Received: {mode!r}"
+        )
+    return mode
