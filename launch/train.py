@@ -42,11 +42,12 @@ if __name__ == "__main__":
 
 import models  # noqa: E402
 from launch import sandblaster_flags  # noqa: E402
-from tf_distbelief import downpour, errors, job  # noqa: E402
+from tf_distbelief import downpour, errors, job, strategy  # noqa: E402
 from tf_distbelief.cluster import config as cluster_config  # noqa: E402
 from tf_distbelief.cluster import network  # noqa: E402
 from tf_distbelief.downpour import config as downpour_config  # noqa: E402
 from tf_distbelief.downpour.push_rules import rule as push_rule  # noqa: E402
+from tf_distbelief.faults import nonfinite  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -132,7 +133,7 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "partitioner",
         d.partitioner,
-        job.PARTITIONERS,
+        strategy.PARTITIONERS,
         "min_size / max_size: shards of --shard_bytes, at most one per ps; "
         "fixed: one shard per ps.",
     )
@@ -160,7 +161,7 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "nonfinite",
         d.nonfinite,
-        job.NONFINITE_MODES,
+        nonfinite.MODES,
         "A step (with --downpour, a push) whose gradients hold NaN or inf is "
         "never applied to the ps: raise stops the job naming the step; skip "
         "skips it and counts it.",

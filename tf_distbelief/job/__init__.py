@@ -8,12 +8,7 @@
   `evaluate_checkpoints`, `main`.
 """
 
-from tf_distbelief.job.config import (
-    NONFINITE_MODES,
-    OPTIMIZERS,
-    PARTITIONERS,
-    JobConfig,
-)
+from tf_distbelief.job.config import OPTIMIZERS, JobConfig
 from tf_distbelief.job.runner import (
     TF_KERAS,
     Trainer,
@@ -30,9 +25,7 @@ from tf_distbelief.job.runner import (
 from tf_distbelief.job.spec import ModelSpec, load_spec
 
 __all__ = [
-    "NONFINITE_MODES",
     "OPTIMIZERS",
-    "PARTITIONERS",
     "JobConfig",
     "ModelSpec",
     "TF_KERAS",

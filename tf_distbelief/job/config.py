@@ -22,8 +22,6 @@ from tf_distbelief.faults import recovery as recovery_lib
 from tf_distbelief.faults import step_watch
 
 OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
-NONFINITE_MODES = nonfinite_lib.MODES
-PARTITIONERS = strategy_lib.PARTITIONERS
 
 
 @dataclasses.dataclass
@@ -141,8 +139,8 @@ class JobConfig:
         """
         for name, allowed in (
             ("optimizer", OPTIMIZERS),
-            ("partitioner", PARTITIONERS),
-            ("nonfinite", NONFINITE_MODES),
+            ("partitioner", strategy_lib.PARTITIONERS),
+            ("nonfinite", nonfinite_lib.MODES),
             ("cluster_from", cluster_config.CLUSTER_SOURCES),
         ):
             if getattr(self, name) not in allowed:

@@ -3,7 +3,7 @@
 Sandblaster L-BFGS (Dean et al. 2012, section 4.2) keeps its iterate, the
 gradient there and the `(s, y)` history as vectors on the ps tasks
 (`ps_vectors`); the coordinator holds python numbers only. `LbfgsCheckpointer`
-writes all of it, an `lbfgs.LbfgsState`, with `tf.train.Checkpoint` and
+writes all of it, an `lbfgs_state.LbfgsState`, with `tf.train.Checkpoint` and
 `tf.train.CheckpointManager` after every `every_iters`-th iteration, and
 restores the latest: a rerun with the same directory goes on from there and
 computes the iterates an uninterrupted run computes.
@@ -261,7 +261,7 @@ class LbfgsCheckpointer:
           path: a checkpoint; None means `latest_checkpoint`.
 
         Returns:
-          The `lbfgs.LbfgsState` to pass to `lbfgs.minimize` as
+          The `lbfgs_state.LbfgsState` to pass to `lbfgs.minimize` as
           `initial_state`, or None when `path` is None and there is no
           checkpoint.
 

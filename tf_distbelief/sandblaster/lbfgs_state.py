@@ -24,11 +24,9 @@ from tf_distbelief.sandblaster import vector_ops
 
 __all__ = ["LbfgsState", "check_state"]
 
-Vector = vector_ops.Vector
-
 
 @dataclasses.dataclass
-class LbfgsState(Generic[Vector]):
+class LbfgsState(Generic[vector_ops.Vector]):
     """The state of `lbfgs.minimize` between two iterations.
 
     Nocedal & Wright, Algorithm 7.5: at iteration `k`, everything the next
@@ -62,8 +60,8 @@ class LbfgsState(Generic[Vector]):
         an uninterrupted one would.
     """
 
-    x: Vector
-    grad: Vector
+    x: vector_ops.Vector
+    grad: vector_ops.Vector
     s_history: list
     y_history: list
     rho_history: list[float]
