@@ -35,6 +35,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from tf_distbelief import checks
+
 __all__ = ["PARTS", "Goodput", "active", "current", "process_start_secs"]
 
 # The parts of the wall time besides `train`, in the order `line` shows them.
@@ -157,9 +159,7 @@ class Goodput:
         """Counts `secs` seconds as `part` (one of `PARTS`), out of the time
         they were spent in (training or between trainings)."""
         if part not in PARTS:
-            raise ValueError(
-                f"Argument `part` must be one of {PARTS}. Received: {part!r}"
-            )
+            raise checks.argument_error("part", f"one of {PARTS}", part)
         with self._lock:
             self._secs[part] += secs
             if self._segment is not None:

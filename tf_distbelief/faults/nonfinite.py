@@ -34,7 +34,7 @@ import weakref
 
 import tensorflow as tf
 
-from tf_distbelief import errors
+from tf_distbelief import checks, errors
 from tf_distbelief.faults import exactly_once
 from tf_distbelief.tf_internals import optimizers as tf_optimizers
 from tf_distbelief.tf_internals import variables as tf_variables
@@ -55,10 +55,7 @@ def check_mode(mode: str) -> str:
       ValueError: naming the argument, the allowed values and the value.
     """
     if mode not in MODES:
-        raise ValueError(
-            f"Argument `nonfinite` must be one of {', '.join(MODES)}. "
-            f"Received: {mode!r}"
-        )
+        raise checks.argument_error("nonfinite", f"one of {', '.join(MODES)}", mode)
     return mode
 
 

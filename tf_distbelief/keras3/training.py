@@ -46,23 +46,18 @@ def _metric(metric, y) -> keras.metrics.Metric:
 
 def _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size):
     if not isinstance(model, keras.Model):
-        raise TypeError(
-            "Argument `model` must be a Keras 3 `keras.Model` (tf_keras models "
-            f"train with `tf_distbelief.fit.training.fit`). Received: {type(model)!r}"
+        raise checks.argument_error(
+            "model",
+            "a Keras 3 `keras.Model` (tf_keras models train with "
+            "`tf_distbelief.fit.training.fit`)",
+            type(model),
         )
     for name, value in (
         ("epochs", epochs),
         ("steps_per_epoch", steps_per_epoch),
         ("batch_size", batch_size),
     ):
-        if not checks.is_int(value):
-            raise ValueError(
-                f"Argument `{name}` must be an int >= 1. Received: {value!r}"
-            )
-        if value < 1:
-            raise ValueError(
-                f"Argument `{name}` must be an int >= 1. Received: {value!r}"
-            )
+        checks.check_int(name, value, 1, "an int >= 1", "an int >= 1")
     if (dataset is None) == (x is None):
         raise ValueError(
             "Pass either `x` and `y` (NumPy arrays) or `dataset` (a batched "
@@ -78,11 +73,7 @@ def _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size):
 
 def _check_reliability(model_dir, checkpoint_every_steps, nonfinite) -> None:
     checks.check_checkpoint_cadence(model_dir, checkpoint_every_steps)
-    if nonfinite not in _NONFINITE_MODES:
-        raise ValueError(
-            f"Argument `nonfinite` must be one of {', '.join(_NONFINITE_MODES)}. "
-            f"Received: {nonfinite!r}"
-        )
+    checks.check_one_of("nonfinite", nonfinite, _NONFINITE_MODES)
 
 
 def _check_validation_data(validation_data) -> None:
@@ -102,9 +93,10 @@ def _check_validation_data(validation_data) -> None:
             shown = (
                 f"{len(validation_data[0])} examples, {len(validation_data[1])} labels"
             )
-        raise ValueError(
-            "Argument `validation_data` must be `(x_val, y_val)`: two arrays "
-            f"with one label per example, at least one. Received: {shown}"
+        raise checks.argument_error(
+            "validation_data",
+            "`(x_val, y_val)`: two arrays with one label per example, at least one",
+            shown,
         )
 
 
@@ -273,30 +265,26 @@ def fit(
     _check_reliability(model_dir, checkpoint_every_steps, nonfinite)
     _check_validation_data(validation_data)
     if not checks.is_int(initial_epoch) or initial_epoch < 0:
-        raise ValueError(
-            f"Argument `initial_epoch` must be an int >= 0. Received: {initial_epoch!r}"
-        )
+        raise checks.argument_error("initial_epoch", "an int >= 0", initial_epoch)
     if not checks.is_int(log_every_steps) or log_every_steps < 0:
-        raise ValueError(
-            f"Argument `log_every_steps` must be an int >= 0. Received: "
-            f"{log_every_steps!r}"
-        )
+        raise checks.argument_error("log_every_steps", "an int >= 0", log_every_steps)
     if (
         not checks.is_int(steps_per_execution)
         or steps_per_execution < 1
         or steps_per_epoch % steps_per_execution
     ):
-        raise ValueError(
-            "Argument `steps_per_execution` must be an int >= 1 that divides "
-            f"`steps_per_epoch` ({steps_per_epoch}). Received: "
-            f"{steps_per_execution!r}"
+        raise checks.argument_error(
+            "steps_per_execution",
+            f"an int >= 1 that divides `steps_per_epoch` ({steps_per_epoch})",
+            steps_per_execution,
         )
     rule = optimizer_lib.from_optimizer(optimizer)
     loss = loss if loss is not None else getattr(model, "loss", None)
     if loss is None:
-        raise ValueError(
-            "Argument `loss` must be a Keras 3 loss, its name or a function, or "
-            "the model compiled with one. Received: None"
+        raise checks.argument_error(
+            "loss",
+            "a Keras 3 loss, its name or a function, or the model compiled with one",
+            None,
         )
     loss_fn = keras.losses.get(loss) if isinstance(loss, str) else loss
     metrics = [_metric(m, y) for m in (metrics or ())]
@@ -315,16 +303,19 @@ def fit(
                 f"ps_weights={ps_weights!r}"
             )
         if not isinstance(rule, optimizer_lib.Adagrad):
-            raise ValueError(
-                "Argument `optimizer` must be AdaGrad with `downpour`: a Keras 3 "
-                "model's Downpour pushes to AdaGrad on the ps. Received: "
-                f"{optimizer!r}"
+            raise checks.argument_error(
+                "optimizer",
+                "AdaGrad with `downpour`: a Keras 3 model's Downpour pushes to "
+                "AdaGrad on the ps",
+                optimizer,
             )
         if steps_per_execution > 1 and not downpour.runs_segments:
-            raise ValueError(
-                "Argument `steps_per_execution` must be 1 with Downpour unless "
-                "it runs in segments (n_fetch > 1, n_push > 1, no warm start). "
-                f"Received: steps_per_execution={steps_per_execution}, {downpour}"
+            raise checks.argument_error(
+                "steps_per_execution",
+                "1 with Downpour unless it runs in segments (n_fetch > 1, "
+                "n_push > 1, no warm start)",
+                steps_per_execution,
+                fix=f"({downpour})",
             )
         downpour_lib.enable(strategy)
     lock = contextlib.nullcontext()

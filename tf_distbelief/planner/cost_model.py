@@ -120,9 +120,8 @@ def parse_count(value, name: str = "params") -> int:
         if match:
             count = round(float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()])
     if count is None or count < 1:
-        raise ValueError(
-            f"Argument `{name}` must be a positive count such as 42M, 2.4M or "
-            f"500k. Received: {value!r}"
+        raise checks.argument_error(
+            name, "a positive count such as 42M, 2.4M or 500k", value
         )
     return count
 
@@ -155,9 +154,8 @@ class Setting:
         elif self.outer:
             raise ValueError("Argument `outer` needs Downpour (n_fetch, n_push).")
         if self.accumulator not in ACCUMULATORS:
-            raise ValueError(
-                f"Argument `accumulator` must be one of {ACCUMULATORS}. "
-                f"Received: {self.accumulator!r}"
+            raise checks.argument_error(
+                "accumulator", f"one of {ACCUMULATORS}", self.accumulator
             )
 
     @classmethod
@@ -167,10 +165,7 @@ class Setting:
             return cls(accumulator=accumulator)
         match = _SETTING_RE.match(str(name))
         if not match or int(match.group(1)) < 1:
-            raise ValueError(
-                "Argument `name` must be stock, n=<n> or n=<n>+outer. "
-                f"Received: {name!r}"
-            )
+            raise checks.argument_error("name", "stock, n=<n> or n=<n>+outer", name)
         n = int(match.group(1))
         return cls(n, n, bool(match.group(2)), accumulator)
 
@@ -318,25 +313,20 @@ class Cluster:
             if value is not None and not (
                 checks.is_number(value) and math.isfinite(value) and value > 0
             ):
-                raise ValueError(
-                    f"Argument `{name}` must be a positive number of bits/s or "
-                    f"None (unlimited). Received: {value!r}"
+                raise checks.argument_error(
+                    name, "a positive number of bits/s or None (unlimited)", value
                 )
         jitter = self.step_jitter_secs
         if jitter is not None and not (
             checks.is_number(jitter) and math.isfinite(jitter) and jitter >= 0
         ):
-            raise ValueError(
-                "Argument `step_jitter_secs` must be a finite number >= 0 or "
-                f"None. Received: {jitter!r}"
+            raise checks.argument_error(
+                "step_jitter_secs", "a finite number >= 0 or None", jitter
             )
         for name in ("compute_secs", "function_secs", "overhead_bytes"):
             value = getattr(self, name)
             if not (checks.is_number(value) and math.isfinite(value) and value >= 0):
-                raise ValueError(
-                    f"Argument `{name}` must be a finite number >= 0. "
-                    f"Received: {value!r}"
-                )
+                raise checks.argument_error(name, "a finite number >= 0", value)
 
     def replace(self, **changes) -> Cluster:
         return dataclasses.replace(self, **changes)
@@ -440,9 +430,7 @@ def chief_steps_per_execution(cluster: Cluster) -> int | None:
 
 def _check_fraction(busy_fraction) -> None:
     if not (checks.is_number(busy_fraction) and 0 < busy_fraction <= 1):
-        raise ValueError(
-            f"Argument `busy_fraction` must be in (0, 1]. Received: {busy_fraction!r}"
-        )
+        raise checks.argument_error("busy_fraction", "in (0, 1]", busy_fraction)
 
 
 def smallest_ps(

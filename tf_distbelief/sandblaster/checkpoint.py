@@ -133,15 +133,11 @@ class LbfgsCheckpointer:
         max_to_keep: int = paths.MAX_CHECKPOINTS_TO_KEEP,
     ):
         if not isinstance(ops, ps_vectors.PsVectorOps):
-            raise TypeError(
-                "Argument `ops` must be a `ps_vectors.PsVectorOps`. Received: "
-                f"{type(ops).__name__}"
+            raise checks.argument_error(
+                "ops", "a `ps_vectors.PsVectorOps`", ops, shown=type(ops).__name__
             )
         if not isinstance(directory, str) or not directory:
-            raise ValueError(
-                "Argument `directory` must be a non-empty path. Received: "
-                f"{directory!r}"
-            )
+            raise checks.argument_error("directory", "a non-empty path", directory)
         checks.check_int("history", history, 1)
         checks.check_int("every_iters", every_iters, 1)
         checks.check_int("max_to_keep", max_to_keep, 1)

@@ -188,14 +188,14 @@ def minimize(
         `x0`, or an `initial_state` that `lbfgs_state.check_state` rejects (more
         pairs than `m`, say).
     """
-    if not isinstance(ops, vector_ops.VectorOps):
-        raise TypeError(
-            f"Argument `ops` must be a `VectorOps`. Received: {type(ops).__name__}"
-        )
-    if not callable(fun_and_grad):
-        raise TypeError(
-            f"Argument `fun_and_grad` must be callable. Received: {fun_and_grad!r}"
-        )
+    checks.check_instance(
+        "ops",
+        ops,
+        vector_ops.VectorOps,
+        "a `VectorOps`",
+        shown=lambda v: type(v).__name__,
+    )
+    checks.check_callable("fun_and_grad", fun_and_grad)
     checks.check_int("m", m, 1)
     checks.check_int("max_iters", max_iters, 0)
     checks.check_int("max_line_search_evals", max_line_search_evals, 1)
@@ -203,15 +203,11 @@ def minimize(
     checks.check_nonnegative("ftol", ftol)
     line_search.check_wolfe_constants(c1, c2)
     if two_loop not in two_loop_lib.TWO_LOOPS:
-        raise ValueError(
-            f"Argument `two_loop` must be one of {two_loop_lib.TWO_LOOPS}. "
-            f"Received: {two_loop!r}"
+        raise checks.argument_error(
+            "two_loop", f"one of {two_loop_lib.TWO_LOOPS}", two_loop
         )
 
-    if callback is not None and not callable(callback):
-        raise TypeError(
-            f"Argument `callback` must be callable or None. Received: {callback!r}"
-        )
+    checks.check_callable("callback", callback, allow_none=True)
     if initial_state is None:
         state = _start(fun_and_grad, x0, ops)
     else:
@@ -322,9 +318,11 @@ def _start(fun_and_grad, x0, ops: vector_ops.VectorOps) -> lbfgs_state.LbfgsStat
     g = ops.copy(grad)
     grad_norm_sq = ops.dot(g, g)
     if not (math.isfinite(loss) and math.isfinite(grad_norm_sq)):
-        raise ValueError(
-            "Argument `x0` must be a point where `fun_and_grad` is finite. Received "
-            f"loss {loss!r} and squared gradient norm {grad_norm_sq!r}"
+        raise checks.argument_error(
+            "x0",
+            "a point where `fun_and_grad` is finite",
+            x0,
+            described=f"loss {loss!r} and squared gradient norm {grad_norm_sq!r}",
         )
     return lbfgs_state.LbfgsState(
         x=x,

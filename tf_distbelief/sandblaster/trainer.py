@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import paths
+from tf_distbelief import checks, paths
 from tf_distbelief.sandblaster import checkpoint as checkpoint_lib
 from tf_distbelief.sandblaster import config as config_lib
 from tf_distbelief.sandblaster import lbfgs, schedule
@@ -105,9 +105,8 @@ class SandblasterTrainer:
         if config is None:
             config = config_lib.SandblasterConfig()
         if not isinstance(config, config_lib.SandblasterConfig):
-            raise TypeError(
-                "Argument `config` must be a `SandblasterConfig` or None. "
-                f"Received: {config!r}"
+            raise checks.argument_error(
+                "config", "a `SandblasterConfig` or None", config
             )
         overrides = {
             "portions": portions,

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tf_distbelief import checks
 from tf_distbelief.sandblaster import lbfgs_state, vector_ops
 
 __all__ = [
@@ -134,9 +135,11 @@ def two_loop_coefficients(
     p = len(rho_history)
     gram = np.asarray(gram, np.float64)
     if gram.shape != (2 * p + 1, 2 * p + 1):
-        raise ValueError(
-            f"Argument `gram` must be [2p+1, 2p+1] = [{2 * p + 1}, {2 * p + 1}] for "
-            f"p={p} pairs. Received shape: {gram.shape}"
+        raise checks.argument_error(
+            "gram",
+            f"[2p+1, 2p+1] = [{2 * p + 1}, {2 * p + 1}] for p={p} pairs",
+            gram.shape,
+            what="shape",
         )
     c = np.zeros(2 * p + 1)
     c[2 * p] = 1.0
@@ -390,6 +393,4 @@ def make(
         return VectorTwoLoop(ops, state)
     if two_loop == "vector_free":
         return VectorFreeTwoLoop(ops, state, m)
-    raise ValueError(
-        f"Argument `two_loop` must be one of {TWO_LOOPS}. Received: {two_loop!r}"
-    )
+    raise checks.argument_error("two_loop", f"one of {TWO_LOOPS}", two_loop)
