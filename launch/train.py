@@ -37,11 +37,12 @@ if __name__ == "__main__":
 # bad value answered, before it loads (in `main`).
 import models  # noqa: E402
 from launch import sandblaster_flags  # noqa: E402
-from tf_distbelief import downpour, errors, job  # noqa: E402
+from tf_distbelief import downpour, errors, job, partitioning  # noqa: E402
 from tf_distbelief.cluster import source as cluster_source  # noqa: E402
 from tf_distbelief.cluster.network import emulated  # noqa: E402
 from tf_distbelief.downpour import config as downpour_config  # noqa: E402
 from tf_distbelief.downpour.push_rules import rule as push_rule  # noqa: E402
+from tf_distbelief.faults import settings as fault_settings  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -127,7 +128,7 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "partitioner",
         d.partitioner,
-        job.PARTITIONERS,
+        partitioning.PARTITIONERS,
         "min_size / max_size: shards of --shard_bytes, at most one per ps; "
         "fixed: one shard per ps.",
     )
@@ -155,7 +156,7 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "nonfinite",
         d.nonfinite,
-        job.NONFINITE_MODES,
+        fault_settings.NONFINITE_MODES,
         "A step (with --downpour, a push) whose gradients hold NaN or inf is "
         "never applied to the ps: raise stops the job naming the step; skip "
         "skips it and counts it.",

@@ -30,6 +30,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
     __name__,
     {
         "AddressError": "cluster.addresses",
+        "ArgumentError": "checks",
         "CheckpointWriteError": "faults.resume",
         "ClusterConfigError": "cluster.config",
         "ClusterConnectError": "cluster.connect",

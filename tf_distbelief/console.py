@@ -25,6 +25,8 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 
+from tf_distbelief import checks
+
 # Abseil's prefix: severity, MMDD, time, thread id, file:line]. Before Abseil
 # is initialised TensorFlow's lines read `I0000 00:00:<epoch seconds>.<us>`.
 _ABSL_LINE = re.compile(rb"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [^ \]]+:\d+\] ")
@@ -65,7 +67,7 @@ def shorten(text: str, max_chars: int = 1200) -> str:
       ValueError: `max_chars` < 40.
     """
     if max_chars < 40:
-        raise ValueError(f"Argument `max_chars` must be >= 40. Received: {max_chars}")
+        raise checks.argument_error("max_chars", ">= 40", max_chars)
     text = " ".join(str(text).split())
     if len(text) <= max_chars:
         return text

@@ -25,6 +25,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from tf_distbelief import checks
+
 __all__ = ["FitHooks", "attach", "detach", "of"]
 
 
@@ -59,9 +61,7 @@ class FitHooks:
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
-            raise ValueError(
-                f"Argument `name` must be a non-empty str. Received: {self.name!r}"
-            )
+            raise checks.argument_error("name", "a non-empty str", self.name)
         if (self.read_counters is None) != (self.interval_figures is None):
             raise ValueError(
                 "Arguments `read_counters` and `interval_figures` go together "
@@ -81,7 +81,7 @@ def attach(model, hooks: FitHooks) -> None:
       TypeError: `hooks` is not a `FitHooks`.
     """
     if not isinstance(hooks, FitHooks):
-        raise TypeError(f"Argument `hooks` must be a FitHooks. Received: {hooks!r}")
+        raise checks.argument_error("hooks", "a FitHooks", hooks)
     _attached[model] = hooks
 
 

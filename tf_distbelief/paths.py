@@ -30,7 +30,7 @@ import re
 import socket
 import threading
 
-from tf_distbelief import errors
+from tf_distbelief import checks, errors
 
 __all__ = [
     "CHECKPOINT_PREFIX",
@@ -83,9 +83,12 @@ def check_model_dir(model_dir: str) -> None:
     if os.path.isdir(path):
         return
     if os.path.exists(path):
-        raise errors.ConfigError(
-            f"`model_dir` must be a directory (new or existing). Received: "
-            f"{model_dir!r} (a file)"
+        raise checks.argument_error(
+            "model_dir",
+            "a directory (new or existing)",
+            model_dir,
+            "(a file)",
+            setting=True,
         )
     parent = path
     while not os.path.exists(parent):

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 import tensorflow as tf
 from absl import logging
 
+from tf_distbelief import checks, errors, partitioning
 from tf_distbelief import cluster as cluster_lib
-from tf_distbelief import errors, partitioning
 from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as connect_lib
 from tf_distbelief.faults import settings, step_watch
@@ -73,9 +73,11 @@ def make_partitioner(name: str, num_ps: int, shard_bytes: int):
         return partitioners.MaxSizePartitioner(shard_bytes, max_shards=num_ps)
     if name == "fixed":
         return partitioners.FixedShardsPartitioner(num_ps)
-    raise ValueError(
-        "`partitioner` must be one of "
-        f"{', '.join(partitioning.PARTITIONERS)}. Received: {name!r}"
+    raise checks.argument_error(
+        "partitioner",
+        f"one of {', '.join(partitioning.PARTITIONERS)}",
+        name,
+        setting=True,
     )
 
 
@@ -245,10 +247,11 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
         if variable_partitioner is None:
             variable_partitioner = default_partitioner(num_ps)
         elif not callable(variable_partitioner):
-            raise TypeError(
-                "Argument `variable_partitioner` must be a "
-                "tf.distribute.experimental.partitioners.Partitioner or a callable "
-                f"(shape, dtype) -> list of ints. Received: {variable_partitioner!r}"
+            raise checks.argument_error(
+                "variable_partitioner",
+                "a tf.distribute.experimental.partitioners.Partitioner or a callable "
+                "(shape, dtype) -> list of ints",
+                variable_partitioner,
             )
         # TensorFlow waits for unreachable tasks silently and without bound.
         connect_lib.wait_for_tasks(

@@ -8,34 +8,16 @@ coordinator may still be creating the failed trace's per-worker variables.
 import numpy as np
 import pytest
 import tensorflow as tf
-import tf_keras
 
 import tf_distbelief as tfdb
-from tests.fixtures.downpour import _TiedLogits
-from tf_distbelief import adagrad, downpour
-from tf_distbelief import strategy as strategy_lib
+from tests.fixtures.downpour import _tied_model
+from tf_distbelief import downpour
 
 VOCAB, DIM, IDS, CLASSES, BATCH = 20, 4, 3, 3, 4
 
 
 def _model(local_cluster):
-    strategy = strategy_lib.DistBeliefStrategy(
-        local_cluster.resolver_for(num_workers=1, num_ps=2),
-        tf.distribute.experimental.partitioners.FixedShardsPartitioner(2),
-    )
-    downpour.enable(strategy)
-    with strategy.scope():
-        inputs = tf_keras.Input((IDS,), dtype="int64")
-        embedding_layer = tf_keras.layers.Embedding(VOCAB, DIM, name="tied")
-        h = tf_keras.layers.GlobalAveragePooling1D()(embedding_layer(inputs))
-        logits = tf_keras.layers.Dense(CLASSES)(h)
-        outputs = _TiedLogits(embedding_layer)([h, logits])
-        model = tf_keras.Model(inputs, outputs)
-        model.compile(
-            adagrad.Adagrad(0.1),
-            loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-    return model
+    return _tied_model(local_cluster, VOCAB, DIM, IDS, CLASSES, 0.1)
 
 
 def _trainer(local_cluster, row_sparse):

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tests.fixtures.downpour import _TiedLogits
+from tests.fixtures.downpour import _tied_model
 from tests.fixtures.helpers import cluster_bytes
 from tf_distbelief import adagrad, downpour
 from tf_distbelief import strategy as strategy_lib
@@ -198,22 +198,8 @@ def test_row_sparse_errors(local_cluster):
 
 def test_reading_a_sharded_row_sparse_table_whole_names_it(local_cluster):
     ids, y, (table, kernel, bias) = _data()
-    strategy = strategy_lib.DistBeliefStrategy(
-        local_cluster.resolver_for(num_workers=1, num_ps=2),
-        tf.distribute.experimental.partitioners.FixedShardsPartitioner(2),
-    )
-    downpour.enable(strategy)
-    with strategy.scope():
-        inputs = tf_keras.Input((IDS,), dtype="int64")
-        embedding_layer = tf_keras.layers.Embedding(VOCAB, DIM, name="tied")
-        h = tf_keras.layers.GlobalAveragePooling1D()(embedding_layer(inputs))
-        logits = tf_keras.layers.Dense(CLASSES)(h)
-        outputs = _TiedLogits(embedding_layer)([h, logits])
-        model = tf_keras.Model(inputs, outputs)
-        model.compile(
-            adagrad.Adagrad(LEARNING_RATE),
-            loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
+    model = _tied_model(local_cluster, VOCAB, DIM, IDS, CLASSES, LEARNING_RATE)
+    embedding_layer = model.get_layer("tied")
     assert len(embedding_layer.embeddings.variables) == 2
     trainer = downpour.DownpourTrainer(model, CONFIG)
     iterator = iter(

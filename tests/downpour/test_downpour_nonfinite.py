@@ -14,6 +14,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_distbelief as tfdb
+from tests.fixtures.fit import _logistic_model
 from tf_distbelief import downpour, hooks
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.fit import training
@@ -36,22 +37,8 @@ def strategy(local_cluster):
 
 
 def _model(strategy, n):
+    model = _logistic_model(strategy, FEATURES, CLASSES)
     with strategy.scope():
-        model = tf_keras.Sequential(
-            [
-                tf_keras.layers.InputLayer(input_shape=(FEATURES,)),
-                tf_keras.layers.Dense(
-                    CLASSES,
-                    kernel_initializer=tf_keras.initializers.GlorotUniform(0),
-                    name="logits",
-                ),
-            ]
-        )
-        model.compile(
-            tfdb.adagrad.Adagrad(0.5),
-            tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            steps_per_execution=1,
-        )
         downpour.install(model, downpour.DownpourConfig(n_fetch=n, n_push=n))
     return model
 

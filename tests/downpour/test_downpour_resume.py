@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-import tf_distbelief as tfdb
+from tests.fixtures.fit import _logistic_model
 from tf_distbelief import downpour, hooks
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.downpour import replica_state
@@ -41,22 +41,8 @@ def strategy(local_cluster):
 
 
 def _model(strategy, local_optimizer, n_fetch=N, n_push=N, **push_rules):
+    model = _logistic_model(strategy, FEATURES, CLASSES)
     with strategy.scope():
-        model = tf_keras.Sequential(
-            [
-                tf_keras.layers.InputLayer(input_shape=(FEATURES,)),
-                tf_keras.layers.Dense(
-                    CLASSES,
-                    kernel_initializer=tf_keras.initializers.GlorotUniform(0),
-                    name="logits",
-                ),
-            ]
-        )
-        model.compile(
-            tfdb.adagrad.Adagrad(0.5),
-            tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            steps_per_execution=1,
-        )
         config = downpour.DownpourConfig(
             n_fetch=n_fetch,
             n_push=n_push,

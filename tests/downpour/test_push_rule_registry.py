@@ -15,20 +15,19 @@ import dataclasses
 import numpy as np
 import pytest
 import tensorflow as tf
-import tf_keras
 
 from tests.fixtures.downpour import (
     BATCH_SIZE,
     LEARNING_RATE,
-    NUM_CLASSES,
-    NUM_FEATURES,
     STEPS,
     _batches,
+    _ps_params,
     _softmax_data,
     _softmax_grad,
+    _softmax_model,
+    _strategy,
 )
-from tf_distbelief import adagrad, downpour
-from tf_distbelief import strategy as strategy_lib
+from tf_distbelief import downpour
 from tf_distbelief.downpour import config_fields, schedule
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.push_rules import rule
@@ -147,39 +146,6 @@ def test_reference_scales_each_push(scaled_push):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
 
 
-def _model(local_cluster, params):
-    resolver = local_cluster.resolver_for(num_workers=1, num_ps=2)
-    strategy = strategy_lib.DistBeliefStrategy(resolver)
-    downpour.enable(strategy)
-    kernel, bias = params
-    with strategy.scope():
-        model = tf_keras.Sequential(
-            [
-                tf_keras.layers.InputLayer(
-                    input_shape=(NUM_FEATURES,), dtype="float64"
-                ),
-                tf_keras.layers.Dense(
-                    NUM_CLASSES,
-                    dtype="float64",
-                    kernel_initializer=tf_keras.initializers.Constant(kernel),
-                    bias_initializer=tf_keras.initializers.Constant(bias),
-                ),
-            ]
-        )
-        model.compile(
-            adagrad.Adagrad(LEARNING_RATE),
-            loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-    return model
-
-
-def _ps_params(model):
-    """The kernel and the bias, each shard concatenated along axis 0."""
-    kernel = [v.numpy() for v in model.trainable_variables if v.shape.rank == 2]
-    bias = [v.numpy() for v in model.trainable_variables if v.shape.rank == 1]
-    return [np.concatenate(kernel), np.concatenate(bias)]
-
-
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -197,7 +163,7 @@ def _ps_params(model):
 def test_trainer_matches_reference(local_cluster, scaled_push, kwargs):
     config = DownpourConfig(**kwargs, push_scale=3.0)
     x, y, params = _softmax_data(seed=5)
-    model = _model(local_cluster, params)
+    model = _softmax_model(_strategy(local_cluster), params)
     trainer = downpour.DownpourTrainer(model, config)
 
     def dataset():

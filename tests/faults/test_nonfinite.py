@@ -15,6 +15,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_distbelief as tfdb
+from tests.fixtures.fit import _logistic_model
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.faults import nonfinite
 from tf_distbelief.fit import training
@@ -27,22 +28,7 @@ X_NAN[2, 1] = np.nan
 
 
 def _model(strategy):
-    with strategy.scope():
-        model = tf_keras.Sequential(
-            [
-                tf_keras.layers.InputLayer(input_shape=(FEATURES,)),
-                tf_keras.layers.Dense(
-                    CLASSES,
-                    kernel_initializer=tf_keras.initializers.GlorotUniform(0),
-                    name="logits",
-                ),
-            ]
-        )
-        model.compile(
-            tfdb.adagrad.Adagrad(0.5),
-            tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            steps_per_execution=1,
-        )
+    model = _logistic_model(strategy, FEATURES, CLASSES)
     return model
 
 

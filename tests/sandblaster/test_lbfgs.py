@@ -7,7 +7,13 @@ import pytest
 import scipy.optimize
 
 from tests.fixtures.lbfgs import dense_bfgs_inverse_hessian, rosenbrock
-from tf_distbelief.sandblaster import lbfgs
+from tf_distbelief.sandblaster import (
+    lbfgs,
+    lbfgs_state,
+    line_search,
+    two_loop,
+    vector_ops,
+)
 
 
 def log_barrier(x):
@@ -34,7 +40,7 @@ class CountingObjective:
 
 
 def test_numpy_vector_ops_match_numpy():
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     rng = np.random.default_rng(0)
     a, b = rng.normal(size=7), rng.normal(size=7)
     x, y = ops.from_numpy(a), ops.from_numpy(b)
@@ -71,9 +77,9 @@ def test_two_loop_recursion_matches_dense_bfgs(num_pairs):
     gamma = (s_list[-1] @ y_list[-1]) / (y_list[-1] @ y_list[-1]) if s_list else 1.0
     g = rng.normal(size=n)
 
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     out = ops.zeros_like(g)
-    lbfgs.two_loop_recursion(
+    two_loop.two_loop_recursion(
         ops,
         ops.from_numpy(g),
         [ops.from_numpy(s) for s in s_list],
@@ -87,10 +93,10 @@ def test_two_loop_recursion_matches_dense_bfgs(num_pairs):
 
 
 def test_two_loop_recursion_rejects_mismatched_histories():
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     g = np.ones(2)
     with pytest.raises(ValueError, match=r"same length. Received lengths: 1, 0, 0"):
-        lbfgs.two_loop_recursion(ops, g, [g], [], [], 1.0, np.zeros(2))
+        two_loop.two_loop_recursion(ops, g, [g], [], [], 1.0, np.zeros(2))
 
 
 # ----------------------------------------------------------------- line search
@@ -152,7 +158,7 @@ def test_line_search_satisfies_strong_wolfe(phi, step0):
         c2 = 0.1  # Moré & Thuente's setting for this oscillating function.
     phi0, dphi0 = phi(0.0)
     assert dphi0 < 0, "every line-search case starts along a descent direction"
-    result = lbfgs.wolfe_line_search(phi, phi0, dphi0, step0, c1=c1, c2=c2)
+    result = line_search.wolfe_line_search(phi, phi0, dphi0, step0, c1=c1, c2=c2)
     assert result.success
     t = result.step
     assert t > 0
@@ -172,7 +178,7 @@ def test_line_search_never_accepts_non_finite_trial():
             return math.inf, math.nan
         return (t - 0.2) ** 2, 2.0 * (t - 0.2)
 
-    result = lbfgs.wolfe_line_search(phi, 0.04, -0.4, step0=1.0)
+    result = line_search.wolfe_line_search(phi, 0.04, -0.4, step0=1.0)
     assert result.success
     assert trials[0] == 1.0
     assert result.step < 0.3
@@ -184,14 +190,14 @@ def test_line_search_rejects_finite_loss_with_non_finite_gradient():
     def phi(t):
         return -t, (math.nan if t > 0.5 else -1.0 + t)
 
-    result = lbfgs.wolfe_line_search(phi, 0.0, -1.0, step0=4.0)
+    result = line_search.wolfe_line_search(phi, 0.0, -1.0, step0=4.0)
     assert result.success
     assert result.step <= 0.5
 
 
 def test_line_search_reports_failure_when_no_decrease():
     # phi'(0) claims descent but phi only increases: no step has sufficient decrease.
-    result = lbfgs.wolfe_line_search(lambda t: (t, 1.0), 0.0, -1.0, max_evals=5)
+    result = line_search.wolfe_line_search(lambda t: (t, 1.0), 0.0, -1.0, max_evals=5)
     assert not result.success
     assert result.step == 0.0
     assert result.num_evals == 5
@@ -201,7 +207,7 @@ def test_line_search_reports_failure_when_no_decrease():
 
 
 def test_rosenbrock_converges_like_scipy():
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     x0 = np.array([-1.2, 1.0])
     result = lbfgs.minimize(
         rosenbrock, ops.from_numpy(x0), ops, m=10, max_iters=100, gtol=1e-10, ftol=0
@@ -235,7 +241,7 @@ def test_rosenbrock_with_reused_gradient_buffer_and_small_memory():
         buffer[...] = grad
         return loss, buffer
 
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     result = lbfgs.minimize(
         fun_and_grad, np.array([-1.2, 1.0]), ops, m=2, max_iters=200, gtol=1e-9, ftol=0
     )
@@ -245,7 +251,7 @@ def test_rosenbrock_with_reused_gradient_buffer_and_small_memory():
 @pytest.mark.parametrize("start", [1.6, 100.0])
 def test_log_barrier_never_accepts_non_finite_iterate(start):
     objective = CountingObjective(log_barrier)
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     result = lbfgs.minimize(
         objective,
         np.array([start]),
@@ -273,7 +279,7 @@ def test_history_eviction_keeps_last_m_pairs():
     def quadratic(x):
         return 0.5 * float(x @ a @ x), a @ x
 
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     runs = [
         lbfgs.minimize(
             quadratic,
@@ -299,7 +305,7 @@ def test_history_eviction_keeps_last_m_pairs():
 
 
 def test_already_optimal_start_takes_no_step():
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     result = lbfgs.minimize(rosenbrock, np.array([1.0, 1.0]), ops)
     assert result.converged and result.num_iters == 0 and result.num_evals == 1
 
@@ -329,13 +335,13 @@ def test_already_optimal_start_takes_no_step():
     ],
 )
 def test_minimize_rejects_bad_arguments(kwargs, error, match):
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     with pytest.raises(error, match=match):
         lbfgs.minimize(rosenbrock, np.zeros(2), ops, **kwargs)
 
 
 def test_minimize_rejects_bad_ops_callback_and_start():
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     with pytest.raises(TypeError, match=r"`ops` must be a `VectorOps`. Received: str"):
         lbfgs.minimize(rosenbrock, np.zeros(2), "numpy")
     with pytest.raises(TypeError, match=r"`fun_and_grad` must be callable"):
@@ -356,14 +362,14 @@ def test_minimize_rejects_bad_ops_callback_and_start():
 def test_line_search_rejects_bad_arguments(kwargs, match):
     args = {"phi": more_thuente_1, "phi0": 0.0, "dphi0": -1.0} | kwargs
     with pytest.raises(ValueError, match=match):
-        lbfgs.wolfe_line_search(**args)
+        line_search.wolfe_line_search(**args)
 
 
 def test_numpy_vector_ops_rejects_bad_input():
     with pytest.raises(TypeError, match=r"`dtype` must be a floating dtype. Received"):
-        lbfgs.NumpyVectorOps(np.int32)
+        vector_ops.NumpyVectorOps(np.int32)
     with pytest.raises(ValueError, match=r"`array` must be 1-D.* Received shape"):
-        lbfgs.NumpyVectorOps().from_numpy(np.zeros((2, 3)))
+        vector_ops.NumpyVectorOps().from_numpy(np.zeros((2, 3)))
 
 
 # ---------------------------------------------------------------------- resume
@@ -371,7 +377,7 @@ def test_numpy_vector_ops_rejects_bad_input():
 
 def _run_with_snapshots(fun, x0, max_iters, **kwargs):
     """An uninterrupted run, and a deep copy of its state after every iteration."""
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     snapshots = {}
 
     def keep(state):
@@ -398,7 +404,7 @@ def test_resumed_run_equals_uninterrupted(stop_at):
     resumed = lbfgs.minimize(
         objective,
         None,
-        lbfgs.NumpyVectorOps(),
+        vector_ops.NumpyVectorOps(),
         max_iters=25,
         record_iterates=True,
         initial_state=start,  # Taken over: `start` is the run's state now.
@@ -421,7 +427,7 @@ def test_resumed_run_equals_uninterrupted(stop_at):
 
 def test_resume_counts_max_iters_over_both_runs():
     """`result.state` goes on: 10 + 15 iterations are those of one 25-iteration run."""
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     args = {"m": 4, "gtol": 0.0, "ftol": 0.0, "record_iterates": True}
     full = lbfgs.minimize(rosenbrock, np.array([-1.2, 1.0]), ops, max_iters=25, **args)
     first = lbfgs.minimize(rosenbrock, np.array([-1.2, 1.0]), ops, max_iters=10, **args)
@@ -442,7 +448,7 @@ def test_resume_counts_max_iters_over_both_runs():
 
 def test_resume_of_a_converged_run_stops_at_once():
     """The `ftol` rule reads the state's last two losses, so it holds after a resume."""
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     done = lbfgs.minimize(rosenbrock, np.array([-1.2, 1.0]), ops, m=5)
     assert done.converged and "ftol" in done.message
     objective = CountingObjective(rosenbrock)
@@ -456,7 +462,7 @@ def test_state_round_trips_through_numbers():
     """What a checkpoint holds (vectors as arrays, `scalars()`) rebuilds the state."""
     full, snapshots = _run_with_snapshots(rosenbrock, np.array([-1.2, 1.0]), 12, m=3)
     state = snapshots[6]
-    rebuilt = lbfgs.LbfgsState(
+    rebuilt = lbfgs_state.LbfgsState(
         x=np.array(state.x),
         grad=np.array(state.grad),
         s_history=[np.array(v) for v in state.s_history],
@@ -466,7 +472,7 @@ def test_state_round_trips_through_numbers():
     resumed = lbfgs.minimize(
         rosenbrock,
         None,
-        lbfgs.NumpyVectorOps(),
+        vector_ops.NumpyVectorOps(),
         m=3,
         max_iters=12,
         record_iterates=True,
@@ -487,7 +493,7 @@ def test_state_round_trips_through_numbers():
 
 
 def test_bad_initial_state_is_an_error_naming_the_field():
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     _, snapshots = _run_with_snapshots(rosenbrock, np.array([-1.2, 1.0]), 5, m=4)
     state = snapshots[5]
     assert state.num_pairs == 4

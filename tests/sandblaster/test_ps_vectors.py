@@ -10,7 +10,7 @@ import sklearn.datasets
 import tensorflow as tf
 
 from tf_distbelief import strategy as strategy_lib
-from tf_distbelief.sandblaster import lbfgs, ps_batched, ps_vectors
+from tf_distbelief.sandblaster import lbfgs, ps_batched, ps_vectors, vector_ops
 
 _NUM_WORKERS = 1
 _NUM_PS = 3
@@ -40,7 +40,7 @@ def ps_device(task):
 @pytest.mark.parametrize("size,num_shards", [(7, 1), (7, 2), (7, 3), (7, 4), (2, 3)])
 def test_vector_ops_match_numpy(strategy, size, num_shards):
     ops = ps_vectors.PsVectorOps(strategy, num_shards=num_shards)
-    reference = lbfgs.NumpyVectorOps()
+    reference = vector_ops.NumpyVectorOps()
     rng = np.random.default_rng(size * 10 + num_shards)
     a, b = rng.normal(size=size), rng.normal(size=size)
     x, y = ops.from_numpy(a), ops.from_numpy(b)
@@ -224,7 +224,7 @@ def numpy_run():
     """The reference: NumPy, the two-loop recursion on vectors (as before
     vector-free L-BFGS)."""
     problem = digits_problem()
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     x0 = np.zeros(65 * 10)
     result = lbfgs.minimize(
         numpy_fun_and_grad(problem), x0, ops, two_loop="vectors", **_LBFGS_ARGS

@@ -31,7 +31,7 @@ from tests.fixtures.sandblaster import (
 )
 from tf_distbelief import sandblaster
 from tf_distbelief.sandblaster import config as config_lib
-from tf_distbelief.sandblaster import flat_params, lbfgs, ps_vectors
+from tf_distbelief.sandblaster import flat_params, lbfgs, ps_vectors, vector_ops
 from tf_distbelief.sandblaster import objective as sandblaster_objective
 from tf_distbelief.sandblaster import portion as sandblaster_portion
 from tf_distbelief.sandblaster import schedule as schedule_lib
@@ -235,7 +235,11 @@ def numpy_reference():
     x, y = _digits_train()
     fun = numpy_fun_and_grad(x, y, EQUAL_PORTIONS)
     result = lbfgs.minimize(
-        fun, np.zeros(650), lbfgs.NumpyVectorOps(), two_loop="vectors", **LBFGS_ARGS
+        fun,
+        np.zeros(650),
+        vector_ops.NumpyVectorOps(),
+        two_loop="vectors",
+        **LBFGS_ARGS,
     )
     optimum = scipy.optimize.minimize(fun, np.zeros(650), jac=True, method="L-BFGS-B")
     assert result.converged and optimum.success

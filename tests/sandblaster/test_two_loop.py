@@ -38,7 +38,7 @@ def test_coefficients_match_dense_bfgs_and_two_loop_on_vectors(num_pairs):
         dense_bfgs_inverse_hessian(s_list, y_list, gamma) if s_list else np.eye(g.size)
     )
     np.testing.assert_allclose(coefficients @ basis, dense @ g, rtol=0, atol=1e-12)
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     on_vectors = np.zeros_like(g)
     two_loop.two_loop_recursion(ops, g, s_list, y_list, rho, gamma, on_vectors)
     np.testing.assert_allclose(coefficients @ basis, on_vectors, rtol=0, atol=1e-12)
@@ -68,13 +68,13 @@ def test_extend_gram_equals_the_recomputed_matrix(num_pairs, keep_pair, evict):
 def test_default_combine_and_gram_match_numpy_backend():
     """`VectorOps`'s defaults (from the primitives) against NumPy's overrides."""
 
-    class Primitives(lbfgs.NumpyVectorOps):
+    class Primitives(vector_ops.NumpyVectorOps):
         combine = vector_ops.VectorOps.combine
         gram = vector_ops.VectorOps.gram
 
     rng = np.random.default_rng(3)
     a, b, c = rng.normal(size=(3, 6))
-    for ops in (lbfgs.NumpyVectorOps(), Primitives()):
+    for ops in (vector_ops.NumpyVectorOps(), Primitives()):
         out = np.zeros(6)
         ops.combine([2.0, -0.5, 3.0], [a, b, c], out)
         np.testing.assert_allclose(out, 2.0 * a - 0.5 * b + 3.0 * c, rtol=1e-15)
@@ -126,7 +126,7 @@ _ITERATE_ARGS = {"max_iters": 60, "gtol": 1e-9, "ftol": 0, "record_iterates": Tr
 @pytest.mark.parametrize("m", [3, 10])
 def test_vector_free_iterates_equal_two_loop_on_vectors(problem, m):
     fun, x0 = problem()
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     free = lbfgs.minimize(fun, x0, ops, m=m, two_loop="vector_free", **_ITERATE_ARGS)
     on_vectors = lbfgs.minimize(fun, x0, ops, m=m, two_loop="vectors", **_ITERATE_ARGS)
     assert (free.num_iters, free.num_evals) == (
@@ -159,7 +159,7 @@ def test_vector_free_with_memory_1_differs_as_rounding_does(problem):
         loss, grad = fun(x)
         return loss, grad * (1.0 + 1e-16 * rng.standard_normal(grad.shape))
 
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     runs = [
         lbfgs.minimize(f, x0, ops, m=1, two_loop=name, **_ITERATE_ARGS)
         for f, name in [(fun, "vectors"), (fun, "vector_free"), (perturbed, "vectors")]
@@ -170,7 +170,7 @@ def test_vector_free_with_memory_1_differs_as_rounding_does(problem):
     assert 1e-10 < rounding_error and free_error <= 10 * rounding_error
 
 
-class CountingOps(lbfgs.NumpyVectorOps):
+class CountingOps(vector_ops.NumpyVectorOps):
     """Counts the backend calls `minimize` makes (a call's own calls excluded)."""
 
     def __init__(self):
@@ -266,7 +266,7 @@ def test_resumed_run_equals_uninterrupted_bit_for_bit(two_loop_name, stop_at):
         "record_iterates": True,
         "two_loop": two_loop_name,
     }
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     snapshots = {}
     full = lbfgs.minimize(
         fun,
@@ -308,7 +308,7 @@ def test_vector_free_resumes_a_state_without_gram():
 
 
 def test_bad_two_loop_and_bad_gram_are_errors_naming_them():
-    ops = lbfgs.NumpyVectorOps()
+    ops = vector_ops.NumpyVectorOps()
     with pytest.raises(
         ValueError,
         match=r"`two_loop` must be one of \('vector_free', 'vectors'\). "

@@ -55,17 +55,15 @@ class Adagrad(tf_keras.optimizers.Adagrad):
         **kwargs,
     ):
         if not float(initial_accumulator_value) >= 0:
-            raise ValueError(
-                "Argument `initial_accumulator_value` must be >= 0 (AdaGrad divides "
-                "by the square root of the accumulator). Received: "
-                f"{initial_accumulator_value!r}"
+            raise checks.argument_error(
+                "initial_accumulator_value",
+                ">= 0 (AdaGrad divides by the square root of the accumulator)",
+                initial_accumulator_value,
             )
         if not float(epsilon) >= 0:
-            raise ValueError(f"Argument `epsilon` must be >= 0. Received: {epsilon!r}")
+            raise checks.argument_error("epsilon", ">= 0", epsilon)
         if isinstance(learning_rate, (int, float)) and not learning_rate > 0:
-            raise ValueError(
-                f"Argument `learning_rate` must be > 0. Received: {learning_rate!r}"
-            )
+            raise checks.argument_error("learning_rate", "> 0", learning_rate)
         super().__init__(
             learning_rate=learning_rate,
             initial_accumulator_value=initial_accumulator_value,
@@ -117,9 +115,8 @@ class Adagrad(tf_keras.optimizers.Adagrad):
           ValueError: `steps` is not an int >= 1.
         """
         if not checks.is_int(steps) or steps < 1:
-            raise ValueError(
-                "Argument `steps` must be an int >= 1 (the gradients summed in "
-                f"the push). Received: {steps!r}"
+            raise checks.argument_error(
+                "steps", "an int >= 1 (the gradients summed in the push)", steps
             )
         lr = tf.cast(self.learning_rate, variable.dtype)
         if steps != 1:

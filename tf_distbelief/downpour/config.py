@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
+from tf_distbelief import checks
 from tf_distbelief.downpour import config_fields
 from tf_distbelief.downpour.push_rules import rule as push_rule
 
@@ -31,13 +30,6 @@ LOCAL_LEARNING_RATE = 0.5
 # The values `DownpourConfig.local_optimizer` and `.adagrad_accumulator` take.
 LOCAL_OPTIMIZERS = ("adagrad", "sgd")
 ADAGRAD_ACCUMULATORS = ("squares", "mean", "sum")
-
-
-def _check_int(name: str, value, lower: int, rule: str) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise TypeError(f"Argument `{name}` must be an integer. Received: {value!r}")
-    if value < lower:
-        raise ValueError(f"Argument `{name}` must be {rule}. Received: {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, init=False, repr=False)
@@ -176,25 +168,28 @@ class DownpourConfig:
         return config_fields.FIELDS + tuple(s.name for s in push_rule.settings())
 
     def _check(self) -> None:
-        _check_int("n_fetch", self.n_fetch, 1, ">= 1 (fetch every n_fetch steps)")
-        _check_int("n_push", self.n_push, 1, ">= 1 (push every n_push steps)")
-        _check_int("warmstart_steps", self.warmstart_steps, 0, ">= 0")
+        checks.check_int(
+            "n_fetch", self.n_fetch, 1, ">= 1 (fetch every n_fetch steps)", "an integer"
+        )
+        checks.check_int(
+            "n_push", self.n_push, 1, ">= 1 (push every n_push steps)", "an integer"
+        )
+        checks.check_int(
+            "warmstart_steps", self.warmstart_steps, 0, ">= 0", "an integer"
+        )
         if self.max_staleness is not None:
-            _check_int(
+            checks.check_int(
                 "max_staleness",
                 self.max_staleness,
                 0,
                 ">= 0, or None to apply every push",
+                "an integer",
             )
         for name, allowed in (
             ("local_optimizer", LOCAL_OPTIMIZERS),
             ("adagrad_accumulator", ADAGRAD_ACCUMULATORS),
         ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"Argument `{name}` must be one of {', '.join(allowed)}. "
-                    f"Received: {getattr(self, name)!r}"
-                )
+            checks.check_one_of(name, getattr(self, name), allowed)
         lr = self.local_learning_rate
         if lr is not None:
             push_rule.check_float(
@@ -243,9 +238,10 @@ class DownpourConfig:
         if self.local_optimizer == "sgd":
             return LOCAL_LEARNING_RATE
         if ps_learning_rate is None:
-            raise ValueError(
-                "Argument `local_learning_rate` must be set (a float >= 0) when "
-                "`local_optimizer` is 'adagrad' and the ps optimizer's learning "
-                "rate is not a number (a schedule). Received: None"
+            raise checks.argument_error(
+                "local_learning_rate",
+                "set (a float >= 0) when `local_optimizer` is 'adagrad' and the "
+                "ps optimizer's learning rate is not a number (a schedule)",
+                None,
             )
         return float(ps_learning_rate)

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import hooks
+from tf_distbelief import checks, hooks
 from tf_distbelief.downpour import push_guard, replica_state
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.replica import Downpour
@@ -56,15 +56,18 @@ __all__ = ["DownpourMetrics", "DownpourTrainer", "embedding_tables", "install"]
 
 def _check_compiled(model: tf_keras.Model) -> None:
     if getattr(model, "optimizer", None) is None:
-        raise ValueError(
-            "Argument `model` must be compiled with an optimizer (the ps applies "
-            "it to each push), e.g. `model.compile(tf_distbelief.adagrad.Adagrad(0.1), "
-            f"loss=...)`. Received an uncompiled model: {model.name!r}"
+        raise checks.argument_error(
+            "model",
+            "compiled with an optimizer (the ps applies it to each push), e.g. "
+            "`model.compile(tf_distbelief.adagrad.Adagrad(0.1), loss=...)`",
+            model.name,
+            what="an uncompiled model",
         )
     if not model.built:
-        raise ValueError(
-            f"Argument `model` must be built before Downpour can cache its "
-            f"variables (give it an input shape). Received: {model.name!r}"
+        raise checks.argument_error(
+            "model",
+            "built before Downpour can cache its variables (give it an input shape)",
+            model.name,
         )
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import substitution
+from tf_distbelief import checks, substitution
 from tf_distbelief.downpour import base, push_guard, schedule, sparse_fetch
 from tf_distbelief.downpour import plan as plan_lib
 from tf_distbelief.downpour import variables as downpour_variables
@@ -116,9 +116,7 @@ class Downpour:
         row_sparse: tf.Variable | Sequence[tf.Variable] = (),
     ):
         if not isinstance(config, DownpourConfig):
-            raise TypeError(
-                f"Argument `config` must be a DownpourConfig. Received: {config!r}"
-            )
+            raise checks.argument_error("config", "a DownpourConfig", config)
         self.strategy = strategy
         self.config = config
         self.optimizer = optimizer

@@ -21,32 +21,21 @@ call per worker, after the coordinator's `join`); after a restore,
 the same workers, a resumed run then equals an uninterrupted one bit for bit
 at any step (1 worker, fixed data; `tests/test_downpour_resume.py`).
 
-Rules, each printed when it applies:
+Rules, each printed when it applies (the user's view: docs/reliability.md,
+"Downpour replicas"): a replica that cannot be read at a save (its worker
+lost, not back within `WAIT_SECS`) or whose state holds a NaN or inf is saved
+as "start fresh" (`saved` 0); a checkpoint with no `downpour` state restores
+the rest and every replica starts fresh; with another number of workers,
+replicas `0 .. min - 1` get their state back, new ones start fresh and the
+rest is dropped (at most `n_push - 1` unpushed steps each, as on the loss of
+a worker); a value whose shape or dtype does not fit (another model or
+`DownpourConfig`) is a `resume.RestoreError` naming the variable. A worker
+lost and restarted during a run starts fresh whatever the checkpoints hold:
+TensorFlow re-creates its per-worker variables at their initial values.
 
-* a replica that cannot be read at a save (its worker lost, not yet back
-  within `WAIT_SECS`) or whose state holds a NaN or inf is saved as "start
-  fresh": its values at their initial values, `saved` 0;
-* a checkpoint with no `downpour` state (written before it was saved, or
-  without Downpour) restores the model, the optimizer and the step, and every
-  replica starts fresh: its first step fetches, its unpushed gradients and
-  local AdaGrad accumulator are those of a new replica;
-* another number of workers than the checkpoint's: replicas `0 .. min - 1`
-  get their state back, new ones start fresh, and the state of replicas
-  beyond the new count is dropped (their unpushed gradients, at most
-  `n_push - 1` steps each, as on the loss of a worker);
-* a value whose shape or dtype does not fit (another model, another
-  `DownpourConfig`, e.g. a local SGD step where the checkpoint has a local
-  AdaGrad accumulator) is a `resume.RestoreError` naming the variable.
-
-A worker lost and restarted during a run loses its state whatever the
-checkpoints hold: TensorFlow's coordinator re-creates its per-worker variables
-at their initial values, so it rebuilds from the ps (its next step fetches)
-and its unpushed gradients are dropped.
-
-Coordinator memory and checkpoint size: one copy of each replica's state, up
-to 5 copies of the model per replica (`Downpour`, "Worker memory"); a
-row-sparse table's cache is saved whole. Each save reads them from the
-workers (bytes: that size, over the network).
+The coordinator holds one copy of each replica's state (up to 5 copies of
+the model per replica, `Downpour`, "Worker memory"; a row-sparse table's
+cache whole), and each save reads it from the workers over the network.
 
 With a custom loop (`keras.DownpourTrainer`):
   ```

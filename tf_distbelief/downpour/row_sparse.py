@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_distbelief import substitution
+from tf_distbelief import checks, substitution
 from tf_distbelief.downpour import base
 from tf_distbelief.downpour import plan as plan_lib
 from tf_distbelief.downpour.variables import RowSparseReadError, leaf_variables
@@ -40,9 +40,10 @@ def flags(variables: list, row_sparse) -> list[bool]:
         row_sparse = [row_sparse]
     for v in row_sparse:
         if not isinstance(v, (tf.Variable, sharded)):
-            raise TypeError(
-                "Argument `row_sparse` must be a list of variables (e.g. "
-                f"`[layer.embeddings]`), not names or layers. Received: {v!r}"
+            raise checks.argument_error(
+                "row_sparse",
+                "a list of variables (e.g. `[layer.embeddings]`), not names or layers",
+                v,
             )
     known = {id(v) for v in variables}
     leaves = leaf_variables(row_sparse)

@@ -39,24 +39,21 @@ along.
 
 **Row-sparse variables** (large embedding tables) are not copied whole: a
 fetch only marks the replica's cached rows stale, and at step 2 each row the
-batch looks up is fetched if it has not been since the last fetch (so a row
-holds the ps value of the step that first reads it after a fetch). Steps 3 and
-4 touch only the looked-up rows; a push sends the rows touched since the last
-push (values and int64 indices) and the ps applies its optimizer to those rows.
-For the ps optimizers here (AdaGrad, SGD) a row with no gradient is left
-unchanged, so the update equals the dense one.
+batch looks up is fetched if it has not been since the last fetch. Steps 3
+and 4 touch only the looked-up rows; a push sends the rows touched since the
+last push (values and int64 indices). The ps optimizers here (AdaGrad, SGD)
+leave a row with no gradient unchanged, so the update equals the dense one.
 
 After `S` local steps a replica has fetched `ceil(S / n_fetch)` times (without
-drops) and pushed `floor(S / n_push)` times: `n_fetch` and `n_push` are
-independent. With `n_fetch = n_push = 1` and one replica this is plain
-sequential training with the ps optimizer (`sq` is then `g^2`, and is not sent).
+drops) and pushed `floor(S / n_push)` times. With `n_fetch = n_push = 1` and
+one replica this is sequential training with the ps optimizer (`sq` is then
+`g^2`, and is not sent).
 
 The ps applies pushes shard by shard as they arrive, with no locks; the
 reference below applies a whole push atomically (the two agree with one
-replica, and with several replicas as long as pushes do not overlap in time).
-
-The configuration, `DownpourConfig`, is defined in `config`; why the local
-AdaGrad step and the pushed squares are the defaults: docs/downpour.md.
+replica, and with several as long as pushes do not overlap in time).
+`DownpourConfig` (`config`) holds the settings; why the local AdaGrad step
+and the pushed squares are the defaults: docs/downpour.md.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 
 import tensorflow as tf
 
-from tf_distbelief import errors, substitution
+from tf_distbelief import checks, errors, substitution
 from tf_distbelief.tf_internals import variables as tf_variables
 
 __all__ = [
@@ -149,9 +149,10 @@ def enable(strategy) -> None:
       TypeError: `strategy` has no `variable_wrapper` hook.
     """
     if not hasattr(strategy, "variable_wrapper"):
-        raise TypeError(
-            "Argument `strategy` must be a tf_distbelief.DistBeliefStrategy (it "
-            f"needs the `variable_wrapper` hook). Received: {strategy!r}"
+        raise checks.argument_error(
+            "strategy",
+            "a tf_distbelief.DistBeliefStrategy (it needs the `variable_wrapper` hook)",
+            strategy,
         )
     strategy.variable_wrapper = _wrap_variable
 

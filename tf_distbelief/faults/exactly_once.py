@@ -2,9 +2,8 @@
 
 TensorFlow's `ClusterCoordinator` runs a scheduled function again on another
 worker when the worker running it is lost. If the lost worker had already
-sent its update and the ps applied it, the retry applies the step a second
-time: 2 workers, 300 steps and 8 SIGKILLs of a worker gave an optimizer
-iteration count of 304.
+sent its update and the ps applied it, the retry would apply the step a
+second time.
 
 So each scheduled step carries a token fixed when it is scheduled: the
 closure's first token (`StepTokens.take`, a counter on the coordinator) plus
@@ -13,26 +12,24 @@ function (a retry gets the same argument: the coordinator keeps the
 closure's arguments). On the ps, next to the optimizer's `iterations`, a
 ring of `SLOTS` int64 entries holds the tokens applied, each at `token %
 SLOTS`. A step's update runs only if its token is not there, and writes it
-there (`gate`). The check, the update and the write run on the ps, in one
+there (`gate`).
+
+The check, the update and the write run on the ps, in one
 `tf.CriticalSection` of the ring's task: the coordinator retries as soon as
-it sees the loss, and a retry whose lost step still runs on the ps (its
-gradients all sent) waits for it, then finds its token; without the lock
-both read the ring first (1002 of 1000 steps, 4 SIGKILLs, a loaded host).
-The lock is taken once every tensor the update reads is there; callers copy
-the step's inputs to the ps first (`copy_to`), so no transfer from a worker
-runs under it. A branch, once begun, runs to its end, update and token
-write both, even when its worker is lost meanwhile: every op of the check
-and its branches that names no device runs on the ring's ps (an op left on
-the worker, a `tf.identity` of the update's result, made the token's write
-wait for the worker), and the branch runs as one function call there, not
-lowered into the step's graph (`tf_internals.control_flow.whole_cond`: when
-the worker was lost, the step's failed transfers cut a lowered branch
-between the update and the write). Either left the step applied and not
-marked, and its retry applied it again (501 or 502 of 500 steps, 4
-SIGKILLs). The optimizer's `iterations` then counts applied steps only;
-a step refused for a NaN or inf (`nonfinite="skip"`) is marked too, so its
-retry is not counted again. A Downpour replica whose retried push is
-dropped restarts its sums, as after a push dropped for staleness.
+it sees the loss, so a retry can start while the lost step still runs on the
+ps; under the lock it waits for that step, then finds its token. The lock is
+taken once every tensor the update reads is there (callers copy the step's
+inputs to the ps first, `copy_to`), so no transfer from a worker runs under
+it. A branch, once begun, must run to its end, update and token write both,
+even when its worker is lost meanwhile: every op of the check and its
+branches that names no device is placed on the ring's ps, and the branch
+runs as one function call there, not lowered into the step's graph
+(`tf_internals.control_flow.whole_cond`), where a lost worker's failed
+transfers could cut it between the update and the write. The optimizer's
+`iterations` then counts applied steps only; a step refused for a NaN or inf
+(`nonfinite="skip"`) is marked too, so its retry is not counted again. A
+Downpour replica whose retried push is dropped restarts its sums, as after a
+push dropped for staleness.
 
 Where it applies (each through `scope`, read when the step is traced):
 
@@ -48,15 +45,15 @@ Where it applies (each through `scope`, read when the step is traced):
   pushes at its own cadence: its pushes carry its own gradients, never a
   repeat of the lost worker's.
 
-Limits: the ring is not checkpointed (tokens restart at 0 with a new
-coordinator, and so does the ring); a token is forgotten once `SLOTS` later
-tokens have been written, far more steps than run between a worker's loss and
-the coordinator's retry. With variables on several ps tasks, the variables
-on other tasks than the ring's are updated by the same `tf.cond`, which
+Limits (the user's view: docs/reliability.md): the ring is not checkpointed
+(tokens and ring restart at 0 with a new coordinator); a token is forgotten
+once `SLOTS` later tokens are written, far more steps than run between a
+worker's loss and its retry. With variables on several ps tasks, the ones on
+other tasks than the ring's are updated by the same `tf.cond`, which
 TensorFlow then lowers into the step's graph (a functional If cannot take
 variables of two tasks, `whole_cond`): a worker lost mid-update can leave
-the step half applied and its token unwritten, and the retry applies it
-again (TensorFlow's own limit: a step is not a transaction across tasks).
+the step half applied and its retry applies it again (a step is not a
+transaction across tasks in TensorFlow).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from tf_distbelief import checks
 from tf_distbelief.cluster.local import proc_stat
 
 __all__ = ["PARTS", "Goodput", "active", "current", "process_start_secs"]
@@ -158,9 +159,7 @@ class Goodput:
         """Counts `secs` seconds as `part` (one of `PARTS`), out of the time
         they were spent in (training or between trainings)."""
         if part not in PARTS:
-            raise ValueError(
-                f"Argument `part` must be one of {PARTS}. Received: {part!r}"
-            )
+            raise checks.argument_error("part", f"one of {PARTS}", part)
         with self._lock:
             self._secs[part] += secs
             if self._segment is not None:

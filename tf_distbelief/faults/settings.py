@@ -7,6 +7,8 @@ settings (`nonfinite`, `step_watch`, `recovery`) import TensorFlow.
 
 from __future__ import annotations
 
+from tf_distbelief import checks
+
 # What a step (Downpour: a push) with a NaN or inf gradient does; it is never
 # applied: `raise` stops the job naming the step, `skip` skips and counts it.
 NONFINITE_MODES = ("raise", "skip")
@@ -22,11 +24,8 @@ def check_nonfinite_mode(mode: str) -> str:
     """Returns `mode` if it is one of `NONFINITE_MODES`.
 
     Raises:
-      ValueError: naming the argument, the allowed values and the value.
+      checks.ArgumentError: naming the argument, the allowed values and the
+        value.
     """
-    if mode not in NONFINITE_MODES:
-        raise ValueError(
-            f"Argument `nonfinite` must be one of {', '.join(NONFINITE_MODES)}. "
-            f"Received: {mode!r}"
-        )
+    checks.check_one_of("nonfinite", mode, NONFINITE_MODES)
     return mode

@@ -54,6 +54,8 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
+from tf_distbelief import checks
+
 FORMATS = ("tfrecord", "csv")
 
 
@@ -99,15 +101,8 @@ class FileInput:
     prefetch_batches: int = 2
 
     def __post_init__(self):
-        if self.format not in FORMATS:
-            raise ValueError(
-                f"`FileInput.format` must be one of {', '.join(FORMATS)}. "
-                f"Received: {self.format!r}"
-            )
-        if not callable(self.parse_fn):
-            raise TypeError(
-                f"`FileInput.parse_fn` must be callable. Received: {self.parse_fn!r}"
-            )
+        checks.check_one_of("FileInput.format", self.format, FORMATS)
+        checks.check_callable("FileInput.parse_fn", self.parse_fn)
         if self.format == "csv" and not self.csv_record_defaults:
             raise ValueError(
                 "`FileInput.csv_record_defaults` (one default per column) is "
@@ -116,9 +111,8 @@ class FileInput:
             )
         for name in ("shuffle_buffer", "prefetch_batches"):
             if getattr(self, name) < 0:
-                raise ValueError(
-                    f"`FileInput.{name}` must be >= 0. Received: "
-                    f"{getattr(self, name)!r}"
+                raise checks.argument_error(
+                    f"FileInput.{name}", ">= 0", getattr(self, name)
                 )
 
     def file_list(self) -> list[str]:
@@ -189,14 +183,9 @@ class FileInput:
           FileNotFoundError: no file matches `files`.
         """
         if batch_size < 1:
-            raise ValueError(
-                f"Argument `batch_size` must be >= 1. Received: {batch_size}"
-            )
+            raise checks.argument_error("batch_size", ">= 1", batch_size)
         if num_replicas is not None and num_replicas < 1:
-            raise ValueError(
-                "Argument `num_replicas` must be >= 1 or None. Received: "
-                f"{num_replicas}"
-            )
+            raise checks.argument_error("num_replicas", ">= 1 or None", num_replicas)
         files = self.file_list()  # On the chief, before any step.
 
         def dataset_fn(input_context):

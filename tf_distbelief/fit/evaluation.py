@@ -19,7 +19,7 @@ import time
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import console, paths
+from tf_distbelief import checks, console, paths
 from tf_distbelief.faults import checkpoint_contents
 
 # Long enough for a trainer that restarts (a new pod, TensorFlow loading,
@@ -100,9 +100,7 @@ def evaluate_checkpoints(
       TimeoutError: no new checkpoint for `timeout_secs` before `last_step`.
     """
     if not timeout_secs > 0:
-        raise ValueError(
-            f"Argument `timeout_secs` must be > 0. Received: {timeout_secs!r}"
-        )
+        raise checks.argument_error("timeout_secs", "> 0", timeout_secs)
     writer = tf.summary.create_file_writer(tensorboard_dir) if tensorboard_dir else None
     # Traced now, so that evaluating a checkpoint takes as long as reading it
     # and running the data: fewer are deleted before their turn.

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import console, errors, paths
+from tf_distbelief import checks, console, errors, paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +72,9 @@ def _plain_copy(build_model: Callable[[], tf_keras.Model], input_shape=None):
         plain.build(input_shape)
     if not plain.built:
         raise ValueError(
-            "The model `build_model` returns must be built (give it an input "
-            "layer, or pass `input_shape`) so that it can be exported. "
-            f"Received: {plain.name!r}"
+            f"The model {plain.name!r} that `build_model` returns is not built, "
+            "so it cannot be exported: give it an input layer, or pass "
+            "`input_shape`."
         )
     return plain
 
@@ -120,8 +120,8 @@ def check_export_dir(export_dir: str, model_dir: str | None = None) -> None:
             f"Received: {export_dir!r}"
         )
     if os.path.exists(path) and not os.path.isdir(path):
-        raise errors.ConfigError(
-            f"`export_dir` must be a directory. Received: {export_dir!r} (a file)"
+        raise checks.argument_error(
+            "export_dir", "a directory", export_dir, "(a file)", setting=True
         )
     if os.path.isdir(path):
         others = sorted(
@@ -133,12 +133,15 @@ def check_export_dir(export_dir: str, model_dir: str | None = None) -> None:
         ):
             others.insert(0, f"{paths.SAVED_MODEL_SUBDIR}/ (not a SavedModel)")
         if others:
-            raise errors.ConfigError(
-                "`export_dir` must be new, empty, or hold only an earlier export "
-                f"({paths.SAVED_MODEL_SUBDIR}/, {paths.KERAS_FILE}); "
-                f"{export_dir!r} also holds "
-                f"{', '.join(others[:5])}{' ...' if len(others) > 5 else ''}. "
-                "Choose another directory (nothing was deleted)."
+            raise checks.argument_error(
+                "export_dir",
+                "new, empty, or hold only an earlier export "
+                f"({paths.SAVED_MODEL_SUBDIR}/, {paths.KERAS_FILE})",
+                export_dir,
+                fix=f"It also holds {', '.join(others[:5])}"
+                f"{' ...' if len(others) > 5 else ''}. "
+                "Choose another directory (nothing was deleted).",
+                setting=True,
             )
     parent = path
     while not os.path.exists(parent):

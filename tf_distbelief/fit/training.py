@@ -72,11 +72,9 @@ def dataset_creator(
         length.
     """
     if batch_size < 1:
-        raise ValueError(f"Argument `batch_size` must be >= 1. Received: {batch_size}")
+        raise checks.argument_error("batch_size", ">= 1", batch_size)
     if num_replicas is not None and num_replicas < 1:
-        raise ValueError(
-            f"Argument `num_replicas` must be >= 1 or None. Received: {num_replicas}"
-        )
+        raise checks.argument_error("num_replicas", ">= 1 or None", num_replicas)
     if len(x) != len(y):
         raise ValueError(
             f"`x` and `y` must have the same length. Received: {len(x)} and {len(y)}"
@@ -148,10 +146,7 @@ class FitResult:
 
 
 def _check_count(name, value, why=""):
-    if not checks.is_int(value) or value < 1:
-        raise ValueError(
-            f"Argument `{name}` must be an int >= 1{why}. Received: {value!r}"
-        )
+    checks.check_int(name, value, 1, f"an int >= 1{why}", f"an int >= 1{why}")
 
 
 def fit(

@@ -60,10 +60,11 @@ def _check_freq(validation_freq):
             checks.is_int(e) and e >= 1 for e in validation_freq
         )
     if not ok:
-        raise ValueError(
-            "Argument `validation_freq` must be an int >= 1 (validate every so "
-            "many epochs) or a collection of epoch numbers >= 1 (as "
-            f"`Model.fit`). Received: {validation_freq!r}"
+        raise checks.argument_error(
+            "validation_freq",
+            "an int >= 1 (validate every so many epochs) or a collection of epoch "
+            "numbers >= 1 (as `Model.fit`)",
+            validation_freq,
         )
 
 
@@ -73,10 +74,11 @@ def _unpack(validation_data):
         return validation_data, None, None
     if isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
         return (*validation_data, None)[:3]
-    raise ValueError(
-        "Argument `validation_data` must be a finite `tf.data.Dataset` of "
-        "`(x, y)` or `(x, y, sample_weight)` batches, or a tuple `(x, y)` / "
-        f"`(x, y, sample_weight)` of arrays. Received: {type(validation_data)!r}"
+    raise checks.argument_error(
+        "validation_data",
+        "a finite `tf.data.Dataset` of `(x, y)` or `(x, y, sample_weight)` batches, "
+        "or a tuple `(x, y)` / `(x, y, sample_weight)` of arrays",
+        type(validation_data),
     )
 
 
@@ -95,8 +97,8 @@ def _twin(model: tf_keras.Model) -> tf_keras.Model:
     except (TypeError, ValueError) as e:
         raise ValueError(
             "Exact validation compiles a copy of the model's metrics from "
-            "`model.get_compile_config()`; a custom metric must be registered "
-            "with `tf_keras.saving.register_keras_serializable` for that "
+            "`model.get_compile_config()`: register a custom metric with "
+            "`tf_keras.saving.register_keras_serializable` for that "
             f"({e})."
         ) from e
     twin.compile(loss=model.loss, **args)
@@ -155,9 +157,10 @@ class ExactValidation(tf_keras.callbacks.Callback):
         if validation_steps is not None and (
             not checks.is_int(validation_steps) or validation_steps < 1
         ):
-            raise ValueError(
-                "Argument `validation_steps` must be an int >= 1 or None (the "
-                f"whole validation set). Received: {validation_steps!r}"
+            raise checks.argument_error(
+                "validation_steps",
+                "an int >= 1 or None (the whole validation set)",
+                validation_steps,
             )
         if (
             isinstance(self._x, tf.data.Dataset)
@@ -171,9 +174,7 @@ class ExactValidation(tf_keras.callbacks.Callback):
                 "`validation_steps` to the batches to evaluate."
             )
         if not timeout_secs > 0:
-            raise ValueError(
-                f"Argument `timeout_secs` must be > 0. Received: {timeout_secs!r}"
-            )
+            raise checks.argument_error("timeout_secs", "> 0", timeout_secs)
         self.timeout_secs = timeout_secs
         self.validation_freq = validation_freq
         self.validation_steps = validation_steps

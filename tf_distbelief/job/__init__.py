@@ -15,9 +15,7 @@ from tf_distbelief import _lazy
 __all__, __getattr__, __dir__ = _lazy.exports(
     __name__,
     {
-        "NONFINITE_MODES": "config",
         "OPTIMIZERS": "config",
-        "PARTITIONERS": "config",
         "JobConfig": "config",
         "TF_KERAS": "runner",
         "Trainer": "runner",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tf_distbelief import console, errors, partitioning, paths
+from tf_distbelief import checks, console, errors, partitioning, paths
 from tf_distbelief import downpour as downpour_lib
 from tf_distbelief import sandblaster as sandblaster_lib
 from tf_distbelief.cluster import connect as connect_lib
@@ -20,8 +20,6 @@ from tf_distbelief.cluster.network import emulated
 from tf_distbelief.faults import settings as fault_settings
 
 OPTIMIZERS = ("adagrad", "sgd", "lbfgs")
-NONFINITE_MODES = fault_settings.NONFINITE_MODES
-PARTITIONERS = partitioning.PARTITIONERS
 
 
 @dataclasses.dataclass
@@ -139,14 +137,16 @@ class JobConfig:
         """
         for name, allowed in (
             ("optimizer", OPTIMIZERS),
-            ("partitioner", PARTITIONERS),
-            ("nonfinite", NONFINITE_MODES),
+            ("partitioner", partitioning.PARTITIONERS),
+            ("nonfinite", fault_settings.NONFINITE_MODES),
             ("cluster_from", cluster_source.CLUSTER_SOURCES),
         ):
             if getattr(self, name) not in allowed:
-                raise errors.ConfigError(
-                    f"`{name}` must be one of {', '.join(allowed)}. Received: "
-                    f"{getattr(self, name)!r}"
+                raise checks.argument_error(
+                    name,
+                    f"one of {', '.join(allowed)}",
+                    getattr(self, name),
+                    setting=True,
                 )
         for name in (
             "batch_size",
@@ -159,43 +159,52 @@ class JobConfig:
             "devices_per_replica",
         ):
             if getattr(self, name) < 1:
-                raise errors.ConfigError(
-                    f"`{name}` must be >= 1. Received: {getattr(self, name)!r}"
+                raise checks.argument_error(
+                    name, ">= 1", getattr(self, name), setting=True
                 )
         if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
-            raise errors.ConfigError(
-                "`gpus_per_worker` must be >= 0 or None (share the host's GPUs). "
-                f"Received: {self.gpus_per_worker!r}"
+            raise checks.argument_error(
+                "gpus_per_worker",
+                ">= 0 or None (share the host's GPUs)",
+                self.gpus_per_worker,
+                setting=True,
             )
         if not self.connect_timeout_secs > 0:
-            raise errors.ConfigError(
-                "`connect_timeout_secs` must be > 0. Received: "
-                f"{self.connect_timeout_secs!r}"
+            raise checks.argument_error(
+                "connect_timeout_secs", "> 0", self.connect_timeout_secs, setting=True
             )
         if not 0 < self.hung_task_timeout_secs < float("inf"):
-            raise errors.ConfigError(
-                "`hung_task_timeout_secs` must be a finite number of seconds > 0. "
-                f"Received: {self.hung_task_timeout_secs!r}"
+            raise checks.argument_error(
+                "hung_task_timeout_secs",
+                "a finite number of seconds > 0",
+                self.hung_task_timeout_secs,
+                setting=True,
             )
         if not 0 < self.step_stall_timeout_secs < float("inf"):
-            raise errors.ConfigError(
-                "`step_stall_timeout_secs` must be a finite number of seconds > 0. "
-                f"Received: {self.step_stall_timeout_secs!r}"
+            raise checks.argument_error(
+                "step_stall_timeout_secs",
+                "a finite number of seconds > 0",
+                self.step_stall_timeout_secs,
+                setting=True,
             )
         if not 0 <= self.ps_recovery_secs < float("inf"):
-            raise errors.ConfigError(
-                "`ps_recovery_secs` must be a finite number >= 0 (0: no "
-                f"recovery). Received: {self.ps_recovery_secs!r}"
+            raise checks.argument_error(
+                "ps_recovery_secs",
+                "a finite number >= 0 (0: no recovery)",
+                self.ps_recovery_secs,
+                setting=True,
             )
         if not self.learning_rate > 0:
-            raise errors.ConfigError(
-                f"`learning_rate` must be > 0. Received: {self.learning_rate!r}"
+            raise checks.argument_error(
+                "learning_rate", "> 0", self.learning_rate, setting=True
             )
         if self.downpour is not None:
             if not isinstance(self.downpour, downpour_lib.DownpourConfig):
-                raise TypeError(
-                    "`downpour` must be a tf_distbelief DownpourConfig or None. "
-                    f"Received: {self.downpour!r}"
+                raise checks.argument_error(
+                    "downpour",
+                    "a tf_distbelief DownpourConfig or None",
+                    self.downpour,
+                    setting=True,
                 )
             if self.optimizer == "lbfgs":
                 raise errors.ConfigError(
@@ -203,9 +212,11 @@ class JobConfig:
                     "`optimizer=lbfgs` is Sandblaster. Received both."
                 )
         if not isinstance(self.sandblaster, sandblaster_lib.SandblasterConfig):
-            raise TypeError(
-                "`sandblaster` must be a tf_distbelief SandblasterConfig. "
-                f"Received: {self.sandblaster!r}"
+            raise checks.argument_error(
+                "sandblaster",
+                "a tf_distbelief SandblasterConfig",
+                self.sandblaster,
+                setting=True,
             )
         if self.checkpoint_every_steps and not self.model_dir:
             raise errors.ConfigError(
@@ -233,7 +244,7 @@ class JobConfig:
             "checkpoint_every_steps",
         ):
             if getattr(self, name) < 0:
-                raise errors.ConfigError(
-                    f"`{name}` must be >= 0. Received: {getattr(self, name)!r}"
+                raise checks.argument_error(
+                    name, ">= 0", getattr(self, name), setting=True
                 )
         return self

@@ -17,7 +17,16 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
-from tf_distbelief import adagrad, cluster, console, downpour, errors, hooks, paths
+from tf_distbelief import (
+    adagrad,
+    checks,
+    cluster,
+    console,
+    downpour,
+    errors,
+    hooks,
+    paths,
+)
 from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import config as cluster_config
@@ -38,9 +47,7 @@ def check_spec(config: JobConfig, spec: ModelSpec) -> None:
         model-parallel version, or `optimizer=lbfgs` and no `load_data`.
     """
     if not isinstance(spec, ModelSpec):
-        raise TypeError(
-            f"Argument `spec` must be a tf_distbelief ModelSpec. Received: {spec!r}"
-        )
+        raise checks.argument_error("spec", "a tf_distbelief ModelSpec", spec)
     if config.optimizer == "lbfgs" and spec.load_data is None:
         raise errors.ConfigError(
             "`optimizer=lbfgs` (Sandblaster, full batch) trains on `load_data`'s "
@@ -507,8 +514,8 @@ def _run(config, spec, print_fn, trainer, resolver) -> dict | None:
     if task_type != "chief":
         roles = "chief, worker, ps" + (" or evaluator" if trainer.evaluate else "")
         raise cluster_config.ClusterConfigError(
-            f"`TF_CONFIG` task type must be {roles} with {trainer.name}. "
-            f"Received: {task_type!r}"
+            f"`TF_CONFIG` task type {task_type!r} is not run by {trainer.name}: "
+            f"it runs {roles}."
         )
     watch = _report_hung_tasks(config, resolver, print_fn)
     try:

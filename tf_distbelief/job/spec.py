@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tf_distbelief import errors
+from tf_distbelief import checks, errors
 
 
 def sparse_categorical_crossentropy():
@@ -70,9 +70,7 @@ class ModelSpec:
         for field in ("build_model", "load_data", "loss", "dataset_fn", "eval_data"):
             value = getattr(self, field)
             if not callable(value) and (value is not None or field in _REQUIRED):
-                raise TypeError(
-                    f"`ModelSpec.{field}` must be callable. Received: {value!r}"
-                )
+                raise checks.argument_error(f"ModelSpec.{field}", "callable", value)
         if self.load_data is None and self.dataset_fn is None:
             raise ValueError(
                 f"ModelSpec {self.name!r} has no training data: give `load_data` "
@@ -109,10 +107,11 @@ def load_spec(reference: str) -> ModelSpec:
     """
     module_name, _, attribute = reference.partition(":")
     if not module_name or not attribute.isidentifier():
-        raise errors.ConfigError(
-            "A model spec must be named `package.module:function` (a function of "
-            f"no arguments returning a tf_distbelief ModelSpec). Received: "
-            f"{reference!r}"
+        raise checks.argument_error(
+            "reference",
+            "a model spec named `package.module:function` (a function of no "
+            "arguments returning a tf_distbelief ModelSpec)",
+            reference,
         )
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
@@ -133,8 +132,11 @@ def load_spec(reference: str) -> ModelSpec:
     if not isinstance(spec, ModelSpec) and callable(spec):
         spec = spec()
     if not isinstance(spec, ModelSpec):
-        raise TypeError(
-            f"Model spec {reference!r} must be a tf_distbelief ModelSpec or a "
-            f"function returning one. Received: {type(spec).__name__}"
+        raise checks.argument_error(
+            "reference",
+            "a tf_distbelief ModelSpec or a function returning one",
+            spec,
+            fix=f"(model spec {reference!r})",
+            shown=type(spec).__name__,
         )
     return spec

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import console, errors
+from tf_distbelief import checks, console
 from tf_distbelief.faults import goodput, recovery
 from tf_distbelief.fit import export
 from tf_distbelief.job import runner
@@ -47,15 +47,16 @@ def check_config(config: JobConfig) -> None:
         value = getattr(config, name)
         if value not in allowed:
             shown = " or ".join(repr(a) for a in allowed)
-            raise errors.ConfigError(
-                f"`{name}` must be {shown} with Keras 3 (`--keras=3`): {why}. "
-                f"Received: {value!r}"
+            raise checks.argument_error(
+                name, f"{shown} with Keras 3 (`--keras=3`): {why}", value, setting=True
             )
     if config.downpour is not None and config.optimizer != "adagrad":
-        raise errors.ConfigError(
-            "`optimizer` must be 'adagrad' with Keras 3 and `downpour`: a Keras 3 "
-            f"model's Downpour pushes to AdaGrad on the ps. Received: "
-            f"{config.optimizer!r}"
+        raise checks.argument_error(
+            "optimizer",
+            "'adagrad' with Keras 3 and `downpour`: a Keras 3 model's Downpour pushes "
+            "to AdaGrad on the ps",
+            config.optimizer,
+            setting=True,
         )
 
 

@@ -40,9 +40,7 @@ def _check_finite(name: str, value, low: float, strict: bool, high=None) -> None
     if not ok:
         rule = ("> " if strict else ">= ") + str(low)
         rule += "" if high is None else f" and <= {high}"
-        raise ValueError(
-            f"Argument `{name}` must be a finite number {rule}. Received: {value!r}"
-        )
+        raise checks.argument_error(name, f"a finite number {rule}", value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +130,7 @@ class SGD:
     def __post_init__(self):
         _check_finite("learning_rate", self.learning_rate, 0, True)
         _check_finite("momentum", self.momentum, 0, False, high=1)
-        if not isinstance(self.nesterov, bool):
-            raise ValueError(
-                f"Argument `nesterov` must be a bool. Received: {self.nesterov!r}"
-            )
+        checks.check_bool("nesterov", self.nesterov)
 
     @property
     def slot_initial_value(self) -> float | None:
@@ -256,11 +251,12 @@ def from_optimizer(optimizer) -> Adagrad | SGD:
             float(config["momentum"]),
             bool(config["nesterov"]),
         )
-    raise ValueError(
-        "Argument `optimizer` must be None, 'adagrad', 'sgd', a "
-        "`tf_distbelief.keras3.Adagrad` or `SGD`, a `tf_distbelief.adagrad.Adagrad`, "
-        "or a `keras.optimizers.SGD`, with a constant learning rate: a Keras 3 "
-        "model's optimizer runs on the ps shards (Keras 3's own optimizers keep "
-        "their state on the coordinator; its Adagrad puts epsilon inside the "
-        f"square root). Received: {optimizer!r}"
+    raise checks.argument_error(
+        "optimizer",
+        "None, 'adagrad', 'sgd', a `tf_distbelief.keras3.Adagrad` or `SGD`, a "
+        "`tf_distbelief.adagrad.Adagrad`, or a `keras.optimizers.SGD`, with a "
+        "constant learning rate: a Keras 3 model's optimizer runs on the ps shards "
+        "(Keras 3's own optimizers keep their state on the coordinator; its Adagrad "
+        "puts epsilon inside the square root)",
+        optimizer,
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from tf_distbelief import checks
 from tf_distbelief.tf_internals import variables as tf_variables
 
 
@@ -92,10 +93,12 @@ class PsWeights:
         optimizer=None,
     ):
         if not model.built or not model.variables:
-            raise ValueError(
-                f"Argument `model` must be a built Keras 3 model (its weights "
-                f"exist): give it a `keras.Input` or call it on a batch first. "
-                f"Received: {model.name!r}, built={model.built}"
+            raise checks.argument_error(
+                "model",
+                "a built Keras 3 model (its weights exist)",
+                model.name,
+                fix=f"(built={model.built}): give it a `keras.Input` or call it "
+                "on a batch first.",
             )
         self.model_name = model.name
         self.paths = [v.path for v in model.trainable_variables]

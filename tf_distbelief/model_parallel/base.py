@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from tf_distbelief import checks
 from tf_distbelief.model_parallel import devices as model_parallel
 
 __all__ = ["PartitionedWeights", "WeightLayout", "sliced_initializer"]
@@ -133,9 +134,11 @@ class PartitionedWeights:
         if isinstance(devices, str) or not (
             devices is None or all(isinstance(d, str) for d in devices)
         ):
-            raise ValueError(
-                "Argument `devices` must be a list of device names, e.g. "
-                f"['/device:CPU:0', '/device:CPU:1'], or None. Received: {devices!r}"
+            raise checks.argument_error(
+                "devices",
+                "a list of device names, e.g. ['/device:CPU:0', '/device:CPU:1'], or "
+                "None",
+                devices,
             )
         self.num_partitions = num_partitions
         self.devices = None if devices is None else list(devices)

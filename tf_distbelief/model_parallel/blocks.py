@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tf_distbelief import checks
 from tf_distbelief.model_parallel import devices as model_parallel
 
 __all__ = ["exchange_halo", "gather", "scatter", "whole_shape"]
@@ -80,11 +81,13 @@ def whole_shape(
     n_rows, n_cols = grid
     shapes = [tf.TensorShape(s) for s in input_shape]
     if len(shapes) != n_rows * n_cols:
-        raise ValueError(
-            f"Argument `inputs` must be one tensor or a list of {n_rows * n_cols} "
-            f"blocks (the output of a `PartitionedLocallyConnected2D` with "
-            f"`output_blocks=True` and `num_partitions={num_partitions!r}`)"
-            f". Received: a list of {len(shapes)} blocks"
+        raise checks.argument_error(
+            "inputs",
+            f"one tensor or a list of {n_rows * n_cols} blocks (the output of a "
+            "`PartitionedLocallyConnected2D` with `output_blocks=True` and "
+            f"`num_partitions={num_partitions!r}`)",
+            shapes,
+            shown=f"a list of {len(shapes)} blocks",
         )
     dims = [s.as_list() if s.rank == 4 else None for s in shapes]
     rows = [dims[i * n_cols : (i + 1) * n_cols] for i in range(n_rows)]
@@ -96,25 +99,29 @@ def whole_shape(
         and all(len({row[j][2] for row in rows}) == 1 for j in range(n_cols))
     )
     if not tiles:
-        raise ValueError(
-            f"Argument `inputs` must be blocks of a {n_rows} x {n_cols} grid, "
-            "row-major, of rank 4 with known rows, columns and channels: blocks "
-            "in a grid row need equal rows, blocks in a grid column equal "
-            "columns, all the same batch and channels (the output of a layer "
-            f"with `num_partitions={num_partitions!r}`). Received block "
-            f"shapes: {[str(s) for s in shapes]}"
+        raise checks.argument_error(
+            "inputs",
+            f"blocks of a {n_rows} x {n_cols} grid, row-major, of rank 4 with "
+            "known rows, columns and channels: blocks in a grid row need equal "
+            "rows, blocks in a grid column equal columns, all the same batch and "
+            "channels (the output of a layer with "
+            f"`num_partitions={num_partitions!r}`)",
+            [str(s) for s in shapes],
+            what="block shapes",
         )
     row_bounds = [0, *np.cumsum([row[0][1] for row in rows]).tolist()]
     col_bounds = [0, *np.cumsum([d[2] for d in rows[0]]).tolist()]
     batch, channels = dims[0][0], dims[0][3]
     shape = tf.TensorShape([batch, row_bounds[-1], col_bounds[-1], channels])
     if built_shape is not None and shape[1:].as_list() != built_shape[1:].as_list():
-        raise ValueError(
-            "Argument `inputs` must be blocks that make up the input map this "
-            f"layer was built for, {built_shape[1:]}. Received blocks "
-            f"that make up {shape[1:]} (block shapes "
+        raise checks.argument_error(
+            "inputs",
+            "blocks that make up the input map this layer was built for, "
+            f"{built_shape[1:]}",
+            shapes,
+            described=f"blocks that make up {shape[1:]} (block shapes "
             f"{[str(s) for s in shapes]}); blocks of another `num_partitions` "
-            "tile the map differently."
+            "tile the map differently.",
         )
     return shape, (tuple(row_bounds), tuple(col_bounds))
 

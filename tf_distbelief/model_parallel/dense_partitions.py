@@ -87,13 +87,12 @@ class DensePartitions(base.PartitionedWeights):
           ValueError: if `units` or `num_partitions` is out of range.
         """
         if not checks.is_int(units) or units < 1:
-            raise ValueError(
-                f"Argument `units` must be an int >= 1. Received: {units!r}"
-            )
+            raise checks.argument_error("units", "an int >= 1", units)
         if not checks.is_int(num_partitions) or not 1 <= num_partitions <= units:
-            raise ValueError(
-                f"Argument `num_partitions` must be an int >= 1 and <= `units` "
-                f"({units}). Received: {num_partitions!r}"
+            raise checks.argument_error(
+                "num_partitions",
+                f"an int >= 1 and <= `units` ({units})",
+                num_partitions,
             )
         units, num_partitions = int(units), int(num_partitions)
         super().__init__(**kwargs)

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
+from tf_distbelief import checks
+
 __all__ = [
     "assign_devices",
     "call_on_device",
@@ -58,10 +60,7 @@ def replica_devices(device_type: str | None = None) -> list[str]:
       ValueError: if `device_type` is not `"GPU"`, `"CPU"` or `None`.
     """
     if device_type not in (None, "GPU", "CPU"):
-        raise ValueError(
-            'Argument `device_type` must be "GPU", "CPU" or None. '
-            f"Received: {device_type!r}"
-        )
+        raise checks.argument_error("device_type", '"GPU", "CPU" or None', device_type)
     types = [device_type] if device_type else ["GPU", "CPU"]
     for kind in types:
         specs = [
@@ -96,9 +95,7 @@ def cpu_device_names(num_devices: int) -> list[str]:
       ValueError: if `num_devices` is below 1.
     """
     if not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(
-            f"Argument `num_devices` must be >= 1. Received: {num_devices!r}"
-        )
+        raise checks.argument_error("num_devices", ">= 1", num_devices)
     return [f"/device:CPU:{i}" for i in range(num_devices)]
 
 
@@ -263,9 +260,7 @@ def configure_logical_cpus(num_cpu_devices: int) -> None:
         CPU devices.
     """
     if num_cpu_devices < 1:
-        raise ValueError(
-            f"Argument `num_cpu_devices` must be >= 1. Received: {num_cpu_devices}"
-        )
+        raise checks.argument_error("num_cpu_devices", ">= 1", num_cpu_devices)
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(

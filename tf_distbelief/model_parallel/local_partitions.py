@@ -27,9 +27,8 @@ __all__ = ["LocallyConnectedPartitions", "local_conv_valid"]
 def _pair(value: int | Sequence[int], name: str) -> tuple[int, int]:
     pair = (value, value) if checks.is_int(value) else tuple(value)
     if len(pair) != 2 or not all(checks.is_int(v) and v >= 1 for v in pair):
-        raise ValueError(
-            f"Argument `{name}` must be a positive int or a pair of positive ints. "
-            f"Received: {value!r}"
+        raise checks.argument_error(
+            name, "a positive int or a pair of positive ints", value
         )
     return tuple(int(v) for v in pair)
 
@@ -37,9 +36,7 @@ def _pair(value: int | Sequence[int], name: str) -> tuple[int, int]:
 def _check_num_partitions(value: int, limit: int | None, what: str, name: str):
     bound = "" if limit is None else f" ({limit})"
     if not checks.is_int(value) or value < 1 or (limit and value > limit):
-        raise ValueError(
-            f"Argument `{name}` must be >= 1 and <= {what}{bound}. Received: {value!r}"
-        )
+        raise checks.argument_error(name, f">= 1 and <= {what}{bound}", value)
 
 
 def local_conv_valid(
@@ -153,18 +150,15 @@ class LocallyConnectedPartitions(base.PartitionedWeights):
           ValueError: if an argument is out of range.
         """
         if not checks.is_int(filters) or filters < 1:
-            raise ValueError(
-                f"Argument `filters` must be an int >= 1. Received: {filters!r}"
-            )
+            raise checks.argument_error("filters", "an int >= 1", filters)
         filters = int(filters)
         kernel_size = _pair(kernel_size, "kernel_size")
         strides = _pair(strides, "strides")
         grid = (num_partitions, 1) if checks.is_int(num_partitions) else num_partitions
         grid = tuple(grid)
         if len(grid) != 2:
-            raise ValueError(
-                "Argument `num_partitions` must be an int or a pair of ints. "
-                f"Received: {num_partitions!r}"
+            raise checks.argument_error(
+                "num_partitions", "an int or a pair of ints", num_partitions
             )
         _check_num_partitions(grid[0], None, "the output rows", "num_partitions")
         _check_num_partitions(grid[1], None, "the output columns", "num_partitions")

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from tf_distbelief import checks
+
 __all__ = [
     "block_reads",
     "dense_cross_partition_bytes",
@@ -56,9 +58,8 @@ def split_bounds(size: int, num_parts: int, name: str = "num_parts") -> list[int
       ValueError: if `num_parts` is below 1 or above `size`.
     """
     if not 1 <= num_parts <= size:
-        raise ValueError(
-            f"Argument `{name}` must be >= 1 and <= {size} (the size being split). "
-            f"Received: {num_parts}"
+        raise checks.argument_error(
+            name, f">= 1 and <= {size} (the size being split)", num_parts
         )
     base, extra = divmod(size, num_parts)
     sizes = [base + (1 if i < extra else 0) for i in range(num_parts)]
@@ -351,9 +352,7 @@ def dense_cross_partition_bytes(
       ValueError: if `num_partitions` is below 1.
     """
     if num_partitions < 1:
-        raise ValueError(
-            f"Argument `num_partitions` must be >= 1. Received: {num_partitions}"
-        )
+        raise checks.argument_error("num_partitions", ">= 1", num_partitions)
     elements = (num_partitions - 1) * batch_size * input_units
     return elements * _itemsize(dtype)
 

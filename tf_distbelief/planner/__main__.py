@@ -16,6 +16,7 @@ import argparse
 import math
 import sys
 
+from tf_distbelief import checks
 from tf_distbelief.cluster.network import emulated
 from tf_distbelief.planner import cost_model, records
 
@@ -131,7 +132,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             ),
         )
         if not 0 < args.busy <= 1:
-            raise ValueError(f"`--busy` must be in (0, 1]. Received: {args.busy!r}")
+            raise checks.argument_error("busy", "in (0, 1]", args.busy)
     except (TypeError, ValueError) as e:
         message = str(e).replace("Argument `", "`--")
         for field, flag in _FLAGS.items():

@@ -104,9 +104,8 @@ def parse_count(value, name: str = "params") -> int:
         if match:
             count = round(float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()])
     if count is None or count < 1:
-        raise ValueError(
-            f"Argument `{name}` must be a positive count such as 42M, 2.4M or "
-            f"500k. Received: {value!r}"
+        raise checks.argument_error(
+            name, "a positive count such as 42M, 2.4M or 500k", value
         )
     return count
 
@@ -251,9 +250,7 @@ def chief_steps_per_execution(cluster: records.Cluster) -> int | None:
 
 def _check_fraction(busy_fraction) -> None:
     if not (checks.is_number(busy_fraction) and 0 < busy_fraction <= 1):
-        raise ValueError(
-            f"Argument `busy_fraction` must be in (0, 1]. Received: {busy_fraction!r}"
-        )
+        raise checks.argument_error("busy_fraction", "in (0, 1]", busy_fraction)
 
 
 def smallest_ps(

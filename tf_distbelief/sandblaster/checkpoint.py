@@ -3,7 +3,7 @@
 Sandblaster L-BFGS (Dean et al. 2012, section 4.2) keeps its iterate, the
 gradient there and the `(s, y)` history as vectors on the ps tasks
 (`ps_vectors`); the coordinator holds python numbers only. `LbfgsCheckpointer`
-writes all of it, an `lbfgs.LbfgsState`, with `tf.train.Checkpoint` and
+writes all of it, an `lbfgs_state.LbfgsState`, with `tf.train.Checkpoint` and
 `tf.train.CheckpointManager` after every `every_iters`-th iteration, and
 restores the latest: a rerun with the same directory goes on from there and
 computes the iterates an uninterrupted run computes.
@@ -132,15 +132,11 @@ class LbfgsCheckpointer:
         max_to_keep: int = paths.MAX_CHECKPOINTS_TO_KEEP,
     ):
         if not isinstance(ops, ps_vectors.PsVectorOps):
-            raise TypeError(
-                "Argument `ops` must be a `ps_vectors.PsVectorOps`. Received: "
-                f"{type(ops).__name__}"
+            raise checks.argument_error(
+                "ops", "a `ps_vectors.PsVectorOps`", ops, shown=type(ops).__name__
             )
         if not isinstance(directory, str) or not directory:
-            raise ValueError(
-                "Argument `directory` must be a non-empty path. Received: "
-                f"{directory!r}"
-            )
+            raise checks.argument_error("directory", "a non-empty path", directory)
         checks.check_int("history", history, 1)
         checks.check_int("every_iters", every_iters, 1)
         checks.check_int("max_to_keep", max_to_keep, 1)
@@ -260,7 +256,7 @@ class LbfgsCheckpointer:
           path: a checkpoint; None means `latest_checkpoint`.
 
         Returns:
-          The `lbfgs.LbfgsState` to pass to `lbfgs.minimize` as
+          The `lbfgs_state.LbfgsState` to pass to `lbfgs.minimize` as
           `initial_state`, or None when `path` is None and there is no
           checkpoint.
 

@@ -80,14 +80,9 @@ class SandblasterConfig:
     def __post_init__(self):
         for name in ("history", "max_iters", "portions", "checkpoint_every_iters"):
             checks.check_int(name, getattr(self, name), 1, ">= 1")
-        if not isinstance(self.backup_tasks, bool):
-            raise TypeError(
-                f"Argument `backup_tasks` must be a bool. Received: "
-                f"{self.backup_tasks!r}"
-            )
+        checks.check_bool("backup_tasks", self.backup_tasks)
         checks.check_positive_secs("stall_timeout_secs", self.stall_timeout_secs)
         if self.two_loop not in two_loop.TWO_LOOPS:
-            raise ValueError(
-                f"Argument `two_loop` must be one of {two_loop.TWO_LOOPS}. "
-                f"Received: {self.two_loop!r}"
+            raise checks.argument_error(
+                "two_loop", f"one of {two_loop.TWO_LOOPS}", self.two_loop
             )

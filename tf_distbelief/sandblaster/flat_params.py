@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import numpy as np
 import tensorflow as tf
 
-from tf_distbelief import substitution
+from tf_distbelief import checks, substitution
 from tf_distbelief.tf_internals import variables as tf_variables
 
 __all__ = ["FlatLayout", "evaluate_at"]
@@ -71,9 +71,11 @@ class FlatLayout:
 
     def __init__(self, model):
         if not getattr(model, "built", False):
-            raise ValueError(
-                "Argument `model` must be built (give it an input shape or call it "
-                f"once) before its weights can be laid out. Received: {model.name!r}"
+            raise checks.argument_error(
+                "model",
+                "built (give it an input shape or call it once) before its weights "
+                "can be laid out",
+                model.name,
             )
         variables = tuple(model.trainable_weights)
         if not variables:
@@ -83,11 +85,12 @@ class FlatLayout:
             )
         for v in variables:
             if not isinstance(v, tf_variables.ResourceVariable):
-                raise TypeError(
-                    "Argument `model` must be built outside any distribution "
-                    "strategy's scope: Sandblaster keeps the parameters on the ps "
-                    "itself. Received weight "
-                    f"{v.name!r} of type {type(v).__name__}"
+                raise checks.argument_error(
+                    "model",
+                    "built outside any distribution strategy's scope: Sandblaster "
+                    "keeps the parameters on the ps itself",
+                    v.name,
+                    described=f"weight {v.name!r} of type {type(v).__name__}",
                 )
         sizes = [int(np.prod(v.shape)) for v in variables]
         object.__setattr__(self, "variables", variables)

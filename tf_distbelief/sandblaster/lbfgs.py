@@ -6,20 +6,21 @@ operations (dot product, scaling, axpy, element-wise add and multiply, copy) tha
 every parameter-server shard performs on its own slice, and it keeps only python
 scalars. This module is that coordinator loop with the storage abstracted away:
 
-* `VectorOps` is the vector-space interface and `NumpyVectorOps` its
-  single-process backend (defined in `sandblaster.vector_ops`, re-exported).
-* `two_loop_recursion` computes `H_k g` from the stored `(s_i, y_i)` pairs
-  (Nocedal & Wright, Numerical Optimization, 2nd ed., Algorithm 7.4); by
+* `minimize` is the driver (Nocedal & Wright, Algorithm 7.5). Its state
+  between iterations is an `lbfgs_state.LbfgsState`: handed to a `callback`
+  after every iteration, taken back as `initial_state` to resume a run exactly.
+
+It works through the modules beside it, each the one import path of its names:
+
+* `vector_ops.VectorOps` is the vector-space interface and
+  `vector_ops.NumpyVectorOps` its single-process backend.
+* `two_loop.two_loop_recursion` computes `H_k g` from the stored `(s_i, y_i)`
+  pairs (Nocedal & Wright, Numerical Optimization, 2nd ed., Algorithm 7.4); by
   default `minimize` runs it vector-free on their dot products (Chen, Wang
   and Zhou, NIPS 2014), a few calls per iteration instead of `4 m`
-  (`sandblaster.two_loop`, re-exported).
-* `wolfe_line_search` finds a step satisfying the strong Wolfe conditions on a
-  scalar function (Nocedal & Wright, Algorithms 3.5 and 3.6; defined in
-  `sandblaster.line_search`, re-exported).
-* `minimize` is the driver (Nocedal & Wright, Algorithm 7.5). Its state
-  between iterations is an `LbfgsState` (`sandblaster.lbfgs_state`,
-  re-exported): handed to a `callback` after every iteration, taken back as
-  `initial_state` to resume a run exactly.
+  (`two_loop.TWO_LOOPS`).
+* `line_search.wolfe_line_search` finds a step satisfying the strong Wolfe
+  conditions on a scalar function (Nocedal & Wright, Algorithms 3.5 and 3.6).
 
 The memory of L-BFGS, the number of `(s, y)` pairs kept, is `m` here, Nocedal &
 Wright's symbol; the Sandblaster layers above call it `history`
@@ -28,7 +29,7 @@ Wright's symbol; the Sandblaster layers above call it `history`
 Example:
 
 ```python
-ops = lbfgs.NumpyVectorOps()
+ops = vector_ops.NumpyVectorOps()
 
 def fun_and_grad(x):
   return float(x @ x), 2.0 * x
@@ -49,28 +50,7 @@ from tf_distbelief import checks
 from tf_distbelief.sandblaster import lbfgs_state, line_search, vector_ops
 from tf_distbelief.sandblaster import two_loop as two_loop_lib
 
-__all__ = [
-    "LbfgsResult",
-    "LbfgsState",
-    "LineSearchResult",
-    "NumpyVectorOps",
-    "TWO_LOOPS",
-    "VectorOps",
-    "minimize",
-    "two_loop_recursion",
-    "wolfe_line_search",
-]
-
-# Re-exported: the vector space and the line search are parts of this
-# algorithm's interface (`minimize` takes a `VectorOps`).
-Vector = vector_ops.Vector
-VectorOps = vector_ops.VectorOps
-NumpyVectorOps = vector_ops.NumpyVectorOps
-LineSearchResult = line_search.LineSearchResult
-LbfgsState = lbfgs_state.LbfgsState
-wolfe_line_search = line_search.wolfe_line_search
-two_loop_recursion = two_loop_lib.two_loop_recursion
-TWO_LOOPS = two_loop_lib.TWO_LOOPS
+__all__ = ["LbfgsResult", "minimize"]
 
 # A pair (s, y) enters the history only if s·y > _CURVATURE_EPS * |s| * |y|, i.e.
 # the cosine of the angle between s and y exceeds 1e-10. For s·y <= 0 the BFGS
@@ -82,7 +62,7 @@ _CURVATURE_EPS = 1e-10
 
 
 @dataclasses.dataclass
-class LbfgsResult(Generic[Vector]):
+class LbfgsResult(Generic[vector_ops.Vector]):
     """Outcome of `minimize`.
 
     Attributes:
@@ -104,7 +84,7 @@ class LbfgsResult(Generic[Vector]):
         `initial_state` to go on.
     """
 
-    x: Vector
+    x: vector_ops.Vector
     loss: float
     grad_norm: float
     num_iters: int
@@ -115,13 +95,13 @@ class LbfgsResult(Generic[Vector]):
     loss_history: list[float]
     step_history: list[float]
     iterate_history: list[np.ndarray]
-    state: LbfgsState | None = None
+    state: lbfgs_state.LbfgsState | None = None
 
 
 def minimize(
-    fun_and_grad: Callable[[Vector], tuple[float, Vector]],
-    x0: Vector | None,
-    ops: VectorOps[Vector],
+    fun_and_grad: Callable[[vector_ops.Vector], tuple[float, vector_ops.Vector]],
+    x0: vector_ops.Vector | None,
+    ops: vector_ops.VectorOps[vector_ops.Vector],
     m: int = 10,
     max_iters: int = 100,
     gtol: float = 1e-5,
@@ -130,10 +110,10 @@ def minimize(
     c2: float = 0.9,
     max_line_search_evals: int = 25,
     record_iterates: bool = False,
-    initial_state: LbfgsState | None = None,
-    callback: Callable[[LbfgsState], None] | None = None,
+    initial_state: lbfgs_state.LbfgsState | None = None,
+    callback: Callable[[lbfgs_state.LbfgsState], None] | None = None,
     two_loop: str = "vector_free",
-) -> LbfgsResult[Vector]:
+) -> LbfgsResult[vector_ops.Vector]:
     """Minimises a smooth function by L-BFGS with a strong Wolfe line search.
 
     Nocedal & Wright, Algorithm 7.5; the coordinator loop of Sandblaster L-BFGS
@@ -208,29 +188,26 @@ def minimize(
         `x0`, or an `initial_state` that `lbfgs_state.check_state` rejects (more
         pairs than `m`, say).
     """
-    if not isinstance(ops, VectorOps):
-        raise TypeError(
-            f"Argument `ops` must be a `VectorOps`. Received: {type(ops).__name__}"
-        )
-    if not callable(fun_and_grad):
-        raise TypeError(
-            f"Argument `fun_and_grad` must be callable. Received: {fun_and_grad!r}"
-        )
+    checks.check_instance(
+        "ops",
+        ops,
+        vector_ops.VectorOps,
+        "a `VectorOps`",
+        shown=lambda v: type(v).__name__,
+    )
+    checks.check_callable("fun_and_grad", fun_and_grad)
     checks.check_int("m", m, 1)
     checks.check_int("max_iters", max_iters, 0)
     checks.check_int("max_line_search_evals", max_line_search_evals, 1)
     checks.check_nonnegative("gtol", gtol)
     checks.check_nonnegative("ftol", ftol)
     line_search.check_wolfe_constants(c1, c2)
-    if two_loop not in TWO_LOOPS:
-        raise ValueError(
-            f"Argument `two_loop` must be one of {TWO_LOOPS}. Received: {two_loop!r}"
+    if two_loop not in two_loop_lib.TWO_LOOPS:
+        raise checks.argument_error(
+            "two_loop", f"one of {two_loop_lib.TWO_LOOPS}", two_loop
         )
 
-    if callback is not None and not callable(callback):
-        raise TypeError(
-            f"Argument `callback` must be callable or None. Received: {callback!r}"
-        )
+    checks.check_callable("callback", callback, allow_none=True)
     if initial_state is None:
         state = _start(fun_and_grad, x0, ops)
     else:
@@ -270,7 +247,7 @@ def minimize(
         rho_history = state.rho_history
         step0 = 1.0 if s_history else min(1.0, 1.0 / state.grad_norm)
 
-        search = wolfe_line_search(
+        search = line_search.wolfe_line_search(
             phi, state.loss, dphi0, step0, c1, c2, max_line_search_evals
         )
         state.num_evals += search.num_evals
@@ -329,7 +306,7 @@ def minimize(
     )
 
 
-def _start(fun_and_grad, x0, ops: VectorOps) -> LbfgsState:
+def _start(fun_and_grad, x0, ops: vector_ops.VectorOps) -> lbfgs_state.LbfgsState:
     """The state at `x0`: one evaluation, an empty history."""
     if x0 is None:
         raise ValueError(
@@ -341,11 +318,13 @@ def _start(fun_and_grad, x0, ops: VectorOps) -> LbfgsState:
     g = ops.copy(grad)
     grad_norm_sq = ops.dot(g, g)
     if not (math.isfinite(loss) and math.isfinite(grad_norm_sq)):
-        raise ValueError(
-            "Argument `x0` must be a point where `fun_and_grad` is finite. Received "
-            f"loss {loss!r} and squared gradient norm {grad_norm_sq!r}"
+        raise checks.argument_error(
+            "x0",
+            "a point where `fun_and_grad` is finite",
+            x0,
+            described=f"loss {loss!r} and squared gradient norm {grad_norm_sq!r}",
         )
-    return LbfgsState(
+    return lbfgs_state.LbfgsState(
         x=x,
         grad=g,
         s_history=[],

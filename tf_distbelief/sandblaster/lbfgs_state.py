@@ -20,15 +20,14 @@ from typing import Generic
 
 import numpy as np
 
+from tf_distbelief import checks
 from tf_distbelief.sandblaster import vector_ops
 
 __all__ = ["LbfgsState", "check_state"]
 
-Vector = vector_ops.Vector
-
 
 @dataclasses.dataclass
-class LbfgsState(Generic[Vector]):
+class LbfgsState(Generic[vector_ops.Vector]):
     """The state of `lbfgs.minimize` between two iterations.
 
     Nocedal & Wright, Algorithm 7.5: at iteration `k`, everything the next
@@ -62,8 +61,8 @@ class LbfgsState(Generic[Vector]):
         an uninterrupted one would.
     """
 
-    x: Vector
-    grad: Vector
+    x: vector_ops.Vector
+    grad: vector_ops.Vector
     s_history: list
     y_history: list
     rho_history: list[float]
@@ -130,9 +129,11 @@ def check_state(state: LbfgsState, m: int) -> None:
         of `minimize` leaves behind).
     """
     if not isinstance(state, LbfgsState):
-        raise TypeError(
-            "Argument `initial_state` must be an `LbfgsState` or None. Received: "
-            f"{type(state).__name__}"
+        raise checks.argument_error(
+            "initial_state",
+            "an `LbfgsState` or None",
+            state,
+            shown=type(state).__name__,
         )
     lengths = (len(state.s_history), len(state.y_history), len(state.rho_history))
     if len(set(lengths)) != 1:
@@ -161,14 +162,16 @@ def check_state(state: LbfgsState, m: int) -> None:
         side = 2 * state.num_pairs + 1
         shape = np.shape(state.gram)
         if shape != (side, side):
-            raise ValueError(
-                f"Field `gram` of `initial_state` must be [2p+1, 2p+1] = [{side}, "
-                f"{side}] for its {state.num_pairs} pairs. Received shape: {shape}"
+            raise checks.argument_error(
+                "initial_state",
+                f"[2p+1, 2p+1] = [{side}, {side}] for its {state.num_pairs} pairs",
+                shape,
+                what="shape",
+                field="gram",
             )
         if not np.all(np.isfinite(state.gram)):
-            raise ValueError(
-                "Field `gram` of `initial_state` must be finite. Received: "
-                f"{state.gram!r}"
+            raise checks.argument_error(
+                "initial_state", "finite", state.gram, field="gram"
             )
     numbers = {
         "loss": state.loss,
@@ -178,6 +181,4 @@ def check_state(state: LbfgsState, m: int) -> None:
     }
     for name, value in numbers.items():
         if not math.isfinite(value):
-            raise ValueError(
-                f"Field `{name}` of `initial_state` must be finite. Received: {value!r}"
-            )
+            raise checks.argument_error("initial_state", "finite", value, field=name)

@@ -138,16 +138,13 @@ def wolfe_line_search(
       TypeError: if `max_evals` is not an int.
     """
     if not math.isfinite(phi0):
-        raise ValueError(f"Argument `phi0` must be finite. Received: {phi0!r}")
+        raise checks.argument_error("phi0", "finite", phi0)
     if not (math.isfinite(dphi0) and dphi0 < 0.0):
-        raise ValueError(
-            "Argument `dphi0` must be finite and negative (a descent direction). "
-            f"Received: {dphi0!r}"
+        raise checks.argument_error(
+            "dphi0", "finite and negative (a descent direction)", dphi0
         )
     if not (math.isfinite(step0) and step0 > 0.0):
-        raise ValueError(
-            f"Argument `step0` must be finite and positive. Received: {step0!r}"
-        )
+        raise checks.argument_error("step0", "finite and positive", step0)
     check_wolfe_constants(c1, c2)
     checks.check_int("max_evals", max_evals, 1)
 

@@ -113,11 +113,13 @@ def _check_made_after_connecting(layout, coordinator_device):
     # belongs to the old one (`/job:localhost`) and can no longer be read.
     for v in layout.variables:
         if _job(v.device) != _job(coordinator_device):
-            raise ValueError(
-                "Argument `model` must be built after the strategy is created "
-                "(creating it connects this process to the cluster and drops "
-                f"earlier variables). Received weight {v.name!r} on {v.device!r}, "
-                f"while this process is {coordinator_device!r}"
+            raise checks.argument_error(
+                "model",
+                "built after the strategy is created (creating it connects this "
+                "process to the cluster and drops earlier variables)",
+                v.name,
+                described=f"weight {v.name!r} on {v.device!r}, while this process "
+                f"is {coordinator_device!r}",
             )
 
 
@@ -206,11 +208,7 @@ class SandblasterObjective:
                 f"examples. Received: {len(x)} and {len(y)}"
             )
         self.bounds = schedule_lib.portion_bounds(len(x), portions)
-        if portion_delay_fn is not None and not callable(portion_delay_fn):
-            raise TypeError(
-                "Argument `portion_delay_fn` must be callable or None. Received: "
-                f"{portion_delay_fn!r}"
-            )
+        checks.check_callable("portion_delay_fn", portion_delay_fn, allow_none=True)
         checks.check_positive_secs("stall_timeout_secs", stall_timeout_secs)
         self.stall_timeout_secs = float(stall_timeout_secs)
         self.strategy = strategy

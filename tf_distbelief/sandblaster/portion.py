@@ -37,6 +37,7 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
+from tf_distbelief import checks
 from tf_distbelief.sandblaster import flat_params
 from tf_distbelief.tf_internals import variables as tf_variables
 
@@ -170,9 +171,8 @@ def per_example_loss(loss_fn, model):
     if isinstance(loss_fn, tf_keras.losses.Loss):
         return loss_fn.call
     if not callable(loss_fn):
-        raise TypeError(
-            "Argument `loss_fn` must be a tf_keras Loss, a loss name or a callable. "
-            f"Received: {loss_fn!r}"
+        raise checks.argument_error(
+            "loss_fn", "a tf_keras Loss, a loss name or a callable", loss_fn
         )
     return loss_fn
 

@@ -178,10 +178,11 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
         num_shards: int | None = None,
     ):
         if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-            raise TypeError(
-                "Argument `strategy` must be a "
-                "tf.distribute.experimental.ParameterServerStrategy. Received: "
-                f"{type(strategy).__name__}"
+            raise checks.argument_error(
+                "strategy",
+                "a tf.distribute.experimental.ParameterServerStrategy",
+                strategy,
+                shown=type(strategy).__name__,
             )
         # ParameterServerStrategy has no public list of ps tasks; after it has
         # connected this process to the cluster they are logical devices here.
@@ -201,14 +202,9 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
         if num_shards is None:
             num_shards = len(self._ps_devices)
         if not checks.is_int(num_shards):
-            raise TypeError(
-                "Argument `num_shards` must be an int or None. Received: "
-                f"{num_shards!r}"
-            )
+            raise checks.argument_error("num_shards", "an int or None", num_shards)
         if num_shards < 1:
-            raise ValueError(
-                f"Argument `num_shards` must be positive. Received: {num_shards}"
-            )
+            raise checks.argument_error("num_shards", "positive", num_shards)
         self.num_shards = num_shards
         # Eager tensors are created on the coordinator's own device.
         self.coordinator_device = tf.constant(0.0).device
@@ -229,9 +225,11 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
         """
         array = np.asarray(array, dtype=np.float64)
         if array.ndim != 1 or array.size == 0:
-            raise ValueError(
-                "Argument `array` must be 1-D and non-empty; flatten parameters into "
-                f"one vector. Received shape: {array.shape}"
+            raise checks.argument_error(
+                "array",
+                "1-D and non-empty; flatten parameters into one vector",
+                array.shape,
+                what="shape",
             )
         self.round_trips["from_numpy"] += 1
         shards, start = [], 0
@@ -255,10 +253,12 @@ class PsVectorOps(vector_ops.VectorOps[PsVector]):
         shards = tuple(getattr(variable, "variables", (variable,)))
         for shard in shards:
             if shard.dtype != _DTYPE or shard.shape.rank != 1:
-                raise ValueError(
-                    "Argument `variable` must be 1-D float64. Received a shard of "
-                    "dtype "
-                    f"{shard.dtype.name} and shape {shard.shape}"
+                raise checks.argument_error(
+                    "variable",
+                    "1-D float64",
+                    shard,
+                    described=f"a shard of dtype {shard.dtype.name} and shape "
+                    f"{shard.shape}",
                 )
             if _PS_JOB not in shard.device:
                 raise ValueError(

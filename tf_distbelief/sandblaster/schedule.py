@@ -34,11 +34,10 @@ def portion_bounds(num_examples: int, portions: int) -> list[int]:
       ValueError: `portions` is not in `[1, num_examples]`.
     """
     if not checks.is_int(portions):
-        raise TypeError(f"Argument `portions` must be an int. Received: {portions!r}")
+        raise checks.argument_error("portions", "an int", portions)
     if not 1 <= portions <= num_examples:
-        raise ValueError(
-            f"Argument `portions` must be in [1, {num_examples}] (the number of "
-            f"examples). Received: {portions}"
+        raise checks.argument_error(
+            "portions", f"in [1, {num_examples}] (the number of examples)", portions
         )
     base, extra = divmod(num_examples, portions)
     bounds = [0]

@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import paths
+from tf_distbelief import checks, paths
 from tf_distbelief.sandblaster import checkpoint as checkpoint_lib
 from tf_distbelief.sandblaster import config as config_lib
 from tf_distbelief.sandblaster import lbfgs, schedule
@@ -104,9 +104,8 @@ class SandblasterTrainer:
         if config is None:
             config = config_lib.SandblasterConfig()
         if not isinstance(config, config_lib.SandblasterConfig):
-            raise TypeError(
-                "Argument `config` must be a `SandblasterConfig` or None. "
-                f"Received: {config!r}"
+            raise checks.argument_error(
+                "config", "a `SandblasterConfig` or None", config
             )
         overrides = {
             "portions": portions,

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tf_distbelief import checks
 from tf_distbelief.sandblaster import lbfgs_state, vector_ops
 
 __all__ = [
@@ -44,21 +45,19 @@ __all__ = [
     "two_loop_recursion",
 ]
 
-Vector = vector_ops.Vector
-VectorOps = vector_ops.VectorOps
 
 # The ways to run the recursion; `SandblasterConfig.two_loop`, `--lbfgs_two_loop`.
 TWO_LOOPS = ("vector_free", "vectors")
 
 
 def two_loop_recursion(
-    ops: VectorOps[Vector],
-    grad: Vector,
-    s_history: Sequence[Vector],
-    y_history: Sequence[Vector],
+    ops: vector_ops.VectorOps[vector_ops.Vector],
+    grad: vector_ops.Vector,
+    s_history: Sequence[vector_ops.Vector],
+    y_history: Sequence[vector_ops.Vector],
     rho_history: Sequence[float],
     gamma: float,
-    out: Vector,
+    out: vector_ops.Vector,
 ) -> None:
     """Sets `out <- H_k grad` by the L-BFGS two-loop recursion.
 
@@ -136,9 +135,11 @@ def two_loop_coefficients(
     p = len(rho_history)
     gram = np.asarray(gram, np.float64)
     if gram.shape != (2 * p + 1, 2 * p + 1):
-        raise ValueError(
-            f"Argument `gram` must be [2p+1, 2p+1] = [{2 * p + 1}, {2 * p + 1}] for "
-            f"p={p} pairs. Received shape: {gram.shape}"
+        raise checks.argument_error(
+            "gram",
+            f"[2p+1, 2p+1] = [{2 * p + 1}, {2 * p + 1}] for p={p} pairs",
+            gram.shape,
+            what="shape",
         )
     c = np.zeros(2 * p + 1)
     c[2 * p] = 1.0
@@ -210,11 +211,11 @@ class VectorTwoLoop:
       state: the run's state; its `gram` is dropped (this mode keeps none).
     """
 
-    def __init__(self, ops: VectorOps, state: lbfgs_state.LbfgsState):
+    def __init__(self, ops: vector_ops.VectorOps, state: lbfgs_state.LbfgsState):
         self.ops = ops
         state.gram = None
 
-    def direction(self, state: lbfgs_state.LbfgsState, d: Vector) -> float:
+    def direction(self, state: lbfgs_state.LbfgsState, d: vector_ops.Vector) -> float:
         """Sets `d <- -H_k g`, or `-g` (history cleared) if that is no descent
         direction; returns `g·d`."""
         ops, dphi0 = self.ops, math.nan
@@ -237,12 +238,16 @@ class VectorTwoLoop:
             dphi0 = -state.grad_norm * state.grad_norm
         return dphi0
 
-    def trial_point(self, state, step: float, d: Vector, out: Vector) -> None:
+    def trial_point(
+        self, state, step: float, d: vector_ops.Vector, out: vector_ops.Vector
+    ) -> None:
         """Sets `out <- x + step d`."""
         self.ops.assign(state.x, out)
         self.ops.axpy(step, d, out)
 
-    def slope(self, grad: Vector, g_trial: Vector, d: Vector) -> float:
+    def slope(
+        self, grad: vector_ops.Vector, g_trial: vector_ops.Vector, d: vector_ops.Vector
+    ) -> float:
         """Sets `g_trial <- grad` (the objective may reuse `grad`); returns `g·d`."""
         self.ops.assign(grad, g_trial)
         return self.ops.dot(g_trial, d)
@@ -257,7 +262,7 @@ class VectorTwoLoop:
         ops.axpy(-1.0, state.grad, y_new)
         return ops.dot(s_new, y_new), ops.dot(y_new, y_new), ops.dot(s_new, s_new)
 
-    def storage(self, state) -> Vector:
+    def storage(self, state) -> vector_ops.Vector:
         """A new vector for a new pair (`zeros_like`)."""
         return self.ops.zeros_like(state.x)
 
@@ -292,7 +297,9 @@ class VectorFreeTwoLoop:
       m: the run's memory.
     """
 
-    def __init__(self, ops: VectorOps, state: lbfgs_state.LbfgsState, m: int):
+    def __init__(
+        self, ops: vector_ops.VectorOps, state: lbfgs_state.LbfgsState, m: int
+    ):
         self.ops = ops
         self.m = m
         self._spares = [
@@ -304,7 +311,7 @@ class VectorFreeTwoLoop:
             state.gram = np.triu(full) + np.triu(full, 1).T
         self._new_rows = None
 
-    def direction(self, state: lbfgs_state.LbfgsState, d: Vector) -> float:
+    def direction(self, state: lbfgs_state.LbfgsState, d: vector_ops.Vector) -> float:
         """Sets `d <- -H_k g`, or `-g` (history cleared) if that is no descent
         direction; returns `g·d`. One `combine` call."""
         dphi0 = math.nan
@@ -326,11 +333,15 @@ class VectorFreeTwoLoop:
         )
         return dphi0
 
-    def trial_point(self, state, step: float, d: Vector, out: Vector) -> None:
+    def trial_point(
+        self, state, step: float, d: vector_ops.Vector, out: vector_ops.Vector
+    ) -> None:
         """Sets `out <- x + step d`; one `combine` call."""
         self.ops.combine([1.0, step], [state.x, d], out)
 
-    def slope(self, grad: Vector, g_trial: Vector, d: Vector) -> float:
+    def slope(
+        self, grad: vector_ops.Vector, g_trial: vector_ops.Vector, d: vector_ops.Vector
+    ) -> float:
         """Sets `g_trial <- grad`, returns `g·d`; one `gram` call."""
         return float(self.ops.gram([g_trial], [d], [([1.0], [grad], g_trial)])[0, 0])
 
@@ -354,7 +365,7 @@ class VectorFreeTwoLoop:
             float(rows[0, 2 * p]),
         )
 
-    def storage(self, state) -> Vector:
+    def storage(self, state) -> vector_ops.Vector:
         """A vector for a new pair: one of the spares (no call)."""
         return self._spares.pop()
 
@@ -364,7 +375,9 @@ class VectorFreeTwoLoop:
         return float(state.gram[-1, -1])
 
 
-def make(two_loop: str, ops: VectorOps, state: lbfgs_state.LbfgsState, m: int):
+def make(
+    two_loop: str, ops: vector_ops.VectorOps, state: lbfgs_state.LbfgsState, m: int
+):
     """The `VectorTwoLoop` or `VectorFreeTwoLoop` that `two_loop` names.
 
     Args:
@@ -380,6 +393,4 @@ def make(two_loop: str, ops: VectorOps, state: lbfgs_state.LbfgsState, m: int):
         return VectorTwoLoop(ops, state)
     if two_loop == "vector_free":
         return VectorFreeTwoLoop(ops, state, m)
-    raise ValueError(
-        f"Argument `two_loop` must be one of {TWO_LOOPS}. Received: {two_loop!r}"
-    )
+    raise checks.argument_error("two_loop", f"one of {TWO_LOOPS}", two_loop)

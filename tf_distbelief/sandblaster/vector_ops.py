@@ -26,6 +26,8 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from tf_distbelief import checks
+
 __all__ = ["NumpyVectorOps", "Vector", "VectorOps", "check_combination"]
 
 # A backend's vector handle: a 1-D NumPy array, a `ps_vectors.PsVector`, ...
@@ -151,9 +153,7 @@ class NumpyVectorOps(VectorOps[np.ndarray]):
     def __init__(self, dtype: Any = np.float64):
         dtype = np.dtype(dtype)
         if not np.issubdtype(dtype, np.floating):
-            raise TypeError(
-                f"Argument `dtype` must be a floating dtype. Received: {dtype}"
-            )
+            raise checks.argument_error("dtype", "a floating dtype", dtype)
         self._dtype = dtype
 
     def from_numpy(self, array: np.ndarray) -> np.ndarray:
@@ -164,9 +164,11 @@ class NumpyVectorOps(VectorOps[np.ndarray]):
         """
         array = np.asarray(array)
         if array.ndim != 1:
-            raise ValueError(
-                "Argument `array` must be 1-D; flatten parameters into one vector. "
-                f"Received shape: {array.shape}"
+            raise checks.argument_error(
+                "array",
+                "1-D; flatten parameters into one vector",
+                array.shape,
+                what="shape",
             )
         return np.array(array, dtype=self._dtype)
 
@@ -217,7 +219,10 @@ def check_combination(coefficients, vectors) -> None:
       ValueError: the two differ in length, or are empty.
     """
     if len(coefficients) != len(vectors) or not vectors:
-        raise ValueError(
-            "Arguments `coefficients` and `vectors` must be non-empty and of the "
-            f"same length. Received lengths: {len(coefficients)}, {len(vectors)}"
+        raise checks.argument_error(
+            "vectors",
+            "non-empty, with `coefficients` of the same length",
+            vectors,
+            shown=f"{len(coefficients)}, {len(vectors)}",
+            what="lengths",
         )

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tf_distbelief import checks
 from tf_distbelief.downpour.push_rules import rule
 
 __all__ = ["MOMENTUM_SLOT", "OUTER_MOMENTUM", "OuterNesterov", "RULE", "nesterov"]
@@ -119,9 +120,8 @@ class OuterNesterov(rule.PushRule):
             )
         rule.check_float("outer_momentum", config.outer_momentum)
         if not 0 <= config.outer_momentum < 1:
-            raise ValueError(
-                "Argument `outer_momentum` must be in [0, 1). Received: "
-                f"{config.outer_momentum!r}"
+            raise checks.argument_error(
+                "outer_momentum", "in [0, 1)", config.outer_momentum
             )
         if outer is None:
             return

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tf_distbelief import checks
 from tf_distbelief.downpour.push_rules import rule
 
 __all__ = ["BITS", "QUANTIZE_CHUNK", "Quantize", "RULE"]
@@ -76,10 +77,7 @@ class Quantize(rule.PushRule):
         bits = config.quantize_bits
         rule.check_int("quantize_bits", bits, 0, "0 (off), 2 or 8")
         if bits not in BITS:
-            raise ValueError(
-                "Argument `quantize_bits` must be one of 0 (off), 2, 8. "
-                f"Received: {bits!r}"
-            )
+            raise checks.argument_error("quantize_bits", "one of 0 (off), 2, 8", bits)
         rule.check_int("quantize_chunk", config.quantize_chunk, 1, "values per scale")
         if bits:
             rule.check_compressible(config, "quantize_bits")

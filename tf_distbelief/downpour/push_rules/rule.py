@@ -45,6 +45,7 @@ import pkgutil
 
 import numpy as np
 
+from tf_distbelief import checks
 from tf_distbelief.downpour import config_fields
 
 __all__ = [
@@ -95,9 +96,11 @@ class Setting:
 
     def __post_init__(self):
         if self.kind not in ("float", "int", "bool"):
-            raise ValueError(
-                f"Argument `kind` of setting {self.name!r} must be one of float, "
-                f"int, bool. Received: {self.kind!r}"
+            raise checks.argument_error(
+                "kind",
+                "one of float, int, bool",
+                self.kind,
+                fix=f"(setting {self.name!r})",
             )
 
 
@@ -310,9 +313,7 @@ def check_float(name: str, value, or_what: str = "", rule: str = "") -> None:
     if isinstance(value, bool) or not isinstance(
         value, (int, float, np.floating, np.integer)
     ):
-        raise TypeError(
-            f"Argument `{name}` must be a float{alternative}. Received: {value!r}"
-        )
+        raise checks.argument_error(name, f"a float{alternative}", value)
     try:
         finite = math.isfinite(float(value))
     except OverflowError:  # An int beyond float range.
@@ -323,9 +324,7 @@ def check_float(name: str, value, or_what: str = "", rule: str = "") -> None:
         finite = value > 0
     if not finite:
         rule = f" and {rule}" if rule else ""
-        raise ValueError(
-            f"Argument `{name}` must be finite{rule}{alternative}. Received: {value!r}"
-        )
+        raise checks.argument_error(name, f"finite{rule}{alternative}", value)
 
 
 def check_int(name: str, value, lowest: int, meaning: str = "") -> None:
@@ -342,14 +341,9 @@ def check_int(name: str, value, lowest: int, meaning: str = "") -> None:
       ValueError: below `lowest`.
     """
     meaning = f" ({meaning})" if meaning else ""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(
-            f"Argument `{name}` must be an integer{meaning}. Received: {value!r}"
-        )
-    if value < lowest:
-        raise ValueError(
-            f"Argument `{name}` must be >= {lowest}{meaning}. Received: {value!r}"
-        )
+    checks.check_int(
+        name, value, lowest, f">= {lowest}{meaning}", f"an integer{meaning}"
+    )
 
 
 def check_compressible(config, name: str) -> None:
@@ -387,14 +381,14 @@ def register(rule: type[PushRule]) -> type[PushRule]:
     """
     _load_builtins()
     if not (isinstance(rule, type) and issubclass(rule, PushRule)):
-        raise TypeError(
-            f"Argument `rule` must be a PushRule subclass. Received: {rule!r}"
-        )
+        raise checks.argument_error("rule", "a PushRule subclass", rule)
     names = [s.name for s in rule.settings]
     if rule.name not in names:
-        raise ValueError(
-            f"Push rule {rule.__name__}'s `name` must be one of its settings "
-            f"({', '.join(names) or 'none'}). Received: {rule.name!r}"
+        raise checks.argument_error(
+            "name",
+            f"one of its settings ({', '.join(names) or 'none'})",
+            rule.name,
+            fix=f"(the `name` of push rule {rule.__name__})",
         )
     taken = {s.name for other in _RULES.values() for s in other.settings}
     taken |= set(_RULES) | set(config_fields.FIELDS)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tf_distbelief import checks
 from tf_distbelief.downpour.push_rules import rule
 
 __all__ = ["RULE", "SparseFetches", "fetch_nbytes"]
@@ -80,9 +81,8 @@ class SparseFetches(rule.PushRule):
     @classmethod
     def check(cls, config) -> None:
         if not isinstance(config.sparse_fetches, (bool, np.bool_)):
-            raise TypeError(
-                "Argument `sparse_fetches` must be a bool. Received: "
-                f"{config.sparse_fetches!r}"
+            raise checks.argument_error(
+                "sparse_fetches", "a bool", config.sparse_fetches
             )
         if not config.sparse_fetches:
             return

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tf_distbelief import checks
 from tf_distbelief.downpour.push_rules import rule
 
 __all__ = ["RULE", "StalenessScaled"]
@@ -49,9 +50,8 @@ class StalenessScaled(rule.PushRule):
     @classmethod
     def check(cls, config) -> None:
         if not isinstance(config.staleness_scaled, (bool, np.bool_)):
-            raise TypeError(
-                "Argument `staleness_scaled` must be a bool. Received: "
-                f"{config.staleness_scaled!r}"
+            raise checks.argument_error(
+                "staleness_scaled", "a bool", config.staleness_scaled
             )
 
     def reference_scale(self, staleness):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tf_distbelief import checks
 from tf_distbelief.downpour.push_rules import rule
 
 __all__ = ["RULE", "TopK", "chunk_counts"]
@@ -90,9 +91,10 @@ class TopK(rule.PushRule):
             return
         rule.check_float("top_k_fraction", fraction, "None (off)", "> 0")
         if fraction > 1:
-            raise ValueError(
-                "Argument `top_k_fraction` must be in (0, 1] (the fraction of "
-                f"entries a push sends) or None (off). Received: {fraction!r}"
+            raise checks.argument_error(
+                "top_k_fraction",
+                "in (0, 1] (the fraction of entries a push sends) or None (off)",
+                fraction,
             )
         rule.check_compressible(config, "top_k_fraction")
 
