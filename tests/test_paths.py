@@ -95,3 +95,45 @@ def test_a_model_dir_that_is_a_file_is_refused_by_name(tmp_path):
     paths.check_model_dir(str(tmp_path / "new" / "run"))  # Made when used.
     paths.check_model_dir(str(tmp_path))
     assert afile.read_text() == "mine"
+
+
+def test_probe_writable_makes_the_folder_and_leaves_nothing_else(tmp_path):
+    paths.probe_writable("model_dir", str(tmp_path / "new" / "run"))
+    assert os.listdir(tmp_path / "new" / "run") == []
+    with pytest.raises(
+        tfdb.ConfigError,
+        match=r"^`export_dir` '/proc/tfdb_test' cannot be written: No such file",
+    ):
+        paths.probe_writable("export_dir", "/proc/tfdb_test")
+
+
+def test_probe_writable_refuses_a_read_only_mount(tmp_path):
+    # A read-only bind mount in a mount namespace of a child's own: as root,
+    # the permission bits say writable; only the write says otherwise.
+    code = (
+        "from tf_distbelief import paths, errors\n"
+        "try:\n"
+        f"    paths.probe_writable('model_dir', {str(tmp_path / 'run')!r})\n"
+        "except errors.ConfigError as e:\n"
+        "    print(e)\n"
+    )
+    mount = (
+        f"mount --bind {tmp_path} {tmp_path} && "
+        f"mount -o remount,bind,ro {tmp_path} && "
+        f'exec {sys.executable} -c "$0"'
+    )
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount, code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    if proc.returncode and "unshare" in proc.stderr:
+        pytest.skip(f"no user and mount namespaces here: {proc.stderr.strip()}")
+    assert proc.stdout.strip() == (
+        f"`model_dir` {str(tmp_path / 'run')!r} cannot be written: "
+        "Read-only file system."
+    ), proc.stderr
+    assert os.listdir(tmp_path) == []

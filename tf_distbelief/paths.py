@@ -41,6 +41,7 @@ __all__ = [
     "ModelDirLock",
     "SAVED_MODEL_SUBDIR",
     "check_model_dir",
+    "probe_writable",
     "checkpoint_dir",
     "checkpoint_number",
     "describe_checkpoint",
@@ -98,6 +99,39 @@ def check_model_dir(model_dir: str) -> None:
             f"`model_dir` {model_dir!r} cannot be made: {parent!r} is not a "
             "writable directory."
         )
+
+
+def probe_writable(name: str, path: str) -> None:
+    """Makes folder `path` and writes, syncs and removes a small file in it.
+
+    Permission bits do not say whether a folder takes files: root passes
+    them on `/proc` and on a read-only mount, and a full disk or a quota
+    passes them too. Doing it does; the chief does it before any server
+    starts, so that a job that could not save is refused, not run. A URL
+    (`gs://...`) is left to TensorFlow's file systems.
+
+    Args:
+      name: the setting, for the message (`model_dir`, `export_dir`).
+      path: the folder.
+
+    Raises:
+      ConfigError: one line naming the setting, the path and the system's
+        reason.
+    """
+    if "://" in path:
+        return
+    probe = os.path.join(path, f".tf_distbelief_probe_{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"probe")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        raise errors.ConfigError(
+            f"`{name}` {path!r} cannot be written: {e.strerror or e}."
+        ) from None
 
 
 def checkpoint_dir(model_dir: str) -> str:

@@ -3,6 +3,7 @@
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -293,6 +294,37 @@ def test_export_dir_with_a_users_file_is_refused_before_any_cluster(tmp_path):
     assert "also holds notes.txt" in proc.stderr, proc.stderr[-2000:]
     assert "local cluster" not in proc.stdout
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("flag", ["--model_dir", "--export_dir"])
+def test_an_unwritable_folder_is_refused_before_any_cluster_in_one_line(flag):
+    # Root passes the permission bits on /proc: only writing tells.
+    proc = _launch(["--model=models.blobs:spec", f"{flag}=/proc/tfdb_test/run"], 300)
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.endswith(
+        f"error: `{flag[2:]}` '/proc/tfdb_test/run' cannot be written: "
+        "No such file or directory."
+    ), proc.stderr[-2000:]
+    assert "local cluster" not in proc.stdout
+
+
+def test_an_export_that_cannot_be_written_after_training_goes_elsewhere(tmp_path):
+    import keras
+
+    model = keras.Sequential([keras.layers.Input((3,)), keras.layers.Dense(2)])
+    written = export.export_keras3_model(model, "/proc/tfdb_test/export")
+    try:
+        assert written.refused == "No such file or directory"
+        assert os.path.isfile(written.keras_file)
+        assert os.path.isfile(os.path.join(written.saved_model, "saved_model.pb"))
+        assert written.line("/proc/tfdb_test/export") == (
+            "export_dir '/proc/tfdb_test/export' could not be written (No such "
+            f"file or directory); exported to {os.path.dirname(written.keras_file)}"
+            f" instead: {written.saved_model} {written.keras_file}"
+        )
+    finally:
+        shutil.rmtree(os.path.dirname(written.keras_file))
 
 
 # Serves the embedding model's SavedModel with int64 ids, in a plain process.

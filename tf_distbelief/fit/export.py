@@ -44,10 +44,24 @@ class ExportPaths:
     Attributes:
       saved_model: the SavedModel directory (`serving_default` signature).
       keras_file: the `.keras` file.
+      refused: why the `export_dir` asked for could not be written (the
+        export went to a new temporary folder instead, so that a trained
+        model is never lost), or None.
     """
 
     saved_model: str
     keras_file: str
+    refused: str | None = None
+
+    def line(self, export_dir: str) -> str:
+        """The one console line that says where the export went."""
+        if self.refused is None:
+            return f"exported: {self.saved_model} {self.keras_file}"
+        return (
+            f"export_dir {export_dir!r} could not be written ({self.refused}); "
+            f"exported to {os.path.dirname(self.saved_model)} instead: "
+            f"{self.saved_model} {self.keras_file}"
+        )
 
 
 def _check_no_strategy() -> None:
@@ -189,6 +203,22 @@ def _save(
 
 
 def _write_export(export_dir: str, write: Callable[[str, str], None]) -> ExportPaths:
+    """`write(saved_model, keras_file)` into `export_dir`, or where it can.
+
+    The export runs after training, and `export_dir` was checked before any
+    server started (`paths.probe_writable`), but a disk can fill or a mount
+    go read-only meanwhile: then the model is written to a new temporary
+    folder, named in `ExportPaths.refused`'s line, rather than lost.
+    """
+    try:
+        return _write_export_to(export_dir, write)
+    except OSError as e:
+        fallback = tempfile.mkdtemp(prefix="tf_distbelief_export_")
+        written = _write_export_to(fallback, write)
+        return dataclasses.replace(written, refused=e.strerror or str(e))
+
+
+def _write_export_to(export_dir: str, write: Callable[[str, str], None]) -> ExportPaths:
     """`write(saved_model, keras_file)` into a new folder, then moves both into
     place: an earlier export is replaced whole, never torn or mixed."""
     os.makedirs(export_dir, exist_ok=True)

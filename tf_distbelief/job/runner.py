@@ -300,7 +300,7 @@ def _export(config: JobConfig, spec: ModelSpec, model, print_fn) -> None:
     written = export.export_model(
         model, lambda: build_model(config, spec, devices), config.export_dir, input_spec
     )
-    print_fn(f"exported: {written.saved_model} {written.keras_file}")
+    print_fn(written.line(config.export_dir))
 
 
 def evaluator_test_set(config: JobConfig, spec: ModelSpec) -> tuple:
@@ -457,6 +457,11 @@ def run(
     trains = resolver is None or resolver.task_type == "chief"
     if config.export_dir and trains:
         export.check_export_dir(config.export_dir, config.model_dir)
+    if trains:
+        # Permission bits pass for root on /proc or a read-only mount: write.
+        for name in ("model_dir", "export_dir"):
+            if getattr(config, name):
+                paths.probe_writable(name, getattr(config, name))
     if not trains:
         return _run(config, spec, print_fn, trainer, resolver)
     lock = contextlib.nullcontext()

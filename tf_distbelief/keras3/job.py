@@ -171,7 +171,7 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
         written = export.export_keras3_model(
             _plain_copy(config, spec, model), config.export_dir, input_spec
         )
-        print_fn(f"exported: {written.saved_model} {written.keras_file}")
+        print_fn(written.line(config.export_dir))
     return {
         "test_accuracy": test_accuracy,
         "history": history.history,
