@@ -9,6 +9,9 @@ A job's `model_dir` holds:
   by L-BFGS iteration;
 * `tensorboard/` (and `tensorboard/eval/`, the evaluator's): TensorBoard
   scalars;
+* `cluster/`: a local cluster's task logs (`<job>_<index>.log`), kept for
+  reading after a failure (without a `model_dir` they go to a temporary
+  folder removed when the job ends);
 * `.lock`: while a job trains into it, who (host, pid, since when);
   `ModelDirLock` takes it, so that one job at a time writes a `model_dir`.
 
@@ -43,6 +46,7 @@ __all__ = [
     "check_model_dir",
     "probe_writable",
     "checkpoint_dir",
+    "cluster_log_dir",
     "checkpoint_number",
     "describe_checkpoint",
     "eval_tensorboard_dir",
@@ -55,6 +59,7 @@ __all__ = [
 _CHECKPOINTS = "checkpoints"
 _SANDBLASTER = "sandblaster"
 _TENSORBOARD = "tensorboard"
+_CLUSTER = "cluster"
 _EVAL = "eval"
 # `tf.train.CheckpointManager`'s default prefix: `ckpt-<number>`.
 CHECKPOINT_PREFIX = "ckpt"
@@ -142,6 +147,11 @@ def checkpoint_dir(model_dir: str) -> str:
 def sandblaster_dir(model_dir: str) -> str:
     """`model_dir/sandblaster`: Sandblaster's checkpoints, `ckpt-<iteration>`."""
     return os.path.join(model_dir, _SANDBLASTER)
+
+
+def cluster_log_dir(model_dir: str) -> str:
+    """`model_dir/cluster`: a local cluster's task logs and ready files."""
+    return os.path.join(model_dir, _CLUSTER)
 
 
 def tensorboard_dir(model_dir: str) -> str:

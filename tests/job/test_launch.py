@@ -5,6 +5,7 @@ inherits, so "no process left behind" is checked across the whole machine.
 """
 
 import json
+import os
 import re
 import signal
 import socket
@@ -435,6 +436,14 @@ def test_embedding_resume_keeps_every_adagrad_accumulator(tmp_path):
     for key in accumulators:
         assert (second[key] >= first[key]).all(), key
         assert (second[key] > first[key]).any(), key  # The second run trained.
+    # The local cluster's task logs are kept in the model_dir.
+    logs = sorted(os.listdir(tmp_path / "cluster"))
+    assert [name for name in logs if name.endswith(".log")] == [
+        "ps_0.log",
+        "ps_1.log",
+        "worker_0.log",
+        "worker_1.log",
+    ]
 
 
 @pytest.mark.slow

@@ -489,6 +489,7 @@ def _run(config, spec, print_fn, trainer, resolver) -> dict | None:
             nic_bandwidth=config.emulate_nic,
             ps_nic_bandwidth=config.emulate_ps_nic,
             hung_task_timeout_secs=config.hung_task_timeout_secs,
+            log_dir=config.model_dir and paths.cluster_log_dir(config.model_dir),
         ) as local:
             print_fn(
                 f"local cluster: {config.num_workers} workers, {config.num_ps} ps "
