@@ -149,25 +149,35 @@ def test_vector_free_iterates_equal_two_loop_on_vectors(problem, m):
 
 @pytest.mark.parametrize("problem", [_digits_logistic, _rosenbrock])
 def test_vector_free_with_memory_1_differs_as_rounding_does(problem):
-    """With `m = 1` L-BFGS amplifies rounding to about 3e-9 in 60 steps: the
-    two-loop on vectors moves as far when its gradients are perturbed by
-    1e-16 (relative). The vector-free run stays within 10x that."""
+    """With `m = 1` L-BFGS amplifies rounding to 1e-9 to 1e-6 in 60 steps: the
+    two-loop on vectors moves that far when its gradients are perturbed by
+    1e-16 (relative), and on Rosenbrock a perturbation alone changes the
+    line searches' evaluations (116, 121 or 122 over 8 draws, NumPy 2.4 on
+    AVX-512). The vector-free run takes a path rounding takes, and stays
+    within 10x of rounding's median distance."""
     fun, x0 = problem()
-    rng = np.random.default_rng(0)
-
-    def perturbed(x):
-        loss, grad = fun(x)
-        return loss, grad * (1.0 + 1e-16 * rng.standard_normal(grad.shape))
-
     ops = vector_ops.NumpyVectorOps()
-    runs = [
-        lbfgs.minimize(f, x0, ops, m=1, two_loop=name, **_ITERATE_ARGS)
-        for f, name in [(fun, "vectors"), (fun, "vector_free"), (perturbed, "vectors")]
-    ]
-    assert len({(r.num_iters, r.num_evals) for r in runs}) == 1
-    free_error = max(_relative_errors(runs[1], runs[0]))
-    rounding_error = max(_relative_errors(runs[2], runs[0]))
-    assert 1e-10 < rounding_error and free_error <= 10 * rounding_error
+
+    def perturbed(seed):
+        rng = np.random.default_rng(seed)
+
+        def f(x):
+            loss, grad = fun(x)
+            return loss, grad * (1.0 + 1e-16 * rng.standard_normal(grad.shape))
+
+        return f
+
+    def run(f, name):
+        return lbfgs.minimize(f, x0, ops, m=1, two_loop=name, **_ITERATE_ARGS)
+
+    reference, free = run(fun, "vectors"), run(fun, "vector_free")
+    rounded = [run(perturbed(seed), "vectors") for seed in range(8)]
+    paths = {(r.num_iters, r.num_evals) for r in [reference, *rounded]}
+    assert (free.num_iters, free.num_evals) in paths
+    rounding_errors = [max(_relative_errors(r, reference)) for r in rounded]
+    free_error = max(_relative_errors(free, reference))
+    assert 1e-10 < min(rounding_errors)
+    assert free_error <= 10 * np.median(rounding_errors)
 
 
 class CountingOps(vector_ops.NumpyVectorOps):
