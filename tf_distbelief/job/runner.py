@@ -34,6 +34,7 @@ from tf_distbelief.cluster import connect as cluster_connect
 from tf_distbelief.cluster.local import hung_tasks
 from tf_distbelief.faults import goodput, recovery, tf_keras_fit
 from tf_distbelief.fit import evaluation, export, training
+from tf_distbelief.job import stopping
 from tf_distbelief.job.config import JobConfig
 from tf_distbelief.job.spec import ModelSpec
 
@@ -418,6 +419,7 @@ def run(
     print_fn=console.echo,
     trainer=None,
     start_secs: float | None = None,
+    stop_on_signals: bool = False,
 ) -> dict | None:
     """Runs this process's part of the job; see the module docstring.
 
@@ -434,6 +436,9 @@ def run(
         model). `tf_distbelief.keras3.job.TRAINER` trains a Keras 3 model.
       start_secs: when the job started, on `time.monotonic`'s scale, for
         its goodput (`main` passes the process's start); None: now.
+      stop_on_signals: on the chief (or a local job), SIGINT and SIGTERM
+        end the process at once with one line (`job.stopping`); `main`'s
+        choice, never a library caller's.
 
     Returns:
       On the chief, `train`'s result; on other tasks, None.
@@ -464,6 +469,8 @@ def run(
                 paths.probe_writable(name, getattr(config, name))
     if not trains:
         return _run(config, spec, print_fn, trainer, resolver)
+    if stop_on_signals:
+        stopping.install(config.model_dir, print_fn)
     lock = contextlib.nullcontext()
     if config.model_dir:
         # One job per model_dir, refused before any server starts; the
@@ -587,6 +594,7 @@ def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> 
         console.echo,
         trainer,
         start_secs,
+        True,
         keep=(errors.ConfigError,),
         one_line=(cluster_connect.ClusterConnectError,),
     )

@@ -238,6 +238,10 @@ class LocalCluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                # Out of the chief's process group: Ctrl-C in a terminal (or
+                # a signal to the job's group) reaches the chief alone, which
+                # ends the tasks; a task that died of it would be restarted.
+                start_new_session=True,
                 preexec_fn=(
                     children.set_parent_death_signal
                     if emulated is None
@@ -599,7 +603,13 @@ _LIVE_CLUSTERS: set[LocalCluster] = set()
 _CLEANUP_INSTALLED = False
 
 
-def _stop_live_clusters(leave_tasks: bool = True) -> None:
+def stop_live_clusters(leave_tasks: bool = True) -> None:
+    """Stops every `LocalCluster` of this process that is still running.
+
+    Args:
+      leave_tasks: as for `LocalCluster.stop`; False when the process ends
+        at once afterwards (a signal handler), whose teardown never runs.
+    """
     for cluster in list(_LIVE_CLUSTERS):
         cluster.stop(leave_tasks)
 
@@ -612,7 +622,7 @@ def _register_live(cluster: LocalCluster) -> None:
         return
     import atexit
 
-    atexit.register(_stop_live_clusters)
+    atexit.register(stop_live_clusters)
     _CLEANUP_INSTALLED = True
     if threading.current_thread() is not threading.main_thread():
         return
@@ -623,11 +633,15 @@ def _register_live(cluster: LocalCluster) -> None:
         # the interpreter's teardown waited for ever on a `ClusterCoordinator`
         # still retrying its functions on the ended tasks (seen: a chief
         # SIGTERMed as it started training did not exit in 900 s).
-        _stop_live_clusters(leave_tasks=False)
-        if callable(previous):
-            previous(signum, frame)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(128 + signum)
+        # The handler that was there first (a launched job's one line, which
+        # may end the process itself), then the tasks whatever it did.
+        try:
+            if callable(previous):
+                previous(signum, frame)
+        finally:
+            stop_live_clusters(leave_tasks=False)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, _on_sigterm)
