@@ -26,6 +26,31 @@ def test_the_message_names_the_argument_the_rule_and_the_value():
     assert str(error) == "Field `loss` of `s` must be finite. Received: nan"
 
 
+def test_a_message_may_name_the_value_by_what_it_is():
+    error = checks.argument_error("ps", "a list", 3, prefix="Job")
+    assert str(error) == "Job `ps` must be a list. Received: 3"
+    error = checks.argument_error(
+        "TF_CONFIG", "a dict", 1, setting=True, clause="field `task`"
+    )
+    assert str(error) == "`TF_CONFIG` field `task` must be a dict. Received: 1"
+
+
+def test_an_argument_error_may_be_a_subclass_callers_catch_by_name():
+    from tf_distbelief.cluster import config as config_lib
+
+    error = checks.argument_error(
+        "TF_CONFIG", "a dict", 1, setting=True, error=config_lib.ClusterConfigError
+    )
+    assert type(error) is config_lib.ClusterConfigError
+    assert isinstance(error, checks.ArgumentError)
+    with pytest.raises(
+        checks.ArgumentError,
+        match=r"^Argument `error` must be an `ArgumentError` subclass\. "
+        r"Received: <class 'ValueError'>$",
+    ):
+        checks.argument_error("x", "1", 0, error=ValueError)
+
+
 @pytest.mark.parametrize(
     "check, args, match",
     [

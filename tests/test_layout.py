@@ -486,11 +486,6 @@ def test_every_public_error_is_a_distbelief_error_at_the_top_level():
         assert issubclass(getattr(tfdb, name), tfdb.DistBeliefError), name
 
 
-# Modules whose argument messages are not yet routed through `checks`:
-# TODO(#45): the cluster package, once its files have moved.
-_MESSAGES_NOT_YET_ROUTED = ("tf_distbelief/cluster/",)
-
-
 def _inline_argument_messages(paths) -> list[str]:
     """`path:line` of each `raise` outside `checks` whose message text (a
     string constant or f-string part) says an argument or a backticked name
@@ -519,12 +514,7 @@ def test_argument_messages_have_one_owner():
     # Every refused argument is a `checks.ArgumentError` with the house
     # message ("Argument `name` must be <rule>. Received: <value!r>"),
     # written by `checks` alone.
-    paths = [
-        p
-        for p in _package_files()
-        if not os.path.relpath(p, ROOT).startswith(_MESSAGES_NOT_YET_ROUTED)
-    ]
-    assert _inline_argument_messages(paths) == []
+    assert _inline_argument_messages(_package_files()) == []
 
 
 def test_the_layout_test_sees_an_inline_argument_message(tmp_path, monkeypatch):

@@ -41,6 +41,9 @@ def argument_error(
     field: str | None = None,
     setting: bool = False,
     described: str | None = None,
+    prefix: str | None = None,
+    clause: str | None = None,
+    error: type[ArgumentError] = ArgumentError,
 ) -> ArgumentError:
     """Returns the `ArgumentError` for argument `name`, to raise.
 
@@ -59,21 +62,38 @@ def argument_error(
         ("`name` must be ...", printed as one line by the launch script).
       described: what was received, in words, where neither the value nor a
         part of it reads well alone ("Received blocks that make up ...").
+      prefix: the words before the backticked name in place of "Argument",
+        for a value named by what it is rather than as an argument ("Job",
+        "Task index of").
+      clause: words between the name and "must be": the part of it the rule
+        is for ("field `task`"), or what it is, ending in "and" ("is where
+        `pvc` is mounted and").
+      error: the class of the error, an `ArgumentError` subclass that callers
+        catch by name (e.g. `ClusterConfigError` for a `TF_CONFIG`).
 
     Returns:
       "Argument `name` must be <rule>. Received[ <what>]: <value!r>[ <fix>]",
-      "Field `field` of `name` must be ..." for a field, or "`name` must be
-      ..." for a setting.
+      "Field `field` of `name` must be ..." for a field, "`name` must be
+      ..." for a setting, or "<prefix> `name` must be ..." with a prefix.
+
+    Raises:
+      ArgumentError: `error` is not an `ArgumentError` subclass.
     """
+    if not (isinstance(error, type) and issubclass(error, ArgumentError)):
+        raise argument_error("error", "an `ArgumentError` subclass", error)
     received = repr(value) if shown is None else shown
     noun = f" {what}" if what else ""
     received = f"{noun}: {received}" if described is None else f" {described}"
     if field is not None:
         subject = f"Field `{field}` of `{name}`"
+    elif prefix is not None:
+        subject = f"{prefix} `{name}`"
     else:
         subject = f"`{name}`" if setting else f"Argument `{name}`"
+    if clause:
+        subject = f"{subject} {clause}"
     message = f"{subject} must be {rule}. Received{received}"
-    return ArgumentError(f"{message} {fix}" if fix else message)
+    return error(f"{message} {fix}" if fix else message)
 
 
 def is_int(value: Any) -> bool:

@@ -47,8 +47,12 @@ SERVER_JOBS = ("worker", "ps")
 JOB_ALIASES = {"master": "chief"}
 
 
-class ClusterConfigError(errors.ConfigError):
-    """A cluster configuration (`TF_CONFIG` or a resolver) is invalid."""
+class ClusterConfigError(checks.ArgumentError):
+    """A cluster configuration (`TF_CONFIG` or a resolver) is invalid.
+
+    An `ArgumentError` (so a `ConfigError` and a `ValueError`), so that
+    `checks.argument_error` writes its "must be" messages.
+    """
 
 
 class ClusterStartError(errors.DistBeliefError, RuntimeError):
@@ -77,9 +81,13 @@ def _normalize_job(job: str, tasks: Any) -> dict[int, str]:
                 )
             items.append((index, address))
     else:
-        raise ClusterConfigError(
-            f"Job `{job}` must be a list of 'host:port' strings or an object "
-            f"mapping task index to 'host:port'. Received: {tasks!r}"
+        raise checks.argument_error(
+            job,
+            "a list of 'host:port' strings or an object mapping task index to "
+            "'host:port'",
+            tasks,
+            prefix="Job",
+            error=ClusterConfigError,
         )
     result = {}
     for index, address in items:
@@ -175,8 +183,12 @@ def validate_cluster(
                 f"{', '.join(ALLOWED_JOBS)}."
             )
         if not checks.is_int(task_id):
-            raise ClusterConfigError(
-                f"Task index of `{task_type}` must be an integer. Received: {task_id!r}"
+            raise checks.argument_error(
+                task_type,
+                "an integer",
+                task_id,
+                prefix="Task index of",
+                error=ClusterConfigError,
             )
         if task_type == "evaluator" and task_type not in jobs:
             # Older TFJob operators leave the evaluator out of the cluster.
@@ -231,15 +243,22 @@ def tf_config_task(config: Any, text: str | None = None) -> ClusterTask:
     for errors); raises `ClusterConfigError` as `resolve_cluster`."""
     text = json.dumps(config) if text is None else text
     if not isinstance(config, dict) or "cluster" not in config:
-        raise ClusterConfigError(
-            "`TF_CONFIG` must be a JSON object with a `cluster` field and a `task` "
-            f"field. Received: {console.shorten(text, 200)!r}"
+        raise checks.argument_error(
+            "TF_CONFIG",
+            "a JSON object with a `cluster` field and a `task` field",
+            console.shorten(text, 200),
+            setting=True,
+            error=ClusterConfigError,
         )
     task = config.get("task", {})
     if not isinstance(task, dict):
-        raise ClusterConfigError(
-            f'`TF_CONFIG` field `task` must be {{"type": ..., "index": ...}}. '
-            f"Received: {task!r}"
+        raise checks.argument_error(
+            "TF_CONFIG",
+            '{"type": ..., "index": ...}',
+            task,
+            setting=True,
+            clause="field `task`",
+            error=ClusterConfigError,
         )
     task_type = canonical_job(task.get("type"))
     task_id = task.get("index", 0 if task_type else None)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 
 from absl import logging
 
+from tf_distbelief import checks
 from tf_distbelief.cluster import config as config_lib
 from tf_distbelief.cluster import health
 
@@ -50,9 +51,7 @@ def wait_for_tasks(
         accept connections)`.
     """
     if not timeout_secs > 0:
-        raise ValueError(
-            f"Argument `connect_timeout_secs` must be > 0. Received: {timeout_secs!r}"
-        )
+        raise checks.argument_error("connect_timeout_secs", "> 0", timeout_secs)
     report = report or logging.warning
     pending = {}
     for job in config_lib.SERVER_JOBS:

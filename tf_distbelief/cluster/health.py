@@ -37,6 +37,8 @@ import concurrent.futures
 import enum
 from collections.abc import Mapping
 
+from tf_distbelief import checks
+
 # A TensorFlow server answers in milliseconds; a loaded 2-core machine
 # starting several servers was seen at up to 1.2 s.
 DEFAULT_PROBE_TIMEOUT_SECS = 3.0
@@ -84,9 +86,7 @@ def probe(address: str, timeout_secs: float = DEFAULT_PROBE_TIMEOUT_SECS) -> Tas
     import grpc
 
     if not timeout_secs > 0:
-        raise ValueError(
-            f"Argument `timeout_secs` must be > 0. Received: {timeout_secs!r}"
-        )
+        raise checks.argument_error("timeout_secs", "> 0", timeout_secs)
     channel = grpc.insecure_channel(address)
     try:
         call = channel.unary_unary(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from tf_distbelief import checks
 from tf_distbelief.cluster import config as config_lib
 
 __all__ = [
@@ -70,8 +71,12 @@ def _get(environ: Mapping[str, str], name: str) -> str:
 def _index(environ: Mapping[str, str], name: str) -> int:
     value = _get(environ, name)
     if not value.isdigit():
-        raise config_lib.ClusterConfigError(
-            f"`{name}` must be an integer >= 0. Received: {value!r}"
+        raise checks.argument_error(
+            name,
+            "an integer >= 0",
+            value,
+            setting=True,
+            error=config_lib.ClusterConfigError,
         )
     return int(value)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from tf_distbelief import console
+from tf_distbelief import checks, console
 from tf_distbelief.cluster import config as config_lib
 from tf_distbelief.cluster import jobset_pod
 
@@ -41,9 +41,12 @@ def cluster_source(cluster_from: str = "auto", environ=None) -> str | None:
     environ = os.environ if environ is None else environ
     given = bool(environ.get(_TF_CONFIG, "").strip())
     if cluster_from not in CLUSTER_SOURCES:
-        raise config_lib.ClusterConfigError(
-            f"`cluster_from` must be one of {', '.join(CLUSTER_SOURCES)}. "
-            f"Received: {cluster_from!r}"
+        raise checks.argument_error(
+            "cluster_from",
+            f"one of {', '.join(CLUSTER_SOURCES)}",
+            cluster_from,
+            setting=True,
+            error=config_lib.ClusterConfigError,
         )
     if cluster_from == "jobset":
         if given:

@@ -66,14 +66,10 @@ def check(model, args: FitArgs) -> None:
     settings.check_nonfinite_mode(args.nonfinite)
     _check_validation_data(args.validation_data)
     if not checks.is_int(args.initial_epoch) or args.initial_epoch < 0:
-        raise ValueError(
-            "Argument `initial_epoch` must be an int >= 0. Received: "
-            f"{args.initial_epoch!r}"
-        )
+        raise checks.argument_error("initial_epoch", "an int >= 0", args.initial_epoch)
     if not checks.is_int(args.log_every_steps) or args.log_every_steps < 0:
-        raise ValueError(
-            f"Argument `log_every_steps` must be an int >= 0. Received: "
-            f"{args.log_every_steps!r}"
+        raise checks.argument_error(
+            "log_every_steps", "an int >= 0", args.log_every_steps
         )
     per_execution = args.steps_per_execution
     if (
@@ -81,32 +77,27 @@ def check(model, args: FitArgs) -> None:
         or per_execution < 1
         or args.steps_per_epoch % per_execution
     ):
-        raise ValueError(
-            "Argument `steps_per_execution` must be an int >= 1 that divides "
-            f"`steps_per_epoch` ({args.steps_per_epoch}). Received: "
-            f"{per_execution!r}"
+        raise checks.argument_error(
+            "steps_per_execution",
+            f"an int >= 1 that divides `steps_per_epoch` ({args.steps_per_epoch})",
+            per_execution,
         )
 
 
 def _check_arguments(model, x, y, dataset, epochs, steps_per_epoch, batch_size):
     if not isinstance(model, keras.Model):
-        raise TypeError(
-            "Argument `model` must be a Keras 3 `keras.Model` (tf_keras models "
-            f"train with `tf_distbelief.fit.training.fit`). Received: {type(model)!r}"
+        raise checks.argument_error(
+            "model",
+            "a Keras 3 `keras.Model` (tf_keras models train with "
+            "`tf_distbelief.fit.training.fit`)",
+            type(model),
         )
     for name, value in (
         ("epochs", epochs),
         ("steps_per_epoch", steps_per_epoch),
         ("batch_size", batch_size),
     ):
-        if not checks.is_int(value):
-            raise ValueError(
-                f"Argument `{name}` must be an int >= 1. Received: {value!r}"
-            )
-        if value < 1:
-            raise ValueError(
-                f"Argument `{name}` must be an int >= 1. Received: {value!r}"
-            )
+        checks.check_int(name, value, 1, "an int >= 1", "an int >= 1")
     if (dataset is None) == (x is None):
         raise ValueError(
             "Pass either `x` and `y` (NumPy arrays) or `dataset` (a batched "
@@ -137,9 +128,11 @@ def _check_validation_data(validation_data) -> None:
             shown = (
                 f"{len(validation_data[0])} examples, {len(validation_data[1])} labels"
             )
-        raise ValueError(
-            "Argument `validation_data` must be `(x_val, y_val)`: two arrays "
-            f"with one label per example, at least one. Received: {shown}"
+        raise checks.argument_error(
+            "validation_data",
+            "`(x_val, y_val)`: two arrays with one label per example, at least one",
+            validation_data,
+            shown=shown,
         )
 
 
@@ -151,9 +144,10 @@ def loss_function(model, loss):
     """
     loss = loss if loss is not None else getattr(model, "loss", None)
     if loss is None:
-        raise ValueError(
-            "Argument `loss` must be a Keras 3 loss, its name or a function, or "
-            "the model compiled with one. Received: None"
+        raise checks.argument_error(
+            "loss",
+            "a Keras 3 loss, its name or a function, or the model compiled with one",
+            None,
         )
     return keras.losses.get(loss) if isinstance(loss, str) else loss
 
@@ -188,14 +182,17 @@ def check_downpour(model, rule, optimizer, ps_weights, downpour, steps_per_execu
             f"ps_weights={ps_weights!r}"
         )
     if not isinstance(rule, optimizer_lib.Adagrad):
-        raise ValueError(
-            "Argument `optimizer` must be AdaGrad with `downpour`: a Keras 3 "
-            "model's Downpour pushes to AdaGrad on the ps. Received: "
-            f"{optimizer!r}"
+        raise checks.argument_error(
+            "optimizer",
+            "AdaGrad with `downpour`: a Keras 3 model's Downpour pushes to "
+            "AdaGrad on the ps",
+            optimizer,
         )
     if steps_per_execution > 1 and not downpour.runs_segments:
-        raise ValueError(
-            "Argument `steps_per_execution` must be 1 with Downpour unless "
-            "it runs in segments (n_fetch > 1, n_push > 1, no warm start). "
-            f"Received: steps_per_execution={steps_per_execution}, {downpour}"
+        raise checks.argument_error(
+            "steps_per_execution",
+            "1 with Downpour unless it runs in segments (n_fetch > 1, "
+            "n_push > 1, no warm start)",
+            steps_per_execution,
+            fix=f"({downpour})",
         )

@@ -69,9 +69,8 @@ class Setting:
         elif self.outer:
             raise ValueError("Argument `outer` needs Downpour (n_fetch, n_push).")
         if self.accumulator not in ACCUMULATORS:
-            raise ValueError(
-                f"Argument `accumulator` must be one of {ACCUMULATORS}. "
-                f"Received: {self.accumulator!r}"
+            raise checks.argument_error(
+                "accumulator", f"one of {ACCUMULATORS}", self.accumulator
             )
 
     @classmethod
@@ -81,10 +80,7 @@ class Setting:
             return cls(accumulator=accumulator)
         match = _SETTING_RE.match(str(name))
         if not match or int(match.group(1)) < 1:
-            raise ValueError(
-                "Argument `name` must be stock, n=<n> or n=<n>+outer. "
-                f"Received: {name!r}"
-            )
+            raise checks.argument_error("name", "stock, n=<n> or n=<n>+outer", name)
         n = int(match.group(1))
         return cls(n, n, bool(match.group(2)), accumulator)
 
@@ -192,25 +188,20 @@ class Cluster:
             if value is not None and not (
                 checks.is_number(value) and math.isfinite(value) and value > 0
             ):
-                raise ValueError(
-                    f"Argument `{name}` must be a positive number of bits/s or "
-                    f"None (unlimited). Received: {value!r}"
+                raise checks.argument_error(
+                    name, "a positive number of bits/s or None (unlimited)", value
                 )
         jitter = self.step_jitter_secs
         if jitter is not None and not (
             checks.is_number(jitter) and math.isfinite(jitter) and jitter >= 0
         ):
-            raise ValueError(
-                "Argument `step_jitter_secs` must be a finite number >= 0 or "
-                f"None. Received: {jitter!r}"
+            raise checks.argument_error(
+                "step_jitter_secs", "a finite number >= 0 or None", jitter
             )
         for name in ("compute_secs", "function_secs", "overhead_bytes"):
             value = getattr(self, name)
             if not (checks.is_number(value) and math.isfinite(value) and value >= 0):
-                raise ValueError(
-                    f"Argument `{name}` must be a finite number >= 0. "
-                    f"Received: {value!r}"
-                )
+                raise checks.argument_error(name, "a finite number >= 0", value)
 
     def replace(self, **changes) -> Cluster:
         return dataclasses.replace(self, **changes)

@@ -189,14 +189,16 @@ class PodsConfig:
         ):
             value = getattr(self, name)
             if not checks.is_int(value) or value < low:
-                raise ValueError(
-                    f"`{name}` must be an integer >= {low}. Received: {value!r}"
+                raise checks.argument_error(
+                    name, f"an integer >= {low}", value, setting=True
                 )
         for name in ("cpu", "memory"):
             if not _QUANTITY.fullmatch(str(getattr(self, name))):
-                raise ValueError(
-                    f"`{name}` must be a Kubernetes quantity such as '1', '500m' "
-                    f"or '2Gi'. Received: {getattr(self, name)!r}"
+                raise checks.argument_error(
+                    name,
+                    "a Kubernetes quantity such as '1', '500m' or '2Gi'",
+                    getattr(self, name),
+                    setting=True,
                 )
         self._check_model_dir()
         for arg in self.train_args:
@@ -223,9 +225,12 @@ class PodsConfig:
                 max_chars=253,
             )
             if not self.effective_model_dir.startswith("/"):
-                raise ValueError(
-                    "`model_dir` is where `pvc` is mounted and must be an absolute "
-                    f"path. Received: {self.model_dir!r}"
+                raise checks.argument_error(
+                    "model_dir",
+                    "an absolute path",
+                    self.model_dir,
+                    setting=True,
+                    clause="is where `pvc` is mounted and",
                 )
         model_dir = self.effective_model_dir
         if self.evaluator and not (self.pvc or (model_dir and "://" in model_dir)):
@@ -246,9 +251,8 @@ def check_name(
         or not pattern.fullmatch(value)
         or len(value) > max_chars
     ):
-        raise ValueError(
-            f"`{field}` must be {rule}, at most {max_chars} characters. "
-            f"Received: {value!r}"
+        raise checks.argument_error(
+            field, f"{rule}, at most {max_chars} characters", value, setting=True
         )
 
 

@@ -151,9 +151,10 @@ def assign_gpus(
     if gpus_per_worker is not None and (
         not checks.is_int(gpus_per_worker) or gpus_per_worker < 0
     ):
-        raise ValueError(
-            "Argument `gpus_per_worker` must be None (share the host's GPUs "
-            f"among the workers) or an integer >= 0. Received: {gpus_per_worker!r}"
+        raise checks.argument_error(
+            "gpus_per_worker",
+            "None (share the host's GPUs among the workers) or an integer >= 0",
+            gpus_per_worker,
         )
     gpus = list(gpus)
     if gpus_per_worker is None and not gpus:

@@ -155,9 +155,8 @@ class HungTaskWatch:
           ValueError: `task` is not watched.
         """
         if task not in self._tasks:
-            raise ValueError(
-                f"Argument `task` must be a watched task ({sorted(self._tasks)}). "
-                f"Received: {task!r}"
+            raise checks.argument_error(
+                "task", f"a watched task ({sorted(self._tasks)})", task
             )
         self._send({"pids": {task: None if pid is None else _identity(pid)}})
 

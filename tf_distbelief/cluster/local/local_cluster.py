@@ -150,15 +150,11 @@ class LocalCluster:
             ("max_restarts", max_restarts, 0),
             ("intra_op_threads", intra_op_threads, 0),
         ):
-            if not checks.is_int(value) or value < least:
-                rule = "a positive integer" if least else "an integer >= 0"
-                raise ValueError(
-                    f"Argument `{name}` must be {rule}. Received: {value!r}"
-                )
+            rule = "a positive integer" if least else "an integer >= 0"
+            checks.check_int(name, value, least, rule, rule)
         if not start_timeout_secs > 0:
-            raise ValueError(
-                "Argument `start_timeout_secs` must be positive. Received: "
-                f"{start_timeout_secs!r}"
+            raise checks.argument_error(
+                "start_timeout_secs", "positive", start_timeout_secs
             )
         counts = {"chief": 1, "worker": num_workers, "ps": num_ps}
         ports = dict(ports or {})
@@ -418,9 +414,7 @@ class LocalCluster:
             ("num_ps", num_ps, self.num_ps),
         ):
             if not 1 <= value <= most:
-                raise ValueError(
-                    f"Argument `{name}` must be in [1, {most}]. Received: {value}"
-                )
+                raise checks.argument_error(name, f"in [1, {most}]", value)
         jobs = {
             "chief": {0: f"{self._host('chief')}:{portpicker.pick_unused_port()}"},
             "worker": dict(enumerate(self.jobs["worker"][:num_workers])),

@@ -96,9 +96,10 @@ class NicRates:
             if not checks.is_int(value) or not (
                 _MIN_BITS_PER_SEC <= value <= _MAX_BITS_PER_SEC
             ):
-                raise ValueError(
-                    f"Argument `{name}` must be an int in [{_MIN_BITS_PER_SEC}, "
-                    f"{_MAX_BITS_PER_SEC}] bits/s. Received: {value!r}"
+                raise checks.argument_error(
+                    name,
+                    f"an int in [{_MIN_BITS_PER_SEC}, {_MAX_BITS_PER_SEC}] bits/s",
+                    value,
                 )
 
     @classmethod
@@ -165,10 +166,12 @@ def parse_rate(value, name: str = "nic_bandwidth") -> int:
             unit = (match.group(2) or "bit").lower()
             bits = round(float(match.group(1)) * _UNITS[unit])
     if bits is None or not _MIN_BITS_PER_SEC <= bits <= _MAX_BITS_PER_SEC:
-        raise ValueError(
-            f"`{name}` must be a rate such as 1gbit, 100mbit or 10gbit (units "
-            f"bit, kbit, mbit, gbit, tbit; decimal), between 10kbit and 1tbit. "
-            f"Received: {value!r}"
+        raise checks.argument_error(
+            name,
+            "a rate such as 1gbit, 100mbit or 10gbit (units bit, kbit, mbit, "
+            "gbit, tbit; decimal), between 10kbit and 1tbit",
+            value,
+            setting=True,
         )
     return bits
 
@@ -316,7 +319,7 @@ class EmulatedNetwork:
         checks.check_int("slot", slot, 0)
         n = slot + 2
         if n > 0xFFFE:
-            raise ValueError(f"Argument `slot` must be < 65533. Received: {slot}")
+            raise checks.argument_error("slot", "< 65533", slot)
         return f"{self._subnet}.{n >> 8}.{n & 0xFF}"
 
     @staticmethod
