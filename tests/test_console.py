@@ -398,3 +398,35 @@ def test_exit_when_done_ends_the_process(kind, returncode, out):
         )
     else:
         assert "Traceback" not in done.stderr
+
+
+_AUTOGRAPH_THEN_END = """
+import tensorflow as tf
+from tf_distbelief import console
+
+@tf.function
+def f(x):
+    while x > 0:  # Converted by autograph: its source goes to a temp file.
+        x -= 1
+    return x
+
+print(int(f(tf.constant(3))), flush=True)
+console.end_process(0)
+"""
+
+
+def test_a_process_ended_at_once_leaves_no_autograph_file(tmp_path):
+    # `os._exit` skips the interpreter's teardown, where autograph removes
+    # the files it wrote; `console.end_process` removes them first.
+    script, temp = tmp_path / "script.py", tmp_path / "tmp"
+    script.write_text(_AUTOGRAPH_THEN_END)  # Autograph reads its source.
+    temp.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        env=dict(os.environ, TMPDIR=str(temp), PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stdout == "0\n", proc.stderr[-2000:]
+    assert os.listdir(temp) == []

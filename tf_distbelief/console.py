@@ -313,16 +313,24 @@ def exit_when_done(
     except one_line as e:
         sys.stdout.flush()
         sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {e}\n")
-        sys.stderr.flush()
-        os._exit(1)
+        end_process(1)
     except Exception:  # noqa: BLE001 - written out whole, then the process ends.
         sys.stdout.flush()
         traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+        end_process(1)
+    end_process(0)
+
+
+def end_process(status: int) -> None:
+    """Flushes stdout and stderr, removes this process's temporary files that
+    only its interpreter's teardown would (autograph's sources), and ends the
+    process at once with `status` (`os._exit`: see `exit_when_done`)."""
+    from tf_distbelief.tf_internals import autograph  # Imports no TensorFlow.
+
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    autograph.remove_generated_files()
+    os._exit(status)
 
 
 def exiting(main, keep: tuple[type[BaseException], ...] = ()):

@@ -187,10 +187,10 @@ def test_without_isolation_one_warning_names_the_open_ports():
 @pytest.mark.slow
 @needs_namespaces
 @pytest.mark.parametrize(
-    # SIGTERM: LocalCluster's handler ends the tasks, then exits 128 + 15.
-    # SIGINT: KeyboardInterrupt; Python then ends itself by SIGINT.
+    # The job's handler (`job.stopping`) ends the tasks, then exits with
+    # 128 + the signal, as a shell reports a job a signal ended.
     "sig,returncode",
-    [(signal.SIGTERM, 143), (signal.SIGINT, -signal.SIGINT)],
+    [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
 )
 def test_a_signal_to_the_launcher_ends_the_isolated_job(sig, returncode):
     """The launcher is the job (re-executed in place): the same pid, so the

@@ -493,3 +493,53 @@ def test_reliability_flags_fail_at_parse_time(flags, message):
     assert proc.returncode == 1
     assert re.search(message, proc.stderr), proc.stderr[-2000:]
     assert "local cluster" not in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sig, code, line",
+    [
+        (signal.SIGINT, 130, "SIGINT (Ctrl-C): job stopped; no model_dir: a rerun"),
+        (signal.SIGTERM, 143, "SIGTERM: job stopped; a rerun resumes from ckpt-"),
+    ],
+)
+def test_a_signal_to_the_jobs_process_group_stops_it_in_one_line(
+    sig, code, line, tmp_path
+):
+    # What a terminal's Ctrl-C does (the signal reaches the foreground
+    # process group), and a scheduler's SIGTERM: the chief ends every task,
+    # none is restarted, nothing is left, and with a model_dir a rerun
+    # resumes where the checkpoints got to.
+    marker, temp = uuid.uuid4().hex, tmp_path / "tmp"
+    temp.mkdir()
+    args = [*README_ARGS, "--epochs=50", "--steps_per_execution=10"]
+    if sig == signal.SIGTERM:
+        args += [f"--model_dir={tmp_path / 'run'}", "--checkpoint_every_steps=50"]
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, *args],
+        env=_env(marker, TMPDIR=str(temp)),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    before = []
+    for text in proc.stdout:
+        before.append(text)
+        if text.startswith("epoch 2/"):  # Mid-training, after a checkpoint.
+            break
+    sent = time.monotonic()
+    os.killpg(proc.pid, sig)
+    after = proc.stdout.read().splitlines()
+    assert proc.wait(timeout=60) == code, "".join(before) + "\n".join(after)
+    assert time.monotonic() - sent < 10
+    assert len(after) <= 5 and any(a.startswith(line) for a in after), after
+    assert not any("restarted" in text for text in [*before, *after])
+    assert _wait_no_marked(marker) == []
+    assert os.listdir(temp) == []  # No cluster folder, no autograph file.
+    if sig == signal.SIGTERM:
+        (stopped,) = [a for a in after if a.startswith(line)]
+        step = re.search(r"ckpt-(\d+) \(step \d+\)$", stopped).group(1)
+        rerun = _train_ok([*args[:-2], "--epochs=3", *args[-2:]])
+        assert re.search(rf"^Resumed from .*ckpt-{step} at step {step} ", rerun, re.M)

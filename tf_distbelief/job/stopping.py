@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from tf_distbelief import paths
+from tf_distbelief import console, paths
 from tf_distbelief.cluster.local import local_cluster
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -51,7 +51,7 @@ def install(model_dir: str | None, print_fn: Callable[[str], None]) -> None:
         os.dup2(quiet, sys.stdout.fileno())
         os.dup2(quiet, sys.stderr.fileno())
         local_cluster.stop_live_clusters(leave_tasks=False)
-        os._exit(128 + signum)
+        console.end_process(128 + signum)
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, on_signal)

@@ -28,6 +28,8 @@ fails naming the TensorFlow version). One module per area:
   (`whole_cond`, for exactly-once step tokens).
 * `server_runtime`: a ps or worker task's server without TensorFlow's Python
   API (`load(lean=True)`).
+* `autograph`: the source files autograph writes, removed by a process that
+  ends through `os._exit` (`remove_generated_files`).
 """
 
 import importlib
@@ -44,6 +46,7 @@ MODULE_NAMES = (
     "checkpoint_manager",
     "control_flow",
     "server_runtime",
+    "autograph",
 )
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 import portpicker
 from absl import logging
 
-from tf_distbelief import checks
+from tf_distbelief import checks, console
 from tf_distbelief.cluster import config as config_lib
 from tf_distbelief.cluster import health
 from tf_distbelief.cluster import server as server_lib
@@ -634,8 +634,6 @@ def _register_live(cluster: LocalCluster) -> None:
                 previous(signum, frame)
         finally:
             stop_live_clusters(leave_tasks=False)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(128 + signum)
+            console.end_process(128 + signum)
 
     signal.signal(signal.SIGTERM, _on_sigterm)
