@@ -12,15 +12,15 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
-# The package first, so that changes to launch/, models/ or tests/ reuse the
+# The package first, so that changes to launch/ or tests/ reuse the
 # installed dependencies' layer.
 COPY setup.py pyproject.toml ./
 COPY tf_distbelief ./tf_distbelief
 ARG PIP_EXTRAS=
 RUN pip install ".${PIP_EXTRAS:+[$PIP_EXTRAS]}"
 
-# The launch scripts and the demo models (their data ship with scikit-learn or
-# are generated: nothing is downloaded at run time).
+# The launch scripts (the demo models' data ship with scikit-learn or are
+# generated: nothing is downloaded at run time).
 COPY . .
 
 # The TFJob operator's default task port (`tfjob-port`).

@@ -1,16 +1,34 @@
 """Installs tf_distbelief: DistBelief's methods as TensorFlow parts."""
 
+import os
+import re
+
 import setuptools
+
+
+def _version() -> str:
+    """`tf_distbelief.__version__`, read from the source (importing the package
+    would need its dependencies)."""
+    path = os.path.join(os.path.dirname(__file__), "tf_distbelief", "__init__.py")
+    with open(path, encoding="utf-8") as f:
+        (version,) = re.findall(r'^__version__ = "([^"]+)"$', f.read(), re.M)
+    return version
+
 
 setuptools.setup(
     name="tf_distbelief",
-    version="0.1.0",
+    version=_version(),
     description=(
         "DistBelief (Dean et al., NIPS 2012) on TensorFlow: parameter-server "
         "sharding, Downpour SGD, Sandblaster L-BFGS, model parallelism."
     ),
     packages=setuptools.find_packages(include=["tf_distbelief", "tf_distbelief.*"]),
     python_requires=">=3.10",
+    # The training job's command line (`tf_distbelief.launch.train`); in the
+    # repository, `python launch/train.py` runs the same code.
+    entry_points={
+        "console_scripts": ["tf-distbelief-train=tf_distbelief.launch.train:main"]
+    },
     install_requires=[
         # The `tensorflow` wheel runs on CPU-only machines and uses a GPU where CUDA
         # is present (`pip install .[gpu]` adds the CUDA libraries). tf-keras itself

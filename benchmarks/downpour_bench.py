@@ -181,7 +181,7 @@ def _known_rows():
 
 _QUICK_SPEECH_CLASSES = 2048
 # Test examples of the speech data: at an accuracy of 0.18 the sampling error
-# is 0.4 points (0.9 with `models/speech.py`'s default of 2,000).
+# is 0.4 points (0.9 with `tf_distbelief/demos/speech.py`'s default of 2,000).
 _SPEECH_TEST_EXAMPLES = 10_000
 # AdaGrad gamma per model: the 4 sigmoid layers of the speech model learn
 # slowly at digits' 0.1, and at 0.5 the asynchronous runs often stay at the
@@ -585,14 +585,14 @@ def _speech_classes(f):
 
 
 def _load_data(model_name, f):
-    import models
-    from models import speech
+    from tf_distbelief import demos
+    from tf_distbelief.demos import speech
 
     if model_name == "speech":
         return speech.load_data(
             num_test=_SPEECH_TEST_EXAMPLES, num_classes=_speech_classes(f)
         )
-    return models.spec(model_name).load_data()
+    return demos.spec(model_name).load_data()
 
 
 def _test_loss(model, x, y, batch_size=512):
@@ -639,8 +639,7 @@ def _run(local, data, model_name, name, f, seed, nic=UNLIMITED, max_secs=None) -
     """
     import statistics
 
-    import models
-    from tf_distbelief import job
+    from tf_distbelief import demos, job
     from tf_distbelief import strategy as strategy_lib
     from tf_distbelief.fit import training
 
@@ -655,7 +654,7 @@ def _run(local, data, model_name, name, f, seed, nic=UNLIMITED, max_secs=None) -
         seed=seed,
         downpour=None if n is None else _downpour_config(n, rule, f),
     ).validate()
-    spec = models.spec(
+    spec = demos.spec(
         model_name,
         seed=seed,
         speech_hidden_units=f.speech_hidden_units,

@@ -5,8 +5,9 @@ of `n_push` steps' gradients, and what step a replica takes on its own cache.
 This script compares the choices of `DownpourConfig` without a cluster, with
 `downpour_schedule.simulate` (the NumPy reference the TF implementation is
 tested against step for step): 2 replicas taking whole steps in turn, each
-reading its own shuffle of `models/speech.py`'s data, batch 32, AdaGrad gamma
-0.2 on the ps (as `benchmarks/downpour_bench.py`), for `--steps` steps in all.
+reading its own shuffle of `tf_distbelief.demos.speech`'s data, batch 32,
+AdaGrad gamma 0.2 on the ps (as `benchmarks/downpour_bench.py`), for `--steps`
+steps in all.
 Each row is one `(n, local_optimizer, adagrad_accumulator, push rule)`, `n =
 n_fetch = n_push`, over `--seeds` (model initialisation and data order); `diff` is the
 mean over seeds of the test accuracy's difference to `n=1` of the same seed
@@ -178,7 +179,7 @@ def _speech_problem(hidden_units, classes, seed):
     import numpy as np
     import tensorflow as tf
 
-    from models import speech
+    from tf_distbelief.demos import speech
 
     (x, y), (x_test, y_test) = speech.load_data(num_test=10_000, num_classes=classes)
     model = speech.build_model(hidden_units, classes, seed=seed)

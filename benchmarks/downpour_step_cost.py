@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 
-# The repository root, for `models` (run as a script from anywhere).
+# The repository root, for `tf_distbelief` (run as a script from anywhere).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -78,7 +78,7 @@ def _child(threads: int, steps: int, batch_size: int) -> dict:
 
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
-    from models import speech
+    from tf_distbelief.demos import speech
 
     model = speech.build_model()
     model.build((None, speech.NUM_FEATURES))

@@ -4,7 +4,7 @@ A Keras 3 model trained by `tf_distbelief.keras3.fit` (each step a
 scheduled function calling `model.stateless_call` on the ps values, AdaGrad on
 the ps shards) against the same model built with tf_keras and trained by its
 `Model.fit` under `DistBeliefStrategy` (the stock parameter-server path), on
-the speech model's shape (`models.speech`) or the digits MLP
+the speech model's shape (`tf_distbelief.demos.speech`) or the digits MLP
 (`--model=digits`), one local cluster, one strategy.
 
 The two paths alternate (`--repeats` rounds of tf_keras then Keras 3), so that
@@ -37,9 +37,9 @@ import tf_keras  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 import tf_distbelief as tfdb  # noqa: E402
-from models import digits, speech  # noqa: E402
 from tf_distbelief import console, keras3  # noqa: E402
 from tf_distbelief import strategy as strategy_lib  # noqa: E402
+from tf_distbelief.demos import digits, speech  # noqa: E402
 from tf_distbelief.fit import training
 
 FLAGS = flags.FLAGS

@@ -64,11 +64,10 @@ def _round(f, seed: int) -> dict:
     import tensorflow as tf
     import tf_keras
 
-    import models
-    from tf_distbelief import cluster
+    from tf_distbelief import cluster, demos
     from tf_distbelief import strategy as strategy_lib
 
-    spec = models.spec(
+    spec = demos.spec(
         "speech",
         seed=seed,
         speech_hidden_units=f.speech_hidden_units,

@@ -118,8 +118,7 @@ def lbfgs_digits_reference(local_cluster, tmp_path_factory):
     (tests/sandblaster/test_sandblaster_resume.py,
     tests/faults/test_ps_recovery.py) must end at.
     """
-    import models
-    from tf_distbelief import job
+    from tf_distbelief import demos, job
     from tf_distbelief.sandblaster import config as sandblaster_config
 
     model_dir = str(tmp_path_factory.mktemp("lbfgs_reference"))
@@ -131,7 +130,7 @@ def lbfgs_digits_reference(local_cluster, tmp_path_factory):
                 max_iters=LBFGS_REFERENCE_ITERS, portions=LBFGS_REFERENCE_PORTIONS
             ),
         ),
-        models.spec("digits"),
+        demos.spec("digits"),
         local_cluster.resolver_for(num_workers=2, num_ps=2),
         print_fn=lambda line: None,
     )

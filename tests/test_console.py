@@ -256,7 +256,7 @@ def test_a_library_run_ends_with_at_most_one_grpc_line(tmp_path):
         import tf_keras
         import tf_distbelief as tfdb
         from tf_distbelief.fit import training
-        from models import digits
+        from tf_distbelief.demos import digits
 
         (x, y), (x_test, y_test) = digits.load_data()
         with tfdb.cluster.LocalCluster(1, 1, log_dir={str(tmp_path)!r}) as local:

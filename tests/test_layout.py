@@ -1,6 +1,6 @@
 """The package's layout: two floors around the algorithms, one import path per
 public name, modules of one concept, pure modules without TensorFlow, the
-library apart from the repository's demo models and launcher."""
+library apart from the demo models and the launcher that ship with it."""
 
 import ast
 import os
@@ -58,7 +58,13 @@ PURE_MODULES = [
     "tf_distbelief.errors",
     # The launch script's first line and start-up filter, before TensorFlow.
     "tf_distbelief.console",
+    # The launcher parses its flags, and reads the demo models' names and
+    # sizes, before TensorFlow loads.
+    "tf_distbelief.demos",
+    "tf_distbelief.launch.train",
 ]
+# Shipped with the library, apart from it: the demo models and the launcher.
+APART = ("tf_distbelief.demos", "tf_distbelief.launch")
 
 
 def _package_files(folders=(PACKAGE,)):
@@ -601,21 +607,24 @@ def test_tensorflow_internals_live_in_one_place():
     assert offenders == []
 
 
+def _apart(name: str, packages=APART) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
 def test_the_library_never_imports_the_demo_models_or_the_launcher():
+    # The library proper (every module outside `APART`) imports neither, nor
+    # the repository's folders; the demo models never import the launcher.
     offenders = []
     for path in _package_files():
-        with open(path) as f:
-            tree = ast.parse(f.read())
-        for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = [node.module or ""]
-            for name in names:
-                if name.split(".")[0] in ("models", "launch"):
-                    offenders.append(f"{os.path.relpath(path, ROOT)}: {name}")
+        module = _module_name(path)
+        forbidden = ("tf_distbelief.launch",) if _apart(module) else APART
+        if _apart(module, ("tf_distbelief.launch",)):
+            continue
+        for name in _imports(path):
+            if _apart(name, forbidden) or name.split(".")[0] in ("models", "launch"):
+                offenders.append(f"{os.path.relpath(path, ROOT)}: {name}")
     assert offenders == []
+    assert {"demos", "launch"} <= set(os.listdir(PACKAGE))
 
 
 def test_pure_modules_import_where_tensorflow_cannot():
@@ -665,12 +674,20 @@ def test_the_wheel_holds_only_tf_distbelief(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (wheel,) = [p for p in os.listdir(tmp_path) if p.endswith(".whl")]
     with zipfile.ZipFile(tmp_path / wheel) as archive:
-        tops = {
-            name.split("/")[0]
-            for name in archive.namelist()
-            if not name.split("/")[0].endswith(".dist-info")
-        }
+        names = archive.namelist()
+        (entry_points,) = [n for n in names if n.endswith("/entry_points.txt")]
+        commands = archive.read(entry_points).decode()
+    tops = {
+        name.split("/")[0]
+        for name in names
+        if not name.split("/")[0].endswith(".dist-info")
+    }
     assert tops == {"tf_distbelief"}
+    # The demo models, the launcher and its command ship with the library.
+    assert {"tf_distbelief/demos/digits.py", "tf_distbelief/launch/train.py"} <= set(
+        names
+    )
+    assert "tf-distbelief-train = tf_distbelief.launch.train:main" in commands
 
 
 # Fault policies every Keras shares: none of them imports tf_keras (their

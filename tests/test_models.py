@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from models import speech
+from tf_distbelief.demos import speech
 
 
 def test_speech_data_is_deterministic_and_shaped():

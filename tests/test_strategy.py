@@ -9,10 +9,10 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from models import embedding
 from tests.fixtures.helpers import cluster_bytes
 from tests.fixtures.launch import ROOT
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.demos import embedding
 
 PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
 PS1 = "/job:ps/replica:0/task:1/device:CPU:0"

@@ -20,11 +20,17 @@ each algorithm and the cluster keep their names in their own package:
 * `faults`: exactly-once steps, the non-finite guard, exact restore, ps
   recovery and the bounded wait for steps, under the algorithms.
 
+Apart from the library, which never imports them: `demos`, the demo models
+as `ModelSpec`s, and `launch`, the `tf-distbelief-train` command.
+
 Names are imported on first use, so that the pure modules (schedules, NumPy
 references, L-BFGS and partition math) import without TensorFlow.
 """
 
 from tf_distbelief import _lazy
+
+# The package's version: setup.py reads it from this line.
+__version__ = "0.1.0"
 
 __all__, __getattr__, __dir__ = _lazy.exports(
     __name__,

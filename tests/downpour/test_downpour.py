@@ -443,7 +443,7 @@ def test_warm_start_trains_replica_0_only(local_cluster):
 
 @pytest.mark.slow
 def test_digits_two_workers_reach_95_percent(local_cluster):
-    from models import digits
+    from tf_distbelief.demos import digits
 
     (x_train, y_train), (x_test, y_test) = digits.load_data()
     strategy = _strategy(local_cluster, num_workers=2)

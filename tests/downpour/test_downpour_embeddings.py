@@ -235,7 +235,7 @@ def test_frozen_embedding_is_not_row_sparse(local_cluster):
 @pytest.mark.slow
 def test_large_table_moves_rows_not_the_table(local_cluster):
     """A 25.6 MB table: the cluster's bytes in 8 steps, rows against whole."""
-    from models import embedding
+    from tf_distbelief.demos import embedding
 
     vocab, dim, ids_per_example, batch = 100_000, 64, 8, 32
     (x, y), _ = embedding.load_data(vocab, ids_per_example, num_train=2048)

@@ -9,11 +9,10 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-import models
-from models import digits
 from tests.fixtures.helpers import wait_for_worker_recovery
-from tf_distbelief import job
+from tf_distbelief import demos, job
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.demos import digits
 from tf_distbelief.downpour import DownpourConfig
 from tf_distbelief.fit import training
 
@@ -33,7 +32,7 @@ def _downpour_model(local_cluster):
         local_cluster.resolver_for(2, 2),
         strategy_lib.make_partitioner("fixed", 2, config.shard_bytes),
     )
-    return job.compile_model(config, strategy, models.spec("digits"))
+    return job.compile_model(config, strategy, demos.spec("digits"))
 
 
 @pytest.mark.slow

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
-from models import digits
 from tests.fixtures.helpers import wait_for_worker_recovery
-from tf_distbelief import hooks, job
+from tf_distbelief import demos, hooks, job
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.demos import digits
 from tf_distbelief.downpour import DownpourConfig
 from tf_distbelief.faults import exactly_once
 from tf_distbelief.fit import training
@@ -57,7 +56,7 @@ class _Keras2:
             num_workers=2, num_ps=1, steps_per_execution=1, downpour=downpour
         )
         strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(2, 1))
-        self.model = job.compile_model(config, strategy, models.spec("digits"))
+        self.model = job.compile_model(config, strategy, demos.spec("digits"))
         self.strategy = strategy
         self.downpour = downpour
 

@@ -42,8 +42,8 @@ CHILD = textwrap.dedent(
     f"""
     import time
 
-    import models
-    from models import digits
+    from tf_distbelief import demos
+    from tf_distbelief.demos import digits
     from tf_distbelief import cluster, console, job
     from tf_distbelief.faults import step_watch
     from tf_distbelief.fit import training
@@ -60,7 +60,7 @@ CHILD = textwrap.dedent(
                 step_stall_timeout_secs={STALL_SECS},
             )
             config = job.JobConfig(num_workers=1, num_ps=1)
-            model = job.compile_model(config, strategy, models.spec("digits"))
+            model = job.compile_model(config, strategy, demos.spec("digits"))
             start = time.monotonic()
             while time.monotonic() - start < 2 * {STALL_SECS}:
                 model.fit(data, epochs=1, steps_per_epoch=50, verbose=0)

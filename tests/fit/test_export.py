@@ -12,10 +12,10 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from models import digits
 from tests.fixtures.launch import ROOT
 from tf_distbelief import adagrad
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.demos import digits
 from tf_distbelief.fit import export, training
 
 VOCAB, DIM, IDS, CLASSES = 600, 16, 5, 4
@@ -212,14 +212,14 @@ def _readme_command(prefix):
     with open(os.path.join(ROOT, "README.md")) as f:
         (line,) = [x for x in f if x.startswith(prefix)]
     words = shlex.split(line)
-    env = dict(w.split("=", 1) for w in words[: words.index(".venv/bin/python")])
-    return env, words[words.index("launch/train.py") + 1 :]
+    command = words.index(".venv/bin/tf-distbelief-train")  # `TRAIN`'s command.
+    return dict(w.split("=", 1) for w in words[:command]), words[command + 1 :]
 
 
 @pytest.mark.slow
 def test_readme_records_command_trains_and_exports(tmp_path):
     """README "Your own model" / "Export": the records spec, exported."""
-    from models import blobs, records
+    from tf_distbelief.demos import blobs, records
 
     env, args = _readme_command("RECORDS_DIR=")
     assert "--export_dir=records_export" in args and "--model_dir=records_run" in args
@@ -289,7 +289,9 @@ def test_export_dir_rules(tmp_path):
 
 def test_export_dir_with_a_users_file_is_refused_before_any_cluster(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    proc = _launch(["--model=models.blobs:spec", f"--export_dir={tmp_path}"], 300)
+    proc = _launch(
+        ["--model=tf_distbelief.demos.blobs:spec", f"--export_dir={tmp_path}"], 300
+    )
     assert proc.returncode != 0
     assert "also holds notes.txt" in proc.stderr, proc.stderr[-2000:]
     assert "local cluster" not in proc.stdout
@@ -299,7 +301,9 @@ def test_export_dir_with_a_users_file_is_refused_before_any_cluster(tmp_path):
 @pytest.mark.parametrize("flag", ["--model_dir", "--export_dir"])
 def test_an_unwritable_folder_is_refused_before_any_cluster_in_one_line(flag):
     # Root passes the permission bits on /proc: only writing tells.
-    proc = _launch(["--model=models.blobs:spec", f"{flag}=/proc/tfdb_test/run"], 300)
+    proc = _launch(
+        ["--model=tf_distbelief.demos.blobs:spec", f"{flag}=/proc/tfdb_test/run"], 300
+    )
     assert proc.returncode == 1
     (line,) = proc.stderr.strip().splitlines()
     assert line.endswith(
@@ -347,12 +351,12 @@ np.savez(out_path, served=served.numpy(), trained=trained(x, training=False).num
 
 @pytest.mark.slow
 def test_an_embedding_export_is_served_with_int64_ids(tmp_path):
-    import models
+    from tf_distbelief import demos
 
     export_dir = tmp_path / "export"
     proc = _launch(["--model=embedding", "--epochs=1", f"--export_dir={export_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (_, _), (x_test, _) = models.spec("embedding").load_data()
+    (_, _), (x_test, _) = demos.spec("embedding").load_data()
     assert x_test.dtype == np.int64
     np.save(tmp_path / "x.npy", x_test[:256])
     served = subprocess.run(

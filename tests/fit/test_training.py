@@ -8,12 +8,11 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-import models
-from models import digits
 from tests.fixtures.fit import _shard_passes
 from tests.fixtures.helpers import tensorboard_scalars, wait_for_worker_recovery
-from tf_distbelief import job, paths
+from tf_distbelief import demos, job, paths
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.demos import digits
 from tf_distbelief.downpour import DownpourConfig
 from tf_distbelief.faults import resume
 from tf_distbelief.fit import training
@@ -31,7 +30,7 @@ def _compiled(local_cluster, config, spec=None):
             config.partitioner, config.num_ps, config.shard_bytes
         ),
     )
-    return job.compile_model(config, strategy, spec or models.spec("digits"))
+    return job.compile_model(config, strategy, spec or demos.spec("digits"))
 
 
 @pytest.mark.slow
@@ -115,7 +114,7 @@ def test_checkpoint_of_another_model_is_kept_and_reported(
     model = _compiled(
         local_cluster,
         config,
-        models.spec("speech", speech_hidden_units=8, speech_classes=4),
+        demos.spec("speech", speech_hidden_units=8, speech_classes=4),
     )
     with pytest.raises(
         resume.RestoreError,

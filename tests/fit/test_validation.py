@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from models import digits
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.demos import digits
 from tf_distbelief.fit import training, validation
 
 L2 = 1e-3

@@ -23,7 +23,6 @@ import pytest
 import tensorflow as tf
 
 import tf_distbelief as tfdb
-from models import digits
 from tests.fixtures.helpers import tensorboard_scalars
 from tests.fixtures.launch import (
     README_ARGS,
@@ -37,6 +36,7 @@ from tests.fixtures.launch import (
     _wait_no_marked,
 )
 from tf_distbelief import cluster
+from tf_distbelief.demos import digits
 
 # A line of TensorFlow's C++ logging (Abseil's prefix), or Abseil's banner.
 CPP_LOG_LINE = re.compile(

@@ -35,7 +35,12 @@ def _accuracy(stdout):
 @pytest.mark.slow
 def test_a_user_spec_module_trains_by_name():
     proc = _run(
-        ["--model=models.blobs:spec", "--epochs=2", "--steps_per_epoch=50"], ROOT
+        [
+            "--model=tf_distbelief.demos.blobs:spec",
+            "--epochs=2",
+            "--steps_per_epoch=50",
+        ],
+        ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _accuracy(proc.stdout) >= 0.95

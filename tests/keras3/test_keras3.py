@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
-from models import digits
 from tests.fixtures.launch import ROOT
-from tf_distbelief import job, keras3
+from tf_distbelief import demos, job, keras3
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.adagrad import rule
+from tf_distbelief.demos import digits
 from tf_distbelief.keras3 import job as keras3_job
 from tf_distbelief.keras3 import variables as variables_lib
 
@@ -385,7 +384,7 @@ def test_keras3_job_refuses_what_it_lacks_before_any_server():
 
 def test_keras3_job_splits_only_a_model_parallel_model():
     config = job.JobConfig(devices_per_replica=2)
-    keras3_job.TRAINER.check(config, models.spec("digits", keras=3))
+    keras3_job.TRAINER.check(config, demos.spec("digits", keras=3))
     spec = job.ModelSpec(
         name="user_mlp",
         build_model=lambda devices: digits.build_keras3_model(),
@@ -490,10 +489,10 @@ def test_nonfinite_modes_are_the_fault_layers():
 
 
 def test_only_models_with_a_keras3_builder_take_keras_3():
-    spec = models.spec("digits", keras=3)
+    spec = demos.spec("digits", keras=3)
     assert isinstance(spec.build_model(None), keras.Model)
     with pytest.raises(ValueError, match=r"`model` must be one of digits with Keras 3"):
-        models.spec("speech", keras=3)
+        demos.spec("speech", keras=3)
 
 
 def test_progress_lines_follow_the_finished_steps(local_cluster):
@@ -576,7 +575,7 @@ def test_evaluator_evaluates_every_keras3_checkpoint(local_cluster, tmp_path):
     lines = []
     config = job.JobConfig(model_dir=str(tmp_path), epochs=3, steps_per_epoch=50)
     results = keras3_job.evaluate_checkpoints(
-        config, models.spec("digits", keras=3), print_fn=lines.append
+        config, demos.spec("digits", keras=3), print_fn=lines.append
     )
     assert sorted(results) == [50, 100, 150]
     assert lines[-1] == "evaluator: done"

@@ -3,9 +3,9 @@
 Dean et al. 2012 combine both kinds of parallelism: each Downpour replica (section
 4.1) is itself split over several machines (section 3). Here each of 2 workers
 exposes 2 CPU devices (the shared `local_cluster`), and each replica of the
-locally connected digits model (`models.model_parallel`) puts one row block of its
-`PartitionedLocallyConnected2D` layer on each device. The quick tests build the
-models in the pytest process with no cluster.
+locally connected digits model (`tf_distbelief.demos.model_parallel`) puts one
+row block of its `PartitionedLocallyConnected2D` layer on each device. The quick
+tests build the models in the pytest process with no cluster.
 
 Placement is checked in two ways, since soft placement would silently run ops asked
 for a missing `/device:CPU:1` on `CPU:0` (TF_NOTES.md, "Devices"):
@@ -26,9 +26,9 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from models import digits, model_parallel, speech
 from tf_distbelief import adagrad, downpour, keras3
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.demos import digits, model_parallel, speech
 from tf_distbelief.keras3 import variables as keras3_variables
 from tf_distbelief.model_parallel import devices as mp
 
@@ -94,8 +94,7 @@ def test_build_model_errors():
 
 @pytest.mark.parametrize("keras", [2, 3])
 def test_job_names_devices_per_replica_a_model_cannot_hold(keras):
-    import models
-    from tf_distbelief import errors, job
+    from tf_distbelief import demos, errors, job
     from tf_distbelief.job import runner
 
     config = job.JobConfig(devices_per_replica=7)
@@ -105,7 +104,7 @@ def test_job_names_devices_per_replica_a_model_cannot_hold(keras):
         r"its layers can hold\. Received: 7 \(.*output rows \(6\)",
     ):
         runner.build_model(
-            config, models.spec("digits", keras=keras), ["/device:CPU:0"] * 7
+            config, demos.spec("digits", keras=keras), ["/device:CPU:0"] * 7
         )
 
 

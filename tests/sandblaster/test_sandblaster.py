@@ -18,7 +18,6 @@ import scipy.optimize
 import tensorflow as tf
 import tf_keras
 
-import models.digits
 from benchmarks import stragglers
 from tests.fixtures.sandblaster import (
     CE,
@@ -30,6 +29,7 @@ from tests.fixtures.sandblaster import (
     numpy_fun_and_grad,
 )
 from tf_distbelief import sandblaster
+from tf_distbelief.demos import digits
 from tf_distbelief.sandblaster import config as config_lib
 from tf_distbelief.sandblaster import flat_params, lbfgs, ps_vectors, vector_ops
 from tf_distbelief.sandblaster import objective as sandblaster_objective
@@ -459,12 +459,12 @@ def test_vectors_on_ps_and_coordinator_moves_only_scalars(local_cluster, monkeyp
 @pytest.mark.slow
 def test_digits_mlp_accuracy(local_cluster):
     """The launch script's digits MLP (float32, compiled) trained by Sandblaster."""
-    (x, y), (x_test, y_test) = models.digits.load_data()
+    (x, y), (x_test, y_test) = digits.load_data()
     start = time.monotonic()
     # The strategy first: connecting resets the eager context, so variables
     # made before it are lost.
     strategy = _strategy(local_cluster, num_workers=2, num_ps=2)
-    model = models.digits.build_model(hidden_units=32)
+    model = digits.build_model(hidden_units=32)
     model.compile(loss=CE)
     trainer = sandblaster.SandblasterTrainer(
         strategy,

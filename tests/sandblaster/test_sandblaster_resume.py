@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
 import tf_distbelief as tfdb
 from tests.fixtures import launch
 from tests.fixtures.sandblaster import (
@@ -32,7 +31,7 @@ from tests.fixtures.sandblaster import (
     _logistic_model,
     _relative_errors,
 )
-from tf_distbelief import job, paths, sandblaster
+from tf_distbelief import demos, job, paths, sandblaster
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.faults import resume
 from tf_distbelief.sandblaster import checkpoint
@@ -229,7 +228,7 @@ def test_job_path_resumes_and_ends_at_the_requested_iteration(local_cluster, tmp
     The first call stops after 4 iterations (as if the chief were lost after
     its checkpoint); the second goes on to 7 in all, not 4 + 7.
     """
-    spec = models.spec("digits")
+    spec = demos.spec("digits")
 
     def train(max_iters, lines):
         config = job.JobConfig(

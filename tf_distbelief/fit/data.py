@@ -27,7 +27,7 @@ in that pass the records it had read before the loss are read twice, the
 others of its files once. Records are counted as read when a training step
 uses them; prefetched but unused batches are never trained on.
 
-Example (a `ModelSpec` reading its own TFRecord files: `models/records.py`):
+Example (a `ModelSpec` reading its own TFRecord files: `tf_distbelief.demos.records`):
 
 ```python
 def parse(record):  # one serialized tf.train.Example -> (features, label)

@@ -1,7 +1,7 @@
 """What a training job needs to know about a model and its data: `ModelSpec`.
 
-The job (`tf_distbelief.job.runner`) knows no model: the launch script passes
-it a spec, either one of the repository's demo models (`models/`) or a user's,
+The job (`tf_distbelief.job.runner`) knows no model: the launch command passes
+it a spec, either one of the demo models (`tf_distbelief.demos`) or a user's,
 named on the command line as `package.module:function` (`load_spec`).
 """
 

@@ -44,7 +44,7 @@ class SandblasterTrainer:
       ```
       with tfdb.cluster.LocalCluster(num_workers=2, num_ps=2) as local:
         strategy = tfdb.DistBeliefStrategy(local.resolver)
-        model = models.digits.build_model()  # After the strategy connected.
+        model = digits.build_model()  # tf_distbelief.demos; after it connected.
         trainer = sandblaster.SandblasterTrainer(
             strategy, model,
             tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),

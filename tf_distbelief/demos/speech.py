@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tf_distbelief import checks
+
 NUM_FEATURES = 440  # 11 frames x 40 log-energies.
 PAPER_HIDDEN_UNITS = 2560
 PAPER_NUM_CLASSES = 8192
@@ -24,10 +26,7 @@ NUM_HIDDEN_LAYERS = 4
 
 def check_positive(**values):
     for name, value in values.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"Argument `{name}` must be a positive integer. Received: {value!r}"
-            )
+        checks.check_int(name, value, 1, "a positive integer", "a positive integer")
 
 
 def load_data(
@@ -53,7 +52,7 @@ def load_data(
     """
     check_positive(num_train=num_train, num_test=num_test, num_classes=num_classes)
     if not noise >= 0:
-        raise ValueError(f"Argument `noise` must be >= 0. Received: {noise!r}")
+        raise checks.argument_error("noise", ">= 0", noise)
     rng = np.random.default_rng(seed)
     prior = 1.0 / np.arange(1, num_classes + 1)
     y = rng.choice(num_classes, size=num_train + num_test, p=prior / prior.sum())

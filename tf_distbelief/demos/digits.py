@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import tf_keras
 
+from tf_distbelief import checks
+
 NUM_FEATURES = 64
 NUM_CLASSES = 10
 
@@ -29,9 +31,7 @@ def load_data(test_fraction: float = 0.25, seed: int = 0, dtype=np.float32):
     from sklearn.model_selection import train_test_split
 
     if not 0 < test_fraction < 1:
-        raise ValueError(
-            f"Argument `test_fraction` must be in (0, 1). Received: {test_fraction!r}"
-        )
+        raise checks.argument_error("test_fraction", "in (0, 1)", test_fraction)
     digits = load_digits()
     x = (digits.data / 16.0).astype(dtype)
     y = digits.target.astype(np.int64)

@@ -1,4 +1,4 @@
-"""The Sandblaster L-BFGS flags of `launch/train.py`, one per `SandblasterConfig` field.
+"""The Sandblaster L-BFGS flags of `tf-distbelief-train`, one per config field.
 
 Dean et al. 2012, section 4.2; `tf_distbelief.sandblaster.SandblasterConfig`
 holds the settings and their defaults, which the flags take.

@@ -1,10 +1,11 @@
 """Model-parallel replicas (Dean et al. 2012, section 3) of `speech` and `digits`.
 
 Each model takes and gives what its one-device counterpart does, so the data,
-loss and metrics of `models.speech` and `models.digits` apply unchanged. Each is
-built with tf_keras (`keras=2`, the tf_distbelief.model_parallel layers, under
-the strategy's scope) or with Keras 3 (`keras=3`, the tf_distbelief.keras3.layers
-layers, outside it, for `tf_distbelief.keras3.fit`):
+loss and metrics of `tf_distbelief.demos.speech` and
+`tf_distbelief.demos.digits` apply unchanged. Each is built with tf_keras
+(`keras=2`, the tf_distbelief.model_parallel layers, under the strategy's
+scope) or with Keras 3 (`keras=3`, the tf_distbelief.keras3.layers layers,
+outside it, for `tf_distbelief.keras3.fit`):
 
 * `speech`: the paper's fully connected acoustic model (440 inputs, 4 sigmoid
   hidden layers, softmax logits) with every layer's units split over the devices
@@ -25,7 +26,7 @@ ops silently run on `CPU:0` (a worker's server exposes only the devices its
 the ps tasks, created by the strategy as usual.
 
 ```python
-from models import model_parallel
+from tf_distbelief.demos import model_parallel
 from tf_distbelief.model_parallel import devices as mp
 
 with strategy.scope():
@@ -38,7 +39,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from models import digits, speech
+from tf_distbelief import checks
+from tf_distbelief.demos import digits, speech
 
 MODEL_NAMES = ("digits", "speech")
 IMAGE_SHAPE = (8, 8, 1)  # The digits' 64 pixels as rows, columns, channels.
@@ -61,7 +63,7 @@ def _layers(keras: int) -> _Layers:
             keras3, layers.PartitionedDense, layers.PartitionedLocallyConnected2D
         )
     if keras != 2:
-        raise ValueError(f"Argument `keras` must be 2 or 3. Received: {keras!r}")
+        raise checks.argument_error("keras", "2 or 3", keras)
     import tf_keras
 
     from tf_distbelief.model_parallel import dense, locally_connected
@@ -82,9 +84,10 @@ def _check_partitions(num_partitions: int | None, devices: Sequence[str]) -> int
     if num_partitions is None:
         return len(devices)
     if not isinstance(num_partitions, int) or num_partitions < 1:
-        raise ValueError(
-            f"Argument `num_partitions` must be a positive integer or None (one "
-            f"partition per device). Received: {num_partitions!r}"
+        raise checks.argument_error(
+            "num_partitions",
+            "a positive integer or None (one partition per device)",
+            num_partitions,
         )
     return num_partitions
 
@@ -99,9 +102,10 @@ def build_speech_mlp(
 ):
     """Returns the uncompiled speech MLP with each layer's units split.
 
-    Same shapes and initializer seeds as `models.speech.build_model`: 440 inputs,
-    4 x `hidden_units` sigmoid, `num_classes` logits; every layer (the softmax
-    layer too) is a `PartitionedDense` over `num_partitions` devices.
+    Same shapes and initializer seeds as
+    `tf_distbelief.demos.speech.build_model`: 440 inputs, 4 x `hidden_units`
+    sigmoid, `num_classes` logits; every layer (the softmax layer too) is a
+    `PartitionedDense` over `num_partitions` devices.
 
     Args:
       devices: device names; partition `k` runs on `devices[k % len(devices)]`.
@@ -173,7 +177,7 @@ def build_digits_lc(
 
     Returns:
       A `Sequential` of that Keras mapping `[batch, 64]` float32 to `[batch, 10]`
-      logits, like `models.digits.build_model`.
+      logits, like `tf_distbelief.demos.digits.build_model`.
 
     Raises:
       ValueError: if an argument is out of range (some at build time).
@@ -231,7 +235,7 @@ def build_model(
 
     Returns:
       A model of that Keras with the inputs and outputs of
-      `models.<name>.build_model`.
+      `tf_distbelief.demos.<name>.build_model`.
 
     Raises:
       ValueError: if `name` has no model-parallel version, or an argument is out
@@ -248,7 +252,8 @@ def build_model(
             seed=seed,
             keras=keras,
         )
-    raise ValueError(
-        f"Argument `name` must be one of {', '.join(MODEL_NAMES)} (models with a "
-        f"model-parallel version). Received: {name!r}"
+    raise checks.argument_error(
+        "name",
+        f"one of {', '.join(MODEL_NAMES)} (models with a model-parallel version)",
+        name,
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import tf_keras
 
+from tf_distbelief import checks
+
 
 def load_data(
     vocab_size=100_000,
@@ -34,10 +36,8 @@ def load_data(
       `x_*`: `[n, ids_per_example]` int64 ids; `y_*`: `[n]` int64 labels.
     """
     for name, value in locals().items():
-        if name != "seed" and (not isinstance(value, int) or value < 1):
-            raise ValueError(
-                f"Argument `{name}` must be a positive integer. Received: {value!r}"
-            )
+        if name != "seed":
+            checks.check_int(name, value, 1, "a positive integer", "a positive integer")
     rng = np.random.default_rng(seed)
     id_class = rng.integers(0, num_classes, vocab_size)
     # Examples draw their ids from a small active vocabulary so that rows repeat

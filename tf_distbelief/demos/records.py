@@ -1,8 +1,8 @@
 """A user's own model trained on its own TFRecord files (README: "Your own model").
 
-`python launch/train.py --model=models.records:spec` writes the files first
-(offline: the Gaussian blobs of `models/blobs.py`, 2,000 training examples in
-4 files, 500 test examples in 1) to `$RECORDS_DIR` (default:
+`tf-distbelief-train --model=tf_distbelief.demos.records:spec` writes the
+files first (offline: the Gaussian blobs of `tf_distbelief.demos.blobs`, 2,000
+training examples in 4 files, 500 test examples in 1) to `$RECORDS_DIR` (default:
 `<tmp>/tf_distbelief_records`), unless they are there already, then trains on
 them: each worker reads its own training files (`tf_distbelief.fit.data`), the
 chief reads the test file for the test accuracy.
@@ -13,7 +13,7 @@ import tempfile
 
 import tensorflow as tf
 
-from models import blobs
+from tf_distbelief.demos import blobs
 from tf_distbelief.fit import data
 from tf_distbelief.job import ModelSpec
 
@@ -71,7 +71,7 @@ def parse(record):
 
 
 def spec() -> ModelSpec:
-    """What `--model=models.records:spec` loads."""
+    """What `--model=tf_distbelief.demos.records:spec` loads."""
     folder = records_dir()
     write_records(folder)
     return ModelSpec(

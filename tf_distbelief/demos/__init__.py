@@ -1,9 +1,11 @@
 """Demo models and their data as `ModelSpec`s: `digits` (real), `speech` and
 `embedding` (synthetic).
 
-These live in the repository, not in the installed package: the launch script
-passes one of them to the training job (`spec(name, ...)`), as it would a
-user's spec (`--model=package.module:function`).
+They ship with the package, apart from the library: no module of
+tf_distbelief outside `demos` and the launcher (`tf_distbelief.launch`) imports
+them. The launcher passes one of them to the training job (`spec(name, ...)`),
+as it would a user's spec (`--model=package.module:function`); a program
+imports one directly (`from tf_distbelief.demos import digits`).
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ import importlib
 # Imports no TensorFlow: the launch script reads the names and the speech
 # model's sizes before TensorFlow loads; a model's module is imported when
 # its spec builds or loads.
-from models import speech
-from tf_distbelief import errors
+from tf_distbelief import checks
+from tf_distbelief.demos import speech
 from tf_distbelief.job import spec as spec_lib
 
-# The demo models, each a module `models.<name>`.
+# The demo models, each a module `tf_distbelief.demos.<name>`.
 MODELS = ("digits", "speech", "embedding")
-# Models with a model-parallel version (`models.model_parallel`).
+# Models with a model-parallel version (`tf_distbelief.demos.model_parallel`).
 MODEL_PARALLEL = ("digits", "speech")
-# Models with a Keras 3 builder, `build_keras3_model` (`launch/train.py --keras=3`).
+# Models with a Keras 3 builder, `build_keras3_model` (`--keras=3`).
 KERAS3 = ("digits",)
 
 __all__ = [
@@ -41,7 +43,7 @@ def module(name: str):
 
 def _build(name, seed, speech_hidden_units, speech_classes, keras, devices):
     if devices:
-        from models import model_parallel
+        from tf_distbelief.demos import model_parallel
 
         return model_parallel.build_model(
             name,
@@ -91,13 +93,15 @@ def spec(
       ConfigError: `name` is not one of `MODELS`, or has no Keras 3 builder.
     """
     if name not in MODELS:
-        raise errors.ConfigError(
-            f"`model` must be one of {', '.join(MODELS)}. Received: {name!r}"
+        raise checks.argument_error(
+            "model", f"one of {', '.join(MODELS)}", name, setting=True
         )
     if keras == 3 and name not in KERAS3:
-        raise errors.ConfigError(
-            f"`model` must be one of {', '.join(KERAS3)} with Keras 3 "
-            f"(`--keras=3`). Received: {name!r}"
+        raise checks.argument_error(
+            "model",
+            f"one of {', '.join(KERAS3)} with Keras 3 (`--keras=3`)",
+            name,
+            setting=True,
         )
     return spec_lib.ModelSpec(
         name=name,

@@ -1,9 +1,10 @@
 """A user's own model and data as a tf_distbelief `ModelSpec` (README: "Your
 own model").
 
-Train it with `python launch/train.py --model=models.blobs:spec` from the
-repository root: a spec is imported by name like any module (from the working
-directory or PYTHONPATH), so a user's own file works the same way. The data
+Train it with `tf-distbelief-train --model=tf_distbelief.demos.blobs:spec`
+(or `python launch/train.py ...` in the repository): a spec is imported by name
+like any module (from the working directory or PYTHONPATH), so a user's own
+file works the same way. The data
 are Gaussian blobs made here, so the example runs offline.
 """
 
@@ -37,5 +38,5 @@ def build_model(devices=None):
 
 
 def spec() -> ModelSpec:
-    """What `--model=models.blobs:spec` loads."""
+    """What `--model=tf_distbelief.demos.blobs:spec` loads."""
     return ModelSpec(name="blobs", build_model=build_model, load_data=load_data)
