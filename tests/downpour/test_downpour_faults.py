@@ -10,7 +10,7 @@ import tensorflow as tf
 import tf_keras
 
 from tests.fixtures.helpers import wait_for_worker_recovery
-from tf_distbelief import demos, job
+from tf_distbelief import demos, hooks, job
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.demos import digits
 from tf_distbelief.downpour import DownpourConfig
@@ -56,7 +56,7 @@ def test_checkpoint_holds_ps_values_not_a_cache(local_cluster, tmp_path):
         if name.startswith("model/") and "OPTIMIZER" not in name
     }
     ps_values = {v.name: v.numpy() for v in model.trainable_variables}
-    caches = [np.stack(c.read_all()) for c in model.downpour._caches]
+    caches = [np.stack(c.read_all()) for c in hooks.of(model).state._caches]
     assert len(saved) == len(ps_values) // 2  # Shards saved as whole variables.
     flat_saved = np.sort(np.concatenate([t.ravel() for t in saved.values()]))
     flat_ps = np.sort(np.concatenate([t.ravel() for t in ps_values.values()]))
@@ -102,7 +102,7 @@ def test_restarted_worker_rejoins_and_fetches_first(local_cluster):
             local_cluster.restart("worker", 1)
         wait_for_worker_recovery(model.distribute_strategy)
     assert [h["epoch"] for h in result.history] == [1, 2, 3, 4, 5]
-    first, restarted = model.downpour.stats()
+    first, restarted = hooks.of(model).state.stats()
     # The steps worker 1 ran before the kill died with its process: the two
     # replicas' counters add up to fewer than the 500 steps of the run.
     assert first.steps + restarted.steps < 500
