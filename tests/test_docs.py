@@ -2,6 +2,7 @@
 
 import os
 import re
+import shlex
 
 import pytest
 
@@ -98,3 +99,149 @@ def test_the_readme_python_example_trains(tmp_path):
     assert float(proc.stdout.strip().splitlines()[-1]) >= 0.95
     (model_dir,) = [p for p in temp.iterdir() if (p / "checkpoints").is_dir()]
     assert os.listdir(model_dir / "checkpoints")
+
+
+# Code in the documentation: every Python snippet compiles and its imports
+# resolve; every command of the training launcher parses and validates its
+# flags (`tf_distbelief.launch.train.job_config`, no TensorFlow); the
+# planner's and the manifest writer's commands run.
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+LAUNCHER = ("launch/train.py", "tf-distbelief-train")
+
+
+def _blocks(language=None):
+    """`(page:line, language, text)` of each fenced block under docs/."""
+    for path in _pages()[2:]:
+        text = _read(path)
+        for m in FENCE.finditer(text):
+            if language is None or m.group(1) == language:
+                line = text.count("\n", 0, m.start()) + 1
+                yield f"{os.path.relpath(path, ROOT)}:{line}", m.group(1), m.group(2)
+
+
+def _command_lines(text):
+    """The block's shell commands, continuation lines joined, `&&` split."""
+    for line in text.replace("\\\n", " ").splitlines():
+        for part in re.split(r"&&|;", line):
+            try:
+                words = shlex.split(part, comments=True)
+            except ValueError:  # A quoted value over several lines (JSON).
+                continue
+            while words and re.match(r"^[A-Z_]+=", words[0]):  # VAR=value
+                words = words[1:]
+            if words:
+                yield words
+
+
+def _launcher_args(words):
+    for i, word in enumerate(words):
+        if word.endswith(LAUNCHER):
+            return words[i + 1 :]
+    return None
+
+
+def test_every_python_snippet_in_the_docs_compiles_and_its_imports_resolve():
+    import ast
+    import importlib
+
+    checked = 0
+    for where, _, text in _blocks("python"):
+        tree = ast.parse(text, filename=where)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    importlib.import_module(alias.name)
+            elif isinstance(node, ast.ImportFrom):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    assert hasattr(module, alias.name) or importlib.util.find_spec(
+                        f"{node.module}.{alias.name}"
+                    ), f"{where}: from {node.module} import {alias.name}"
+        checked += 1
+    assert checked >= 8
+
+
+_PARSE_COMMANDS = """
+import json, sys
+from absl import flags
+from tf_distbelief.launch import train
+
+train.define_flags()
+for argv in json.loads(sys.stdin.read()):
+    flags.FLAGS.unparse_flags()
+    try:
+        flags.FLAGS(["train.py", *argv])
+        train.job_config(["train.py"])
+        print("ok")
+    except Exception as e:
+        print("refused:", type(e).__name__, str(e).splitlines()[0])
+"""
+
+
+def test_every_launcher_command_in_the_docs_parses_and_validates(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    commands = []
+    for where, _, text in _blocks():
+        for words in _command_lines(text):
+            if words[:2] == ["printf", "--"] and ">" in words:  # A flag file.
+                (tmp_path / words[-1]).write_text(words[2].replace("\\n", "\n"))
+            args = _launcher_args(words)
+            if args is not None:
+                commands.append((where, args))
+    assert len(commands) >= 14, commands
+    proc = subprocess.run(
+        [sys.executable, "-c", _PARSE_COMMANDS],
+        input=json.dumps([args for _, args in commands]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    results = proc.stdout.splitlines()
+    assert len(results) == len(commands), proc.stderr[-3000:]
+    refused = [f"{w}: {r}" for (w, _), r in zip(commands, results) if r != "ok"]
+    assert refused == []
+
+
+def test_the_planner_and_manifest_commands_in_the_docs_run(tmp_path):
+    import subprocess
+    import sys
+
+    runs = []
+    for where, _, text in _blocks():
+        for words in _command_lines(text):
+            if words[:3] == ["python", "-m", "tf_distbelief.planner"]:
+                runs.append((where, [sys.executable, *words[1:]]))
+            elif len(words) > 1 and words[1] == "launch/k8s.py":
+                runs.append((where, [sys.executable, *words[1:]]))
+    assert len(runs) >= 2, runs
+    for where, argv in runs:
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+        assert proc.returncode == 0, f"{where}: {proc.stderr[-2000:]}"
+
+
+def test_the_tf_config_and_manifests_in_the_docs_are_valid():
+    # A `TF_CONFIG` given with `export` goes through the cluster's own checks;
+    # a Kubernetes manifest (a block starting `apiVersion:`) is YAML.
+    import json
+
+    import yaml
+
+    from tf_distbelief.cluster import config
+
+    tf_configs = manifests = 0
+    for where, _, text in _blocks():
+        exported = re.search(r"^export TF_CONFIG='(.*?)'$", text, re.M | re.S)
+        if exported:
+            config.tf_config_task(json.loads(exported.group(1)))
+            tf_configs += 1
+        if text.startswith("apiVersion:"):
+            assert yaml.safe_load(text)["kind"], where
+            manifests += 1
+    assert tf_configs >= 1 and manifests >= 1

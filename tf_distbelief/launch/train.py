@@ -395,7 +395,20 @@ def model_spec():
     return job.load_spec(FLAGS.model)
 
 
-def _run(argv):
+def job_config(argv) -> job.JobConfig:
+    """The job the parsed flags describe, validated; no TensorFlow.
+
+    Args:
+      argv: what `absl.app.run` passes on: the program and no other argument.
+
+    Returns:
+      The validated `JobConfig` (`JobConfig.validate`).
+
+    Raises:
+      app.UsageError: a positional argument, or Downpour settings without
+        `--downpour`.
+      errors.ConfigError: a refused setting (one line on the console).
+    """
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     given = [f"--{name}" for name in _DOWNPOUR_FLAGS if FLAGS[name].present]
@@ -414,6 +427,11 @@ def _run(argv):
         config.downpour = downpour.DownpourConfig(
             **{name: FLAGS[name].value for name in _DOWNPOUR_FLAGS}
         )
+    return config.validate()
+
+
+def _run(argv):
+    config = job_config(argv)
     if not FLAGS["verbosity"].present:
         # absl turns an unset --verbosity into INFO; TensorFlow's INFO logs
         # would bury the progress lines.
