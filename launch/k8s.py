@@ -110,6 +110,12 @@ def main(argv):
         documents = build(config)
     except ValueError as e:
         sys.exit(f"launch/k8s.py: {e}")
+    if config.effective_model_dir is None:
+        # On stderr: stdout is the manifest, often piped to kubectl.
+        sys.stderr.write(
+            "launch/k8s.py: no --model_dir or --pvc: a restarted chief or a lost "
+            "ps starts the job over (nothing is checkpointed).\n"
+        )
     sys.stdout.write(manifest.to_yaml(documents))
 
 

@@ -196,6 +196,21 @@ def test_the_jobset_fits_the_crd_schema_and_its_templates_the_models(validator, 
     assert round_trip(policy, "V1NetworkPolicy") == policy
 
 
+def test_the_manifest_is_plain_yaml_and_says_when_restarts_start_over():
+    # No anchors and aliases (the probes repeat), the exit codes on one line,
+    # and without a model_dir one line on stderr (stdout is the manifest).
+    proc = run_k8s(f"--image={IMAGE}")
+    assert proc.returncode == 0, proc.stderr
+    assert "&id" not in proc.stdout and "*id" not in proc.stdout
+    (codes,) = [line for line in proc.stdout.splitlines() if "values: [1, 2," in line]
+    assert codes.strip() == f"values: [{', '.join(map(str, range(1, 128)))}]"
+    assert proc.stderr == (
+        "launch/k8s.py: no --model_dir or --pvc: a restarted chief or a lost ps "
+        "starts the job over (nothing is checkpointed).\n"
+    )
+    assert run_k8s(f"--image={IMAGE}", "--pvc=runs").stderr == ""
+
+
 def test_the_schema_check_catches_a_misspelled_field_and_a_wrong_type(validator):
     document = jobset.jobset(jobset.JobSetConfig(image=IMAGE))
     wrong = copy.deepcopy(document)

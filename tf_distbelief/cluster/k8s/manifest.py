@@ -376,7 +376,25 @@ def network_policy(config: PodsConfig, job_label: str) -> dict:
 
 
 def to_yaml(documents: list[dict]) -> str:
-    """The documents as one multi-document YAML text, for `kubectl apply -f -`."""
+    """The documents as one multi-document YAML text, for `kubectl apply -f -`.
+
+    Plain YAML for a person to read: no anchors and aliases where a value
+    repeats (the probes), and a list of numbers (a failure policy's exit
+    codes) on one line.
+    """
     import yaml
 
-    return yaml.safe_dump_all(documents, sort_keys=False, default_flow_style=False)
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data):
+            return True
+
+    def sequence(dumper, data):
+        numbers = bool(data) and all(isinstance(v, int) for v in data)
+        return dumper.represent_sequence(
+            "tag:yaml.org,2002:seq", data, flow_style=numbers
+        )
+
+    Dumper.add_representer(list, sequence)
+    return yaml.dump_all(
+        documents, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=4096
+    )
