@@ -627,6 +627,19 @@ def test_the_library_never_imports_the_demo_models_or_the_launcher():
     assert {"demos", "launch"} <= set(os.listdir(PACKAGE))
 
 
+def _python_ok(code: str) -> str:
+    """The stdout of `python -c code` in the repository root, which must exit 0."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_pure_modules_import_where_tensorflow_cannot():
     # A meta-path finder that refuses TensorFlow (and tf_keras, which would
     # import it), installed before anything else is imported.
@@ -640,15 +653,7 @@ def test_pure_modules_import_where_tensorflow_cannot():
         + "".join(f"import {m}\n" for m in PURE_MODULES)
         + "print('ok')\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "ok"
+    assert _python_ok(code).strip() == "ok"
 
 
 def test_the_wheel_holds_only_tf_distbelief(tmp_path):
@@ -720,15 +725,7 @@ def test_keras3_training_and_the_fault_policies_import_no_tf_keras():
         + "".join(f"import {m}\n" for m in modules)
         + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tf_keras'))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert _python_ok(code).strip().splitlines()[-1] == "[]"
 
 
 def _function_code_lines(node) -> int:
