@@ -105,6 +105,9 @@ def default_partitioner(
 # second; a worker being reconnected takes up to about a minute.
 COORDINATOR_IDLE_TIMEOUT_SECS = 60.0
 _POLL_SECS = 0.05
+# Between two idle looks: a worker thread is back in its queue's `get`
+# between two closures for microseconds, not milliseconds.
+_IDLE_LOOK_SECS = 0.005
 
 
 def wait_for_idle_coordinators(
@@ -127,22 +130,24 @@ def wait_for_idle_coordinators(
     """
     deadline = time.monotonic() + timeout_secs
     quiet = 0
-    while quiet < 2:  # Idle at two looks in a row, not between two closures.
+    while True:
         busy = tf_coordinator.busy_coordinator_threads()
         if not busy:
             quiet += 1
-        else:
-            quiet = 0
-            if time.monotonic() > deadline:
-                logging.warning(
-                    "ClusterCoordinator threads of an earlier strategy still busy "
-                    "after %g s: %s; connecting anyway.",
-                    timeout_secs,
-                    busy,
-                )
-                return busy
+            if quiet == 2:  # Idle at two looks in a row, not between closures.
+                return []
+            time.sleep(_IDLE_LOOK_SECS)
+            continue
+        quiet = 0
+        if time.monotonic() > deadline:
+            logging.warning(
+                "ClusterCoordinator threads of an earlier strategy still busy "
+                "after %g s: %s; connecting anyway.",
+                timeout_secs,
+                busy,
+            )
+            return busy
         time.sleep(_POLL_SECS)
-    return []
 
 
 def wait_for_worker_recovery(strategy, timeout_secs: float = 120.0) -> None:
