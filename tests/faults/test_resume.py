@@ -259,6 +259,8 @@ def runs(request, local_cluster, tmp_path_factory):
     return k, three, _values(result.checkpoint_path)
 
 
+# One process runs them all: `runs` (a module fixture) is made once per Keras.
+@pytest.mark.xdist_group("resume_runs")
 @pytest.mark.parametrize("num_ps", [1, 2, 3])
 def test_resume_of_sharded_adagrad_equals_an_uninterrupted_run(
     local_cluster, runs, tmp_path, num_ps

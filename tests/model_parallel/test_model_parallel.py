@@ -929,6 +929,8 @@ def _child_report():
     }
 
 
+# One process runs the class: its report (a child of about 15 s) is made once.
+@pytest.mark.xdist_group("four_devices")
 class TestFourDevices:
     @pytest.fixture(scope="class")
     @classmethod
