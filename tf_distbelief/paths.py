@@ -44,6 +44,7 @@ __all__ = [
     "ModelDirLock",
     "SAVED_MODEL_SUBDIR",
     "check_model_dir",
+    "check_parent_writable",
     "probe_writable",
     "checkpoint_dir",
     "cluster_log_dir",
@@ -96,12 +97,29 @@ def check_model_dir(model_dir: str) -> None:
             "(a file)",
             setting=True,
         )
-    parent = path
+    check_parent_writable("model_dir", model_dir, "made")
+
+
+def check_parent_writable(name: str, path: str, verb: str) -> None:
+    """Raises unless the nearest existing folder of `path` is writable.
+
+    A look at the permission bits, cheap enough for every task of a job; the
+    chief also writes there before any server starts (`probe_writable`).
+
+    Args:
+      name: the setting, for the message (`model_dir`, `export_dir`).
+      path: the path given.
+      verb: what the message says cannot be done ("made", "written").
+
+    Raises:
+      ConfigError: naming the setting, the path and the folder in the way.
+    """
+    parent = os.path.abspath(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
         raise errors.ConfigError(
-            f"`model_dir` {model_dir!r} cannot be made: {parent!r} is not a "
+            f"`{name}` {path!r} cannot be {verb}: {parent!r} is not a "
             "writable directory."
         )
 

@@ -157,14 +157,7 @@ def check_export_dir(export_dir: str, model_dir: str | None = None) -> None:
                 "Choose another directory (nothing was deleted).",
                 setting=True,
             )
-    parent = path
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
-        raise errors.ConfigError(
-            f"`export_dir` {export_dir!r} cannot be written: {parent!r} is not a "
-            "writable directory."
-        )
+    paths.check_parent_writable("export_dir", export_dir, "written")
 
 
 def _serving_signature(plain: tf_keras.Model, input_spec: tf.TensorSpec):
