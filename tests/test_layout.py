@@ -542,12 +542,15 @@ def test_the_layout_test_sees_an_inline_argument_message(tmp_path, monkeypatch):
         "        )\n"
         "    if x > 9:\n"
         '        raise checks.argument_error("x", "<= 9", x)\n'
+        "    if x == 5:\n"
+        '        raise TypeError(f"Argument `n` must be an int. Received: {x!r}")\n'
         '    raise ValueError("The weather must be fine.")\n'
     )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
     assert _inline_argument_messages(_package_files((str(fake),))) == [
         "tf_distbelief/bad.py:5",
         "tf_distbelief/bad.py:7",
+        "tf_distbelief/bad.py:14",
     ]
 
 
