@@ -75,6 +75,20 @@ def _package_files(folders=(PACKAGE,)):
                     yield os.path.join(folder, name)
 
 
+def _docstring_node(node):
+    """The statement holding `node`'s docstring (a module, class or function),
+    or None."""
+    body = node.body
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
+        return body[0]
+    return None
+
+
 def _code_lines(source: str) -> tuple[int, int]:
     """(lines of code, lines of the module docstring) of a module's source.
 
@@ -88,14 +102,9 @@ def _code_lines(source: str) -> tuple[int, int]:
         if isinstance(
             node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
         ):
-            body = node.body
-            if (
-                body
-                and isinstance(body[0], ast.Expr)
-                and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)
-            ):
-                lines = range(body[0].lineno, body[0].end_lineno + 1)
+            doc = _docstring_node(node)
+            if doc is not None:
+                lines = range(doc.lineno, doc.end_lineno + 1)
                 docstrings.update(lines)
                 if isinstance(node, ast.Module):
                     module_doc = len(lines)
@@ -734,14 +743,9 @@ def test_keras3_training_and_the_fault_policies_import_no_tf_keras():
 def _function_code_lines(node) -> int:
     """Lines of a function but its docstring (its signature and body)."""
     lines = node.end_lineno - node.lineno + 1
-    body = node.body
-    if (
-        body
-        and isinstance(body[0], ast.Expr)
-        and isinstance(body[0].value, ast.Constant)
-        and isinstance(body[0].value.value, str)
-    ):
-        lines -= body[0].end_lineno - body[0].lineno + 1
+    doc = _docstring_node(node)
+    if doc is not None:
+        lines -= doc.end_lineno - doc.lineno + 1
     return lines
 
 

@@ -137,6 +137,19 @@ def check_int(
         raise argument_error(name, rule, value)
 
 
+def check_optional_int(name: str, value: Any, minimum: int, rule: str) -> None:
+    """Raises `ArgumentError` unless `value` is None or an int >= `minimum`.
+
+    Args:
+      name: the argument's name, for the message.
+      value: the value received.
+      minimum: the smallest int allowed.
+      rule: the rule as the message states it, None's meaning included.
+    """
+    if value is not None and (not is_int(value) or value < minimum):
+        raise argument_error(name, rule, value)
+
+
 def check_nonnegative(name: str, value: Any) -> None:
     """Raises `ArgumentError` unless `value` is a number >= 0."""
     if not (is_number(value) and value >= 0):

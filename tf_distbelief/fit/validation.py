@@ -154,14 +154,12 @@ class ExactValidation(tf_keras.callbacks.Callback):
         super().__init__()
         self._x, self._y, self._sample_weight = _unpack(validation_data)
         _check_freq(validation_freq)
-        if validation_steps is not None and (
-            not checks.is_int(validation_steps) or validation_steps < 1
-        ):
-            raise checks.argument_error(
-                "validation_steps",
-                "an int >= 1 or None (the whole validation set)",
-                validation_steps,
-            )
+        checks.check_optional_int(
+            "validation_steps",
+            validation_steps,
+            1,
+            "an int >= 1 or None (the whole validation set)",
+        )
         if (
             isinstance(self._x, tf.data.Dataset)
             and validation_steps is None

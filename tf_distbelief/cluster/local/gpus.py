@@ -148,14 +148,12 @@ def assign_gpus(
       GpuAssignmentError: `gpus_per_worker * num_workers` exceeds `len(gpus)`.
       ValueError: `gpus_per_worker` is negative or not an integer.
     """
-    if gpus_per_worker is not None and (
-        not checks.is_int(gpus_per_worker) or gpus_per_worker < 0
-    ):
-        raise checks.argument_error(
-            "gpus_per_worker",
-            "None (share the host's GPUs among the workers) or an integer >= 0",
-            gpus_per_worker,
-        )
+    checks.check_optional_int(
+        "gpus_per_worker",
+        gpus_per_worker,
+        0,
+        "None (share the host's GPUs among the workers) or an integer >= 0",
+    )
     gpus = list(gpus)
     if gpus_per_worker is None and not gpus:
         return {}
