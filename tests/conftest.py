@@ -137,6 +137,21 @@ def lbfgs_digits_reference(local_cluster, tmp_path_factory):
     return paths.sandblaster_dir(model_dir)
 
 
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory):
+    """A pip install of the checkout (`tests/fixtures/install.py`): its
+    `target`, an `empty` folder to run in, the `env` that finds tf_distbelief
+    there only, and its `command`.
+
+    The tests that use it carry `xdist_group("install")`, so that one process
+    installs once.
+    """
+    pytest.importorskip("setuptools")
+    from tests.fixtures import install
+
+    return install.pip_install_checkout(tmp_path_factory.mktemp("install"))
+
+
 @pytest.fixture
 def clean_tf_config(monkeypatch):
     """Removes `TF_CONFIG` for the test."""

@@ -73,7 +73,10 @@ def test_relative_links_point_at_files(path):
 
 
 @pytest.mark.slow
-def test_the_readme_python_example_trains(tmp_path):
+@pytest.mark.xdist_group("install")  # The session's one install.
+def test_the_readme_python_example_trains(installed, tmp_path):
+    # Against `pip install <checkout>` (the session's `installed`), from an
+    # empty folder, as a user runs it.
     import subprocess
     import sys
 
@@ -89,7 +92,10 @@ def test_the_readme_python_example_trains(tmp_path):
         [sys.executable, "-c", blocks[0] + "\nimport os; os._exit(0)\n"],
         cwd=str(empty),
         env=dict(
-            os.environ, PYTHONPATH=ROOT, TMPDIR=str(temp), TF_CPP_MIN_LOG_LEVEL="2"
+            installed.env,
+            PYTHONPATH=str(installed.target),
+            TMPDIR=str(temp),
+            TF_CPP_MIN_LOG_LEVEL="2",
         ),
         capture_output=True,
         text=True,

@@ -1,81 +1,45 @@
 """A pip install of the checkout, used from an empty folder: the version, the
 `tf-distbelief-train` command and the demo models come from the installed
-package, not from the repository."""
+package, not from the repository.
+
+The same install runs the README's main job (the installed command, to the
+README's test accuracy: tests/job/test_launch.py) and its Python example
+(tests/test_docs.py).
+"""
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# One install (the module's fixture) for every test here, in one process.
+# One install (the session's `installed`, tests/conftest.py) for every test
+# here and the others that use it, in one process.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("install")]
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """`pip install --target` of a copy of the checkout (offline: no build
-    isolation, no dependencies; they come from this venv).
-
-    Returns:
-      (target folder, an empty folder to run in, the environment that finds
-      tf_distbelief in the target only).
-    """
-    pytest.importorskip("setuptools")
-    tmp = tmp_path_factory.mktemp("install")
-    # A copy, so that the build's folders stay out of the checkout.
-    source = tmp / "source"
-    shutil.copytree(
-        os.path.join(ROOT, "tf_distbelief"),
-        source / "tf_distbelief",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
-    for name in ("setup.py", "pyproject.toml"):
-        shutil.copy(os.path.join(ROOT, name), source / name)
-    target = tmp / "target"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "--target",
-            str(target),
-            str(source),
-        ],
+def _run(args, installed_, timeout=300):
+    return subprocess.run(
+        args,
+        cwd=str(installed_.empty),
+        env=installed_.env,
         capture_output=True,
         text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    empty = tmp / "empty"
-    empty.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(target), TF_CPP_MIN_LOG_LEVEL="2")
-    return target, empty, env
-
-
-def _run(args, installed_, timeout=300):
-    _, empty, env = installed_
-    return subprocess.run(
-        args, cwd=str(empty), env=env, capture_output=True, text=True, timeout=timeout
+        timeout=timeout,
     )
 
 
 def test_the_install_holds_only_tf_distbelief_and_its_command(installed):
-    target, _, _ = installed
+    target = installed.target
     tops = {n for n in os.listdir(target) if not n.endswith(".dist-info")}
     assert tops == {"tf_distbelief", "bin"}
     assert os.listdir(target / "bin") == ["tf-distbelief-train"]
 
 
 def test_the_installed_version_is_the_packages(installed):
-    target, _, _ = installed
+    target = installed.target
     proc = _run(
         [
             sys.executable,
@@ -98,9 +62,8 @@ def test_the_installed_version_is_the_packages(installed):
 
 @pytest.mark.parametrize("entry", ["command", "module"])
 def test_the_installed_command_answers_help(installed, entry):
-    target, _, _ = installed
     if entry == "command":  # The console script pip wrote.
-        args = [sys.executable, str(target / "bin" / "tf-distbelief-train")]
+        args = [sys.executable, installed.command]
     else:
         args = [sys.executable, "-m", "tf_distbelief.launch.train"]
     proc = _run([*args, "--help"], installed)
@@ -113,7 +76,7 @@ def test_the_installed_command_answers_help(installed, entry):
 
 
 def test_the_demo_models_import_from_the_install(installed):
-    target, _, _ = installed
+    target = installed.target
     proc = _run(
         [
             sys.executable,
