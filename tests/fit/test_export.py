@@ -212,7 +212,7 @@ def _readme_command(prefix):
     with open(os.path.join(ROOT, "README.md")) as f:
         (line,) = [x for x in f if x.startswith(prefix)]
     words = shlex.split(line)
-    command = words.index(".venv/bin/tf-distbelief-train")  # `TRAIN`'s command.
+    command = words.index("tf-distbelief-train")  # `TRAIN`'s command.
     return dict(w.split("=", 1) for w in words[:command]), words[command + 1 :]
 
 
@@ -257,7 +257,7 @@ def test_readme_records_command_trains_and_exports(tmp_path):
         assert out[k].tobytes() == out["c" + k[1:]].tobytes()
     # README's loading command, in a plain process with no TF_CONFIG.
     with open(os.path.join(ROOT, "README.md")) as f:
-        (line,) = [x for x in f if x.startswith(".venv/bin/python -c ")]
+        (line,) = [x for x in f if x.startswith("python -c ")]
     load = subprocess.run(
         [sys.executable, *shlex.split(line)[1:]],
         cwd=str(tmp_path),
