@@ -21,6 +21,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import checks
+from tf_distbelief.adagrad import staleness
 from tf_distbelief.adagrad.ops import apply_adagrad
 
 __all__ = ["Adagrad"]
@@ -38,12 +39,18 @@ class Adagrad(tf_keras.optimizers.Adagrad):
         times the best fixed SGD learning rate.
       initial_accumulator_value: `a_0`, a float >= 0 (0.1 in tf_keras).
       epsilon: added to `sqrt(a)`, a float >= 0 (1e-7 in tf_keras).
+      staleness_power: under asynchronous `fit` on several workers, a
+        gradient `tau` updates stale is applied with step
+        `gamma / max(1, tau)^staleness_power` (`adagrad.staleness`), a float
+        >= 0; 0 turns it off. An update of staleness 0 or 1 is unchanged.
+        Downpour's pushes are not damped by it (Downpour has its own push
+        rules, `--staleness_scaled`).
       name: optimizer name.
       **kwargs: passed to `tf_keras.optimizers.Adagrad` (clipnorm, ...).
 
     Raises:
-      ValueError: a negative `initial_accumulator_value` or `epsilon`, or a
-        non-positive float `learning_rate`.
+      ValueError: a negative `initial_accumulator_value`, `epsilon` or
+        `staleness_power`, or a non-positive float `learning_rate`.
     """
 
     def __init__(
@@ -51,6 +58,7 @@ class Adagrad(tf_keras.optimizers.Adagrad):
         learning_rate=0.1,
         initial_accumulator_value: float = 0.1,
         epsilon: float = 1e-7,
+        staleness_power: float = 0.5,
         name: str = "Adagrad",
         **kwargs,
     ):
@@ -62,6 +70,7 @@ class Adagrad(tf_keras.optimizers.Adagrad):
             )
         if not float(epsilon) >= 0:
             raise checks.argument_error("epsilon", ">= 0", epsilon)
+        checks.check_nonnegative("staleness_power", staleness_power)
         if isinstance(learning_rate, (int, float)) and not learning_rate > 0:
             raise checks.argument_error("learning_rate", "> 0", learning_rate)
         super().__init__(
@@ -71,6 +80,10 @@ class Adagrad(tf_keras.optimizers.Adagrad):
             name=name,
             **kwargs,
         )
+        self.staleness_power = float(staleness_power)
+
+    def get_config(self):
+        return {**super().get_config(), "staleness_power": self.staleness_power}
 
     def _build_learning_rate(self, learning_rate):
         if isinstance(learning_rate, (int, float)):
@@ -87,7 +100,14 @@ class Adagrad(tf_keras.optimizers.Adagrad):
         return super()._build_learning_rate(learning_rate)
 
     def update_step(self, gradient, variable):
-        self.apply_summed_gradient(gradient, variable, steps=1)
+        # The step size a gradient of this staleness earns (`staleness`): the
+        # learning rate itself outside an asynchronous step's scope.
+        lr = staleness.damped_learning_rate(
+            tf.cast(self.learning_rate, variable.dtype),
+            self.iterations,
+            self.staleness_power,
+        )
+        self._apply(gradient, variable, 1, lr)
 
     def apply_summed_gradient(self, gradient, variable, steps: int):
         """Applies the sum of `steps` gradients as `steps` AdaGrad updates.
@@ -118,7 +138,12 @@ class Adagrad(tf_keras.optimizers.Adagrad):
             raise checks.argument_error(
                 "steps", "an int >= 1 (the gradients summed in the push)", steps
             )
-        lr = tf.cast(self.learning_rate, variable.dtype)
+        self._apply(
+            gradient, variable, steps, tf.cast(self.learning_rate, variable.dtype)
+        )
+
+    def _apply(self, gradient, variable, steps: int, lr):
+        """`apply_summed_gradient` with the step size `lr` (a scalar tensor)."""
         if steps != 1:
             scale = tf.constant(steps**0.5, variable.dtype)
             lr = lr * scale

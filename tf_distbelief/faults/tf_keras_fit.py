@@ -40,6 +40,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import paths
+from tf_distbelief.adagrad import staleness
 from tf_distbelief.faults import exactly_once, nonfinite, recovery, resume, settings
 from tf_distbelief.tf_internals import keras_model
 from tf_distbelief.tf_internals import optimizers as tf_optimizers
@@ -189,14 +190,23 @@ def install_exactly_once(model) -> None:
                 # of stock training is gated there). With the scope in this
                 # thread only, no Downpour push was gated: 1501 of 1500 steps
                 # under worker kills.
-                with exactly_once.scope(token):
+                with exactly_once.scope(token), tf.control_dependencies(read):
                     outputs = model.train_step(data)
                 # As tf_keras: the counter moves once the step succeeded.
                 with tf.control_dependencies(tf.nest.flatten(outputs)):
                     counter.assign_add(1)
                 return outputs
 
-            with exactly_once.scope(token):
+            # Stock training's update is damped by the staleness of its
+            # gradient (`adagrad.staleness`): the applied-step count is read
+            # before the forward pass reads any parameter. The update runs in
+            # this thread; a model whose `train_step` was replaced (Downpour)
+            # pushes by its own rules, undamped.
+            count = None
+            if not keras_model.overrides(model, "train_step"):
+                count = staleness.read_before(model.optimizer)
+            read = [] if count is None else [count]
+            with exactly_once.scope(token), staleness.scope(count):
                 outputs = strategy.run(run_step, args=(next(iterator),))
             return keras_model.reduce_per_replica(model, outputs)
 

@@ -33,6 +33,10 @@ class JobConfig:
       learning_rate: gamma of AdaGrad or the SGD step size, > 0.
       initial_accumulator_value: AdaGrad's `a_0`, >= 0.
       epsilon: AdaGrad's epsilon, >= 0.
+      staleness_power: stock tf_keras training with AdaGrad: a gradient
+        computed on parameters `tau` updates old is applied with step
+        `learning_rate / max(1, tau)^staleness_power`, >= 0; 0 turns it off
+        (`adagrad.staleness`).
       batch_size: examples per step per worker, >= 1.
       epochs: epochs to train to, >= 1 (a resumed run continues to this epoch).
       steps_per_epoch: steps per epoch over all workers, >= 1.
@@ -97,6 +101,7 @@ class JobConfig:
     learning_rate: float = 0.2
     initial_accumulator_value: float = 0.1
     epsilon: float = 1e-7
+    staleness_power: float = 0.5
     batch_size: int = 32
     epochs: int = 5
     steps_per_epoch: int = 100
@@ -240,6 +245,7 @@ class JobConfig:
         for name in (
             "initial_accumulator_value",
             "epsilon",
+            "staleness_power",
             "log_every_steps",
             "checkpoint_every_steps",
         ):

@@ -98,6 +98,7 @@ def build_optimizer(config: JobConfig) -> tf_keras.optimizers.Optimizer:
             config.learning_rate,
             initial_accumulator_value=config.initial_accumulator_value,
             epsilon=config.epsilon,
+            staleness_power=config.staleness_power,
         )
     return tf_keras.optimizers.SGD(config.learning_rate)
 

@@ -65,7 +65,10 @@ def _optimizer(config: JobConfig):
     if config.optimizer == "sgd":
         return optimizer_lib.SGD(config.learning_rate)
     return optimizer_lib.Adagrad(
-        config.learning_rate, config.initial_accumulator_value, config.epsilon
+        config.learning_rate,
+        config.initial_accumulator_value,
+        config.epsilon,
+        config.staleness_power,
     )
 
 

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tf_distbelief import checks
 from tf_distbelief.adagrad import ops as adagrad_ops
+from tf_distbelief.adagrad import staleness
 
 # `tf_distbelief.adagrad.Adagrad` (tf_keras) is recognised by its module, so that this
 # module never imports tf_keras.
@@ -53,6 +54,9 @@ class Adagrad:
       learning_rate: gamma, a float > 0.
       initial_accumulator_value: `a_0`, a float >= 0.
       epsilon: added to `sqrt(a)`, a float >= 0.
+      staleness_power: stock training applies a gradient `tau` updates stale
+        with step `learning_rate / max(1, tau)^staleness_power`
+        (`tf_distbelief.adagrad.staleness`), a float >= 0; 0 turns it off.
       slot_name: `"accumulators"`, the slot's name in a checkpoint
         (`optimizer/accumulators/<i>`).
 
@@ -63,6 +67,7 @@ class Adagrad:
     learning_rate: float = 0.1
     initial_accumulator_value: float = 0.1
     epsilon: float = 1e-7
+    staleness_power: float = 0.5
     slot_name: ClassVar[str] = "accumulators"
 
     def __post_init__(self):
@@ -71,13 +76,14 @@ class Adagrad:
             "initial_accumulator_value", self.initial_accumulator_value, 0, False
         )
         _check_finite("epsilon", self.epsilon, 0, False)
+        _check_finite("staleness_power", self.staleness_power, 0, False)
 
     @property
     def slot_initial_value(self) -> float:
         """Each shard's accumulator starts at `initial_accumulator_value`."""
         return self.initial_accumulator_value
 
-    def apply(self, variable, accumulator, gradient):
+    def apply(self, variable, accumulator, gradient, damping=None):
         """One AdaGrad update of a ps variable (one shard) and its accumulator.
 
         `a <- a + g^2; w <- w - gamma * g / (sqrt(a) + epsilon)`, the fused
@@ -88,18 +94,31 @@ class Adagrad:
           variable: a `tf.Variable` on a ps task.
           accumulator: its accumulator, same shape and dtype, same device.
           gradient: a tensor of the variable's shape, or `tf.IndexedSlices`.
+          damping: None, or the float64 factor of `gamma` for the gradient's
+            staleness (`staleness.damping`).
 
         Returns:
           The op.
         """
         dtype = variable.dtype
+        lr = tf.constant(self.learning_rate, dtype)
+        if damping is not None:
+            lr = lr * tf.cast(damping, dtype)
         return adagrad_ops.apply_adagrad(
             variable.handle,
             accumulator.handle,
             gradient,
-            tf.constant(self.learning_rate, dtype),
+            lr,
             tf.constant(self.epsilon, dtype),
         )
+
+    def read_before(self, applied):
+        """`applied` (the applied-step counter) read now, or None if undamped."""
+        return applied.read_value() if self.staleness_power > 0 else None
+
+    def damping(self, applied, read):
+        """The factor of `gamma` for the step that read `read` (`apply`)."""
+        return staleness.damping(applied, read, self.staleness_power)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +250,7 @@ def from_optimizer(optimizer) -> Adagrad | SGD:
             float(config["learning_rate"]),
             float(config["initial_accumulator_value"]),
             float(config["epsilon"]),
+            float(config["staleness_power"]),
         )
     if type(optimizer).__module__ == _KERAS_SGD_MODULE and not constant:
         raise ValueError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_distbelief.faults import exactly_once
+from tf_distbelief.keras3 import optimizer as optimizer_lib
 from tf_distbelief.keras3 import variables as variables_lib
 
 # Tag of the `check_numerics` ops, to tell a non-finite gradient from other errors.
@@ -45,8 +46,17 @@ def make_step(
     """
     shards = [variables_lib.shards_of(v) for v in weights.trainable]
 
+    damped = isinstance(rule, optimizer_lib.Adagrad)
+
     def one_step(x, y, token):
-        with tf.GradientTape() as tape:
+        # AdaGrad damps the update by the gradient's staleness
+        # (`adagrad.staleness`): the applied-step count is read before any
+        # parameter is.
+        read = rule.read_before(applied) if damped else None
+        with (
+            tf.control_dependencies([] if read is None else [read]),
+            tf.GradientTape() as tape,
+        ):
             trainable = [variables_lib.read(v) for v in weights.trainable]
             non_trainable = [variables_lib.read(v) for v in weights.non_trainable]
             y_pred, new_non_trainable, losses = model.stateless_call(
@@ -76,7 +86,11 @@ def make_step(
 
         def apply():
             with tf.control_dependencies(gates):
-                ops = [rule.apply(shard, slot, grad) for shard, slot, grad in checked]
+                extra = [] if read is None else [rule.damping(applied, read)]
+                ops = [
+                    rule.apply(shard, slot, grad, *extra)
+                    for shard, slot, grad in checked
+                ]
                 for variable, value in zip(weights.non_trainable, new_non_trainable):
                     ops.append(variable.assign(value, read_value=False))
             with tf.control_dependencies(ops):

@@ -78,6 +78,13 @@ def define_flags() -> None:
         lower_bound=0.0,
     )
     flags.DEFINE_float("epsilon", d.epsilon, "AdaGrad's epsilon.", lower_bound=0.0)
+    flags.DEFINE_float(
+        "staleness_power",
+        d.staleness_power,
+        "AdaGrad without Downpour (tf_keras): a gradient tau updates stale is "
+        "applied with step learning_rate / max(1, tau)^power; 0 turns it off.",
+        lower_bound=0.0,
+    )
     flags.DEFINE_integer(
         "batch_size", d.batch_size, "Examples per step per worker.", lower_bound=1
     )
@@ -371,6 +378,7 @@ _FLOAT_FLAGS = (
     "learning_rate",
     "initial_accumulator_value",
     "epsilon",
+    "staleness_power",
     "chief_gone_secs",
     "connect_timeout_secs",
     "hung_task_timeout_secs",

@@ -1,0 +1,165 @@
+r"""The README's digits job against the number of model replicas (workers).
+
+Each run is the README's command, `launch/train.py --model=digits
+--optimizer=adagrad`, with `--num_workers` taken from `--workers`, 4 ps, the
+same number of steps whatever the worker count (asynchronous stock training:
+every step is one replica's batch), and each `--staleness_power` of
+`--powers` (0 is undamped AdaGrad; the default damps a gradient `tau`
+updates stale by `max(1, tau)^power`, `tf_distbelief.adagrad.staleness`).
+`--seeds` sets the model and data seed of each run.
+
+Columns: `acc` test accuracy; `train s`, `start-up s` from the job's goodput
+line; `wall s` the whole command; `chief MB`, `ps MB`, `worker MB` the largest
+resident memory a task of that kind reached (sampled every 0.5 s with psutil;
+local tasks are told apart by the task type in their `TF_CONFIG`).
+
+Usage:
+  python benchmarks/digits_replicas.py                      # 2, 8, 16 workers
+  python benchmarks/digits_replicas.py --workers=8 --seeds=0 --powers=0,0.5
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+
+
+def define_flags():
+    flags.DEFINE_list("workers", ["2", "8", "16"], "Worker counts.")
+    flags.DEFINE_list("powers", ["0", "0.5"], "Values of --staleness_power.")
+    flags.DEFINE_list("seeds", ["0", "1", "2"], "Values of --seed, one run each.")
+    flags.DEFINE_integer("num_ps", 4, "ps tasks.", lower_bound=1)
+    flags.DEFINE_integer("epochs", 5, "Epochs of 100 steps.", lower_bound=1)
+    flags.DEFINE_string("out", None, "Also write the rows as CSV here.")
+
+
+def _kind(proc: psutil.Process) -> str | None:
+    try:
+        config = proc.environ().get("TF_CONFIG")
+    except psutil.Error:
+        return None
+    if not config:
+        return None
+    return json.loads(config).get("task", {}).get("type")
+
+
+class _PeakMemory(threading.Thread):
+    """The largest RSS (MB) of the chief (`pid`) and of each task kind below it."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.root, self.peak, self.done = psutil.Process(pid), {}, threading.Event()
+
+    def run(self):
+        while not self.done.wait(0.5):
+            try:
+                procs = [(self.root, "chief")]
+                procs += [(c, _kind(c)) for c in self.root.children(recursive=True)]
+                for proc, kind in procs:
+                    if kind:
+                        mb = proc.memory_info().rss / 2**20
+                        self.peak[kind] = max(self.peak.get(kind, 0.0), mb)
+            except psutil.Error:
+                continue
+
+
+def _run(workers: int, power: str, seed: str, num_ps: int, epochs: int) -> dict:
+    args = [
+        sys.executable,
+        TRAIN,
+        "--model=digits",
+        "--optimizer=adagrad",
+        f"--num_workers={workers}",
+        f"--num_ps={num_ps}",
+        f"--epochs={epochs}",
+        f"--staleness_power={power}",
+        f"--seed={seed}",
+    ]
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    memory = _PeakMemory(proc.pid)
+    memory.start()
+    out = proc.communicate()[0]
+    memory.done.set()
+    wall = time.monotonic() - start
+    accuracy = re.search(r"^test accuracy: ([\d.]+)", out, re.M)
+    train = re.findall(r"train ([\d.]+) s", out)
+    startup = re.findall(r"start-up ([\d.]+) s", out)
+    if proc.returncode or not accuracy:
+        print(out[-3000:], flush=True)
+    return {
+        "workers": workers,
+        "staleness_power": float(power),
+        "seed": int(seed),
+        "acc": float(accuracy.group(1)) if accuracy else None,
+        "train s": float(train[-1]) if train else None,
+        "start-up s": float(startup[-1]) if startup else None,
+        "wall s": round(wall, 1),
+        **{
+            f"{k} MB": round(memory.peak.get(k, 0.0)) for k in ("chief", "ps", "worker")
+        },
+    }
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    rows = []
+    for workers in map(int, f.workers):
+        for power in f.powers:
+            for seed in f.seeds:
+                row = _run(workers, power, seed, f.num_ps, f.epochs)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    print(
+        "\n| workers | staleness_power | acc (each run) | min acc | train s "
+        "| start-up s | chief MB | ps MB | worker MB |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for workers in map(int, f.workers):
+        for power in map(float, f.powers):
+            cell = [
+                r
+                for r in rows
+                if (r["workers"], r["staleness_power"]) == (workers, power)
+            ]
+            accs = [r["acc"] for r in cell]
+            done = [a for a in accs if a is not None]
+
+            def median(key, cell=cell):
+                values = [r[key] for r in cell if r[key] is not None]
+                return f"{statistics.median(values):.1f}" if values else "-"
+
+            each = ", ".join("failed" if a is None else f"{a:.3f}" for a in accs)
+            low = f"{min(done):.3f}" if done else "-"
+            peaks = [
+                str(max(r[f"{k} MB"] for r in cell)) for k in ("chief", "ps", "worker")
+            ]
+            cells = [str(workers), f"{power:g}", each, low]
+            cells += [median("train s"), median("start-up s"), *peaks]
+            print("| " + " | ".join(cells) + " |", flush=True)
+    if f.out:
+        with open(f.out, "w", newline="") as out:
+            writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
