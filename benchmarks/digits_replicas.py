@@ -11,7 +11,9 @@ updates stale by `max(1, tau)^power`, `tf_distbelief.adagrad.staleness`).
 Columns: `acc` test accuracy; `train s`, `start-up s` from the job's goodput
 line; `wall s` the whole command; `chief MB`, `ps MB`, `worker MB` the largest
 resident memory a task of that kind reached (sampled every 0.5 s with psutil;
-local tasks are told apart by the task type in their `TF_CONFIG`).
+local tasks are told apart by the task type in their `TF_CONFIG`); `left`
+the processes of the run alive 10 s after it ended (found by a marker in
+their environment) and the files left in its `TMPDIR` (a new empty folder).
 
 Usage:
   python benchmarks/digits_replicas.py                      # 2, 8, 16 workers
@@ -27,8 +29,10 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import uuid
 
 import psutil
 from absl import app, flags
@@ -54,6 +58,17 @@ def _kind(proc: psutil.Process) -> str | None:
     if not config:
         return None
     return json.loads(config).get("task", {}).get("type")
+
+
+def _marked(marker: str) -> list[int]:
+    found = []
+    for pid in psutil.pids():
+        try:
+            if psutil.Process(pid).environ().get("DIGITS_REPLICAS_MARKER") == marker:
+                found.append(pid)
+        except psutil.Error:
+            continue
+    return found
 
 
 class _PeakMemory(threading.Thread):
@@ -88,15 +103,21 @@ def _run(workers: int, power: str, seed: str, num_ps: int, epochs: int) -> dict:
         f"--staleness_power={power}",
         f"--seed={seed}",
     ]
+    marker, temp = uuid.uuid4().hex, tempfile.mkdtemp(prefix="digits_replicas_")
+    env = dict(os.environ, DIGITS_REPLICAS_MARKER=marker, TMPDIR=temp)
     start = time.monotonic()
     proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
     memory = _PeakMemory(proc.pid)
     memory.start()
     out = proc.communicate()[0]
     memory.done.set()
     wall = time.monotonic() - start
+    time.sleep(10)
+    left = len(_marked(marker)) + len(os.listdir(temp))
+    if not os.listdir(temp):
+        os.rmdir(temp)
     accuracy = re.search(r"^test accuracy: ([\d.]+)", out, re.M)
     train = re.findall(r"train ([\d.]+) s", out)
     startup = re.findall(r"start-up ([\d.]+) s", out)
@@ -113,6 +134,7 @@ def _run(workers: int, power: str, seed: str, num_ps: int, epochs: int) -> dict:
         **{
             f"{k} MB": round(memory.peak.get(k, 0.0)) for k in ("chief", "ps", "worker")
         },
+        "left": left,
     }
 
 
@@ -130,7 +152,7 @@ def main(argv):
         "\n| workers | staleness_power | acc (each run) | min acc | train s "
         "| start-up s | chief MB | ps MB | worker MB |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for workers in map(int, f.workers):
         for power in map(float, f.powers):
             cell = [
@@ -152,6 +174,7 @@ def main(argv):
             ]
             cells = [str(workers), f"{power:g}", each, low]
             cells += [median("train s"), median("start-up s"), *peaks]
+            cells.append(str(sum(r["left"] for r in cell)))
             print("| " + " | ".join(cells) + " |", flush=True)
     if f.out:
         with open(f.out, "w", newline="") as out:
