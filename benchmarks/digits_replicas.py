@@ -10,8 +10,12 @@ updates stale by `max(1, tau)^power`, `tf_distbelief.adagrad.staleness`).
 
 Columns: `acc` test accuracy; `train s`, `start-up s` from the job's goodput
 line; `wall s` the whole command; `chief MB`, `ps MB`, `worker MB` the largest
-resident memory a task of that kind reached (sampled every 0.5 s with psutil;
-local tasks are told apart by the task type in their `TF_CONFIG`); `left`
+proportional set size (PSS: resident memory with each page shared by `k`
+processes counted `1/k`, so that the tasks' figures add up; TensorFlow's
+library is shared by every task) a task of that kind reached, sampled every
+0.5 s with psutil (local tasks are told apart by the task type in their
+`TF_CONFIG`), and `worker RSS MB` a worker's largest resident memory,
+shared pages counted whole; `left`
 the processes of the run alive 10 s after it ended (found by a marker in
 their environment) and the files left in its `TMPDIR` (a new empty folder).
 
@@ -72,7 +76,7 @@ def _marked(marker: str) -> list[int]:
 
 
 class _PeakMemory(threading.Thread):
-    """The largest RSS (MB) of the chief (`pid`) and of each task kind below it."""
+    """The largest PSS and RSS (MB) of the chief (`pid`) and each task kind below it."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
@@ -85,8 +89,13 @@ class _PeakMemory(threading.Thread):
                 procs += [(c, _kind(c)) for c in self.root.children(recursive=True)]
                 for proc, kind in procs:
                     if kind:
-                        mb = proc.memory_info().rss / 2**20
-                        self.peak[kind] = max(self.peak.get(kind, 0.0), mb)
+                        memory = proc.memory_full_info()
+                        for key, value in (
+                            (kind, memory.pss),
+                            (kind + " RSS", memory.rss),
+                        ):
+                            mb = value / 2**20
+                            self.peak[key] = max(self.peak.get(key, 0.0), mb)
             except psutil.Error:
                 continue
 
@@ -134,6 +143,7 @@ def _run(workers: int, power: str, seed: str, num_ps: int, epochs: int) -> dict:
         **{
             f"{k} MB": round(memory.peak.get(k, 0.0)) for k in ("chief", "ps", "worker")
         },
+        "worker RSS MB": round(memory.peak.get("worker RSS", 0.0)),
         "left": left,
     }
 
@@ -152,7 +162,7 @@ def main(argv):
         "\n| workers | staleness_power | acc (each run) | min acc | train s "
         "| start-up s | chief MB | ps MB | worker MB |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for workers in map(int, f.workers):
         for power in map(float, f.powers):
             cell = [
@@ -170,7 +180,8 @@ def main(argv):
             each = ", ".join("failed" if a is None else f"{a:.3f}" for a in accs)
             low = f"{min(done):.3f}" if done else "-"
             peaks = [
-                str(max(r[f"{k} MB"] for r in cell)) for k in ("chief", "ps", "worker")
+                str(max(r[f"{k} MB"] for r in cell))
+                for k in ("chief", "ps", "worker", "worker RSS")
             ]
             cells = [str(workers), f"{power:g}", each, low]
             cells += [median("train s"), median("start-up s"), *peaks]
