@@ -18,7 +18,9 @@ from tests.fixtures import launch
 from tests.fixtures.helpers import tensorboard_scalars
 from tests.fixtures.launch import ROOT
 from tf_distbelief import console
-from tf_distbelief.fit import evaluation, progress
+from tf_distbelief.downpour import report
+from tf_distbelief.downpour.schedule import ReplicaStats
+from tf_distbelief.fit import evaluation, lines, progress
 
 # A line of TensorFlow's C++ logging (Abseil's prefix), or Abseil's banner.
 CPP_LOG_LINE = re.compile(
@@ -150,6 +152,61 @@ def test_a_quiet_script_refuses_extra_arguments_and_keeps_tf_to_errors():
     assert "Unexpected arguments: ['extra']" in proc.stderr
 
 
+def test_counts_are_integers_and_figures_carry_units():
+    assert console.count(1234.6) == "1,235" and console.count(7) == "7"
+    assert [console.size(n) for n in (512, 19240, 962000, 1923000, 3.4e9)] == [
+        "512 B",
+        "19.2 kB",
+        "962 kB",
+        "1.9 MB",
+        "3.4 GB",
+    ]
+    assert lines.metrics({"accuracy": 0.96, "nonfinite_skipped": 0, "loss": 0.1}) == (
+        "loss=0.1000 accuracy=0.9600 nonfinite_skipped=0"
+    )
+
+
+def test_downpour_epoch_words_and_summary_line_are_short():
+    # An epoch's logs as `DownpourMetrics` leaves them.
+    logs = {
+        "loss": 1.1032,
+        "accuracy": 0.6175,
+        "bytes_fetched_per_step": 19240.0,
+        "bytes_pushed_per_step": 19240.0,
+        "nonfinite_pushes": 0,
+        "replica0/staleness": 0.6,
+        "replica0/steps": 20,
+        "replica1/staleness": 0.2667,
+        "replica1/steps": 30,
+    }
+    words, rest = report.epoch_words(logs)
+    # The replicas' staleness weighted by their steps: (12 + 8) / 50.
+    assert words == "staleness 0.40, fetched 19.2 kB/step, pushed 19.2 kB/step"
+    assert rest == {"loss": 1.1032, "accuracy": 0.6175}
+    assert report.epoch_words({"loss": 1.0}) == ("", {"loss": 1.0})
+    nonfinite, _ = report.epoch_words(dict(logs, nonfinite_pushes=3))
+    assert nonfinite == words + ", 3 non-finite pushes dropped"
+    line = lines.RunClock(0, 100).epoch_line(1, 2, 50, rest, 341.2, words, 26.04)
+    assert re.fullmatch(
+        r"epoch 1/2: steps 50/100 loss=1\.1032 accuracy=0\.6175 341 examples/s, "
+        r"elapsed 0s, ETA 0s; staleness 0\.40, fetched 19\.2 kB/step, pushed "
+        r"19\.2 kB/step; goodput 26\.0%",
+        line,
+    ), line
+    assert len(line) <= 165  # 330 characters with the figures as logs.
+
+    stats = [
+        ReplicaStats(50, 50, 50, 0, 0, 22, 1, 962000, 962000),
+        ReplicaStats(1500, 1500, 1498, 2, 0, 18, 3, 28860000, 28821520),
+    ]
+    assert report.summary_line(stats) == (
+        "downpour: 2 replicas, 1,550 steps (50, 1,500), 1,548 pushes (50, 1,498), "
+        "1,550 fetches, 2 stale pushes dropped, staleness mean 0.03 max 3, "
+        "fetched 29.8 MB, pushed 29.8 MB"
+    )
+    assert report.summary_line([]).startswith("downpour: no counters (a worker lost")
+
+
 def _digits_dense(seed=0):
     tf_keras.utils.set_random_seed(seed)
     model = tf_keras.Sequential([tf_keras.layers.Dense(10, input_shape=(64,))])
@@ -180,7 +237,7 @@ def test_progress_lines_name_the_epoch_steps_speed_and_eta():
     assert len(epochs) == 2
     assert re.match(
         r"^epoch 1/2: steps 8/16 loss=\d+\.\d{4} accuracy=\d\.\d{4} "
-        r"\d+ examples/s, elapsed \d+s, ETA \d+s$",
+        r"[\d,]+ examples/s, elapsed \d+s, ETA \d+s$",
         epochs[0],
     ), epochs[0]
     last = r"^epoch 2/2: steps 16/16 .* examples/s, elapsed \d+s, ETA 0s$"
@@ -190,7 +247,7 @@ def test_progress_lines_name_the_epoch_steps_speed_and_eta():
     shown = []
     for line in steps:
         match = re.match(
-            r"^step (\d+)/16: \d+ examples/s, elapsed \d+s, ETA \d+s$", line
+            r"^step (\d+)/16: [\d,]+ examples/s, elapsed \d+s, ETA \d+s$", line
         )
         assert match, line
         shown.append(int(match.group(1)))

@@ -70,7 +70,7 @@ def test_readme_main_job_streams_its_progress_and_leaves_no_process():
         assert proc.poll() is None, lines
         assert re.match(
             r"^epoch 1/5: steps 100/500 loss=\d\.\d{4} accuracy=\d\.\d{4} "
-            r"\d+ examples/s, elapsed \d+s, ETA \d+s$",
+            r"[\d,]+ examples/s, elapsed \d+s, ETA \d+s; goodput \d+\.\d%$",
             lines[-1],
         ), lines
         # The rest, line by line in a thread (a bounded wait), to time the
@@ -100,8 +100,13 @@ def test_readme_main_job_streams_its_progress_and_leaves_no_process():
     assert exit_secs < 10.0, exit_secs
     assert "local cluster: 2 workers, 2 ps (127.0.0.1:" in output
     # Lines as the finished steps pass each 100 (the step the follower saw).
-    assert re.search(r"^step \d+/500: \d+ examples/s, elapsed \d+s, ETA ", output, re.M)
-    last_epoch = r"^epoch 5/5: steps 500/500 .* examples/s, elapsed \d+s, ETA 0s$"
+    assert re.search(
+        r"^step \d+/500: [\d,]+ examples/s, elapsed \d+s, ETA ", output, re.M
+    )
+    last_epoch = (
+        r"^epoch 5/5: steps 500/500 .* examples/s, elapsed \d+s, ETA 0s; "
+        r"goodput \d+\.\d%$"
+    )
     assert re.search(last_epoch, output, re.M)
     # The job's full console output ends with the test accuracy and the
     # job's goodput.
@@ -336,9 +341,23 @@ def test_downpour_through_the_launch_script(downpour_launch_ps0_killed):
     """
     code, output, stderr = downpour_launch_ps0_killed
     assert code == 0, stderr[-3000:]
+    # The epoch's Downpour figures in words, units on the bytes.
+    epoch = re.search(r"^epoch 10/10: .*$", output, re.M)
+    assert epoch, output[-3000:]
     assert re.search(
-        r"^epoch 10/10: .*bytes_pushed_per_step=.*replica1/staleness=", output, re.M
-    )
+        r" examples/s, elapsed \d+s, ETA 0s; staleness \d+\.\d\d, fetched "
+        r"[\d.]+ kB/step, pushed [\d.]+ kB/step; goodput \d+\.\d%$",
+        epoch[0],
+    ), epoch[0]
+    # The run's figures in one line: integers, units, no reprs.
+    assert re.search(
+        r"^downpour: 2 replicas, [\d,]+ steps \([\d,]+, [\d,]+\), [\d,]+ pushes "
+        r"\([\d,]+, [\d,]+\), [\d,]+ fetches, staleness mean \d+\.\d\d max \d+, "
+        r"fetched [\d.]+ MB, pushed [\d.]+ MB$",
+        output,
+        re.M,
+    ), output[-3000:]
+    assert "ReplicaStats(" not in output
     assert _accuracy(output) >= 0.95
 
 
