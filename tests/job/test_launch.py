@@ -322,7 +322,16 @@ def test_sandblaster_through_the_launch_script():
             "--num_ps=2",
         ]
     )
-    assert re.search(r"^lbfgs: \d+ iterations, .*backup copies \d+", output, re.M)
+    last = re.search(r"^lbfgs: (\d+) iterations, .*backup copies \d+", output, re.M)
+    assert last, output[-3000:]
+    # A line per iteration (--lbfgs_log_every_iters=1) before the last one.
+    shown = re.findall(
+        r"^lbfgs iteration (\d+)/100: loss \S+, gradient norm \S+, \d+ "
+        r"evaluations, \d+\.\d s$",
+        output,
+        re.M,
+    )
+    assert [int(i) for i in shown] == list(range(1, int(last[1]) + 1))
     assert _accuracy(output) >= 0.93
 
 

@@ -257,12 +257,16 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
             accountant.end_training(0, failed)
     train_secs = time.monotonic() - start
     stats = trainer.stats
+    accepted = ", ".join(
+        f"{worker}: {console.count(n)}"
+        for worker, n in sorted(stats.accepted_by_worker.items())
+    )
     print_fn(
         f"lbfgs: {result.num_iters} iterations, {result.num_evals} evaluations, "
         f"loss {result.loss:.6f} ({result.message}), {train_secs:.1f} s; "
-        f"portions {stats.portions_scheduled}, backup copies "
+        f"portions {console.count(stats.portions_scheduled)}, backup copies "
         f"{stats.backup_copies_scheduled}, discarded {stats.copies_discarded}, "
-        f"accepted by worker {dict(sorted(stats.accepted_by_worker.items()))}"
+        f"accepted by worker {accepted}"
     )
     test_accuracy = training.accuracy(model, *test_data)
     print_fn(f"test accuracy: {test_accuracy:.4f}")
