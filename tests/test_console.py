@@ -1,8 +1,10 @@
 """Console output (issue 12): flushed progress lines, TensorFlow's start-up
 noise kept out, messages cut in the middle, and the evaluator's loop."""
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -10,6 +12,7 @@ import time
 import uuid
 
 import numpy as np
+import portpicker
 import pytest
 import tensorflow as tf
 import tf_keras
@@ -207,6 +210,35 @@ def test_downpour_epoch_words_and_summary_line_are_short():
     assert report.summary_line([]).startswith("downpour: no counters (a worker lost")
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_tf_config_server_says_where_it_serves_and_why_it_leaves(signum):
+    address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    cluster = {
+        job: [f"127.0.0.1:{portpicker.pick_unused_port()}"]
+        for job in ("chief", "worker")
+    }
+    cluster["ps"] = [address]
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": "ps", "index": 0}})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tf_distbelief.cluster.server_main"],
+        cwd=ROOT,
+        env=dict(os.environ, TF_CONFIG=tf_config),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # The first line comes once the server listens (readline waits).
+        assert proc.stdout.readline() == f"ps 0 serving at {address}\n"
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert out == f"ps 0 leaving: {signal.Signals(signum).name}\n"
+    assert not CPP_LOG_LINE.search(err), err[-3000:]
+
+
 def _digits_dense(seed=0):
     tf_keras.utils.set_random_seed(seed)
     model = tf_keras.Sequential([tf_keras.layers.Dense(10, input_shape=(64,))])
@@ -350,6 +382,95 @@ def test_a_library_run_ends_with_at_most_one_grpc_line(tmp_path):
         if console.gpu_expected():
             log = "\n".join(li for li in log.splitlines() if "cuInit" not in li)
         assert not CPP_LOG_LINE.search(log), log[-2000:]
+
+
+def _loud_env(**more):
+    """This process's environment without the log levels that quiet TensorFlow."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CPP_MIN_LOG_LEVEL", "GRPC_VERBOSITY")
+    }
+    return dict(env, **more)
+
+
+# TensorFlow's C++ lines: Abseil's prefix, its banner, or a source path.
+TF_CPP_TEXT = re.compile(r"^[IWEF]\d{4} |external/local_xla|absl::InitializeLog", re.M)
+
+
+def test_console_quiet_silences_tensorflow_at_import_and_first_device_query():
+    """Unset levels print TensorFlow's lines at import; `console.quiet()` first
+    leaves stderr empty."""
+    code = (
+        "import tensorflow as tf\n"
+        "tf.config.list_physical_devices()\n"
+        "print(int(tf.constant(1) + 1))\n"
+    )
+    for quiet, expect_quiet in (("", False), (_QUIET_CALL, True)):
+        proc = subprocess.run(
+            [sys.executable, "-c", quiet + code],
+            cwd=ROOT,
+            env=_loud_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert (proc.returncode, proc.stdout) == (0, "2\n"), proc.stderr[-3000:]
+        if expect_quiet:
+            assert proc.stderr == ""
+        else:  # What the call silences.
+            assert TF_CPP_TEXT.search(proc.stderr), proc.stderr[-3000:]
+
+
+_QUIET_CALL = "from tf_distbelief import console\nconsole.quiet()\n"
+
+
+@pytest.mark.slow
+def test_console_quiet_silences_a_program_using_a_local_cluster(tmp_path):
+    """The README's kind of program with `console.quiet()` first, at
+    TensorFlow's default levels: no C++ log line from this process, at start,
+    while training or at exit, nor in its tasks' logs, which say where each
+    task served and why it left."""
+    script = _QUIET_CALL + textwrap.dedent(
+        f"""
+        import tf_keras
+        import tf_distbelief as tfdb
+        from tf_distbelief.demos import digits
+
+        (x, y), (x_test, y_test) = digits.load_data()
+        with tfdb.cluster.LocalCluster(1, 1, log_dir={str(tmp_path)!r}) as local:
+            strategy = tfdb.DistBeliefStrategy(local.resolver)
+            with strategy.scope():
+                model = digits.build_model()
+                model.compile(
+                    tfdb.adagrad.Adagrad(0.1),
+                    tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                )
+            tfdb.fit.fit(
+                model, tfdb.fit.dataset_creator(x, y, 32), epochs=1,
+                steps_per_epoch=20, batch_size=32,
+            )
+            print(f"test accuracy: {{tfdb.fit.accuracy(model, x_test, y_test)}}")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=str(tmp_path),
+        env=_loud_env(PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"epoch 1/1: steps 20/20 loss=.*; goodput \d+\.\d%", out[0])
+    assert out[1].startswith("goodput: ") and out[2].startswith("test accuracy: ")
+    assert not TF_CPP_TEXT.search(proc.stderr), proc.stderr[-3000:]
+    for job in ("worker", "ps"):
+        log = (tmp_path / f"{job}_0.log").read_text()
+        assert not TF_CPP_TEXT.search(log), log[-3000:]
+        assert re.search(rf"^{job} 0 serving at 127\.0\.0\.1:\d+$", log, re.M), log
+        assert re.search(rf"^{job} 0 leaving: SIGTERM$", log, re.M), log
 
 
 @pytest.mark.parametrize(

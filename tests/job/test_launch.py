@@ -288,6 +288,15 @@ def test_tf_config_cluster_of_separate_processes(tmp_path):
         # the evaluator after the last epoch's checkpoint.
         for key, proc in procs.items():
             assert proc.wait(120) == 0, key
+        # Each server says where it serves, and why it leaves.
+        for job in ("ps", "worker"):
+            for index, address in enumerate(jobs[job]):
+                out = (tmp_path / f"{job}{index}.out").read_text().splitlines()
+                assert out == [
+                    f"loading TensorFlow (TF_CONFIG task {job}:{index})",
+                    f"{job} {index} serving at {address}",
+                    f"{job} {index} leaving: the job ended, the chief gone 3 s",
+                ], out
         evaluator = (tmp_path / "evaluator0.out").read_text()
         assert "evaluator: done" in evaluator
         # Issue 12: every checkpoint (one per epoch) evaluated and named, its
