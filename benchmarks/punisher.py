@@ -63,6 +63,8 @@ _MAX_LIVES = 200
 _GOODPUT_RE = re.compile(
     r"^goodput: [0-9.]+% \(train ([0-9.]+) s of ([0-9.]+) s; .* redone ([0-9.]+) s"
 )
+# Each epoch's line ends with the job's goodput so far (`fit.lines`).
+_EPOCH_GOODPUT_RE = re.compile(r"^epoch \d+/\d+: .*; goodput ([0-9.]+)%$")
 _RESTORED_RE = re.compile(r"^(?:restored|Resumed from) .*?ckpt-(\d+)")
 _STEP_RE = re.compile(r"^(?:step|epoch \d+/\d+: steps) (\d+)/\d+")
 
@@ -210,16 +212,26 @@ class Life:
         return max(steps, default=0)
 
     def goodput(self) -> tuple[float, float]:
-        return goodput_of(self.job)
+        return goodput_of(self.job, self.started)
 
 
-def goodput_of(job) -> tuple[float, float]:
-    """(train s, redone s) of a job's last goodput line; a chief killed after
-    it loses what it trained since (conservative)."""
-    found = [m for _, line in job.poll_lines() if (m := _GOODPUT_RE.match(line))]
-    if not found:
+def goodput_of(job, started: float) -> tuple[float, float]:
+    """(train s, redone s) of a job's goodput line, which ends a job.
+
+    A chief killed before it (no such line) counts its last epoch line's
+    goodput percent of its wall time then (`started`: when this script
+    started it, on `time.monotonic`'s scale), no redone seconds; what it
+    trained after that line is lost (conservative).
+    """
+    lines = job.poll_lines()
+    found = [m for _, line in lines if (m := _GOODPUT_RE.match(line))]
+    if found:
+        return float(found[-1][1]), float(found[-1][3])
+    epochs = [(at, m) for at, line in lines if (m := _EPOCH_GOODPUT_RE.match(line))]
+    if not epochs:
         return 0.0, 0.0
-    return float(found[-1][1]), float(found[-1][3])
+    at, last = epochs[-1]
+    return float(last[1]) / 100 * max(0.0, at - started), 0.0
 
 
 def steps_redone(lives: list[Life]) -> int:
@@ -354,7 +366,7 @@ def main(argv):
             )
             code, _ = base.finish(_JOB_TIMEOUT_SECS)
             reference = faults_bench._accuracy(base)
-            train = goodput_of(base)[0]
+            train = goodput_of(base, begin)[0]
             print(
                 f"unfaulted: exit {code}, test accuracy {reference}, "
                 f"{time.monotonic() - begin:.0f} s, goodput "

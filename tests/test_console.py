@@ -1,8 +1,10 @@
 """Console output (issue 12): flushed progress lines, TensorFlow's start-up
 noise kept out, messages cut in the middle, and the evaluator's loop."""
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -10,6 +12,7 @@ import time
 import uuid
 
 import numpy as np
+import portpicker
 import pytest
 import tensorflow as tf
 import tf_keras
@@ -18,7 +21,9 @@ from tests.fixtures import launch
 from tests.fixtures.helpers import tensorboard_scalars
 from tests.fixtures.launch import ROOT
 from tf_distbelief import console
-from tf_distbelief.fit import evaluation, progress
+from tf_distbelief.downpour import report
+from tf_distbelief.downpour.schedule import ReplicaStats
+from tf_distbelief.fit import evaluation, lines, progress
 
 # A line of TensorFlow's C++ logging (Abseil's prefix), or Abseil's banner.
 CPP_LOG_LINE = re.compile(
@@ -150,6 +155,90 @@ def test_a_quiet_script_refuses_extra_arguments_and_keeps_tf_to_errors():
     assert "Unexpected arguments: ['extra']" in proc.stderr
 
 
+def test_counts_are_integers_and_figures_carry_units():
+    assert console.count(1234.6) == "1,235" and console.count(7) == "7"
+    assert [console.size(n) for n in (512, 19240, 962000, 1923000, 3.4e9)] == [
+        "512 B",
+        "19.2 kB",
+        "962 kB",
+        "1.9 MB",
+        "3.4 GB",
+    ]
+    assert lines.metrics({"accuracy": 0.96, "nonfinite_skipped": 0, "loss": 0.1}) == (
+        "loss=0.1000 accuracy=0.9600 nonfinite_skipped=0"
+    )
+
+
+def test_downpour_epoch_words_and_summary_line_are_short():
+    # An epoch's logs as `DownpourMetrics` leaves them.
+    logs = {
+        "loss": 1.1032,
+        "accuracy": 0.6175,
+        "bytes_fetched_per_step": 19240.0,
+        "bytes_pushed_per_step": 19240.0,
+        "nonfinite_pushes": 0,
+        "replica0/staleness": 0.6,
+        "replica0/steps": 20,
+        "replica1/staleness": 0.2667,
+        "replica1/steps": 30,
+    }
+    words, rest = report.epoch_words(logs)
+    # The replicas' staleness weighted by their steps: (12 + 8) / 50.
+    assert words == "staleness 0.40, fetched 19.2 kB/step, pushed 19.2 kB/step"
+    assert rest == {"loss": 1.1032, "accuracy": 0.6175}
+    assert report.epoch_words({"loss": 1.0}) == ("", {"loss": 1.0})
+    nonfinite, _ = report.epoch_words(dict(logs, nonfinite_pushes=3))
+    assert nonfinite == words + ", 3 non-finite pushes dropped"
+    line = lines.RunClock(0, 100).epoch_line(1, 2, 50, rest, 341.2, words, 26.04)
+    assert re.fullmatch(
+        r"epoch 1/2: steps 50/100 loss=1\.1032 accuracy=0\.6175 341 examples/s, "
+        r"elapsed 0s, ETA 0s; staleness 0\.40, fetched 19\.2 kB/step, pushed "
+        r"19\.2 kB/step; goodput 26\.0%",
+        line,
+    ), line
+    assert len(line) <= 165  # 330 characters with the figures as logs.
+
+    stats = [
+        ReplicaStats(50, 50, 50, 0, 0, 22, 1, 962000, 962000),
+        ReplicaStats(1500, 1500, 1498, 2, 0, 18, 3, 28860000, 28821520),
+    ]
+    assert report.summary_line(stats) == (
+        "downpour: 2 replicas, 1,550 steps (50, 1,500), 1,548 pushes (50, 1,498), "
+        "1,550 fetches, 2 stale pushes dropped, staleness mean 0.03 max 3, "
+        "fetched 29.8 MB, pushed 29.8 MB"
+    )
+    assert report.summary_line([]).startswith("downpour: no counters (a worker lost")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_tf_config_server_says_where_it_serves_and_why_it_leaves(signum):
+    address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    cluster = {
+        job: [f"127.0.0.1:{portpicker.pick_unused_port()}"]
+        for job in ("chief", "worker")
+    }
+    cluster["ps"] = [address]
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": "ps", "index": 0}})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tf_distbelief.cluster.server_main"],
+        cwd=ROOT,
+        env=dict(os.environ, TF_CONFIG=tf_config),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # The first line comes once the server listens (readline waits).
+        assert proc.stdout.readline() == f"ps 0 serving at {address}\n"
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert out == f"ps 0 leaving: {signal.Signals(signum).name}\n"
+    assert not CPP_LOG_LINE.search(err), err[-3000:]
+
+
 def _digits_dense(seed=0):
     tf_keras.utils.set_random_seed(seed)
     model = tf_keras.Sequential([tf_keras.layers.Dense(10, input_shape=(64,))])
@@ -180,7 +269,7 @@ def test_progress_lines_name_the_epoch_steps_speed_and_eta():
     assert len(epochs) == 2
     assert re.match(
         r"^epoch 1/2: steps 8/16 loss=\d+\.\d{4} accuracy=\d\.\d{4} "
-        r"\d+ examples/s, elapsed \d+s, ETA \d+s$",
+        r"[\d,]+ examples/s, elapsed \d+s, ETA \d+s$",
         epochs[0],
     ), epochs[0]
     last = r"^epoch 2/2: steps 16/16 .* examples/s, elapsed \d+s, ETA 0s$"
@@ -190,7 +279,7 @@ def test_progress_lines_name_the_epoch_steps_speed_and_eta():
     shown = []
     for line in steps:
         match = re.match(
-            r"^step (\d+)/16: \d+ examples/s, elapsed \d+s, ETA \d+s$", line
+            r"^step (\d+)/16: [\d,]+ examples/s, elapsed \d+s, ETA \d+s$", line
         )
         assert match, line
         shown.append(int(match.group(1)))
@@ -293,6 +382,95 @@ def test_a_library_run_ends_with_at_most_one_grpc_line(tmp_path):
         if console.gpu_expected():
             log = "\n".join(li for li in log.splitlines() if "cuInit" not in li)
         assert not CPP_LOG_LINE.search(log), log[-2000:]
+
+
+def _loud_env(**more):
+    """This process's environment without the log levels that quiet TensorFlow."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CPP_MIN_LOG_LEVEL", "GRPC_VERBOSITY")
+    }
+    return dict(env, **more)
+
+
+# TensorFlow's C++ lines: Abseil's prefix, its banner, or a source path.
+TF_CPP_TEXT = re.compile(r"^[IWEF]\d{4} |external/local_xla|absl::InitializeLog", re.M)
+
+
+def test_console_quiet_silences_tensorflow_at_import_and_first_device_query():
+    """Unset levels print TensorFlow's lines at import; `console.quiet()` first
+    leaves stderr empty."""
+    code = (
+        "import tensorflow as tf\n"
+        "tf.config.list_physical_devices()\n"
+        "print(int(tf.constant(1) + 1))\n"
+    )
+    for quiet, expect_quiet in (("", False), (_QUIET_CALL, True)):
+        proc = subprocess.run(
+            [sys.executable, "-c", quiet + code],
+            cwd=ROOT,
+            env=_loud_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert (proc.returncode, proc.stdout) == (0, "2\n"), proc.stderr[-3000:]
+        if expect_quiet:
+            assert proc.stderr == ""
+        else:  # What the call silences.
+            assert TF_CPP_TEXT.search(proc.stderr), proc.stderr[-3000:]
+
+
+_QUIET_CALL = "from tf_distbelief import console\nconsole.quiet()\n"
+
+
+@pytest.mark.slow
+def test_console_quiet_silences_a_program_using_a_local_cluster(tmp_path):
+    """The README's kind of program with `console.quiet()` first, at
+    TensorFlow's default levels: no C++ log line from this process, at start,
+    while training or at exit, nor in its tasks' logs, which say where each
+    task served and why it left."""
+    script = _QUIET_CALL + textwrap.dedent(
+        f"""
+        import tf_keras
+        import tf_distbelief as tfdb
+        from tf_distbelief.demos import digits
+
+        (x, y), (x_test, y_test) = digits.load_data()
+        with tfdb.cluster.LocalCluster(1, 1, log_dir={str(tmp_path)!r}) as local:
+            strategy = tfdb.DistBeliefStrategy(local.resolver)
+            with strategy.scope():
+                model = digits.build_model()
+                model.compile(
+                    tfdb.adagrad.Adagrad(0.1),
+                    tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                )
+            tfdb.fit.fit(
+                model, tfdb.fit.dataset_creator(x, y, 32), epochs=1,
+                steps_per_epoch=20, batch_size=32,
+            )
+            print(f"test accuracy: {{tfdb.fit.accuracy(model, x_test, y_test)}}")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=str(tmp_path),
+        env=_loud_env(PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"epoch 1/1: steps 20/20 loss=.*; goodput \d+\.\d%", out[0])
+    assert out[1].startswith("goodput: ") and out[2].startswith("test accuracy: ")
+    assert not TF_CPP_TEXT.search(proc.stderr), proc.stderr[-3000:]
+    for job in ("worker", "ps"):
+        log = (tmp_path / f"{job}_0.log").read_text()
+        assert not TF_CPP_TEXT.search(log), log[-3000:]
+        assert re.search(rf"^{job} 0 serving at 127\.0\.0\.1:\d+$", log, re.M), log
+        assert re.search(rf"^{job} 0 leaving: SIGTERM$", log, re.M), log
 
 
 @pytest.mark.parametrize(

@@ -23,10 +23,12 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 
 from tf_distbelief import checks
 
+# `quiet_environment`'s settings: errors only.
+_QUIET_ENVIRONMENT = {"TF_CPP_MIN_LOG_LEVEL": "2", "GRPC_VERBOSITY": "ERROR"}
 # Abseil's prefix: severity, MMDD, time, thread id, file:line]. Before Abseil
 # is initialised TensorFlow's lines read `I0000 00:00:<epoch seconds>.<us>`.
 _ABSL_LINE = re.compile(rb"^([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [^ \]]+:\d+\] ")
@@ -87,6 +89,23 @@ def duration(secs: float) -> str:
     if secs < 3600:
         return f"{secs // 60}m{secs % 60:02d}s"
     return f"{secs // 3600}h{secs % 3600 // 60:02d}m"
+
+
+def count(n: float) -> str:
+    """`n` as a whole number with thousands separators: `1,234`."""
+    return f"{int(round(n)):,}"
+
+
+def size(nbytes: float) -> str:
+    """`nbytes` in decimal units: `512 B`, `19.2 kB`, `962 kB`, `1.9 MB`, `3.4 GB`."""
+    value = float(nbytes)
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(value) < 1000 or unit == "GB":
+            break
+        value /= 1000
+    if unit == "B" or abs(value) >= 100:
+        return f"{value:.0f} {unit}"
+    return f"{value:.1f} {unit}"
 
 
 def starting_line(
@@ -212,6 +231,40 @@ def quiet_tensorflow_startup(fd: int = 2):
             kept = [line for line in captured if not is_startup_noise(line, level, gpu)]
             if kept:
                 os.write(fd, b"".join(kept))
+
+
+def quiet_environment(environ: MutableMapping[str, str] | None = None) -> None:
+    """Sets TensorFlow's and gRPC's C++ logging to errors only, where unset.
+
+    `TF_CPP_MIN_LOG_LEVEL=2` (TensorFlow's INFO and WARNING lines dropped)
+    and `GRPC_VERBOSITY=ERROR`, each unless `environ` already sets it (a
+    user's own level wins). Both are read when TensorFlow's library loads,
+    and processes started afterwards (a `LocalCluster`'s tasks) inherit them.
+
+    Args:
+      environ: the environment to change; None: `os.environ`.
+    """
+    environ = os.environ if environ is None else environ
+    for name, value in _QUIET_ENVIRONMENT.items():
+        environ.setdefault(name, value)
+
+
+def quiet() -> None:
+    """Silences TensorFlow's C++ logging in a program that uses the API.
+
+    Call it first thing, before TensorFlow is imported: it sets the C++ log
+    levels (`quiet_environment`), then imports TensorFlow without the lines
+    it prints at import and at its first device query whatever the level
+    says (`import_tensorflow_quietly`). What is left on stderr is Python's
+    own warnings and errors, and TensorFlow's C++ errors. Called after
+    TensorFlow was imported, it quiets only the processes started after it
+    (a `LocalCluster`'s tasks). Python's logging (absl, TensorFlow's Python
+    logger) is left as it is.
+
+    `tf-distbelief-train` does the same before it loads TensorFlow.
+    """
+    quiet_environment()
+    import_tensorflow_quietly()
 
 
 def import_tensorflow_quietly() -> None:

@@ -8,7 +8,8 @@ tf_keras model; an algorithm that replaces how a step's update reaches the ps
   stock guard sits (`faults.nonfinite`), so it brings its own;
 * state to checkpoint beside the model: state that lives on the workers
   (Downpour's replica caches and counters), saved and restored exactly;
-* figures for progress lines and TensorBoard (staleness, bytes moved).
+* figures for progress lines and TensorBoard (staleness, bytes moved), and
+  their words on the console.
 
 The algorithm's `install(model, ...)` calls `attach(model, FitHooks(...))`;
 the fit layer asks `of(model)`. Keras 3 training (`keras3.fit`) takes
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tf_distbelief import checks
@@ -47,6 +48,11 @@ class FitHooks:
         counters; may raise `tf.errors.OpError` while a task is replaced.
       interval_figures: `(now, last) -> {name: float}`, the figures between
         two readings of `read_counters` (`last` None: since the start).
+      figure_words: `(logs) -> (words, rest)`, or None: the algorithm's
+        figures among an epoch's logs in a few words for the epoch's console
+        line (Downpour's `staleness 0.40, fetched 19.2 kB/step, ...`), and
+        the other logs (the model's loss and metrics); the figures stay in
+        the logs for TensorBoard and the history.
       state: the algorithm's own object, or None: what its `install`
         returned (Downpour's `Downpour`), for the job's reports
         (`downpour.DownpourMetrics`).
@@ -57,6 +63,7 @@ class FitHooks:
     checkpoint_state: Callable[[], Any] | None = None
     read_counters: Callable[[], Any] | None = None
     interval_figures: Callable[[Any, Any], dict[str, float]] | None = None
+    figure_words: Callable[[Mapping[str, float]], tuple[str, dict]] | None = None
     state: Any = None
 
     def __post_init__(self):

@@ -43,8 +43,22 @@ def test_goodput_is_the_last_line_of_a_life():
         "goodput: 50.5% (train 30.3 s of 60.0 s; checkpointing 2.0 s, recovery "
         "5.0 s, start-up 20.0 s, redone 2.5 s, other 0.2 s)",
     )
-    assert punisher.goodput_of(job) == (30.3, 2.5)
-    assert punisher.goodput_of(_Output("test accuracy: 0.97")) == (0.0, 0.0)
+    assert punisher.goodput_of(job, started=-10.0) == (30.3, 2.5)
+    assert punisher.goodput_of(_Output("test accuracy: 0.97"), 0.0) == (0.0, 0.0)
+
+
+def test_a_killed_life_counts_its_last_epoch_lines_goodput():
+    # No goodput line (the chief was killed): the last epoch line's percent
+    # of the life's wall time when it was read (line 2, at 2 s; started at
+    # -8 s: 10 s).
+    job = _Output(
+        "epoch 1/10: steps 100/1000 loss=0.3000 accuracy=0.9000 2,000 "
+        "examples/s, elapsed 5s, ETA 45s; goodput 20.0%",
+        "step 150/1000: 2,000 examples/s, elapsed 7s, ETA 40s",
+        "epoch 2/10: steps 200/1000 loss=0.2000 accuracy=0.9500 2,000 "
+        "examples/s, elapsed 9s, ETA 40s; goodput 40.0%",
+    )
+    assert punisher.goodput_of(job, started=-8.0) == (4.0, 0.0)
 
 
 def test_steps_redone_counts_back_to_each_restore_across_lives():

@@ -103,15 +103,17 @@ def test_ps_killed_after_the_second_checkpoint_is_recovered(request, tmp_path, j
     if job == "keras3-downpour":
         # Each replica's counters came back with the checkpoint: the steps
         # add up to the job's, and each replica pushed every 4th step.
-        stats = re.findall(
-            r"^downpour replica \d: ReplicaStats\(steps=(\d+), fetches=\d+, "
-            r"pushes=(\d+),",
+        summary = re.search(
+            r"^downpour: 2 replicas, [\d,]+ steps \(([\d,]+), ([\d,]+)\), "
+            r"[\d,]+ pushes \(([\d,]+), ([\d,]+)\),",
             out,
             re.M,
         )
-        assert len(stats) == 2, out
-        assert sum(int(steps) for steps, _ in stats) == epochs * 100
-        assert all(int(pushes) == int(steps) // 4 for steps, pushes in stats)
+        assert summary, out
+        counts = [int(n.replace(",", "")) for n in summary.groups()]
+        stats = [(counts[0], counts[2]), (counts[1], counts[3])]
+        assert sum(steps for steps, _ in stats) == epochs * 100
+        assert all(pushes == steps // 4 for steps, pushes in stats)
 
 
 @pytest.mark.slow

@@ -84,7 +84,7 @@ def test_readme_main_job_streams_its_progress_and_leaves_no_process(
         assert proc.poll() is None, lines
         assert re.match(
             r"^epoch 1/5: steps 100/500 loss=\d\.\d{4} accuracy=\d\.\d{4} "
-            r"\d+ examples/s, elapsed \d+s, ETA \d+s$",
+            r"[\d,]+ examples/s, elapsed \d+s, ETA \d+s; goodput \d+\.\d%$",
             lines[-1],
         ), lines
         # The rest, line by line in a thread (a bounded wait), to time the
@@ -114,8 +114,13 @@ def test_readme_main_job_streams_its_progress_and_leaves_no_process(
     assert exit_secs < 10.0, exit_secs
     assert "local cluster: 2 workers, 2 ps (127.0.0.1:" in output
     # Lines as the finished steps pass each 100 (the step the follower saw).
-    assert re.search(r"^step \d+/500: \d+ examples/s, elapsed \d+s, ETA ", output, re.M)
-    last_epoch = r"^epoch 5/5: steps 500/500 .* examples/s, elapsed \d+s, ETA 0s$"
+    assert re.search(
+        r"^step \d+/500: [\d,]+ examples/s, elapsed \d+s, ETA ", output, re.M
+    )
+    last_epoch = (
+        r"^epoch 5/5: steps 500/500 .* examples/s, elapsed \d+s, ETA 0s; "
+        r"goodput \d+\.\d%$"
+    )
     assert re.search(last_epoch, output, re.M)
     # The job's full console output ends with the test accuracy and the
     # job's goodput.
@@ -301,6 +306,15 @@ def test_tf_config_cluster_of_separate_processes(tmp_path):
         # the evaluator after the last epoch's checkpoint.
         for key, proc in procs.items():
             assert proc.wait(120) == 0, key
+        # Each server says where it serves, and why it leaves.
+        for job in ("ps", "worker"):
+            for index, address in enumerate(jobs[job]):
+                out = (tmp_path / f"{job}{index}.out").read_text().splitlines()
+                assert out == [
+                    f"loading TensorFlow (TF_CONFIG task {job}:{index})",
+                    f"{job} {index} serving at {address}",
+                    f"{job} {index} leaving: the job ended, the chief gone 3 s",
+                ], out
         evaluator = (tmp_path / "evaluator0.out").read_text()
         assert "evaluator: done" in evaluator
         # Issue 12: every checkpoint (one per epoch) evaluated and named, its
@@ -335,7 +349,16 @@ def test_sandblaster_through_the_launch_script():
             "--num_ps=2",
         ]
     )
-    assert re.search(r"^lbfgs: \d+ iterations, .*backup copies \d+", output, re.M)
+    last = re.search(r"^lbfgs: (\d+) iterations, .*backup copies \d+", output, re.M)
+    assert last, output[-3000:]
+    # A line per iteration (--lbfgs_log_every_iters=1) before the last one.
+    shown = re.findall(
+        r"^lbfgs iteration (\d+)/100: loss \S+, gradient norm \S+, \d+ "
+        r"evaluations, \d+\.\d s$",
+        output,
+        re.M,
+    )
+    assert [int(i) for i in shown] == list(range(1, int(last[1]) + 1))
     assert _accuracy(output) >= 0.93
 
 
@@ -354,9 +377,23 @@ def test_downpour_through_the_launch_script(downpour_launch_ps0_killed):
     """
     code, output, stderr = downpour_launch_ps0_killed
     assert code == 0, stderr[-3000:]
+    # The epoch's Downpour figures in words, units on the bytes.
+    epoch = re.search(r"^epoch 10/10: .*$", output, re.M)
+    assert epoch, output[-3000:]
     assert re.search(
-        r"^epoch 10/10: .*bytes_pushed_per_step=.*replica1/staleness=", output, re.M
-    )
+        r" examples/s, elapsed \d+s, ETA 0s; staleness \d+\.\d\d, fetched "
+        r"[\d.]+ kB/step, pushed [\d.]+ kB/step; goodput \d+\.\d%$",
+        epoch[0],
+    ), epoch[0]
+    # The run's figures in one line: integers, units, no reprs.
+    assert re.search(
+        r"^downpour: 2 replicas, [\d,]+ steps \([\d,]+, [\d,]+\), [\d,]+ pushes "
+        r"\([\d,]+, [\d,]+\), [\d,]+ fetches, staleness mean \d+\.\d\d max \d+, "
+        r"fetched [\d.]+ MB, pushed [\d.]+ MB$",
+        output,
+        re.M,
+    ), output[-3000:]
+    assert "ReplicaStats(" not in output
     assert _accuracy(output) >= 0.95
 
 

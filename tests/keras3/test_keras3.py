@@ -495,6 +495,30 @@ def test_only_models_with_a_keras3_builder_take_keras_3():
         demos.spec("speech", keras=3)
 
 
+def test_tf_keras_and_keras_3_jobs_print_their_epochs_in_one_format(local_cluster):
+    """The job's two trainers (`launch/train.py` and `--keras=3`): the same
+    line, field for field (`fit.lines`)."""
+    from tf_distbelief.faults import goodput
+
+    line = re.compile(
+        r"epoch (\d)/2: steps (\d+)/40 loss=\d+\.\d{4} accuracy=\d\.\d{4} "
+        r"[\d,]+ examples/s, elapsed \d+s, ETA \d+s; goodput \d+\.\d%"
+    )
+    config = job.JobConfig(epochs=2, steps_per_epoch=20, log_every_steps=0)
+    for keras_version, trainer in ((2, job.TF_KERAS), (3, keras3_job.TRAINER)):
+        lines = []
+        with goodput.active(goodput.Goodput()):
+            trainer.train(
+                config.validate(),
+                demos.spec("digits", keras=keras_version),
+                local_cluster.resolver_for(2, 1),
+                lines.append,
+            )
+        epochs = [line.fullmatch(li) for li in lines if li.startswith("epoch")]
+        assert all(epochs) and len(epochs) == 2, (keras_version, lines)
+        assert [(m[1], m[2]) for m in epochs] == [("1", "20"), ("2", "40")]
+
+
 def test_progress_lines_follow_the_finished_steps(local_cluster):
     """`log_every_steps`: lines read while the workers train, stock and
     Downpour in segments, one per multiple passed, on the global step axis."""
@@ -521,7 +545,7 @@ def test_progress_lines_follow_the_finished_steps(local_cluster):
         steps = [
             int(m[1])
             for m in map(
-                re.compile(r"step (\d+)/400: \d+ examples/s, elapsed ").match, lines
+                re.compile(r"step (\d+)/400: [\d,]+ examples/s, elapsed ").match, lines
             )
             if m
         ]
@@ -626,7 +650,7 @@ def test_launch_keras_3_trains_digits_and_exports_for_serving(
     code, output, stderr, export_dir = keras3_launch_ps0_killed
     assert code == 0, stderr[-3000:]
     assert re.search(
-        r"^epoch 5/5: steps 500/500 loss [0-9.]+ accuracy [0-9.]+", output, re.M
+        r"^epoch 5/5: steps 500/500 loss=[0-9.]+ accuracy=[0-9.]+", output, re.M
     )
     assert _accuracy(output) >= 0.95
     assert re.search(
@@ -661,9 +685,8 @@ def test_launch_keras_3_trains_digits_and_exports_for_serving(
     from tf_distbelief import paths
 
     # Progress lines while the workers trained (--log_every_steps=100).
-    shown = [
-        int(m) for m in re.findall(r"^step (\d+)/500: \d+ examples/s, ", output, re.M)
-    ]
+    step_line = r"^step (\d+)/500: [\d,]+ examples/s, "
+    shown = [int(m) for m in re.findall(step_line, output, re.M)]
     assert shown and all(0 < m <= 500 for m in shown), output
     board = tensorboard_scalars(paths.tensorboard_dir(str(export_dir.parent / "model")))
     assert [s for s, _ in board["interval/examples_per_sec"]]

@@ -7,6 +7,7 @@ Cluster tests use the session's `local_cluster` (3 workers, 3 ps) through
 from __future__ import annotations
 
 import collections
+import re
 import subprocess
 import sys
 import time
@@ -99,6 +100,11 @@ def test_slot_pool_lends_each_slot_once():
             r"Argument `checkpoint_every_iters` must be >= 1. Received: 0",
         ),
         (
+            {"log_every_iters": -1},
+            ValueError,
+            r"Argument `log_every_iters` must be >= 0. Received: -1",
+        ),
+        (
             {"backup_tasks": 1},
             TypeError,
             r"Argument `backup_tasks` must be a bool. Received: 1",
@@ -120,6 +126,7 @@ def test_config_defaults():
     config = config_lib.SandblasterConfig()
     assert (config.history, config.max_iters, config.portions) == (10, 100, 32)
     assert config.checkpoint_every_iters == 1
+    assert config.log_every_iters == 1
     assert config.backup_tasks
     assert config.two_loop == "vector_free"
 
@@ -375,6 +382,37 @@ def test_without_backup_tasks_no_copies(local_cluster):
     objective.close()
     assert objective.stats.backup_copies_scheduled == 0
     assert objective.stats.copies_discarded == 0
+
+
+def test_fit_prints_a_line_every_log_every_iters_iterations(local_cluster):
+    """Each line is printed as its iteration ends, with the loss and gradient
+    norm L-BFGS holds then and the evaluations so far."""
+    x, y = _digits_train()
+    lines = []
+    trainer = sandblaster.SandblasterTrainer(
+        _strategy(local_cluster, num_workers=2, num_ps=2),
+        _logistic_model(),
+        CE,
+        x,
+        y,
+        config_lib.SandblasterConfig(max_iters=5, portions=4, log_every_iters=2),
+    )
+    result = trainer.fit(print_fn=lines.append)
+    pattern = (
+        r"lbfgs iteration (\d)/5: loss (\S+), gradient norm (\S+), "
+        r"(\d+) evaluations, (\d+\.\d) s"
+    )
+    found = [re.fullmatch(pattern, line) for line in lines]
+    assert all(found), lines
+    assert [int(m[1]) for m in found] == [2, 4]
+    assert result.num_iters == 5
+    for m in found:
+        # The loss of the iteration's iterate (L-BFGS's loss history).
+        assert float(m[2]) == pytest.approx(result.loss_history[int(m[1])], rel=1e-5)
+        assert float(m[3]) > 0
+        assert int(m[1]) < int(m[4]) <= result.num_evals
+    assert float(found[0][5]) <= float(found[1][5])
+    trainer.objective.close()
 
 
 def test_vectors_on_ps_and_coordinator_moves_only_scalars(local_cluster, monkeypatch):

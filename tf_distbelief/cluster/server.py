@@ -1,7 +1,8 @@
 """A ps or worker task's server process (`tf.distribute.Server`).
 
 `run_server` serves this process's task until SIGTERM (or until the chief has
-been gone `chief_gone_secs`); `server_config` is the `ConfigProto` every server
+been gone `chief_gone_secs`), with a line when it serves and one when it
+leaves, and why; `server_config` is the `ConfigProto` every server
 starts with (CPU devices for model parallelism, inter-op threads).
 """
 
@@ -63,10 +64,13 @@ def run_server(
 ) -> None:
     """Runs this process's ps or worker task until SIGTERM/SIGINT, then exits 0.
 
-    TensorFlow servers never exit by themselves. Besides SIGTERM, a task can end
-    when the coordinator is done: with `chief_gone_secs` set, the task exits once
-    the chief's port, after having been seen listening, has refused connections
-    for that many seconds (a restarted chief within that time keeps the cluster).
+    It prints, flushed, `ps 0 serving at HOST:PORT` once the server listens
+    and `ps 0 leaving: SIGTERM` (or `...: the job ended, the chief gone 3 s`)
+    as it exits. TensorFlow servers never exit by themselves. Besides
+    SIGTERM, a task can end when the coordinator is done: with
+    `chief_gone_secs` set, the task exits once the chief's port, after having
+    been seen listening, has refused connections for that many seconds (a
+    restarted chief within that time keeps the cluster).
 
     Args:
       cluster_resolver: a resolver whose task type is `ps` or `worker`.
@@ -121,9 +125,11 @@ def serve_task(
         runtime = server_runtime.load(lean=lean)
     spec = runtime.ClusterSpec(jobs)
     stop = threading.Event()
+    stopped_by = []
 
     def _on_signal(signum, frame):
         del frame
+        stopped_by.append(signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, _on_signal)
@@ -145,6 +151,8 @@ def serve_task(
             f"{address}: port {port_of(address)} is already in use or the host is "
             f"not this machine ({e.message})."
         ) from None
+    name = f"{task_type} {task_id}"
+    console.echo(f"{name} serving at {address}")
     if ready_file:
         with open(ready_file, "w") as f:
             f.write(address)
@@ -161,6 +169,12 @@ def serve_task(
             gone_since = gone_since or time.monotonic()
             if time.monotonic() - gone_since >= chief_gone_secs:
                 break
+    why = (
+        stopped_by[0]
+        if stopped_by
+        else f"the job ended, the chief gone {chief_gone_secs:g} s"
+    )
+    console.echo(f"{name} leaving: {why}")
     sys.stdout.flush()
     sys.stderr.flush()
     # The gRPC server has no clean shutdown in TF 2; ending the process is the

@@ -12,6 +12,7 @@
 * `replica_state`: `ReplicaState`, each replica's own state in checkpoints.
 * `keras`: `install` on a compiled tf_keras model, `DownpourTrainer`,
   `DownpourMetrics`.
+* `report`: the figures in words for the console (the epoch's, the run's).
 """
 
 from tf_distbelief import _lazy

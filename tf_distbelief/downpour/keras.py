@@ -45,7 +45,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import checks, hooks
-from tf_distbelief.downpour import push_guard, replica_state
+from tf_distbelief.downpour import push_guard, replica_state, report
 from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.replica import Downpour
 from tf_distbelief.downpour.schedule import ReplicaStats
@@ -218,6 +218,7 @@ def install(
             checkpoint_state=functools.partial(replica_state.ReplicaState, downpour),
             read_counters=downpour.stats,
             interval_figures=interval_figures,
+            figure_words=report.epoch_words,
             state=downpour,
         ),
     )

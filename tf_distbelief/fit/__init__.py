@@ -2,6 +2,8 @@
 
 `training.fit` (tf_keras `Model.fit` with checkpoints, exact resume and the
 non-finite guard), `progress` (progress lines and TensorBoard scalars),
+`lines` (the progress lines' format, Keras 3's too), `follower` (the
+finished steps, read while the workers run),
 `validation` (exact validation on the coordinator), `evaluation` (each
 checkpoint evaluated as it appears), `export` (SavedModel and `.keras`) and
 `data` (training files, each worker its own).

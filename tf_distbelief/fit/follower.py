@@ -4,9 +4,9 @@ Under parameter-server training steps are scheduled ahead of the workers (a
 whole epoch at once when the closure queue has room), so a line written when
 a step is scheduled says nothing. `StepFollower` reads a finished-step counter
 on the ps from a thread, every `POLL_SECS`, without stopping the workers, and
-calls back each time the count passes a multiple of `every`; `RunClock` gives
-the `elapsed` and `ETA` of the lines. Both training paths use them: tf_keras's
-`progress.Progress` and Keras 3's `keras3.fit`. This module imports no Keras.
+calls back each time the count passes a multiple of `every` (the lines are
+`fit.lines`'). Both training paths use it: tf_keras's `progress.Progress` and
+Keras 3's `keras3.fit`. This module imports no Keras.
 """
 
 from __future__ import annotations
@@ -18,47 +18,10 @@ from collections.abc import Callable
 import tensorflow as tf
 from absl import logging
 
-from tf_distbelief import console
-
 # How often the thread reads the counter (one small read from a ps task), and
 # how long closing waits for it.
 POLL_SECS = 0.5
 JOIN_SECS = 10.0
-
-
-class RunClock:
-    """Elapsed time and ETA of a run, by global step.
-
-    Args:
-      start_step: the global step the run started at (a resumed run's).
-      total_steps: the step the run ends at, or None (no ETA).
-    """
-
-    def __init__(self, start_step: int, total_steps: int | None):
-        self.start = time.monotonic()
-        self.start_step = start_step
-        self.total_steps = total_steps
-
-    def of_total(self, step: int) -> str:
-        """`"300/500"`, or `"300"` without a total."""
-        return f"{step}/{self.total_steps}" if self.total_steps else f"{step}"
-
-    def interval_line(self, step: int, examples_per_sec: float) -> str:
-        """`"step 300/500: 1843 examples/s, elapsed 12s, ETA 8s"`."""
-        return (
-            f"step {self.of_total(step)}: {examples_per_sec:.0f} examples/s, "
-            + self.timing(step)
-        )
-
-    def timing(self, step: int) -> str:
-        """`"elapsed 12s, ETA 8s"`: the ETA at this run's average speed."""
-        elapsed = time.monotonic() - self.start
-        text = f"elapsed {console.duration(elapsed)}"
-        done = step - self.start_step
-        if self.total_steps and done > 0:
-            remaining = max(0, self.total_steps - step)
-            text += f", ETA {console.duration(remaining * elapsed / done)}"
-        return text
 
 
 class StepFollower:

@@ -28,16 +28,10 @@ from absl import logging
 
 from tf_distbelief import console, hooks
 from tf_distbelief.fit import follower as follower_lib
+from tf_distbelief.fit import lines
 from tf_distbelief.fit import scalars as scalars_lib
 from tf_distbelief.fit.scalars import EPOCH_PREFIX, INTERVAL_PREFIX
 from tf_distbelief.tf_internals import keras_model
-
-
-def _format(value) -> str:
-    # Counts (a replica's steps, bytes per step) as integers.
-    if float(value).is_integer() and abs(value) >= 10:
-        return f"{int(value)}"
-    return f"{value:.4f}"
 
 
 class Progress(tf_keras.callbacks.Callback):
@@ -46,15 +40,18 @@ class Progress(tf_keras.callbacks.Callback):
     tf_keras refuses `verbose=1` under parameter-server training, and its batch
     logs are remote values; this callback prints, flushed:
 
-    * every `log_every_steps` finished steps: `step 300/500: 1843 examples/s,
-      elapsed 12s, ETA 8s` (examples finished per second since the last
-      line). Steps are scheduled ahead of the workers, so a thread reads
-      tf_keras's step counter on the ps every 0.5 s and writes a line each
-      time it passes a multiple (the step shown is the counter then);
+    * every `log_every_steps` finished steps: `step 300/500: 1,843
+      examples/s, elapsed 12s, ETA 8s` (examples finished per second since
+      the last line). Steps are scheduled ahead of the workers, so a thread
+      reads tf_keras's step counter on the ps every 0.5 s and writes a line
+      each time it passes a multiple (the step shown is the counter then);
     * at each epoch end: `epoch 3/5: steps 300/500 loss=0.1234
-      accuracy=0.9600 ... 1843 examples/s, elapsed 12s, ETA 8s`.
+      accuracy=0.9600 1,843 examples/s, elapsed 12s, ETA 8s; goodput 61.2%`,
+      an algorithm's figures in its words before the goodput
+      (`hooks.FitHooks.figure_words`).
 
-    ETA assumes the rest of the run goes at this run's average speed.
+    The lines are `fit.lines.RunClock`'s, as Keras 3's. ETA assumes the rest
+    of the run goes at this run's average speed.
 
     Args:
       batch_size: examples per step, for examples/s.
@@ -65,8 +62,9 @@ class Progress(tf_keras.callbacks.Callback):
       epochs: the epoch the run ends at (for `epoch k/N` and ETA), or None.
       steps_per_epoch: steps per epoch (for `steps s/T`), or None.
       goodput: the job's `faults.goodput.Goodput`, or None: told the steps
-        seen done; its line is printed after each epoch's, and its figures
-        written as `goodput/` scalars with the `interval/` and `epoch/` ones.
+        seen done; its percent ends each epoch's line (its whole line ends
+        the job, printed by whoever made it), and its figures are written as
+        `goodput/` scalars with the `interval/` and `epoch/` ones.
     """
 
     def __init__(
@@ -101,19 +99,11 @@ class Progress(tf_keras.callbacks.Callback):
         # Lines and scalars come from the training thread and the follower.
         self._lock = threading.Lock()
 
-    # -- time ------------------------------------------------------------
-
-    def _timing(self, step) -> str:
-        return self._clock.timing(step)
-
-    def _of_total(self, step) -> str:
-        return self._clock.of_total(step)
-
     # -- hooks -----------------------------------------------------------
 
     def on_train_begin(self, logs=None):
         if self._clock is None:  # `fit` may call `Model.fit` twice.
-            self._clock = follower_lib.RunClock(self.steps_done, self.total_steps)
+            self._clock = lines.RunClock(self.steps_done, self.total_steps)
         # tf_keras sets its step counter to 0 at each `Model.fit`.
         self._fit_base_step = self.steps_done
         self._last_interval_step = max(self._last_interval_step, self.steps_done)
@@ -187,28 +177,34 @@ class Progress(tf_keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         secs = time.monotonic() - self._epoch_start
         rate = self._epoch_steps * self.batch_size / max(secs, 1e-9)
-        logs = {
-            k: float(v.fetch() if hasattr(v, "fetch") else v)
-            for k, v in (logs or {}).items()
-        }
-        logs["examples_per_sec"] = rate
-        self.history.append(dict(logs, epoch=epoch + 1, steps=self.steps_done))
-        shown = {k: v for k, v in logs.items() if k not in ("loss", "examples_per_sec")}
-        metrics = " ".join(
-            f"{k}={_format(v)}"
-            for k, v in [("loss", logs.get("loss"))] + sorted(shown.items())
-            if v is not None
+        logs = {k: _value(v) for k, v in (logs or {}).items()}
+        self.history.append(
+            dict(logs, examples_per_sec=rate, epoch=epoch + 1, steps=self.steps_done)
         )
-        epochs = f"{epoch + 1}/{self.epochs}" if self.epochs else f"{epoch + 1}"
-        with self._lock:
-            self.print_fn(
-                f"epoch {epochs}: steps {self._of_total(self.steps_done)} {metrics} "
-                f"{rate:.0f} examples/s, {self._timing(self.steps_done)}"
-            )
-        self._writer.write(EPOCH_PREFIX, logs, self.steps_done)
+        words, shown = "", logs
+        algorithm = hooks.of(self.model)
+        if algorithm is not None and algorithm.figure_words is not None:
+            words, shown = algorithm.figure_words(logs)
+        percent = None
         if self.goodput is not None:
             # The epoch's steps are done: tf_keras waited for them.
             self.goodput.step_done(self.steps_done)
-            with self._lock:
-                self.print_fn(self.goodput.line())
+            percent = self.goodput.totals()["percent"]
+        with self._lock:
+            self.print_fn(
+                self._clock.epoch_line(
+                    epoch + 1, self.epochs, self.steps_done, shown, rate, words, percent
+                )
+            )
+        self._writer.write(
+            EPOCH_PREFIX, dict(logs, examples_per_sec=rate), self.steps_done
+        )
+        if self.goodput is not None:
             self._writer.write_goodput(self.goodput, self.steps_done)
+
+
+def _value(value):
+    """An epoch log's value: a count (an int) as it is, else a float; a
+    remote value is fetched."""
+    value = value.fetch() if hasattr(value, "fetch") else value
+    return value if isinstance(value, int) else float(value)

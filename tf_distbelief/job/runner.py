@@ -32,6 +32,7 @@ from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as cluster_connect
 from tf_distbelief.cluster.local import hung_tasks
+from tf_distbelief.downpour import report as downpour_report
 from tf_distbelief.faults import goodput, recovery, tf_keras_fit
 from tf_distbelief.fit import evaluation, export, training
 from tf_distbelief.job import stopping
@@ -216,14 +217,7 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
     train_secs = time.monotonic() - start
     test_accuracy = training.accuracy(model, *test) if test is not None else None
     if algorithm is not None:
-        replica_stats = algorithm.read_counters()
-        for worker, stats in enumerate(replica_stats):
-            print_fn(f"downpour replica {worker}: {stats}")
-        if not replica_stats:
-            print_fn(
-                "downpour replicas: no counters (a worker lost during training "
-                "has not rejoined)"
-            )
+        print_fn(downpour_report.summary_line(algorithm.read_counters()))
     if test_accuracy is not None:
         print_fn(f"test accuracy: {test_accuracy:.4f}")
     _export(config, spec, model, print_fn)
@@ -264,12 +258,16 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
             accountant.end_training(0, failed)
     train_secs = time.monotonic() - start
     stats = trainer.stats
+    accepted = ", ".join(
+        f"{worker}: {console.count(n)}"
+        for worker, n in sorted(stats.accepted_by_worker.items())
+    )
     print_fn(
         f"lbfgs: {result.num_iters} iterations, {result.num_evals} evaluations, "
         f"loss {result.loss:.6f} ({result.message}), {train_secs:.1f} s; "
-        f"portions {stats.portions_scheduled}, backup copies "
+        f"portions {console.count(stats.portions_scheduled)}, backup copies "
         f"{stats.backup_copies_scheduled}, discarded {stats.copies_discarded}, "
-        f"accepted by worker {dict(sorted(stats.accepted_by_worker.items()))}"
+        f"accepted by worker {accepted}"
     )
     test_accuracy = training.accuracy(model, *test_data)
     print_fn(f"test accuracy: {test_accuracy:.4f}")

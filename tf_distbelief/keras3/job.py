@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_distbelief import checks, console
+from tf_distbelief.downpour import report as downpour_report
 from tf_distbelief.faults import goodput, recovery
 from tf_distbelief.fit import export
 from tf_distbelief.job import runner
@@ -164,8 +165,7 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
     predictions = model.predict(x_test, batch_size=256, verbose=0)
     test_accuracy = float(np.mean(predictions.argmax(-1) == y_test))
     if history.downpour is not None:
-        for worker, stats in enumerate(history.downpour.stats()):
-            print_fn(f"downpour replica {worker}: {stats}")
+        print_fn(downpour_report.summary_line(history.downpour.stats()))
     print_fn(f"test accuracy: {test_accuracy:.4f}")
     written = None
     if config.export_dir:

@@ -101,8 +101,10 @@ def fit(
       validation_data: `(x_val, y_val)` NumPy arrays, evaluated on the
         coordinator with the epoch's trained weights.
       initial_epoch: the epoch to start at.
-      verbose: 1 prints one line per epoch with `print_fn`: `epoch 2/5: steps
-        200/500 loss 0.1234 accuracy 0.9700 (1.9 s)` (the global steps done).
+      verbose: 1 prints one line per epoch with `print_fn`, in tf_keras's
+        `fit.fit` format (`fit.lines`): `epoch 2/5: steps 200/500
+        loss=0.1234 accuracy=0.9700 1,843 examples/s, elapsed 4s, ETA 6s;
+        goodput 61.2%` (the global steps done; the goodput with `goodput`).
       print_fn: where that line goes.
       seed: shuffle seed of the `x, y` pipeline; None shuffles each worker
         differently.

@@ -19,7 +19,7 @@ import tensorflow as tf
 from tf_distbelief import errors, paths
 from tf_distbelief.faults import nonfinite as nonfinite_lib
 from tf_distbelief.fit import follower as follower_lib
-from tf_distbelief.fit import scalars
+from tf_distbelief.fit import lines, scalars
 from tf_distbelief.keras3 import checkpoints
 from tf_distbelief.keras3 import step as step_lib
 from tf_distbelief.keras3.training_args import FitArgs
@@ -95,6 +95,8 @@ class _Epochs:
         self.run, self.args = run, args
         self.saver, self.goodput, self.writer = saver, goodput, writer
         self.done = done
+        # The epoch and step lines' elapsed time and ETA (`fit.lines`).
+        self.clock = lines.RunClock(done, args.total_steps)
 
     def train(self, callback_list) -> None:
         """Runs the epochs to `args.epochs` (or `model.stop_training`)."""
@@ -143,16 +145,16 @@ class _Epochs:
         self.writer.write(
             scalars.EPOCH_PREFIX, dict(logs, examples_per_sec=rate), self.done
         )
+        percent = None
+        if self.goodput is not None:
+            self.goodput.step_done(self.done)  # The epoch's steps are done.
+            percent = self.goodput.totals()["percent"]
         self.writer.write_goodput(self.goodput, self.done)
         if args.verbose:
-            values = " ".join(
-                f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}"
-                for k, v in logs.items()
-            )
             args.print_fn(
-                f"epoch {epoch + 1}/{args.epochs}: steps {self.done}/"
-                f"{args.total_steps} {values} "
-                f"({time.monotonic() - start:.1f} s)"
+                self.clock.epoch_line(
+                    epoch + 1, args.epochs, self.done, logs, rate, "", percent
+                )
             )
         return logs
 
@@ -201,7 +203,7 @@ class _Epochs:
         args, counter, goodput = self.args, self.run.applied, self.goodput
         if not args.log_every_steps:
             return None
-        clock = follower_lib.RunClock(self.done, args.total_steps)
+        clock = self.clock
         first = int(counter.numpy())
 
         def on_interval(finished, step, rate):

@@ -19,6 +19,7 @@ FIELDS = {
     "portions": "portions",
     "backup_tasks": "backup_tasks",
     "checkpoint_every_iters": "lbfgs_checkpoint_every_iters",
+    "log_every_iters": "lbfgs_log_every_iters",
     "two_loop": "lbfgs_two_loop",
     "stall_timeout_secs": "portion_stall_timeout_secs",
 }
@@ -53,6 +54,13 @@ def define_flags() -> None:
         "Sandblaster: with --model_dir, checkpoint the L-BFGS state every so many "
         "iterations; a rerun with the same --model_dir resumes at the last one.",
         lower_bound=1,
+    )
+    flags.DEFINE_integer(
+        "lbfgs_log_every_iters",
+        sb.log_every_iters,
+        "Sandblaster: a progress line (loss, gradient norm, evaluations, "
+        "seconds) every so many L-BFGS iterations (0: none).",
+        lower_bound=0,
     )
     flags.DEFINE_enum(
         "lbfgs_two_loop",

@@ -471,7 +471,7 @@ def main() -> None:
     TensorFlow loads.
     """
     # Keep TensorFlow's C++ INFO/WARNING lines out of the progress.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    console.quiet_environment()
     # The local job's TensorFlow servers listen on every interface: re-execute
     # in a private network namespace (README: Security) while no TensorFlow is
     # loaded and no thread runs; returns where isolation is off or unavailable.

@@ -51,6 +51,10 @@ class SandblasterConfig:
         (`sandblaster.checkpoint`). Each checkpoint writes `2 * history + 2`
         parameter-sized vectors from the ps tasks; the default 1 loses no
         iteration to a chief loss.
+      log_every_iters: `SandblasterTrainer.fit` prints a line every so many
+        iterations, >= 0 (`lbfgs iteration 3/100: loss 0.412345, gradient
+        norm 0.0123, 7 evaluations, 4.2 s`); 0 prints none. The default 1
+        prints each: an iteration is a pass over the whole training set.
       two_loop: how L-BFGS computes its direction (`sandblaster.two_loop`):
         `"vector_free"` (default; Chen, Wang and Zhou, NIPS 2014) keeps the
         dot products of the history on the coordinator, so an iteration
@@ -74,12 +78,14 @@ class SandblasterConfig:
     portions: int = 32
     backup_tasks: bool = True
     checkpoint_every_iters: int = 1
+    log_every_iters: int = 1
     two_loop: str = "vector_free"
     stall_timeout_secs: float = DEFAULT_STALL_TIMEOUT_SECS
 
     def __post_init__(self):
         for name in ("history", "max_iters", "portions", "checkpoint_every_iters"):
             checks.check_int(name, getattr(self, name), 1, ">= 1")
+        checks.check_int("log_every_iters", self.log_every_iters, 0, ">= 0")
         checks.check_bool("backup_tasks", self.backup_tasks)
         checks.check_positive_secs("stall_timeout_secs", self.stall_timeout_secs)
         if self.two_loop not in two_loop.TWO_LOOPS:

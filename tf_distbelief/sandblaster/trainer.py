@@ -10,13 +10,14 @@ weights and writes the result back into them.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_distbelief import checks, paths
+from tf_distbelief import checks, console, paths
 from tf_distbelief.sandblaster import checkpoint as checkpoint_lib
 from tf_distbelief.sandblaster import config as config_lib
 from tf_distbelief.sandblaster import lbfgs, schedule
@@ -141,7 +142,7 @@ class SandblasterTrainer:
         ftol: float = 2.220446049250313e-09,
         record_iterates: bool = False,
         model_dir: str | None = None,
-        print_fn: Callable[[str], None] = print,
+        print_fn: Callable[[str], None] = console.echo,
     ) -> lbfgs.LbfgsResult:
         """Runs L-BFGS from the model's weights; leaves the result in the model.
 
@@ -162,7 +163,12 @@ class SandblasterTrainer:
           record_iterates: see `lbfgs.minimize`.
           model_dir: where checkpoints go and are resumed from; None writes
             none.
-          print_fn: where the line naming the checkpoint resumed from goes.
+          print_fn: where the lines go: the checkpoint resumed from, and
+            every `config.log_every_iters` iterations `lbfgs iteration
+            3/100: loss 0.412345, gradient norm 0.0123, 7 evaluations, 4.2 s`
+            (the iteration and evaluations counted over all runs, as
+            `max_iters`; the seconds since this `fit` started). Default:
+            stdout, flushed.
 
         Returns:
           The `lbfgs.LbfgsResult`; its `x` is a `PsVector` on the ps.
@@ -213,7 +219,9 @@ class SandblasterTrainer:
             ftol=ftol,
             record_iterates=record_iterates,
             initial_state=state,
-            callback=checkpointer.save if checkpointer else None,
+            callback=_after_iteration(
+                checkpointer, self.config.log_every_iters, max_iters, print_fn
+            ),
             two_loop=self.config.two_loop,
         )
         if checkpointer:
@@ -223,3 +231,21 @@ class SandblasterTrainer:
         # counters are final and nothing runs after `fit` returns.
         self.objective.join()
         return result
+
+
+def _after_iteration(checkpointer, log_every_iters, max_iters, print_fn):
+    """`lbfgs.minimize`'s callback: the checkpoint (`checkpointer` or None) and
+    the progress line of an iteration (see `SandblasterTrainer.fit`)."""
+    start = time.monotonic()
+
+    def after(state) -> None:
+        if checkpointer is not None:
+            checkpointer.save(state)
+        if log_every_iters and state.num_iters % log_every_iters == 0:
+            print_fn(
+                f"lbfgs iteration {state.num_iters}/{max_iters}: loss "
+                f"{state.loss:.6g}, gradient norm {state.grad_norm:.3g}, "
+                f"{state.num_evals} evaluations, {time.monotonic() - start:.1f} s"
+            )
+
+    return after

@@ -210,8 +210,8 @@ class LocalCluster:
         )
         # The task logs at this process's TensorFlow log level (INFO and
         # WARNING hidden unless set otherwise).
-        level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")
-        env = dict(os.environ, TF_CONFIG=tf_config, TF_CPP_MIN_LOG_LEVEL=level)
+        env = dict(os.environ, TF_CONFIG=tf_config)
+        console.quiet_environment(env)
         env.update(gpus_lib.task_env(self.gpu_assignment, job, index))
         if self.intra_op_threads:
             env["TF_NUM_INTRAOP_THREADS"] = str(self.intra_op_threads)
