@@ -313,6 +313,42 @@ def test_an_unwritable_folder_is_refused_before_any_cluster_in_one_line(flag):
     assert "local cluster" not in proc.stdout
 
 
+@pytest.mark.parametrize("flag", ["--model_dir", "--export_dir"])
+def test_a_read_only_mount_is_refused_before_any_cluster_in_one_line(flag, tmp_path):
+    # The command in a mount namespace of its own where `tmp_path` is a
+    # read-only bind mount: the permission bits say writable (root in the
+    # user namespace), only the write says otherwise.
+    target = tmp_path / "run"
+    mount = (
+        f"mount --bind {tmp_path} {tmp_path} && "
+        f"mount -o remount,bind,ro {tmp_path} && "
+        f'exec {sys.executable} {TRAIN} --model=tf_distbelief.demos.blobs:spec "$0"'
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount]
+        + [f"{flag}={target}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+    if proc.returncode and "unshare:" in proc.stderr:
+        pytest.skip(f"no user and mount namespaces here: {proc.stderr.strip()}")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    # Refused by the parent's check (access(2) knows a read-only mount).
+    assert re.search(
+        rf"error: `{flag[2:]}` '{target}' cannot be (made|written): "
+        rf"'{tmp_path}' is not a writable directory\.$",
+        line,
+    ), proc.stderr[-2000:]
+    assert "local cluster" not in proc.stdout
+    assert not target.exists()
+
+
 def test_an_export_that_cannot_be_written_after_training_goes_elsewhere(tmp_path):
     import keras
 
