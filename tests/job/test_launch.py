@@ -643,3 +643,63 @@ def test_a_preemption_signal_mid_epoch_saves_the_step_reached(trainer, sig, tmp_
     step = _saved_at_the_signal(signal.Signals(sig).name, before, after)
     assert _wait_no_marked(marker) == []
     _rerun_resumes_at(args, step, tmp_path)
+
+
+@pytest.mark.slow
+def test_sigterm_mid_lbfgs_saves_the_iteration_reached(tmp_path):
+    # Sandblaster: the L-BFGS state at the end of the iteration in flight,
+    # past the last interval checkpoint (every 5 iterations here).
+    marker = uuid.uuid4().hex
+    run = tmp_path / "run"
+    args = [
+        *README_ARGS,
+        "--optimizer=lbfgs",
+        "--lbfgs_max_iters=100",
+        "--lbfgs_checkpoint_every_iters=5",
+        f"--model_dir={run}",
+    ]
+    out = tmp_path / "out"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, TRAIN, *args],
+            env=_env(marker),
+            cwd=ROOT,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 600
+        state = run / "sandblaster" / "checkpoint"
+        while not (state.exists() and "ckpt-5" in state.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.05)
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, out.read_text()[-3000:]
+        assert time.monotonic() - sent < 25
+    finally:
+        proc.kill()
+    found = re.search(
+        r"^SIGTERM: job stopped at iteration (\d+), (saved at the signal in [\d.]+ s"
+        r"|its checkpoint already written); a rerun resumes from ckpt-\1 "
+        r"\(iteration \1\)$",
+        out.read_text(),
+        re.M,
+    )
+    assert found, out.read_text()[-3000:]
+    iteration = int(found.group(1))
+    # The signal came during iteration 6 or later (or as 5 was written).
+    assert iteration > 5 or found.group(2).startswith("its")
+    assert _wait_no_marked(marker) == []
+    rerun_marker = uuid.uuid4().hex
+    before, after, code, _ = _signal_mid_training(
+        args, signal.SIGINT, rerun_marker, tmp_path, "Resumed L-BFGS"
+    )
+    assert re.search(
+        rf"^Resumed L-BFGS from .*ckpt-{iteration} at iteration {iteration} ",
+        "".join(before),
+        re.M,
+    ), before
+    assert code == 130, "".join(before) + "\n".join(after)
+    assert _wait_no_marked(rerun_marker) == []

@@ -6,10 +6,11 @@ signal of `--signal`). The launch script's chief arms a `Preemption`
 (`job.stopping`) and its signal handler calls `Preemption.request`, which only
 records the signal. The trainer that runs sees the request at its next step
 boundary (`requested`; tf_keras `fit`'s `Checkpointer`, `keras3.fit`'s
-epochs), waits for the steps in flight (each applied once: `exactly_once`),
-writes the checkpoint of the step reached with the job's one writer
-(`resume.write_checkpoint`) and ends the job (`save_and_stop`): a rerun with
-the same flags redoes no step.
+epochs, Sandblaster's iteration callback), waits for the steps in flight
+(each applied once: `exactly_once`; those not started are cancelled, the
+trainer's `cancel`), writes the checkpoint of the step reached with the job's
+one writer (`resume.save_whole`) and ends the job (`save_and_stop`): a rerun
+with the same flags redoes no step.
 
 A save that does not finish within the grace period is abandoned whole: at the
 deadline the armed preemption's watchdog closes the commit gate (`commit`: no
@@ -21,7 +22,7 @@ rerun resumes from is always whole.
 
 A trainer that can save at the signal says so for as long as it trains
 (`saving`); a signal that comes while none does (the cluster starting, the
-test accuracy, Sandblaster) stops the job at once, as SIGINT does.
+test accuracy) stops the job at once, as SIGINT does.
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ class Preemption:
             self._finished = True
             return True
 
-    def save_and_stop(self, save: Callable[[], tuple[int, bool]]) -> None:
+    def save_and_stop(
+        self, save: Callable[[], tuple[int, bool]], unit: str = "step"
+    ) -> None:
         """Saves the step reached and ends the job (`stop`); see `save_and_stop`."""
         self._cancelled.wait(self.grace_secs)
         try:
@@ -131,7 +134,7 @@ class Preemption:
             )
         else:
             secs = time.monotonic() - self.received
-            what = f"job stopped at step {step}, " + (
+            what = f"job stopped at {unit} {step}, " + (
                 f"saved at the signal in {secs:.1f} s"
                 if written
                 else "its checkpoint already written"
@@ -188,6 +191,7 @@ def saving(
     save: Callable[[], tuple[int, bool]],
     cancel: Callable[[], None] | None = None,
     cancelled: tuple[type[BaseException], ...] = (),
+    unit: str = "step",
 ):
     """While the block runs, a signal asks `save` for a checkpoint (see `arm`).
 
@@ -204,6 +208,8 @@ def saving(
         from another thread as soon as the signal comes, so that the save
         waits only for the steps in flight.
       cancelled: the exception classes a wait for a cancelled step raises.
+      unit: what `save`'s number counts, for the line (`iteration`:
+        Sandblaster's L-BFGS).
     """
     entry = (save, cancel)
     _savers.append(entry)
@@ -216,7 +222,7 @@ def saving(
             raise
     finally:
         _savers.remove(entry)
-    save_and_stop(save)
+    save_and_stop(save, unit)
 
 
 def can_save() -> bool:
@@ -229,7 +235,7 @@ def requested() -> bool:
     return _armed is not None and _armed.pending
 
 
-def save_and_stop(save: Callable[[], tuple[int, bool]]) -> None:
+def save_and_stop(save: Callable[[], tuple[int, bool]], unit: str = "step") -> None:
     """Saves the step reached and ends the job (the armed `Preemption`'s `stop`).
 
     Returns only when nothing is requested (`requested` is False). If the
@@ -238,9 +244,10 @@ def save_and_stop(save: Callable[[], tuple[int, bool]]) -> None:
 
     Args:
       save: as `saving`'s.
+      unit: as `saving`'s.
     """
     if requested():
-        _armed.save_and_stop(save)
+        _armed.save_and_stop(save, unit)
 
 
 def commit(record: Callable[[], None]) -> None:
