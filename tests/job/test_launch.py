@@ -643,3 +643,45 @@ def test_a_preemption_signal_mid_epoch_saves_the_step_reached(trainer, sig, tmp_
     step = _saved_at_the_signal(signal.Signals(sig).name, before, after)
     assert _wait_no_marked(marker) == []
     _rerun_resumes_at(args, step, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_save_that_misses_the_grace_period_is_abandoned_whole(tmp_path):
+    # A grace period too short for any save: the job still ends at once with
+    # 143 and one line, the state file names the last whole checkpoint (or
+    # none), and the folder holds nothing else.
+    marker = uuid.uuid4().hex
+    run = tmp_path / "run"
+    args = [
+        *README_ARGS,
+        *_MID_EPOCH_ARGS[:-1],
+        "--checkpoint_every_steps=50",
+        "--preemption_grace_secs=0.01",
+        f"--model_dir={run}",
+    ]
+    before, after, code, secs = _signal_mid_training(
+        args, signal.SIGTERM, marker, tmp_path, "step "
+    )
+    assert code == 143, "".join(before) + "\n".join(after)
+    assert secs < 10
+    (stopped,) = [a for a in after if a.startswith("SIGTERM: job stopped")]
+    assert stopped.startswith(
+        "SIGTERM: job stopped; the save at the signal did not finish within "
+        "--preemption_grace_secs=0.01 and was abandoned, nothing of it kept; "
+    ), stopped
+    assert _wait_no_marked(marker) == []
+    checkpoints = run / "checkpoints"
+    latest = tf.train.latest_checkpoint(str(checkpoints))
+    if latest is None:
+        assert stopped.endswith("yet: a rerun starts over"), stopped
+        assert not list(checkpoints.glob("ckpt-*"))
+        return
+    name = os.path.basename(latest)
+    assert stopped.endswith(f"a rerun resumes from {name} (step {name[5:]})")
+    kept = set(
+        tf.train.get_checkpoint_state(str(checkpoints)).all_model_checkpoint_paths
+    )
+    for path in checkpoints.iterdir():
+        if path.name != "checkpoint":
+            prefix = str(checkpoints / re.sub(r"\.(index|data-.*)$", "", path.name))
+            assert prefix in kept, path.name

@@ -87,12 +87,18 @@ class Preemption:
         """Whether a signal was requested and the job has not ended yet."""
         return self.name is not None and not self._finished and not self._abandoned
 
+    @property
+    def abandoned(self) -> bool:
+        """Whether the grace period ended before the save (the job is ending)."""
+        return self._abandoned
+
     def _watch(self) -> None:
         self._signalled.wait()
         # The steps not started yet are cancelled from here, not from the
         # signal handler: it could interrupt the main thread holding the
         # coordinator's queue lock.
-        cancel = _savers[-1][1] if _savers else None
+        savers = list(_savers)  # The trainer may end meanwhile.
+        cancel = savers[-1][1] if savers else None
         try:
             if cancel is not None:
                 cancel()
@@ -216,9 +222,14 @@ def saving(
     try:
         yield
     except BaseException as error:
-        if requested() and not isinstance(error, cancelled):
-            _armed.stop_unsaved(f"training raised {type(error).__name__}")
+        if _armed is not None and _armed.abandoned:
+            # What a write refused at the commit gate raises: the watchdog
+            # ends the job (one line, 128 + the signal), not this error.
+            threading.Event().wait()
         if not requested():
+            raise
+        if not isinstance(error, cancelled):
+            _armed.stop_unsaved(f"training raised {type(error).__name__}")
             raise
     finally:
         _savers.remove(entry)
