@@ -86,6 +86,19 @@ def test_every_pod_template_and_the_policy_fit_the_kubernetes_models():
     assert _round_trip(policy, "V1NetworkPolicy") == policy
 
 
+@pytest.mark.parametrize(
+    "args, secs",
+    [((), 30), (("--model=digits", "--preemption_grace_secs=50"), 55)],
+)
+def test_every_pod_waits_for_the_chiefs_save_at_sigterm(args, secs):
+    # The kubelet's SIGKILL comes after the chief's save at SIGTERM
+    # (`--preemption_grace_secs`, 25 s by default) and 5 s to end its tasks.
+    config = tfjob.TFJobConfig(image=IMAGE, **({"train_args": args} if args else {}))
+    job, _ = tfjob.manifests(config)
+    for replica in _replicas(job).values():
+        assert replica["template"]["spec"]["terminationGracePeriodSeconds"] == secs
+
+
 def test_the_model_check_catches_a_misspelled_field_and_a_wrong_type():
     template = tfjob.pod_template(tfjob.TFJobConfig(image=IMAGE), "Worker")
     template["spec"]["containers"][0]["volumeMount"] = []

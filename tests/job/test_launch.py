@@ -541,6 +541,10 @@ def test_nonfinite_stops_the_job_naming_the_step_and_no_checkpoint_holds_it(
             r"--checkpoint_every_steps needs --model_dir",
         ),
         (["--nonfinite=ignore"], r"flag --nonfinite=ignore: value should be one of"),
+        (
+            ["--preemption_signal=SIGKILL"],
+            r"flag --preemption_signal=SIGKILL: value should be one of",
+        ),
     ],
 )
 def test_reliability_flags_fail_at_parse_time(flags, message):
@@ -550,26 +554,23 @@ def test_reliability_flags_fail_at_parse_time(flags, message):
     assert "local cluster" not in proc.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "sig, code, line",
-    [
-        (signal.SIGINT, 130, "SIGINT (Ctrl-C): job stopped; no model_dir: a rerun"),
-        (signal.SIGTERM, 143, "SIGTERM: job stopped; a rerun resumes from ckpt-"),
-    ],
+# A signal mid-epoch: 2,000 steps per epoch, a progress line every 50 steps,
+# and no interval checkpoint before the epoch's end.
+_MID_EPOCH_ARGS = (
+    "--epochs=2",
+    "--steps_per_epoch=2000",
+    "--log_every_steps=50",
+    "--checkpoint_every_steps=10000",
 )
-def test_a_signal_to_the_jobs_process_group_stops_it_in_one_line(
-    sig, code, line, tmp_path
-):
-    # What a terminal's Ctrl-C does (the signal reaches the foreground
-    # process group), and a scheduler's SIGTERM: the chief ends every task,
-    # none is restarted, nothing is left, and with a model_dir a rerun
-    # resumes where the checkpoints got to.
-    marker, temp = uuid.uuid4().hex, tmp_path / "tmp"
-    temp.mkdir()
-    args = [*README_ARGS, "--epochs=50", "--steps_per_execution=10"]
-    if sig == signal.SIGTERM:
-        args += [f"--model_dir={tmp_path / 'run'}", "--checkpoint_every_steps=50"]
+
+
+def _signal_mid_training(args, sig, marker, tmp_path, trigger):
+    """Starts `launch/train.py args` in a session of its own, sends `sig` to
+    its process group once a line starts with `trigger`; returns the lines
+    before the signal, those after, the exit status and the seconds from the
+    signal to the exit."""
+    temp = tmp_path / "tmp"
+    temp.mkdir(exist_ok=True)
     proc = subprocess.Popen(
         [sys.executable, TRAIN, *args],
         env=_env(marker, TMPDIR=str(temp)),
@@ -582,19 +583,160 @@ def test_a_signal_to_the_jobs_process_group_stops_it_in_one_line(
     before = []
     for text in proc.stdout:
         before.append(text)
-        if text.startswith("epoch 2/"):  # Mid-training, after a checkpoint.
+        if text.startswith(trigger):
             break
     sent = time.monotonic()
     os.killpg(proc.pid, sig)
     after = proc.stdout.read().splitlines()
-    assert proc.wait(timeout=60) == code, "".join(before) + "\n".join(after)
-    assert time.monotonic() - sent < 10
+    code = proc.wait(timeout=60)
+    return before, after, code, time.monotonic() - sent
+
+
+def _saved_at_the_signal(name, before, after, grace_secs=25):
+    """The step of the stop line of a save at the signal; checks the line."""
+    stopped = [a for a in after if a.startswith(f"{name}: job stopped")]
+    assert len(stopped) == 1, "".join(before) + "\n".join(after)
+    found = re.fullmatch(
+        rf"{name}: job stopped at step (\d+), saved at the signal in ([\d.]+) s; "
+        r"a rerun resumes from ckpt-\1 \(step \1\)",
+        stopped[0],
+    )
+    assert found, stopped[0]
+    assert float(found.group(2)) < grace_secs
+    step = int(found.group(1))
+    # Mid-epoch, after the last progress line before the signal: the step
+    # reached, not an earlier checkpoint's (there is none before step 2000).
+    seen = [int(m) for m in re.findall(r"^step (\d+)/", "".join(before), re.M)]
+    assert seen and seen[-1] <= step < 2000, (seen, stopped[0])
+    return step
+
+
+def _rerun_resumes_at(args, step, tmp_path):
+    """Reruns `args`; checks it resumes at `step` exactly, then stops it."""
+    marker = uuid.uuid4().hex
+    before, after, code, _ = _signal_mid_training(
+        args, signal.SIGINT, marker, tmp_path, "restored "
+    )
+    text = "".join(before)
+    assert re.search(rf"^Resumed from .*ckpt-{step} at step {step} ", text, re.M), text
+    assert re.search(
+        rf"^restored ckpt-{step} \(step {step}\): \d+ values equal the checkpoint "
+        "bit for bit",
+        text,
+        re.M,
+    ), text
+    assert code == 130, text + "\n".join(after)
+    assert _wait_no_marked(marker) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sig, code, line",
+    [
+        (signal.SIGINT, 130, "SIGINT (Ctrl-C): job stopped; no model_dir: a rerun"),
+        (signal.SIGTERM, 143, "SIGTERM: job stopped at step "),
+    ],
+)
+def test_a_signal_to_the_jobs_process_group_stops_it_in_one_line(
+    sig, code, line, tmp_path
+):
+    # What a terminal's Ctrl-C does (the signal reaches the foreground
+    # process group), and a scheduler's SIGTERM: the chief ends every task,
+    # none is restarted, nothing is left. With a model_dir, SIGTERM first
+    # saves the step reached (mid-epoch, no interval checkpoint before it),
+    # and a rerun resumes from exactly that step.
+    marker, temp = uuid.uuid4().hex, tmp_path / "tmp"
+    args = [*README_ARGS, "--epochs=50", "--steps_per_execution=10"]
+    trigger = "epoch 2/"  # Mid-training, after a checkpoint.
+    if sig == signal.SIGTERM:
+        args = [*README_ARGS, *_MID_EPOCH_ARGS, f"--model_dir={tmp_path / 'run'}"]
+        trigger = "step "
+    before, after, status, secs = _signal_mid_training(
+        args, sig, marker, tmp_path, trigger
+    )
+    assert status == code, "".join(before) + "\n".join(after)
+    assert secs < 10
     assert len(after) <= 5 and any(a.startswith(line) for a in after), after
     assert not any("restarted" in text for text in [*before, *after])
     assert _wait_no_marked(marker) == []
     assert os.listdir(temp) == []  # No cluster folder, no autograph file.
     if sig == signal.SIGTERM:
-        (stopped,) = [a for a in after if a.startswith(line)]
-        step = re.search(r"ckpt-(\d+) \(step \d+\)$", stopped).group(1)
-        rerun = _train_ok([*args[:-2], "--epochs=3", *args[-2:]])
-        assert re.search(rf"^Resumed from .*ckpt-{step} at step {step} ", rerun, re.M)
+        step = _saved_at_the_signal("SIGTERM", before, after)
+        checkpoints = tmp_path / "run" / "checkpoints"
+        assert sorted(p.name for p in checkpoints.glob("*.index")) == [
+            f"ckpt-{step}.index"
+        ]
+        # Every step scheduled before the signal ran once or not at all
+        # (those not started were cancelled): the optimizer applied exactly
+        # the steps the checkpoint records.
+        values = _checkpoint_values(str(checkpoints / f"ckpt-{step}"))
+        assert values["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"] == step
+        assert values["step/.ATTRIBUTES/VARIABLE_VALUE"] == step
+        _rerun_resumes_at(args, step, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "trainer, sig",
+    [
+        (["--downpour", "--n_fetch=4", "--n_push=4"], signal.SIGTERM),
+        # A scheduler's own signal (Slurm's `--signal=USR1@60`).
+        (["--keras=3", "--preemption_signal=SIGUSR1"], signal.SIGUSR1),
+    ],
+    ids=["downpour", "keras3"],
+)
+def test_a_preemption_signal_mid_epoch_saves_the_step_reached(trainer, sig, tmp_path):
+    # Downpour (each replica's state saved with the ps values) and Keras 3:
+    # the save at the signal is the step reached, and the rerun starts there.
+    marker = uuid.uuid4().hex
+    args = [*README_ARGS, *trainer, *_MID_EPOCH_ARGS, f"--model_dir={tmp_path}/run"]
+    before, after, code, secs = _signal_mid_training(
+        args, sig, marker, tmp_path, "step "
+    )
+    assert code == 128 + sig, "".join(before) + "\n".join(after)
+    assert secs < 25
+    step = _saved_at_the_signal(signal.Signals(sig).name, before, after)
+    assert _wait_no_marked(marker) == []
+    _rerun_resumes_at(args, step, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_save_that_misses_the_grace_period_is_abandoned_whole(tmp_path):
+    # A grace period too short for any save: the job still ends at once with
+    # 143 and one line, the state file names the last whole checkpoint (or
+    # none), and the folder holds nothing else.
+    marker = uuid.uuid4().hex
+    run = tmp_path / "run"
+    args = [
+        *README_ARGS,
+        *_MID_EPOCH_ARGS[:-1],
+        "--checkpoint_every_steps=50",
+        "--preemption_grace_secs=0.01",
+        f"--model_dir={run}",
+    ]
+    before, after, code, secs = _signal_mid_training(
+        args, signal.SIGTERM, marker, tmp_path, "step "
+    )
+    assert code == 143, "".join(before) + "\n".join(after)
+    assert secs < 10
+    (stopped,) = [a for a in after if a.startswith("SIGTERM: job stopped")]
+    assert stopped.startswith(
+        "SIGTERM: job stopped; the save at the signal did not finish within "
+        "--preemption_grace_secs=0.01 and was abandoned, nothing of it kept; "
+    ), stopped
+    assert _wait_no_marked(marker) == []
+    checkpoints = run / "checkpoints"
+    latest = tf.train.latest_checkpoint(str(checkpoints))
+    if latest is None:
+        assert stopped.endswith("yet: a rerun starts over"), stopped
+        assert not list(checkpoints.glob("ckpt-*"))
+        return
+    name = os.path.basename(latest)
+    assert stopped.endswith(f"a rerun resumes from {name} (step {name[5:]})")
+    kept = set(
+        tf.train.get_checkpoint_state(str(checkpoints)).all_model_checkpoint_paths
+    )
+    for path in checkpoints.iterdir():
+        if path.name != "checkpoint":
+            prefix = str(checkpoints / re.sub(r"\.(index|data-.*)$", "", path.name))
+            assert prefix in kept, path.name

@@ -318,3 +318,74 @@ def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(
         assert a.shape == b.shape, key
         assert _relative_errors([a], [b])[0] <= 1e-9, key
     assert got.get_tensor("num_iters" + _VALUE) == total
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("lbfgs_digits_reference")
+def test_launch_sigterm_saves_the_iteration_reached_and_reruns_to_the_reference(
+    lbfgs_digits_reference, tmp_path
+):
+    """SIGTERM of the chief of `train.py --optimizer=lbfgs --model_dir=D`:
+    the L-BFGS state of the iteration reached, past the last interval
+    checkpoint (every 3 iterations here), saved within the grace period; the
+    rerun resumes at that iteration and ends at the uninterrupted reference
+    (`conftest.lbfgs_digits_reference`), as after a SIGKILL."""
+    total = launch.LBFGS_REFERENCE_ITERS
+    args = [
+        "--model=digits",
+        "--optimizer=lbfgs",
+        f"--portions={launch.LBFGS_REFERENCE_PORTIONS}",
+        f"--lbfgs_max_iters={total}",
+        "--lbfgs_checkpoint_every_iters=3",
+        "--num_workers=2",
+        "--num_ps=2",
+        f"--model_dir={tmp_path}",
+    ]
+    marker = uuid.uuid4().hex
+    chief = subprocess.Popen(
+        [sys.executable, launch.TRAIN, *args],
+        env=launch._env(marker),
+        cwd=launch.ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        checkpoints = paths.sandblaster_dir(str(tmp_path))
+        deadline = time.monotonic() + 300
+        while _latest_iteration(checkpoints) < 3 and chief.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.05)
+        sent = time.monotonic()
+        chief.send_signal(signal.SIGTERM)
+        output = chief.stdout.read()
+        assert chief.wait(60) == 143, output[-3000:]
+        assert time.monotonic() - sent < 25
+    finally:
+        chief.kill()
+    assert launch._wait_no_marked(marker) == []
+    found = re.search(
+        r"^SIGTERM: job stopped at iteration (\d+), saved at the signal in "
+        r"[\d.]+ s; a rerun resumes from ckpt-\1 \(iteration \1\)$",
+        output,
+        re.M,
+    )
+    assert found, output[-3000:]
+    stopped_at = int(found.group(1))
+    assert 3 < stopped_at < total
+    assert _latest_iteration(checkpoints) == stopped_at
+
+    output = launch._train_ok(args)
+    assert re.search(
+        rf"^Resumed L-BFGS from .*ckpt-{stopped_at} at iteration {stopped_at} ",
+        output,
+        re.M,
+    ), output[-3000:]
+    assert re.search(rf"^lbfgs: {total} iterations", output, re.M)
+    want = tf.train.load_checkpoint(tf.train.latest_checkpoint(lbfgs_digits_reference))
+    got = tf.train.load_checkpoint(tf.train.latest_checkpoint(checkpoints))
+    for key in ("x", "loss_history", "step_history"):
+        a, b = got.get_tensor(key + _VALUE), want.get_tensor(key + _VALUE)
+        assert a.shape == b.shape, key
+        assert _relative_errors([a], [b])[0] <= 1e-9, key
+    assert got.get_tensor("num_iters" + _VALUE) == total

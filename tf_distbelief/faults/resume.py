@@ -17,7 +17,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_distbelief import console, errors
-from tf_distbelief.faults import checkpoint_contents, nonfinite
+from tf_distbelief.faults import checkpoint_contents, nonfinite, preemption
 from tf_distbelief.tf_internals import checkpoint_manager, saved_model
 
 
@@ -116,8 +116,14 @@ def _save(manager: tf.train.CheckpointManager, number: int) -> str:
     manager.checkpoint.save_counter.assign_add(1)
     prefix = f"{checkpoint_manager.prefix(manager)}-{number}"
     tf.io.gfile.makedirs(manager.directory)  # As the eager save does.
-    path = writer(prefix)
-    checkpoint_manager.record_written(manager, path)
+    keep = prefix in manager.checkpoints
+    # A save abandoned at the end of a preemption's grace period removes what
+    # it wrote and never becomes the latest (`preemption`).
+    with preemption.writing(
+        lambda: _remove_partial(manager.directory, prefix, keep=keep)
+    ):
+        path = writer(prefix)
+        preemption.commit(lambda: checkpoint_manager.record_written(manager, path))
     return path
 
 

@@ -29,3 +29,11 @@ def check_nonfinite_mode(mode: str) -> str:
     """
     checks.check_one_of("nonfinite", mode, NONFINITE_MODES)
     return mode
+
+
+# Kubernetes gives a pod 30 s between SIGTERM and SIGKILL by default
+# (`terminationGracePeriodSeconds`); the save at the signal ends before that.
+DEFAULT_PREEMPTION_GRACE_SECS = 25.0
+# Signals a scheduler may send before it stops a job, besides SIGTERM (which
+# always saves): Slurm's `--signal=USR1@60`, for instance.
+PREEMPTION_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU")

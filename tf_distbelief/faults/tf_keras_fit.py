@@ -34,6 +34,7 @@ object, and a value that does not fit raises.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import tensorflow as tf
@@ -41,7 +42,15 @@ import tf_keras
 
 from tf_distbelief import paths
 from tf_distbelief.adagrad import staleness
-from tf_distbelief.faults import exactly_once, nonfinite, recovery, resume, settings
+from tf_distbelief.faults import (
+    exactly_once,
+    nonfinite,
+    preemption,
+    recovery,
+    resume,
+    settings,
+)
+from tf_distbelief.tf_internals import coordinator as tf_coordinator
 from tf_distbelief.tf_internals import keras_model
 from tf_distbelief.tf_internals import optimizers as tf_optimizers
 
@@ -293,9 +302,10 @@ class Checkpointer(tf_keras.callbacks.Callback):
     steps in flight (`ClusterCoordinator.join`), so the values saved are
     exactly those after `step` steps; the save comes at the first execution
     boundary at or after each multiple of `every_steps` (every step with
-    `steps_per_execution=1`). Before writing, every variable is checked on its
-    ps task; one NaN or inf and the checkpoint is refused
-    (`errors.NonFiniteError`), the earlier ones kept.
+    `steps_per_execution=1`). A preemption's signal (`preemption`) saves
+    the step reached at the next batch or epoch end and ends the job. Before
+    writing, every variable is checked on its ps task; one NaN or inf and the
+    checkpoint is refused (`errors.NonFiniteError`), the earlier ones kept.
 
     Args:
       manager: the `tf.train.CheckpointManager` to save with.
@@ -334,20 +344,68 @@ class Checkpointer(tf_keras.callbacks.Callback):
         self.done = int(step.numpy())
         self.saved_step = self.done
         self._epoch_start = self.done
+        # The global step after each execution scheduled since the last wait
+        # for all of them (the first: before them), for a preemption's save.
+        self._scheduled = [self.done]
+        self._cancelled = 0
+        self._cancel_lock = threading.Lock()
 
     def on_epoch_begin(self, epoch, logs=None):
         # A resumed run's first epoch starts where the checkpoint stopped.
         self._epoch_start = max(epoch * self.steps_per_epoch, self.done)
+        self._scheduled = [self._epoch_start]  # `fit` waited at the epoch end.
 
     def on_train_batch_end(self, batch, logs=None):
         self.done = self._epoch_start + batch + 1
+        self._scheduled.append(self.done)
+        if preemption.requested():
+            preemption.save_and_stop(self.save_at_signal)
         every = self.every_steps
         if every and self.done // every > self.saved_step // every:
             self.save()
 
     def on_epoch_end(self, epoch, logs=None):
+        if preemption.requested():
+            preemption.save_and_stop(self.save_at_signal)
         if self.done != self.saved_step:
             self.save()
+
+    def cancel_queued(self) -> None:
+        """Cancels the executions scheduled that no worker has started
+        (`preemption.saving`'s `cancel`; from any thread)."""
+        strategy = self.model.distribute_strategy
+        if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+            return
+        # The coordinator `fit` made (one per strategy).
+        coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(
+            strategy
+        )
+        with self._cancel_lock:
+            self._cancelled += tf_coordinator.cancel_queued(coordinator)
+
+    def save_at_signal(self) -> tuple[int, bool]:
+        """The checkpoint of the step reached, for a preemption's save.
+
+        The executions not started are cancelled, those in flight finish
+        (`ClusterCoordinator.join`), and the checkpoint records the steps
+        of the executions that ran: the last ones scheduled are the ones
+        cancelled (the coordinator's queue is first in, first out).
+
+        Returns:
+          `(step, written)`: the step reached, and False when the latest
+          checkpoint holds it already.
+        """
+        self.cancel_queued()
+        self._join()
+        with self._cancel_lock:
+            ran = max(1, len(self._scheduled) - self._cancelled)
+            self.done = self._scheduled[ran - 1]
+            self._cancelled = 0
+        self._scheduled = [self.done]
+        if self.done == self.saved_step:
+            return self.done, False
+        self.save()
+        return self.done, True
 
     def save(self) -> str:
         """Waits for the steps in flight, checks every value, writes; the path.
@@ -387,6 +445,7 @@ class Checkpointer(tf_keras.callbacks.Callback):
             self.before_save,
         )
         self.saved_step = self.done
+        self._scheduled = [self.done]  # Every step scheduled has run.
         return path
 
 

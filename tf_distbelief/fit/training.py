@@ -10,6 +10,7 @@ computed on the coordinator.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -17,7 +18,13 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import checks, console, hooks, paths
-from tf_distbelief.faults import checkpoint_contents, resume, settings, tf_keras_fit
+from tf_distbelief.faults import (
+    checkpoint_contents,
+    preemption,
+    resume,
+    settings,
+    tf_keras_fit,
+)
 from tf_distbelief.faults import goodput as goodput_lib
 from tf_distbelief.faults import nonfinite as nonfinite_lib
 from tf_distbelief.fit import shards, validation
@@ -268,7 +275,7 @@ def fit(
         skipped_before = guard.skipped_steps()
         all_callbacks.append(_CountSkipped(guard, print_fn))
         all_callbacks.append(progress)
-        initial_step, manager = 0, None
+        initial_step, manager, checkpointer = 0, None, None
         if model_dir:
             contents = checkpoint_contents.Contents(model, model.optimizer, algorithm)
             manager = contents.manager(model_dir)
@@ -277,21 +284,31 @@ def fit(
                 initial_step = resume.restore_contents(
                     contents, manager.latest_checkpoint, steps_per_epoch, print_fn
                 )
-            all_callbacks.append(
-                tf_keras_fit.Checkpointer(
-                    manager,
-                    contents.step,
-                    contents.epoch,
-                    steps_per_epoch,
-                    checkpoint_every_steps,
-                    before_save=None
-                    if contents.state is None
-                    else contents.state.capture,
-                    goodput=goodput,
-                )
+            checkpointer = tf_keras_fit.Checkpointer(
+                manager,
+                contents.step,
+                contents.epoch,
+                steps_per_epoch,
+                checkpoint_every_steps,
+                before_save=None if contents.state is None else contents.state.capture,
+                goodput=goodput,
             )
+            all_callbacks.append(checkpointer)
         progress.steps_done = initial_step
-        _train(model, data, epochs, steps_per_epoch, all_callbacks, progress, goodput)
+        # A preemption's signal saves the step reached (`preemption`).
+        with (
+            contextlib.nullcontext()
+            if checkpointer is None
+            else preemption.saving(
+                checkpointer.save_at_signal,
+                checkpointer.cancel_queued,
+                # `fit`'s wait for the epoch's last execution, cancelled.
+                (tf.errors.CancelledError,),
+            )
+        ):
+            _train(
+                model, data, epochs, steps_per_epoch, all_callbacks, progress, goodput
+            )
         if own_goodput:
             print_fn(goodput.line())
         return FitResult(

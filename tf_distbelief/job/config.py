@@ -74,6 +74,14 @@ class JobConfig:
         many seconds to serve again, then every ps variable and slot is
         restored from the last checkpoint in `model_dir` and training goes on
         (`recovery`); >= 0, 0 turns recovery off.
+      preemption_grace_secs: seconds from SIGTERM (or `preemption_signal`)
+        to the chief's exit: with a `model_dir`, the chief saves the step
+        reached in that time, or abandons the save whole
+        (`faults.preemption`); finite, >= 0, 0 ends the job at once unsaved.
+        Below Kubernetes' default grace of 30 s.
+      preemption_signal: None, or one more signal than SIGTERM that saves and
+        stops the job (`faults.settings.PREEMPTION_SIGNALS`: Slurm's
+        `--signal=USR1@60` sends SIGUSR1).
       downpour: a `DownpourConfig` to train with Downpour SGD (section 4.1: a
         parameter cache per worker), or None (default) for TensorFlow's stock
         parameter-server training.
@@ -122,6 +130,8 @@ class JobConfig:
     hung_task_timeout_secs: float = hung_tasks.DEFAULT_HUNG_TASK_TIMEOUT_SECS
     step_stall_timeout_secs: float = fault_settings.DEFAULT_STEP_STALL_TIMEOUT_SECS
     ps_recovery_secs: float = fault_settings.DEFAULT_PS_RECOVERY_SECS
+    preemption_grace_secs: float = fault_settings.DEFAULT_PREEMPTION_GRACE_SECS
+    preemption_signal: str | None = None
     downpour: downpour_lib.DownpourConfig | None = None
     sandblaster: sandblaster_lib.SandblasterConfig = dataclasses.field(
         default_factory=lambda: sandblaster_lib.SandblasterConfig()
@@ -197,6 +207,23 @@ class JobConfig:
                 "ps_recovery_secs",
                 "a finite number >= 0 (0: no recovery)",
                 self.ps_recovery_secs,
+                setting=True,
+            )
+        if not 0 <= self.preemption_grace_secs < float("inf"):
+            raise checks.argument_error(
+                "preemption_grace_secs",
+                "a finite number >= 0 (0: stop at once, unsaved)",
+                self.preemption_grace_secs,
+                setting=True,
+            )
+        if (
+            self.preemption_signal is not None
+            and self.preemption_signal not in fault_settings.PREEMPTION_SIGNALS
+        ):
+            raise checks.argument_error(
+                "preemption_signal",
+                f"None or one of {', '.join(fault_settings.PREEMPTION_SIGNALS)}",
+                self.preemption_signal,
                 setting=True,
             )
         if not self.learning_rate > 0:

@@ -436,7 +436,8 @@ def run(
       start_secs: when the job started, on `time.monotonic`'s scale, for
         its goodput (`main` passes the process's start); None: now.
       stop_on_signals: on the chief (or a local job), SIGINT and SIGTERM
-        end the process at once with one line (`job.stopping`); `main`'s
+        end the process with one line (`job.stopping`; SIGTERM first saves
+        the step reached, within `config.preemption_grace_secs`); `main`'s
         choice, never a library caller's.
 
     Returns:
@@ -469,7 +470,12 @@ def run(
     if not trains:
         return _run(config, spec, print_fn, trainer, resolver)
     if stop_on_signals:
-        stopping.install(config.model_dir, print_fn)
+        stopping.install(
+            config.model_dir,
+            print_fn,
+            config.preemption_grace_secs,
+            config.preemption_signal,
+        )
     lock = contextlib.nullcontext()
     if config.model_dir:
         # One job per model_dir, refused before any server starts; the

@@ -10,6 +10,7 @@ validation figures, the epoch's scalars and line, and the Keras 3 callbacks.
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import keras
@@ -18,12 +19,14 @@ import tensorflow as tf
 
 from tf_distbelief import errors, paths
 from tf_distbelief.faults import nonfinite as nonfinite_lib
+from tf_distbelief.faults import preemption
 from tf_distbelief.fit import follower as follower_lib
 from tf_distbelief.fit import lines, scalars
 from tf_distbelief.keras3 import checkpoints
 from tf_distbelief.keras3 import step as step_lib
 from tf_distbelief.keras3.training_args import FitArgs
 from tf_distbelief.keras3.training_setup import Run
+from tf_distbelief.tf_internals import coordinator as tf_coordinator
 
 
 def train(run: Run, args: FitArgs, callbacks, goodput) -> keras.callbacks.History:
@@ -70,8 +73,17 @@ def train(run: Run, args: FitArgs, callbacks, goodput) -> keras.callbacks.Histor
             f"(>= --epochs={args.epochs})."
         )
         weights.write_to_model(model)
-    else:
+    elif saver is None:
         epochs.train(callback_list)
+    else:
+        # A preemption's signal saves the step reached (`faults.preemption`).
+        with preemption.saving(
+            epochs.save_at_signal,
+            epochs.cancel_queued,
+            # A wait for an execution the signal cancelled.
+            (tf.errors.CancelledError,),
+        ):
+            epochs.train(callback_list)
     history.ps_weights = weights
     history.downpour = None if run.algorithm is None else run.algorithm.state
     history.initial_step = initial_step
@@ -97,6 +109,12 @@ class _Epochs:
         self.done = done
         # The epoch and step lines' elapsed time and ETA (`fit.lines`).
         self.clock = lines.RunClock(done, args.total_steps)
+        # The executions scheduled since the last wait for all of them:
+        # `(first step, executions, steps each, epoch end)`; and how many of
+        # them a preemption's signal cancelled.
+        self._scheduled = (done, 0, 1, done)
+        self._cancelled = 0
+        self._cancel_lock = threading.Lock()
 
     def train(self, callback_list) -> None:
         """Runs the epochs to `args.epochs` (or `model.stop_training`)."""
@@ -177,15 +195,47 @@ class _Epochs:
             if upcoming is not None and upcoming < end:
                 stop = upcoming
             executions = -(-(stop - self.done) // per_execution)
+            self._scheduled = (self.done, executions, per_execution, end)
             results += [
                 run.coordinator.schedule(run.step, args=run.step_args())
                 for _ in range(executions)
             ]
             self.done = min(self.done + executions * per_execution, end)
             _join(run.coordinator, epoch)
+            if preemption.requested():
+                preemption.save_and_stop(self.save_at_signal)
             if self.done < end:
                 self._save()
         return results
+
+    def cancel_queued(self) -> None:
+        """Cancels the executions scheduled that no worker has started
+        (`preemption.saving`'s `cancel`; from any thread)."""
+        with self._cancel_lock:
+            self._cancelled += tf_coordinator.cancel_queued(self.run.coordinator)
+
+    def save_at_signal(self) -> tuple[int, bool]:
+        """The checkpoint of the step reached, for a preemption's save.
+
+        The executions not started are cancelled, those in flight finish,
+        and the checkpoint records the steps of those that ran (the queue is
+        first in, first out: the last scheduled are the ones cancelled).
+
+        Returns:
+          `(step, written)`: the step reached, and False when the latest
+          checkpoint holds it already.
+        """
+        self.cancel_queued()
+        self.run.coordinator.join()
+        first, executions, per_execution, end = self._scheduled
+        with self._cancel_lock:
+            ran = max(0, executions - self._cancelled)
+            self._cancelled = 0
+        self.done = min(first + ran * per_execution, end)
+        if self.done == self.saver.saved_step:
+            return self.done, False
+        self._save()
+        return self.done, True
 
     def _save(self) -> None:
         if self.goodput is None:

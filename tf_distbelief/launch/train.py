@@ -250,6 +250,23 @@ def define_flags() -> None:
         "(--checkpoint_every_steps).",
         lower_bound=0.0,
     )
+    flags.DEFINE_float(
+        "preemption_grace_secs",
+        d.preemption_grace_secs,
+        "On SIGTERM (or --preemption_signal) the chief saves the step reached "
+        "to --model_dir and exits within this many seconds; a save that "
+        "cannot finish in time is abandoned whole (the previous checkpoint "
+        "stays the latest). 0: exit at once, unsaved. Below Kubernetes' "
+        "default terminationGracePeriodSeconds (30).",
+        lower_bound=0.0,
+    )
+    flags.DEFINE_enum(
+        "preemption_signal",
+        d.preemption_signal,
+        list(fault_settings.PREEMPTION_SIGNALS),
+        "One more signal than SIGTERM that saves and stops the job as SIGTERM "
+        "does (Slurm's --signal=USR1@60 sends SIGUSR1).",
+    )
     flags.DEFINE_bool(
         "downpour",
         False,
@@ -384,6 +401,7 @@ _FLOAT_FLAGS = (
     "hung_task_timeout_secs",
     "step_stall_timeout_secs",
     "ps_recovery_secs",
+    "preemption_grace_secs",
     "local_learning_rate",
     *(s.name for s in push_rule.settings() if s.kind == "float"),
 )

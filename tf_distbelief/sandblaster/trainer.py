@@ -9,6 +9,7 @@ weights and writes the result back into them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import checks, console, paths
+from tf_distbelief.faults import preemption
 from tf_distbelief.sandblaster import checkpoint as checkpoint_lib
 from tf_distbelief.sandblaster import config as config_lib
 from tf_distbelief.sandblaster import lbfgs, schedule
@@ -209,21 +211,43 @@ class SandblasterTrainer:
                     f"Resumed L-BFGS from {checkpointer.latest_checkpoint} at "
                     f"iteration {state.num_iters} (loss {state.loss:.6g})"
                 )
-        result = lbfgs.minimize(
-            self.objective,
-            None if state else ops.from_numpy(layout.read()),
-            ops,
-            m=self.config.history,
-            max_iters=max_iters,
-            gtol=gtol,
-            ftol=ftol,
-            record_iterates=record_iterates,
-            initial_state=state,
-            callback=_after_iteration(
-                checkpointer, self.config.log_every_iters, max_iters, print_fn
-            ),
-            two_loop=self.config.two_loop,
+        after = _after_iteration(
+            checkpointer, self.config.log_every_iters, max_iters, print_fn
         )
+        callback, saving = after, contextlib.nullcontext()
+        if checkpointer:
+            # A preemption's signal saves the iteration reached at the end
+            # of the iteration in flight (`faults.preemption`).
+            reached = [state]
+
+            def save_at_signal() -> tuple[int, bool]:
+                if reached[0] is None:  # No iteration yet, none restored.
+                    return 0, False
+                written = checkpointer.save(reached[0], force=True)
+                return reached[0].num_iters, written is not None
+
+            def after_or_save(state):
+                reached[0] = state
+                after(state)
+                if preemption.requested():
+                    preemption.save_and_stop(save_at_signal, "iteration")
+
+            callback = after_or_save
+            saving = preemption.saving(save_at_signal, unit="iteration")
+        with saving:
+            result = lbfgs.minimize(
+                self.objective,
+                None if state else ops.from_numpy(layout.read()),
+                ops,
+                m=self.config.history,
+                max_iters=max_iters,
+                gtol=gtol,
+                ftol=ftol,
+                record_iterates=record_iterates,
+                initial_state=state,
+                callback=callback,
+                two_loop=self.config.two_loop,
+            )
         if checkpointer:
             checkpointer.save(result.state, force=True)
         layout.write(ops.to_numpy(result.x))

@@ -4,8 +4,9 @@ and the per-worker resources it creates.
 Used by `strategy` (waiting before a new strategy connects; keeping
 per-worker resources while connected), by
 `cluster.local` (stopping the failure handlers before leaving the tasks), by
-`keras3.training` (a failed closure cancels those queued behind it) and by
-`faults.step_watch` (a step limit on the coordinator's closures).
+`keras3.training` (a failed closure cancels those queued behind it), by
+`faults.step_watch` (a step limit on the coordinator's closures) and by
+`faults.tf_keras_fit` (a preemption's save cancels the steps not started).
 """
 
 from __future__ import annotations
@@ -174,6 +175,40 @@ def cancel_queued_on_failure(coordinator) -> None:
     closures._tfdb_cancels_on_failure = True
 
 
+def cancel_queued(coordinator) -> int:
+    """Cancels the closures queued on `coordinator` that no worker has started.
+
+    For a preemption's save (`faults.preemption`): tf_keras `fit` schedules
+    a whole epoch (or up to the next interval checkpoint) ahead, far more
+    than a grace period may allow to run. The closures still queued are taken
+    off the queue and marked cancelled, under the queue's lock, as
+    `_cancel_all_closures` does; those in flight run on (`join` waits for
+    them), so each step runs whole or not at all. Public route checked: none;
+    `ClusterCoordinator` cancels only on a closure's error.
+
+    Args:
+      coordinator: a `tf.distribute.experimental.coordinator.ClusterCoordinator`.
+
+    Returns:
+      How many closures were cancelled (queued ones, in order: the last
+      scheduled).
+    """
+    closures = coordinator._cluster.closure_queue
+    cancelled = 0
+    with closures._queue_lock:
+        while True:
+            try:
+                closure = closures._queue.get(block=False)
+            except queue_lib.Empty:
+                break
+            closures._queue_free_slot_condition.notify()
+            closure.mark_cancelled()
+            cancelled += 1
+        # A `join` waiting on an empty queue and no closure in flight.
+        closures._stop_waiting_condition.notify_all()
+    return cancelled
+
+
 class _CountingWatchDog:  # The queue's `WatchDog`, counting finished closures.
     def __init__(self, inner):
         self.inner, self.finished = inner, 0
@@ -336,8 +371,8 @@ def check() -> None:
         "coordinator",
         [
             (
-                "_CoordinatedClosureQueue internals for step_watch and "
-                "cancel_queued_on_failure",
+                "_CoordinatedClosureQueue internals for step_watch, "
+                "cancel_queued_on_failure and cancel_queued",
                 ok,
             ),
             (

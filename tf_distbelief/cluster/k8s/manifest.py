@@ -21,6 +21,7 @@ import re
 
 from tf_distbelief import checks
 from tf_distbelief.cluster import connect as connect_lib
+from tf_distbelief.faults import settings as fault_settings
 
 __all__ = [
     "CONTAINER_NAME",
@@ -33,6 +34,7 @@ __all__ = [
     "check_longest_name",
     "network_policy",
     "pod_spec",
+    "termination_grace_secs",
     "to_yaml",
     "train_args",
 ]
@@ -73,6 +75,9 @@ _LIVENESS_PROBE = {
 # that long and 120 s more.
 _STARTUP_PROBE_PERIOD_SECS = 10
 _STARTUP_MARGIN_SECS = 120.0
+# After the chief's save at SIGTERM (`--preemption_grace_secs`), the time to
+# end its tasks and exit, before the kubelet's SIGKILL.
+_STOP_MARGIN_SECS = 5.0
 # The mount path of `--pvc` when `model_dir` is not given.
 DEFAULT_MODEL_DIR = "/mnt/model_dir"
 # The main job of the README: its flags of `launch/train.py` besides the
@@ -314,12 +319,32 @@ def chief_startup_probe(config: PodsConfig) -> dict:
     }
 
 
+def termination_grace_secs(config: PodsConfig) -> int:
+    """The pods' `terminationGracePeriodSeconds`: the chief's save at SIGTERM
+    (`--preemption_grace_secs` from `config.train_args`, else the default)
+    and `_STOP_MARGIN_SECS` more for ending its tasks, before the kubelet's
+    SIGKILL."""
+    grace_secs = fault_settings.DEFAULT_PREEMPTION_GRACE_SECS
+    for arg in config.train_args:
+        name, _, value = arg.lstrip("-").partition("=")
+        if name == "preemption_grace_secs":
+            try:
+                grace_secs = float(value)
+            except ValueError:
+                pass  # `launch/train.py` refuses it, naming the value.
+    if not 0 <= grace_secs < float("inf"):
+        grace_secs = fault_settings.DEFAULT_PREEMPTION_GRACE_SECS
+    return math.ceil(grace_secs + _STOP_MARGIN_SECS)
+
+
 def pod_spec(config: PodsConfig, role: str, port_name: str, env=()) -> dict:
     """The pod spec (a `V1PodSpec` as a dict) of one role: its one container,
     listening on `PORT` named `port_name`, with environment `env` (a list of
     `V1EnvVar` dicts), the `--model_dir` volume where the role uses it, and,
     on chief, ps and worker pods, a liveness probe that restarts a hung task
-    (the chief's after a startup probe that allows for its connecting)."""
+    (the chief's after a startup probe that allows for its connecting). The
+    grace period between SIGTERM and SIGKILL is the chief's save's
+    (`termination_grace_secs`)."""
     resources = {"requests": {"cpu": str(config.cpu), "memory": str(config.memory)}}
     if role == "worker" and config.gpus_per_worker > 0:
         resources["limits"] = {"nvidia.com/gpu": str(config.gpus_per_worker)}
@@ -337,7 +362,10 @@ def pod_spec(config: PodsConfig, role: str, port_name: str, env=()) -> dict:
         container["livenessProbe"] = dict(_LIVENESS_PROBE)
     if role == "chief":
         container["startupProbe"] = chief_startup_probe(config)
-    spec = {"containers": [container]}
+    spec = {
+        "containers": [container],
+        "terminationGracePeriodSeconds": termination_grace_secs(config),
+    }
     if config.pvc and role in ("chief", "evaluator"):
         container["volumeMounts"] = [
             {"name": "model-dir", "mountPath": config.effective_model_dir}

@@ -28,6 +28,7 @@ from tf_distbelief.cluster import server as server_lib
 from tf_distbelief.cluster.local import children, hung_tasks
 from tf_distbelief.cluster.local import gpus as gpus_lib
 from tf_distbelief.cluster.network import emulated, isolation
+from tf_distbelief.faults import preemption
 
 # A child server imports TensorFlow (4-5 s on this class of machine) before it
 # listens; 120 s leaves room for a loaded 2-core machine starting 4 of them.
@@ -628,12 +629,15 @@ def _register_live(cluster: LocalCluster) -> None:
         # still retrying its functions on the ended tasks (seen: a chief
         # SIGTERMed as it started training did not exit in 900 s).
         # The handler that was there first (a launched job's one line, which
-        # may end the process itself), then the tasks whatever it did.
+        # may end the process itself), then the tasks whatever it did; unless
+        # it asked for a save at the signal, which ends the process itself
+        # within its grace period (`faults.preemption`), the tasks first.
         try:
             if callable(previous):
                 previous(signum, frame)
         finally:
-            stop_live_clusters(leave_tasks=False)
-            console.end_process(128 + signum)
+            if not preemption.requested():
+                stop_live_clusters(leave_tasks=False)
+                console.end_process(128 + signum)
 
     signal.signal(signal.SIGTERM, _on_sigterm)
