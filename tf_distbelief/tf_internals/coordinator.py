@@ -3,7 +3,8 @@ and the per-worker resources it creates.
 
 Used by `strategy` (waiting before a new strategy connects; keeping
 per-worker resources while connected), by
-`cluster.local` (stopping the failure handlers before leaving the tasks), by
+`cluster.local` (a lost task's reconnect finished, and the failure handlers
+stopped, before leaving the tasks), by
 `keras3.training` (a failed closure cancels those queued behind it) and by
 `faults.step_watch` (a step limit on the coordinator's closures).
 """
@@ -32,9 +33,13 @@ _KEPT: collections.deque = collections.deque()
 # Where a coordinator thread waits when it has nothing to do: `(loop, idle)`,
 # the loop's function and the one it calls to wait.
 _IDLE_WAITS = (("_process_queue", "get"), ("_preemption_handler", "wait"))
+# The failure handlers of TensorFlow 2.21's coordinator.
+_HANDLER_CLASSES = (cc.WorkerPreemptionHandler, cc.CoordinationServicePreemptionHandler)
+# Between two looks at reconnecting failure handlers.
+_RECONNECT_POLL_SECS = 0.05
 
 
-def busy_coordinator_threads() -> list[str]:
+def busy_coordinator_threads(handlers=None) -> list[str]:
     """Names of `ClusterCoordinator` threads with work in flight.
 
     A coordinator's worker thread waits in `_CoordinatedClosureQueue.get` when
@@ -44,10 +49,16 @@ def busy_coordinator_threads() -> list[str]:
     connecting while one is busy crashed the process (SIGSEGV in the eager
     runtime). Public route checked: `ClusterCoordinator.join` waits for
     scheduled functions only, not for resource creation or recovery.
+
+    Args:
+      handlers: None: every coordinator's threads; else only the threads of
+        the coordinators with one of these failure handlers.
     """
     frames = sys._current_frames()
     busy = []
     for thread in threading.enumerate():
+        if handlers is not None and _failure_handler_of(thread) not in handlers:
+            continue
         frame, stack = frames.get(thread.ident), []
         while frame is not None:
             stack.append(frame.f_code.co_name)
@@ -58,6 +69,47 @@ def busy_coordinator_threads() -> list[str]:
                 if i == 0 or stack[i - 1] != idle:
                     busy.append(thread.name)
     return busy
+
+
+def _failure_handler_of(thread):
+    """The failure handler of the coordinator whose thread `thread` is, or None."""
+    owner = getattr(getattr(thread, "_target", None), "__self__", None)
+    if isinstance(owner, cc.Worker):
+        return owner.failure_handler
+    return owner if isinstance(owner, _HANDLER_CLASSES) else None
+
+
+def reconnecting_failure_handlers(addresses) -> list:
+    """The failure handlers of a cluster holding one of `addresses` that are
+    reconnecting a lost task: each keeps calling `update_server_def`, whose
+    first call (`GetStatus`) waits for every task of its cluster to answer,
+    without a bound; with the task gone for good, the handler and the worker
+    threads waiting for it (`wait_on_failure`) stay busy for ever. Public
+    route checked: none; `ClusterCoordinator` does not say it is recovering."""
+    return [
+        handler
+        for handler in _failure_handlers(addresses)
+        if handler._should_preemption_thread_run
+        and handler._cluster_due_for_update_or_finish.is_set()
+    ]
+
+
+def wait_until_reconnected(handlers, timeout_secs: float) -> bool:
+    """Waits until none of `handlers` is reconnecting and their coordinators'
+    threads are idle (a worker thread that got its worker back creates its
+    per-worker resources anew), at most `timeout_secs`.
+
+    Returns:
+      True if they are; False at the deadline.
+    """
+    deadline = time.monotonic() + timeout_secs
+    while any(h._cluster_due_for_update_or_finish.is_set() for h in handlers) or (
+        busy_coordinator_threads(handlers)
+    ):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_RECONNECT_POLL_SECS)
+    return True
 
 
 def _failure_handlers(addresses) -> list:
@@ -331,7 +383,7 @@ def check() -> None:
             values.PerWorkerDatasetFromDatasetFunction.__iter__,
         )
     )
-    handlers = (cc.WorkerPreemptionHandler, cc.CoordinationServicePreemptionHandler)
+    handlers = _HANDLER_CLASSES
     _shapes.expect(
         "coordinator",
         [
@@ -352,6 +404,11 @@ def check() -> None:
                 creates,
             ),
             (
+                "Worker.failure_handler (the handler of a worker thread's "
+                "coordinator: busy_coordinator_threads(handlers))",
+                "failure_handler" in cc.Worker.__init__.__code__.co_names,
+            ),
+            (
                 "Cluster.failure_handler._cluster_due_for_update_or_finish",
                 "failure_handler" in cc.Cluster.__init__.__code__.co_names
                 and all(
@@ -362,7 +419,8 @@ def check() -> None:
             ),
             (
                 "failure handlers' _server_def, _cluster_update_lock, "
-                "_should_preemption_thread_run (failure_handlers_stopped)",
+                "_should_preemption_thread_run (failure_handlers_stopped, "
+                "reconnecting_failure_handlers)",
                 all(
                     {
                         "_server_def",
