@@ -153,17 +153,20 @@ def failure_handlers_stopped(addresses, timeout_secs: float) -> Iterator[bool]:
 
     Yields:
       True if every handler's lock is held; False if one was still busy after
-      `timeout_secs` (the others are held and stopped all the same).
+      `timeout_secs` (the others are held and stopped all the same; the busy
+      one ends once its `update_server_def` returns).
     """
     deadline = time.monotonic() + timeout_secs
     held, all_held = [], True
     for handler in _failure_handlers(addresses):
+        # Told first, as `stop` does: a handler still busy at the deadline
+        # ends after its `update_server_def` instead of trying again.
+        handler._should_preemption_thread_run = False
         lock = handler._cluster_update_lock
         if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             all_held = False
             continue
         held.append(lock)
-        handler._should_preemption_thread_run = False
         handler._cluster_due_for_update_or_finish.set()
     try:
         yield all_held
