@@ -94,6 +94,21 @@ def reconnecting_failure_handlers(addresses) -> list:
     ]
 
 
+def stop_closure_queues(handlers) -> None:
+    """Stops the closure queues of the coordinators of `handlers`.
+
+    What `Cluster.stop` does to the queue (queued closures left unrun, those
+    in flight cancelled, each worker thread ending at its next `get`), without
+    `Cluster.stop`'s wait for the failure handler's lock, which a handler
+    reconnecting a task gone for good holds for ever. For a cluster being
+    ended: its queued work (a lost worker's closures put back) is not run on
+    a task started again only to end a reconnect. Public route checked:
+    `ClusterCoordinator` has no public stop.
+    """
+    for handler in handlers:
+        handler._cluster.closure_queue.stop()
+
+
 def wait_until_reconnected(handlers, timeout_secs: float) -> bool:
     """Waits until none of `handlers` is reconnecting and their coordinators'
     threads are idle (a worker thread that got its worker back creates its
@@ -410,6 +425,15 @@ def check() -> None:
                 "Worker.failure_handler (the handler of a worker thread's "
                 "coordinator: busy_coordinator_threads(handlers))",
                 "failure_handler" in cc.Worker.__init__.__code__.co_names,
+            ),
+            (
+                "failure handlers' _cluster.closure_queue.stop() (stop_closure_queues)",
+                all(
+                    "_cluster" in handler.__init__.__code__.co_names
+                    for handler in handlers
+                )
+                and "closure_queue" in cc.Cluster.__init__.__code__.co_names
+                and callable(getattr(queue, "stop", None)),
             ),
             (
                 "Cluster.failure_handler._cluster_due_for_update_or_finish",

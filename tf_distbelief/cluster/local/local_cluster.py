@@ -554,9 +554,10 @@ class LocalCluster:
         address (fixed ports) and reconnect it beside that cluster's own
         connection. Restarting the lost task on its address lets the
         reconnect finish as TensorFlow's recovery does, before the tasks
-        are left and ended. Bounded: each task's start
-        (`start_timeout_secs`), then `_RECOVERY_AT_STOP_SECS` for the
-        reconnect and the recovered worker threads' per-worker resources.
+        are left and ended; those coordinators' closure queues are stopped
+        first, so that their worker threads end instead of running the work
+        still queued. Bounded: each task's start (`start_timeout_secs`), then
+        `_RECOVERY_AT_STOP_SECS` for the reconnect and the worker threads.
 
         Args:
           lost: names (`"/job:worker/task:1"`) of the tasks refusing
@@ -572,6 +573,8 @@ class LocalCluster:
         )
         if not handlers:
             return False
+        # Their queued work is not run on the task started again.
+        coordinator.stop_closure_queues(handlers)
         try:
             with self._lock:
                 for job, index in sorted(self.processes):
