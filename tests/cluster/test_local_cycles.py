@@ -1,9 +1,10 @@
 """`LocalCluster` stopped and started again in one process (a notebook, a
 test harness): the next strategy connects at once, also on the same ports.
 
-Each test runs its cycles in a process of its own: a cluster that loses a
-worker leaves coordinator threads behind, and the pytest process keeps its
-shared cluster.
+Each test runs its cycles in a process of its own: each cycle leaves its
+chief server behind (TensorFlow's servers never shut down) and its eager
+context on the chief's address, while the pytest process keeps its shared
+cluster.
 """
 
 import os
