@@ -265,6 +265,12 @@ class DistBeliefStrategy(tf.distribute.experimental.ParameterServerStrategy):
         # Connecting while an earlier coordinator of this process still works
         # crashed the process (see `wait_for_idle_coordinators`).
         wait_for_idle_coordinators()
+        # After a cluster on the same chief address was left (a LocalCluster
+        # stopped and started again on fixed ports), TensorFlow would start a
+        # second chief server on the port the first one still holds.
+        eager_context.rejoin_on_local_server(
+            resolver.cluster_spec().as_cluster_def(), "chief", 0
+        )
         super().__init__(resolver, variable_partitioner)
         # A tf.function dropped while connected would be removed from every
         # task by a blocking call holding the GIL: seconds on a busy cluster.

@@ -3,7 +3,8 @@ and the per-worker resources it creates.
 
 Used by `strategy` (waiting before a new strategy connects; keeping
 per-worker resources while connected), by
-`cluster.local` (stopping the failure handlers before leaving the tasks), by
+`cluster.local` (a lost task's reconnect finished, and the failure handlers
+stopped, before leaving the tasks), by
 `keras3.training` (a failed closure cancels those queued behind it), by
 `faults.step_watch` (a step limit on the coordinator's closures) and by
 `faults.tf_keras_fit` (a preemption's save cancels the steps not started).
@@ -33,9 +34,13 @@ _KEPT: collections.deque = collections.deque()
 # Where a coordinator thread waits when it has nothing to do: `(loop, idle)`,
 # the loop's function and the one it calls to wait.
 _IDLE_WAITS = (("_process_queue", "get"), ("_preemption_handler", "wait"))
+# The failure handlers of TensorFlow 2.21's coordinator.
+_HANDLER_CLASSES = (cc.WorkerPreemptionHandler, cc.CoordinationServicePreemptionHandler)
+# Between two looks at reconnecting failure handlers.
+_RECONNECT_POLL_SECS = 0.05
 
 
-def busy_coordinator_threads() -> list[str]:
+def busy_coordinator_threads(handlers=None) -> list[str]:
     """Names of `ClusterCoordinator` threads with work in flight.
 
     A coordinator's worker thread waits in `_CoordinatedClosureQueue.get` when
@@ -45,10 +50,16 @@ def busy_coordinator_threads() -> list[str]:
     connecting while one is busy crashed the process (SIGSEGV in the eager
     runtime). Public route checked: `ClusterCoordinator.join` waits for
     scheduled functions only, not for resource creation or recovery.
+
+    Args:
+      handlers: None: every coordinator's threads; else only the threads of
+        the coordinators with one of these failure handlers.
     """
     frames = sys._current_frames()
     busy = []
     for thread in threading.enumerate():
+        if handlers is not None and _failure_handler_of(thread) not in handlers:
+            continue
         frame, stack = frames.get(thread.ident), []
         while frame is not None:
             stack.append(frame.f_code.co_name)
@@ -59,6 +70,62 @@ def busy_coordinator_threads() -> list[str]:
                 if i == 0 or stack[i - 1] != idle:
                     busy.append(thread.name)
     return busy
+
+
+def _failure_handler_of(thread):
+    """The failure handler of the coordinator whose thread `thread` is, or None."""
+    owner = getattr(getattr(thread, "_target", None), "__self__", None)
+    if isinstance(owner, cc.Worker):
+        return owner.failure_handler
+    return owner if isinstance(owner, _HANDLER_CLASSES) else None
+
+
+def reconnecting_failure_handlers(addresses) -> list:
+    """The failure handlers of a cluster holding one of `addresses` that are
+    reconnecting a lost task: each keeps calling `update_server_def`, whose
+    first call (`GetStatus`) waits for every task of its cluster to answer,
+    without a bound; with the task gone for good, the handler and the worker
+    threads waiting for it (`wait_on_failure`) stay busy for ever. Public
+    route checked: none; `ClusterCoordinator` does not say it is recovering."""
+    return [
+        handler
+        for handler in _failure_handlers(addresses)
+        if handler._should_preemption_thread_run
+        and handler._cluster_due_for_update_or_finish.is_set()
+    ]
+
+
+def stop_closure_queues(handlers) -> None:
+    """Stops the closure queues of the coordinators of `handlers`.
+
+    What `Cluster.stop` does to the queue (queued closures left unrun, those
+    in flight cancelled, each worker thread ending at its next `get`), without
+    `Cluster.stop`'s wait for the failure handler's lock, which a handler
+    reconnecting a task gone for good holds for ever. For a cluster being
+    ended: its queued work (a lost worker's closures put back) is not run on
+    a task started again only to end a reconnect. Public route checked:
+    `ClusterCoordinator` has no public stop.
+    """
+    for handler in handlers:
+        handler._cluster.closure_queue.stop()
+
+
+def wait_until_reconnected(handlers, timeout_secs: float) -> bool:
+    """Waits until none of `handlers` is reconnecting and their coordinators'
+    threads are idle (a worker thread that got its worker back creates its
+    per-worker resources anew), at most `timeout_secs`.
+
+    Returns:
+      True if they are; False at the deadline.
+    """
+    deadline = time.monotonic() + timeout_secs
+    while any(h._cluster_due_for_update_or_finish.is_set() for h in handlers) or (
+        busy_coordinator_threads(handlers)
+    ):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_RECONNECT_POLL_SECS)
+    return True
 
 
 def _failure_handlers(addresses) -> list:
@@ -102,17 +169,20 @@ def failure_handlers_stopped(addresses, timeout_secs: float) -> Iterator[bool]:
 
     Yields:
       True if every handler's lock is held; False if one was still busy after
-      `timeout_secs` (the others are held and stopped all the same).
+      `timeout_secs` (the others are held and stopped all the same; the busy
+      one ends once its `update_server_def` returns).
     """
     deadline = time.monotonic() + timeout_secs
     held, all_held = [], True
     for handler in _failure_handlers(addresses):
+        # Told first, as `stop` does: a handler still busy at the deadline
+        # ends after its `update_server_def` instead of trying again.
+        handler._should_preemption_thread_run = False
         lock = handler._cluster_update_lock
         if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             all_held = False
             continue
         held.append(lock)
-        handler._should_preemption_thread_run = False
         handler._cluster_due_for_update_or_finish.set()
     try:
         yield all_held
@@ -366,7 +436,7 @@ def check() -> None:
             values.PerWorkerDatasetFromDatasetFunction.__iter__,
         )
     )
-    handlers = (cc.WorkerPreemptionHandler, cc.CoordinationServicePreemptionHandler)
+    handlers = _HANDLER_CLASSES
     _shapes.expect(
         "coordinator",
         [
@@ -387,6 +457,20 @@ def check() -> None:
                 creates,
             ),
             (
+                "Worker.failure_handler (the handler of a worker thread's "
+                "coordinator: busy_coordinator_threads(handlers))",
+                "failure_handler" in cc.Worker.__init__.__code__.co_names,
+            ),
+            (
+                "failure handlers' _cluster.closure_queue.stop() (stop_closure_queues)",
+                all(
+                    "_cluster" in handler.__init__.__code__.co_names
+                    for handler in handlers
+                )
+                and "closure_queue" in cc.Cluster.__init__.__code__.co_names
+                and callable(getattr(queue, "stop", None)),
+            ),
+            (
                 "Cluster.failure_handler._cluster_due_for_update_or_finish",
                 "failure_handler" in cc.Cluster.__init__.__code__.co_names
                 and all(
@@ -397,7 +481,8 @@ def check() -> None:
             ),
             (
                 "failure handlers' _server_def, _cluster_update_lock, "
-                "_should_preemption_thread_run (failure_handlers_stopped)",
+                "_should_preemption_thread_run (failure_handlers_stopped, "
+                "reconnecting_failure_handlers)",
                 all(
                     {
                         "_server_def",

@@ -1,7 +1,8 @@
 """The eager context and a cluster's remote tasks: functions kept registered
 on them while connected, and leaving them before they end.
 
-Used by the strategy when it connects (`keep_remote_functions`) and by
+Used by the strategy when it connects (`keep_remote_functions`, and
+`rejoin_on_local_server` after a cluster was left) and by
 `cluster.local` when it stops the tasks it started (`disconnect_from_tasks`;
 after it, `connected_to_no_remote_task` tells when `coordinator`'s kept
 per-worker resources can be dropped).
@@ -66,6 +67,60 @@ def disconnect_from_tasks(addresses) -> bool:
     if not _has_remote_tasks(local):
         _remove_kept_functions()
     return True
+
+
+def rejoin_on_local_server(cluster_def, job_name: str, task_index: int) -> bool:
+    """Moves a context that left its tasks onto a new cluster on its own server.
+
+    TensorFlow's `connect_to_cluster` updates the server def when the cluster
+    is unchanged and otherwise sets a new one, which starts a second server
+    for the local task: it cannot bind the local task's port while the first
+    server (which never shuts down) holds it ("Could not start gRPC server").
+    After `disconnect_from_tasks` the context's cluster holds the local task
+    only, so a new cluster on the same local address (a `LocalCluster` started
+    again on fixed ports) is always "changed". Here the context is updated to
+    the new cluster on the server it has, as a task joining a cluster is;
+    `connect_to_cluster` then finds the cluster unchanged and updates it in
+    turn (with its device filters). Only a context connected to no remote
+    task is moved: a live connection's coordinator keeps its cluster.
+
+    Public route checked: `tf.config.experimental_connect_to_cluster` has no
+    option to keep the local server; `context.update_server_def` is the
+    internal it calls when the cluster is unchanged.
+
+    Args:
+      cluster_def: the new cluster (`ClusterSpec.as_cluster_def()`).
+      job_name: the local task's job in it (`"chief"`).
+      task_index: the local task's index in that job.
+
+    Returns:
+      True if the context was moved onto `cluster_def`.
+    """
+    server_def = context.get_server_def()
+    if server_def is None or _has_remote_tasks(server_def):
+        return False
+    if (server_def.job_name, server_def.task_index) != (job_name, task_index):
+        return False
+    if server_def.cluster == cluster_def:
+        return False
+    if _address(server_def.cluster, job_name, task_index) != _address(
+        cluster_def, job_name, task_index
+    ):
+        return False
+    joined = type(server_def)()
+    joined.CopyFrom(server_def)
+    joined.cluster.CopyFrom(cluster_def)
+    joined.ClearField("cluster_device_filters")
+    context.context().update_server_def(joined)
+    return True
+
+
+def _address(cluster_def, job_name: str, task_index: int) -> str | None:
+    """The address of task `task_index` of `job_name` in `cluster_def`, or None."""
+    for job in cluster_def.job:
+        if job.name == job_name:
+            return job.tasks.get(task_index)
+    return None
 
 
 def _names(server_def, addresses) -> bool:
@@ -206,12 +261,24 @@ def check() -> None:
                 callable(getattr(context.Context, "update_server_def", None)),
             ),
             (
+                "connect_to_cluster updates the server def when the cluster is "
+                "unchanged (rejoin_on_local_server)",
+                {"update_server_def", "set_server_def"}
+                <= _shapes.code_names(_connect_to_cluster()),
+            ),
+            (
                 "eager Context.remove_function(name), called by AtomicFunction.__del__",
                 callable(getattr(context.Context, "remove_function", None))
                 and "remove_function" in _shapes.code_names(_atomic_del()),
             ),
         ],
     )
+
+
+def _connect_to_cluster():
+    from tensorflow.python.eager import remote
+
+    return remote.connect_to_cluster
 
 
 def _atomic_del():

@@ -484,12 +484,16 @@ class LocalCluster:
         answer (`eager_context.disconnect_from_tasks`), so that exiting later
         does not log a gRPC error per function and task; not if one of them
         is hung (`health.probe`), as leaving would wait on it for ever. A
-        stopped task is sent SIGCONT after SIGTERM, so that it ends too. Every
-        wait is bounded: the hung task watch, the supervisor's restart in
-        progress, the probes (2 s), a coordinator's attempt to reconnect a
-        lost task (30 s; the coordinators' failure handlers are stopped before
-        the tasks are left, as leaving them beside a reconnect crashed the
-        process), the SIGTERM grace (10 s).
+        stopped task is sent SIGCONT after SIGTERM, so that it ends too. A
+        task lost for good that a coordinator is reconnecting is started once
+        more, so that the reconnect ends (`_reconnected_before_leaving`): a
+        later strategy of this process then connects at once. Every wait is
+        bounded: the hung task watch, the supervisor's restart in progress,
+        the probes (2 s), a lost task's start (`start_timeout_secs`), a
+        coordinator's attempt to reconnect a lost task (30 s; the
+        coordinators' failure handlers are stopped before the tasks are left,
+        as leaving them beside a reconnect crashed the process), the SIGTERM
+        grace (10 s).
 
         Args:
           leave_tasks: leave the tasks before ending them (default). False
@@ -500,6 +504,7 @@ class LocalCluster:
         self._stopping.set()
         if self.hung_task_watch is not None:
             self.hung_task_watch.stop()
+            self.hung_task_watch = None
         supervisor = self._supervisor
         if supervisor is not None and supervisor is not threading.current_thread():
             # At most one task restart in progress (`start_timeout_secs`).
@@ -511,10 +516,14 @@ class LocalCluster:
             tasks = self._task_addresses()
             states = health.probe_all(tasks, _STOP_PROBE_SECS)
             if all(s is not health.TaskState.SILENT for s in states.values()):
-                _leave_tasks(
-                    list(tasks.values()),
-                    lost_for_good=health.TaskState.REFUSED in states.values(),
-                )
+                refused = [
+                    task
+                    for task, state in states.items()
+                    if state is health.TaskState.REFUSED
+                ]
+                if refused and self._reconnected_before_leaving(refused):
+                    refused = []
+                _leave_tasks(list(tasks.values()), lost_for_good=bool(refused))
         procs = [p for p in self.processes.values() if p.poll() is None]
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -533,6 +542,59 @@ class LocalCluster:
             self.network = None
         if self._temporary_log_dir:
             shutil.rmtree(self._log_dir, ignore_errors=True)
+
+    def _reconnected_before_leaving(self, lost: list[str]) -> bool:
+        """Restarts the `lost` tasks if a coordinator is reconnecting one,
+        and waits for the reconnect to finish.
+
+        A coordinator's failure handler reconnects a lost task with a call
+        that waits, without a bound, for the task to answer; while it waits,
+        so do the worker threads that lost the task, and a new strategy of
+        this process would wait for them (`wait_for_idle_coordinators`).
+        Left so, they would wake up when a later cluster serves the task's
+        address (fixed ports) and reconnect it beside that cluster's own
+        connection. Restarting the lost task on its address lets the
+        reconnect finish as TensorFlow's recovery does, before the tasks
+        are left and ended; those coordinators' closure queues are stopped
+        first, so that their worker threads end instead of running the work
+        still queued. Bounded: each task's start (`start_timeout_secs`), then
+        `_RECOVERY_AT_STOP_SECS` for the reconnect and the worker threads.
+
+        Args:
+          lost: names (`"/job:worker/task:1"`) of the tasks refusing
+            connections.
+
+        Returns:
+          True if no coordinator waits for one of this cluster's tasks now.
+        """
+        from tf_distbelief.tf_internals import coordinator
+
+        handlers = coordinator.reconnecting_failure_handlers(
+            self._task_addresses().values()
+        )
+        if not handlers:
+            return False
+        # Their queued work is not run on the task started again.
+        coordinator.stop_closure_queues(handlers)
+        try:
+            with self._lock:
+                for job, index in sorted(self.processes):
+                    if _task_name(job, index) in lost:
+                        self._restart_locked(job, index)
+        except config_lib.ClusterStartError as e:
+            logging.warning(
+                "Could not restart a lost task for its coordinator's reconnect "
+                "at stop: %s",
+                e,
+            )
+            return False
+        if coordinator.wait_until_reconnected(handlers, _RECOVERY_AT_STOP_SECS):
+            return True
+        logging.warning(
+            "A coordinator was still reconnecting a restarted task after %g s at stop.",
+            _RECOVERY_AT_STOP_SECS,
+        )
+        return False
 
     def __enter__(self) -> LocalCluster:
         return self.start()
