@@ -109,7 +109,7 @@ class _Keras3:
     names = r"sequential\w*_logits_kernel/part_0:0, sequential\w*_logits_kernel/"
     names += r"part_1:0, sequential\w*_logits_bias/part_0:0, "
     names += r"sequential\w*_logits_bias/part_1:0"
-    skipped_line = "nonfinite_skipped 2"
+    skipped_line = "nonfinite_skipped=2"
 
     @staticmethod
     def run(strategy, n, steps, pattern, **kwargs):

@@ -114,7 +114,7 @@ class _Keras3:
     # Keras 3's steps keep no global count on the worker: the weight is named.
     raised = r"a step's gradient of weight `sequential\w*/logits/kernel` held NaN"
     raised_step = None
-    skipped_line = "nonfinite_skipped 2"
+    skipped_line = "nonfinite_skipped=2"
     refused = r"sequential\w*_logits_kernel:0 hold NaN or inf"
 
     @staticmethod
