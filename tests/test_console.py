@@ -608,3 +608,24 @@ def test_a_process_ended_at_once_leaves_no_autograph_file(tmp_path):
     )
     assert proc.returncode == 0 and proc.stdout == "0\n", proc.stderr[-2000:]
     assert os.listdir(temp) == []
+
+
+def test_a_closed_pipe_ends_the_lines_quietly_and_the_program_goes_on():
+    # `tf-distbelief-train ... | head -3`: the reader goes away; the job's
+    # later lines go nowhere, with no traceback, and it ends as it would.
+    code = (
+        "from tf_distbelief import console\n"
+        "for i in range(20000):\n"
+        "    console.echo(f'line {i} ' + 'x' * 60)\n"
+        "print('done', file=__import__('sys').stderr)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().startswith("line 0 ")
+    proc.stdout.close()  # As `head -1` exits.
+    assert proc.wait(timeout=120) == 0
+    assert proc.stderr.read() == "done\n"

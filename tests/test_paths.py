@@ -137,3 +137,27 @@ def test_probe_writable_refuses_a_read_only_mount(tmp_path):
         "Read-only file system."
     ), proc.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_a_process_that_ends_at_once_releases_its_locks_first(tmp_path):
+    # `console.end_process` (a job stopped by a signal) skips the `with`
+    # blocks: it releases the locks itself, so the next job takes the folder
+    # without a takeover line.
+    code = textwrap.dedent(
+        f"""
+        from tf_distbelief import console, paths
+        lock = paths.model_dir_lock({str(tmp_path / "run")!r})
+        lock.__enter__()
+        lock.__enter__()  # Re-entered, as the runner and fit do.
+        console.end_process(143)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 143, proc.stderr
+    assert os.listdir(tmp_path / "run") == []
+    lines = []
+    with paths.model_dir_lock(str(tmp_path / "run"), lines.append):
+        assert os.path.exists(tmp_path / "run" / paths.LOCK_FILE)
+    assert lines == []

@@ -17,6 +17,8 @@ each algorithm and the cluster keep their names in their own package:
   (`fit.FileInput`) and export; `job`: the training job `launch/train.py` runs.
 * `planner`: predicted examples/s and bottleneck of stock and Downpour
   training from bytes per step and NIC rates (no TensorFlow).
+* `console`: the lines a job prints, and `console.quiet()`, which silences
+  TensorFlow's C++ and gRPC logging.
 * `faults`: exactly-once steps, the non-finite guard, exact restore, ps
   recovery and the bounded wait for steps, under the algorithms.
 
@@ -60,6 +62,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
     packages=(
         "adagrad",
         "cluster",
+        "console",
         "downpour",
         "faults",
         "fit",

@@ -47,8 +47,19 @@ _HEAD_SHARE = 1 / 3
 
 
 def echo(line: str) -> None:
-    """Prints `line` to stdout and flushes it (a pipe shows it at once)."""
-    print(line, flush=True)
+    """Prints `line` to stdout and flushes it (a pipe shows it at once).
+
+    When the reader of a pipe has gone (`tf-distbelief-train ... | head`),
+    the job goes on and its later lines go nowhere (stdout becomes
+    `os.devnull`), as Python's documentation advises for `BrokenPipeError`,
+    instead of a traceback from every thread that prints.
+    """
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def shorten(text: str, max_chars: int = 1200) -> str:
@@ -375,14 +386,19 @@ def exit_when_done(
 
 
 def end_process(status: int) -> None:
-    """Flushes stdout and stderr, removes this process's temporary files that
-    only its interpreter's teardown would (autograph's sources), and ends the
+    """Flushes stdout and stderr, removes this process's files that only its
+    interpreter's teardown or its `with` blocks would (autograph's sources,
+    the `model_dir` locks it holds: `paths.release_held_locks`), and ends the
     process at once with `status` (`os._exit`: see `exit_when_done`)."""
+    from tf_distbelief import paths
     from tf_distbelief.tf_internals import autograph  # Imports no TensorFlow.
 
-    sys.stdout.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError, ValueError):  # A closed or broken pipe.
+        sys.stdout.flush()
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
     autograph.remove_generated_files()
+    paths.release_held_locks()
     os._exit(status)
 
 

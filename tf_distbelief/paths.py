@@ -414,6 +414,23 @@ class ModelDirLock:
         )
 
 
+def release_held_locks() -> None:
+    """Releases every `ModelDirLock` this process holds (its file removed).
+
+    For a process that ends at once (`console.end_process`, after a signal
+    stopped the job) without unwinding the `with` blocks that hold them: the
+    kernel would release the flocks, but the files would stay, and the next
+    run would say it took over from a job that is gone.
+    """
+    with _HELD_LOCK:
+        for key, (fd, _) in list(_HELD.items()):
+            del _HELD[key]
+            with contextlib.suppress(OSError):
+                os.unlink(key)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 def model_dir_lock(
     model_dir: str | None, print_fn=None
 ) -> ModelDirLock | contextlib.nullcontext:

@@ -36,7 +36,7 @@ from tests.fixtures.launch import (
     _wait_no_marked,
     readme_accuracy,
 )
-from tf_distbelief import cluster
+from tf_distbelief import cluster, paths
 from tf_distbelief.demos import digits
 
 # A line of TensorFlow's C++ logging (Abseil's prefix), or Abseil's banner.
@@ -627,6 +627,10 @@ def _rerun_resumes_at(args, step, tmp_path):
     ), text
     assert code == 130, text + "\n".join(after)
     assert _wait_no_marked(marker) == []
+    # The stopped job removed its model_dir lock (no takeover of a lock left
+    # behind), and so did this one.
+    assert "model_dir: took over" not in text, text
+    assert not (tmp_path / "run" / paths.LOCK_FILE).exists()
 
 
 @pytest.mark.slow
