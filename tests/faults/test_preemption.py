@@ -56,6 +56,14 @@ def test_a_request_is_answered_by_the_trainers_save_in_one_line(stopped):
     assert not preemption.requested() and not preemption.can_save()
 
 
+def test_a_signal_before_the_first_step_says_so(stopped):
+    armed = preemption.arm(30.0, stopped.append)
+    with preemption.saving(lambda: (0, False), None):
+        armed.request("SIGTERM")
+        preemption.save_and_stop(lambda: (0, False))
+    assert stopped == ["SIGTERM: job stopped before its first step ended"]
+
+
 def test_a_cancelled_wait_still_saves_and_any_other_error_stops_unsaved(stopped):
     armed = preemption.arm(30.0, stopped.append)
     with preemption.saving(lambda: (120, False), None, (tf.errors.CancelledError,)):

@@ -140,11 +140,14 @@ class Preemption:
             )
         else:
             secs = time.monotonic() - self.received
-            what = f"job stopped at {unit} {step}, " + (
-                f"saved at the signal in {secs:.1f} s"
-                if written
-                else "its checkpoint already written"
-            )
+            if written:
+                what = (
+                    f"job stopped at {unit} {step}, saved at the signal in {secs:.1f} s"
+                )
+            elif step == 0:  # Signalled before the first step, or in it.
+                what = f"job stopped before its first {unit} ended"
+            else:
+                what = f"job stopped at {unit} {step}, its checkpoint already written"
         if not self._finish():
             threading.Event().wait()  # The watchdog ends the job.
         self._stop(f"{self.name}: {what}")

@@ -17,11 +17,12 @@ saves at the signal is running and the job has a `model_dir`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tf_distbelief import console, paths
 from tf_distbelief.cluster.local import local_cluster
@@ -29,6 +30,32 @@ from tf_distbelief.faults import preemption, settings
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
+
+
+@contextlib.contextmanager
+def while_loading() -> Iterator[None]:
+    """SIGINT and SIGTERM end the process at once, in one line, in the block.
+
+    For the seconds a launch spends importing TensorFlow, before `install`
+    (or a task's server) takes the signals over: nothing has started, so
+    there is nothing to end or save, and Ctrl-C would otherwise print a
+    `KeyboardInterrupt` traceback from inside TensorFlow's import (SIGTERM:
+    no line at all). The handlers before the block are put back after it.
+    """
+
+    def on_signal(signum, frame):
+        del frame
+        console.echo(
+            f"{_NAMES[signum]}: stopped while loading TensorFlow; nothing had started"
+        )
+        console.end_process(128 + signum)
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def install(

@@ -468,7 +468,10 @@ def _run(argv):
             sys.argv, os.environ, console.LOCAL_NUM_WORKERS, console.LOCAL_NUM_PS
         )
     )
-    console.import_tensorflow_quietly()
+    from tf_distbelief.job import stopping  # Imports no TensorFlow.
+
+    with stopping.while_loading():
+        console.import_tensorflow_quietly()
     spec = model_spec()
     if FLAGS.keras == "3":
         from tf_distbelief.keras3 import job as keras3_job
