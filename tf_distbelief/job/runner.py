@@ -264,7 +264,7 @@ def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) 
     )
     print_fn(
         f"lbfgs: {result.num_iters} iterations, {result.num_evals} evaluations, "
-        f"loss {result.loss:.6f} ({result.message}), {train_secs:.1f} s; "
+        f"loss {result.loss:.6g} ({result.message}), {train_secs:.1f} s; "
         f"portions {console.count(stats.portions_scheduled)}, backup copies "
         f"{stats.backup_copies_scheduled}, discarded {stats.copies_discarded}, "
         f"accepted by worker {accepted}"
