@@ -45,8 +45,8 @@ def _remove(path: str) -> None:
 
 
 class _TracedWrite:
-    """`checkpoint.write` in a `tf.function`, traced again only when the
-    objects the checkpoint holds change.
+    """`checkpoint.write` in a `tf.function`, traced once the objects the
+    checkpoint holds are the same two writes in a row (eager until then).
 
     Eager `Checkpoint.write` (and `CheckpointManager.save`) traces a new save
     function at every call; traced here once, a write of the digits Downpour
@@ -61,13 +61,20 @@ class _TracedWrite:
 
     def __call__(self, prefix: str) -> str:
         # A new or replaced object (a slot made late, a Sandblaster list
-        # grown into a new variable) changes what the saver must hold.
+        # grown into a new variable) changes what the saver must hold. While
+        # the objects change from one write to the next (Sandblaster's
+        # history filling up), each write is eager: tracing each would cost
+        # as much and make TensorFlow warn of retracing. The write is traced
+        # once two writes in a row hold the same objects.
         objects = _saved_objects(self.checkpoint)
         if (
             self._objects is None
             or len(objects) != len(self._objects)
             or any(a is not b for a, b in zip(objects, self._objects))
         ):
+            self._objects, self._write = objects, None
+            return self.checkpoint.write(prefix)
+        if self._write is None:
             checkpoint = self.checkpoint
             # Where eager ops run here: the tensors the checkpoint makes (its
             # object graph) go there, so the shards are those of an eager
@@ -79,7 +86,6 @@ class _TracedWrite:
                     return checkpoint.write(path)
 
             self._write = tf.function(write)
-            self._objects = objects
         return self._write(tf.constant(prefix)).numpy().decode()
 
 
