@@ -305,19 +305,9 @@ def test_launch_sigkilled_chief_reruns_to_the_uninterrupted_result(
     assert 3 <= killed_at < total
 
     output = launch._train_ok([*args, f"--model_dir={killed_dir}"])
-    assert re.search(
-        rf"^Resumed L-BFGS from .*ckpt-{killed_at} at iteration {killed_at} ",
-        output,
-        re.M,
-    ), output[-3000:]
-    assert re.search(rf"^lbfgs: {total} iterations", output, re.M)
-    want = tf.train.load_checkpoint(tf.train.latest_checkpoint(lbfgs_digits_reference))
-    got = tf.train.load_checkpoint(tf.train.latest_checkpoint(checkpoints))
-    for key in ("x", "loss_history", "step_history"):
-        a, b = got.get_tensor(key + _VALUE), want.get_tensor(key + _VALUE)
-        assert a.shape == b.shape, key
-        assert _relative_errors([a], [b])[0] <= 1e-9, key
-    assert got.get_tensor("num_iters" + _VALUE) == total
+    _resumed_to_the_reference(
+        output, killed_at, total, checkpoints, lbfgs_digits_reference
+    )
 
 
 @pytest.mark.slow
@@ -376,13 +366,19 @@ def test_launch_sigterm_saves_the_iteration_reached_and_reruns_to_the_reference(
     assert _latest_iteration(checkpoints) == stopped_at
 
     output = launch._train_ok(args)
+    _resumed_to_the_reference(
+        output, stopped_at, total, checkpoints, lbfgs_digits_reference
+    )
+
+
+def _resumed_to_the_reference(output, at, total, checkpoints, reference):
+    """Checks a rerun's `output`: resumed at iteration `at`, ended at `total`
+    with the uninterrupted `reference` run's iterate and histories (1e-9)."""
     assert re.search(
-        rf"^Resumed L-BFGS from .*ckpt-{stopped_at} at iteration {stopped_at} ",
-        output,
-        re.M,
+        rf"^Resumed L-BFGS from .*ckpt-{at} at iteration {at} ", output, re.M
     ), output[-3000:]
     assert re.search(rf"^lbfgs: {total} iterations", output, re.M)
-    want = tf.train.load_checkpoint(tf.train.latest_checkpoint(lbfgs_digits_reference))
+    want = tf.train.load_checkpoint(tf.train.latest_checkpoint(reference))
     got = tf.train.load_checkpoint(tf.train.latest_checkpoint(checkpoints))
     for key in ("x", "loss_history", "step_history"):
         a, b = got.get_tensor(key + _VALUE), want.get_tensor(key + _VALUE)

@@ -233,13 +233,7 @@ def cancel_queued_on_failure(coordinator) -> None:
     def mark_failed_and_cancel_queued(error):
         mark_failed(error)
         with closures._queue_lock:
-            while True:
-                try:
-                    closure = closures._queue.get(block=False)
-                except queue_lib.Empty:
-                    break
-                closures._queue_free_slot_condition.notify()
-                closure.mark_cancelled()
+            _cancel_queued_locked(closures)
 
     closures.mark_failed = mark_failed_and_cancel_queued
     closures._tfdb_cancels_on_failure = True
@@ -264,19 +258,26 @@ def cancel_queued(coordinator) -> int:
       scheduled).
     """
     closures = coordinator._cluster.closure_queue
-    cancelled = 0
     with closures._queue_lock:
-        while True:
-            try:
-                closure = closures._queue.get(block=False)
-            except queue_lib.Empty:
-                break
-            closures._queue_free_slot_condition.notify()
-            closure.mark_cancelled()
-            cancelled += 1
+        cancelled = _cancel_queued_locked(closures)
         # A `join` waiting on an empty queue and no closure in flight.
         closures._stop_waiting_condition.notify_all()
     return cancelled
+
+
+def _cancel_queued_locked(closures) -> int:
+    """Takes every queued closure off `closures` (a `_CoordinatedClosureQueue`,
+    its `_queue_lock` held by the caller) and marks it cancelled, freeing its
+    slot, as `_cancel_all_closures` does; returns how many."""
+    cancelled = 0
+    while True:
+        try:
+            closure = closures._queue.get(block=False)
+        except queue_lib.Empty:
+            return cancelled
+        closures._queue_free_slot_condition.notify()
+        closure.mark_cancelled()
+        cancelled += 1
 
 
 class _CountingWatchDog:  # The queue's `WatchDog`, counting finished closures.
