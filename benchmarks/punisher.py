@@ -4,8 +4,12 @@ r"""The punisher: one long job under faults at a set mean time between failures.
 `--model_dir`, checkpoints every `--checkpoint_every_steps`) runs to its end
 while faults come at exponential intervals of mean `--mtbf_secs`: each picks
 a target (a worker, a ps or the chief, each kind equally likely, then a task
-of that kind) and a signal (SIGKILL or SIGSTOP, equally likely). A SIGSTOPped
-task stays stopped: the job's hung-task watch gives it up after
+of that kind) and a signal (SIGKILL, SIGSTOP or SIGTERM, equally likely).
+SIGTERM is a preemption with a grace period, as an orchestrator sends it: a
+chief saves the step reached and exits (`--preemption_grace_secs`), a ps or
+worker tells the chief it is stopping and exits, and whatever still runs
+`--grace_secs` after the signal is SIGKILLed. A SIGSTOPped task stays
+stopped: the job's hung-task watch gives it up after
 `--hung_task_timeout_secs` and kills it (ps and workers), and this script,
 acting as the orchestrator, kills a chief that does not answer the liveness
 probe the job's pods carry (`python -m tf_distbelief.cluster.health`, run each
@@ -24,8 +28,14 @@ Reported: the faults by target and signal, whether every one was survived
 (the job ends with exit 0 and no exit but the punisher's own kills), the
 steps redone (from each restore back to the last step seen before its
 fault), goodput (the job's own productive training seconds, summed over the
-chief's lives, over this run's wall time from the first start to the end),
-and the test accuracy against an unfaulted run of the same command.
+chief's lives, over this run's wall time from the first start to the end)
+and where the rest went, by cause (`parts_of`), and the test accuracy
+against an unfaulted run of the same command.
+
+A pause between a life's last epoch line and its test accuracy longer than
+`--stacks_after_secs` gets the chief SIGQUIT (once, then every 10 s of it):
+the launched chief then writes every thread's Python stack into its output
+(`job.runner.main`), in the life's log under `--work_dir`.
 
 Usage:
   python benchmarks/punisher.py --mtbf_secs=120 --steps=60000   # about 20 min
@@ -66,6 +76,28 @@ _GOODPUT_RE = re.compile(
 # Each epoch's line ends with the job's goodput so far (`fit.lines`).
 _EPOCH_GOODPUT_RE = re.compile(r"^epoch \d+/\d+: .*; goodput ([0-9.]+)%$")
 _RESTORED_RE = re.compile(r"^(?:restored|Resumed from) .*?ckpt-(\d+)")
+# The goodput line's parts (`faults.goodput.Goodput.line`).
+_PARTS_RE = re.compile(
+    r"^goodput: [0-9.]+% \(train (?P<train>[0-9.]+) s of (?P<wall>[0-9.]+) s; "
+    r"checkpointing (?P<checkpointing>[0-9.]+) s, recovery (?P<recovery>[0-9.]+) "
+    r"s, start-up (?P<start_up>[0-9.]+) s, redone (?P<redone>[0-9.]+) s, other "
+    r"(?P<other>[0-9.]+) s\)"
+)
+_LAST_EPOCH_RE = re.compile(r"^epoch (\d+)/\1: ")
+_ACCURACY_RE = re.compile(r"^test accuracy: ")
+# A Python stack dump's lines (`faulthandler`), not the job's own output.
+_STACK_RE = re.compile(r'^(?:Thread 0x|Current thread 0x|  File "|\s*$)')
+# Where the wall time went, in the table's order (`parts_of`).
+CAUSES = (
+    "start-up",
+    "recovery",
+    "redone",
+    "checkpointing",
+    "end-of-fit",
+    "chief lost",
+    "other",
+)
+_STACKS_EVERY_SECS = 10.0
 _STEP_RE = re.compile(r"^(?:step|epoch \d+/\d+: steps) (\d+)/\d+")
 
 
@@ -89,7 +121,28 @@ def define_flags():
         lower_bound=0,
     )
     flags.DEFINE_multi_enum(
-        "signals", ["SIGKILL", "SIGSTOP"], ["SIGKILL", "SIGSTOP"], "Faults to draw."
+        "signals",
+        ["SIGKILL", "SIGSTOP", "SIGTERM"],
+        ["SIGKILL", "SIGSTOP", "SIGTERM"],
+        "Faults to draw (SIGTERM: a preemption, SIGKILL after --grace_secs).",
+    )
+    flags.DEFINE_float(
+        "grace_secs",
+        30.0,
+        "After a SIGTERM, what still runs this long is SIGKILLed (Kubernetes' "
+        "terminationGracePeriodSeconds); the chief saves within "
+        "--preemption_grace_secs.",
+        lower_bound=0,
+    )
+    flags.DEFINE_float(
+        "preemption_grace_secs", 25.0, "The job's --preemption_grace_secs."
+    )
+    flags.DEFINE_float(
+        "stacks_after_secs",
+        5.0,
+        "SIGQUIT the chief (its threads' stacks into its log) once it has "
+        "paused this long between its last epoch and its test accuracy; 0: never.",
+        lower_bound=0,
     )
     flags.DEFINE_integer("seed", 0, "Seed of the faults (times, targets, signals).")
     flags.DEFINE_bool("reference", True, "Also run the job unfaulted, first.")
@@ -109,6 +162,7 @@ def job_args(model_dir: str) -> list[str]:
         f"--steps_per_epoch={f.steps_per_epoch}",
         f"--checkpoint_every_steps={f.checkpoint_every_steps}",
         f"--hung_task_timeout_secs={f.hung_task_timeout_secs}",
+        f"--preemption_grace_secs={f.preemption_grace_secs}",
         f"--log_every_steps={max(10, f.steps_per_epoch // 10)}",
         f"--model_dir={model_dir}",
     ]
@@ -197,8 +251,11 @@ class Life:
 
     def __init__(self, args, folder, number):
         self.marker = uuid.uuid4().hex
-        self.job = faults_bench._Job(args, folder, f"life{number}", self.marker)
+        name = number if isinstance(number, str) else f"life{number}"
+        self.job = faults_bench._Job(args, folder, name, self.marker)
         self.started = time.monotonic()
+        self.ended: float | None = None  # When its exit was seen.
+        self.stacks_at: float | None = None  # When SIGQUIT was last sent.
         self.killed_by_us = False
         self.liveness_killed = False
         self.probe = ChiefProbe(self.marker)
@@ -213,6 +270,34 @@ class Life:
 
     def goodput(self) -> tuple[float, float]:
         return goodput_of(self.job, self.started)
+
+    def stacks_if_paused(self, now: float) -> None:
+        """SIGQUITs the chief (every thread's stack into its log,
+        `job.runner.main`) while it pauses after its last epoch, once
+        `--stacks_after_secs` have passed and then every 10 s."""
+        pause = self.end_of_fit_pause(now)
+        after = flags.FLAGS.stacks_after_secs
+        if not (after > 0 and pause > after):
+            return
+        if self.stacks_at is not None and now - self.stacks_at < _STACKS_EVERY_SECS:
+            return
+        self.stacks_at = now
+        os.kill(self.job.proc.pid, signal.SIGQUIT)
+        print(
+            f"chief paused {pause:.0f} s after its last epoch: SIGQUIT (stacks "
+            f"in {self.job.path})",
+            flush=True,
+        )
+
+    def end_of_fit_pause(self, now: float) -> float:
+        """Seconds since its last epoch line with no test accuracy yet (0:
+        not in that pause)."""
+        last = [at for at, line in self.job.lines if _LAST_EPOCH_RE.match(line)]
+        if not last or any(
+            at >= last[-1] for at, line in self.job.lines if _ACCURACY_RE.match(line)
+        ):
+            return 0.0
+        return now - last[-1]
 
 
 def goodput_of(job, started: float) -> tuple[float, float]:
@@ -234,6 +319,37 @@ def goodput_of(job, started: float) -> tuple[float, float]:
     return float(last[1]) / 100 * max(0.0, at - started), 0.0
 
 
+def parts_of(job, started: float, ended: float) -> dict[str, float]:
+    """One life's wall time (`started` to `ended`, on `time.monotonic`'s
+    scale, as this script saw them) by cause, `train` and `CAUSES`.
+
+    A life that printed its goodput line: its parts; `end-of-fit`, from its
+    last epoch line to its test accuracy line, is taken out of its `other`
+    (that time is `other` in the job's accounting, at most all of it); the
+    time outside the job's own wall (its exit after the line) is `other`. A
+    life killed before that line: its last epoch line's training seconds
+    (`goodput_of`), the rest `chief lost`.
+    """
+    lines = job.poll_lines()
+    parts = dict.fromkeys(("train", *CAUSES), 0.0)
+    found = [m for _, line in lines if (m := _PARTS_RE.match(line))]
+    life_secs = max(0.0, ended - started)
+    if not found:
+        parts["train"] = min(life_secs, goodput_of(job, started)[0])
+        parts["chief lost"] = life_secs - parts["train"]
+        return parts
+    figures = {k.replace("_", "-"): float(v) for k, v in found[-1].groupdict().items()}
+    for part in ("train", "checkpointing", "recovery", "start-up", "redone", "other"):
+        parts[part] = figures[part]
+    last = [at for at, line in lines if _LAST_EPOCH_RE.match(line)]
+    accuracy = [at for at, line in lines if _ACCURACY_RE.match(line)]
+    if last and accuracy and accuracy[-1] >= last[-1]:
+        pause = min(parts["other"], accuracy[-1] - last[-1])
+        parts["end-of-fit"], parts["other"] = pause, parts["other"] - pause
+    parts["other"] += max(0.0, life_secs - figures["wall"])
+    return parts
+
+
 def steps_redone(lives: list[Life]) -> int:
     """Steps done twice: at each restore (a ps recovered, a chief started
     again), from the highest step seen before it back to the checkpoint."""
@@ -246,6 +362,21 @@ def steps_redone(lives: list[Life]) -> int:
                 redone += max(0, highest - int(restored[1]))
                 highest = int(restored[1])
     return redone
+
+
+def _start_ticks(pid: int) -> int | None:
+    """A process's start time (`/proc/PID/stat` field 22), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _still(pid: int, ticks: int | None) -> bool:
+    """Whether process `pid` still runs and is the one that started at `ticks`."""
+    now = _start_ticks(pid)
+    return now is not None and now == ticks
 
 
 def _checkpointed(model_dir: str) -> bool:
@@ -262,11 +393,20 @@ def punish(folder: str) -> dict:
     lives = [Life(args, folder, 0)]
     faults, unexpected_exits = [], []
     next_fault = start + rng.expovariate(1.0 / f.mtbf_secs)
+    # `(deadline, pid, start ticks)` of each process SIGTERMed: SIGKILLed at
+    # its deadline if it still runs, as an orchestrator's grace period ends.
+    graces: list[tuple[float, int, int | None]] = []
     while True:
         life = lives[-1]
         code = life.job.proc.poll()
         now = time.monotonic()
+        for grace in [g for g in graces if g[0] <= now]:
+            graces.remove(grace)
+            if _still(grace[1], grace[2]):
+                os.kill(grace[1], signal.SIGKILL)
+                print(f"grace over: pid {grace[1]} SIGKILLed", flush=True)
         if code is not None:
+            life.ended = now
             life.probe.stop()
             life.job.finish()
             if code == 0:
@@ -278,7 +418,9 @@ def punish(folder: str) -> dict:
             lives.append(Life(args, folder, len(lives)))
             continue
         last_line = life.last_step_line_at()
-        silent = now - max(life.job.lines[-1][0] if life.job.lines else 0, life.started)
+        said = [at for at, line in life.job.lines if not _STACK_RE.match(line)]
+        silent = now - max(said[-1] if said else 0, life.started)
+        life.stacks_if_paused(now)
         if last_line is not None and f.chief_probe_secs > 0:
             life.probe.start()
         unanswered = life.probe.unanswered_secs(now)
@@ -320,6 +462,8 @@ def punish(folder: str) -> dict:
             # A stopped chief is killed by the liveness probe, also ours.
             life.killed_by_us = life.killed_by_us or kind == "chief"
             os.kill(pid, sig)
+            if sig == signal.SIGTERM:
+                graces.append((now + f.grace_secs, pid, _start_ticks(pid)))
             faults.append(
                 {
                     "at s": round(now - start, 1),
@@ -335,6 +479,12 @@ def punish(folder: str) -> dict:
     wall = time.monotonic() - start
     train = sum(life.goodput()[0] for life in lives)
     redone_secs = sum(life.goodput()[1] for life in lives)
+    causes = dict.fromkeys(("train", *CAUSES), 0.0)
+    for life in lives:
+        for part, secs in parts_of(life.job, life.started, life.ended or start).items():
+            causes[part] += secs
+    # Between lives: a chief's exit seen, the next one started.
+    causes["other"] += max(0.0, wall - sum(causes.values()))
     final = lives[-1]
     accuracy = faults_bench._accuracy(final.job)
     return {
@@ -342,6 +492,7 @@ def punish(folder: str) -> dict:
         "train s": round(train, 1),
         "redone s": round(redone_secs, 1),
         "goodput %": round(100 * train / wall, 1),
+        "by cause s": {k: round(v, 1) for k, v in causes.items()},
         "faults": faults,
         "chief lives": len(lives),
         "unexpected exits": unexpected_exits,
@@ -349,6 +500,15 @@ def punish(folder: str) -> dict:
         "steps redone": steps_redone(lives),
         "test accuracy": accuracy,
     }
+
+
+def by_cause_table(causes: dict[str, float], wall: float) -> str:
+    """The wall time by cause, in seconds and percent, as a Markdown table."""
+    names = ("train", *CAUSES)
+    head = "| " + " | ".join(names) + " | wall |"
+    rule = "|---" * (len(names) + 1) + "|"
+    cells = [f"{causes[n]:.1f} s ({100 * causes[n] / wall:.1f}%)" for n in names]
+    return "\n".join([head, rule, "| " + " | ".join(cells) + f" | {wall:.1f} s |"])
 
 
 def main(argv):
@@ -361,9 +521,12 @@ def main(argv):
             folder = os.path.join(root, "unfaulted")
             os.makedirs(folder)
             begin = time.monotonic()
-            base = faults_bench._Job(
-                job_args(os.path.join(folder, "model")), folder, "run", uuid.uuid4().hex
-            )
+            unfaulted = Life(job_args(os.path.join(folder, "model")), folder, "run")
+            base = unfaulted.job
+            while base.proc.poll() is None:
+                base.poll_lines()
+                unfaulted.stacks_if_paused(time.monotonic())
+                time.sleep(_POLL_SECS)
             code, _ = base.finish(_JOB_TIMEOUT_SECS)
             reference = faults_bench._accuracy(base)
             train = goodput_of(base, begin)[0]
@@ -399,6 +562,8 @@ def main(argv):
         reference,
     ]
     print("| " + " | ".join(map(str, cells)) + " |")
+    print()
+    print(by_cause_table(result["by cause s"], result["wall s"]))
     if result["unexpected exits"]:
         print(f"unexpected exits: {result['unexpected exits']}")
     if f.out:

@@ -12,6 +12,8 @@ import os
 import sys
 import types
 
+import pytest
+
 from tests.fixtures.launch import ROOT
 
 _PATH = os.path.join(ROOT, "benchmarks", "punisher.py")
@@ -76,3 +78,56 @@ def test_steps_redone_counts_back_to_each_restore_across_lives():
         "step 1000/1000: 2000 examples/s, elapsed 20s, ETA 0s",
     )
     assert punisher.steps_redone([first, second]) == 70
+
+
+def test_a_lifes_wall_time_by_cause():
+    # Lines read at 0, 1, 2, ... s; the life started at -8 s and its exit
+    # was seen at 10 s (18 s in all).
+    job = _Output(
+        "epoch 9/10: steps 900/1000 loss=0.3 accuracy=0.9; goodput 50.0%",
+        "epoch 10/10: steps 1000/1000 loss=0.3 accuracy=0.9; goodput 60.0%",
+        "step 1000/1000: 2,000 examples/s, elapsed 9s, ETA 0s",
+        "",
+        "test accuracy: 0.9700",
+        "goodput: 48.0% (train 7.2 s of 15.0 s; checkpointing 0.5 s, recovery "
+        "1.0 s, start-up 2.0 s, redone 0.3 s, other 4.0 s)",
+    )
+    parts = punisher.parts_of(job, started=-8.0, ended=10.0)
+    # The last epoch line at 1 s, the accuracy at 4 s: 3 s of `other` is the
+    # end of the fit; the 3 s after the job's own 15 s are its exit.
+    assert parts == {
+        "train": 7.2,
+        "start-up": 2.0,
+        "recovery": 1.0,
+        "redone": 0.3,
+        "checkpointing": 0.5,
+        "end-of-fit": 3.0,
+        "chief lost": 0.0,
+        "other": 1.0 + 3.0,
+    }
+    assert sum(parts.values()) == pytest.approx(18.0)
+    # Killed before its goodput line: the last epoch line's share trained,
+    # the rest lost with the chief.
+    killed = _Output(
+        "epoch 1/10: steps 100/1000 loss=0.3 accuracy=0.9; goodput 20.0%",
+        "epoch 2/10: steps 200/1000 loss=0.2 accuracy=0.9; goodput 40.0%",
+    )
+    assert punisher.parts_of(killed, started=-9.0, ended=20.0) == dict(
+        dict.fromkeys(("train", *punisher.CAUSES), 0.0),
+        train=4.0,
+        **{"chief lost": 25.0},
+    )
+
+
+def test_the_by_cause_table():
+    causes = dict.fromkeys(("train", *punisher.CAUSES), 0.0)
+    causes.update({"train": 90.0, "start-up": 6.0, "end-of-fit": 4.0})
+    table = punisher.by_cause_table(causes, 100.0).splitlines()
+    assert table[0] == (
+        "| train | start-up | recovery | redone | checkpointing | end-of-fit | "
+        "chief lost | other | wall |"
+    )
+    assert table[2] == (
+        "| 90.0 s (90.0%) | 6.0 s (6.0%) | 0.0 s (0.0%) | 0.0 s (0.0%) | 0.0 s "
+        "(0.0%) | 4.0 s (4.0%) | 0.0 s (0.0%) | 0.0 s (0.0%) | 100.0 s |"
+    )

@@ -2,8 +2,9 @@
 
 `run_server` serves this process's task until SIGTERM (or until the chief has
 been gone `chief_gone_secs`), with a line when it serves and one when it
-leaves, and why; `server_config` is the `ConfigProto` every server
-starts with (CPU devices for model parallelism, inter-op threads).
+leaves, and why (at SIGTERM, once it has told the chief: `announce`);
+`server_config` is the `ConfigProto` every server starts with (CPU devices
+for model parallelism, inter-op threads).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import time
 
 from tf_distbelief import console
+from tf_distbelief.cluster import announce
 from tf_distbelief.cluster import config as config_lib
 from tf_distbelief.tf_internals import server_runtime
 
@@ -38,6 +40,29 @@ def server_config(cpu_devices: int = 1, inter_op_threads: int = 0):
         device_count={"CPU": cpu_devices},
         inter_op_parallelism_threads=inter_op_threads,
     )
+
+
+def _announced(jobs, task: str, address: str) -> str:
+    """Tells the chief that `task` is stopping (`announce`); what the
+    leaving line adds: the listener's address once the chief answered, else
+    nothing (no listener configured, or none answered: the chief ending the
+    job itself stops listening first).
+
+    The call runs in a thread waited for at most the call's deadline and a
+    second: whatever happens to it, the task exits within its grace.
+    """
+    to = announce.address_for(jobs)
+    if to is None:
+        return ""
+    answered = []
+    call = threading.Thread(
+        target=lambda: answered.append(announce.announce(to, task, address, "SIGTERM")),
+        name="announce",
+        daemon=True,
+    )
+    call.start()
+    call.join(announce.ANNOUNCE_TIMEOUT_SECS + 1.0)
+    return f" (announced to the chief at {to})" if answered == [True] else ""
 
 
 def port_of(address: str) -> int:
@@ -66,7 +91,9 @@ def run_server(
 
     It prints, flushed, `ps 0 serving at HOST:PORT` once the server listens
     and `ps 0 leaving: SIGTERM` (or `...: the job ended, the chief gone 3 s`)
-    as it exits. TensorFlow servers never exit by themselves. Besides
+    as it exits. At SIGTERM it first tells the chief it is stopping, if the
+    chief listens for that (`announce`; the line then ends `(announced to the
+    chief at HOST:PORT)`). TensorFlow servers never exit by themselves. Besides
     SIGTERM, a task can end when the coordinator is done: with
     `chief_gone_secs` set, the task exits once the chief's port, after having
     been seen listening, has refused connections for that many seconds (a
@@ -151,6 +178,8 @@ def serve_task(
             f"{address}: port {port_of(address)} is already in use or the host is "
             f"not this machine ({e.message})."
         ) from None
+    if announce.address_for(jobs) is not None:
+        import grpc  # noqa: F401 - loaded now, not in the grace after SIGTERM.
     name = f"{task_type} {task_id}"
     console.echo(f"{name} serving at {address}")
     if ready_file:
@@ -174,6 +203,8 @@ def serve_task(
         if stopped_by
         else f"the job ended, the chief gone {chief_gone_secs:g} s"
     )
+    if stopped_by and stopped_by[0] == "SIGTERM":
+        why += _announced(jobs, f"/job:{task_type}/task:{task_id}", address)
     console.echo(f"{name} leaving: {why}")
     sys.stdout.flush()
     sys.stderr.flush()

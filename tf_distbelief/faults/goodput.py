@@ -22,7 +22,9 @@ Each part is fed by what knows it: `training.fit` says when training runs
 `Checkpointer` say which steps are done (`step_done`), the `Checkpointer`
 times each write (`add("checkpointing", secs)`), and the job runner makes the
 accountant at the process's start (`process_start_secs`). `line()` is the
-job's closing line, `scalars()` its TensorBoard figures (`goodput/*`).
+job's closing line, `scalars()` its TensorBoard figures (`goodput/*`);
+`losses_line()` follows it when tasks announced their loss
+(`announced_loss`, from `cluster.announce`).
 
 No TensorFlow: pure bookkeeping, safe from any thread.
 """
@@ -107,6 +109,8 @@ class Goodput:
         self._high_step = 0  # The most steps ever seen done.
         self._last_done_secs: float | None = None
         self.trained = False
+        # `(seconds since the origin, what)` of each announced loss.
+        self._announced: list[tuple[float, str]] = []
 
     def begin_training(self, step: int) -> None:
         """Training starts (or starts again) with `step` steps done."""
@@ -166,6 +170,24 @@ class Goodput:
                 self._segment["inner"] += secs
             else:
                 self._gap_other_secs += secs
+
+    def announced_loss(self, what: str) -> None:
+        """A task announced it is stopping (`cluster.announce`): `what` says
+        which and why (`worker 1 at HOST:PORT announced it is stopping
+        (SIGTERM)`). Its cost is counted in the parts as any loss's (the
+        recovery, the steps redone); `losses_line` lists it."""
+        with self._lock:
+            self._announced.append((self._clock() - self.origin_secs, what))
+
+    def losses_line(self) -> str | None:
+        """`announced losses: 1 (worker 1 ... (SIGTERM) at 52.3 s)`, or None
+        when no task announced its loss."""
+        with self._lock:
+            announced = list(self._announced)
+        if not announced:
+            return None
+        each = "; ".join(f"{what} at {secs:.1f} s" for secs, what in announced)
+        return f"announced losses: {len(announced)} ({each})"
 
     @contextlib.contextmanager
     def timing(self, part: str):

@@ -11,7 +11,8 @@ that inside the chief process:
 1. it runs one training attempt (`attempt`: connect a new `DistBeliefStrategy`,
    build and compile the model, `training.fit` from `model_dir`);
 2. when the attempt fails because a ps task is lost (`lost_ps_tasks`), it
-   prints one line naming the task and its address, and waits, at most
+   prints one line naming the task and its address (and, if the task
+   announced it was stopping, `cluster.announce`, the signal), and waits, at most
    `ps_recovery_secs`, until that task accepts connections again (the local
    cluster restarts it, `LocalCluster(restart_lost_tasks=True)`; on Kubernetes
    the TFJob's restart policy does);
@@ -49,6 +50,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_distbelief import errors, paths
+from tf_distbelief.cluster import announce
 from tf_distbelief.cluster import server as server_lib
 from tf_distbelief.faults import checkpoint_contents, resume, settings
 
@@ -263,6 +265,12 @@ def run_with_ps_recovery(
             if not lost:
                 raise
             cause = f"{type(_original(error)).__name__}"
+            said = [announce.announced(task) for task in lost]
+            cause += "".join(
+                f"; {a.short_name()} announced it was stopping ({a.signal})"
+                for a in said
+                if a is not None
+            )
             print_fn(f"ps task lost: {_names(lost)} ({cause})")
             checkpoint = paths.latest_checkpoint(model_dir)
             if not model_dir:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
+import os
+import signal
 import time
 from collections.abc import Callable
 
@@ -29,6 +32,7 @@ from tf_distbelief import (
 )
 from tf_distbelief import model_parallel as model_parallel_lib
 from tf_distbelief import strategy as strategy_lib
+from tf_distbelief.cluster import announce
 from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as cluster_connect
 from tf_distbelief.cluster.local import hung_tasks
@@ -485,6 +489,9 @@ def run(
         result = _run(config, spec, print_fn, trainer, resolver)
         if accountant.trained:
             print_fn(accountant.line())
+            losses = accountant.losses_line()
+            if losses is not None:
+                print_fn(losses)
     return result
 
 
@@ -502,6 +509,7 @@ def _run(config, spec, print_fn, trainer, resolver) -> dict | None:
             ps_nic_bandwidth=config.emulate_ps_nic,
             hung_task_timeout_secs=config.hung_task_timeout_secs,
             log_dir=config.model_dir and paths.cluster_log_dir(config.model_dir),
+            on_announce=_count_announced,
         ) as local:
             print_fn(
                 f"local cluster: {config.num_workers} workers, {config.num_ps} ps "
@@ -536,10 +544,40 @@ def _run(config, spec, print_fn, trainer, resolver) -> dict | None:
             f"it runs {roles}."
         )
     watch = _report_hung_tasks(config, resolver, print_fn)
+    listener = _listen_for_announcements(print_fn)
     try:
         return trainer.train(config, spec, resolver, print_fn)
     finally:
         watch.stop()
+        if listener is not None:
+            listener.stop()
+
+
+def _count_announced(announcement: announce.Announcement) -> None:
+    """Counts a task's announced loss in the job's goodput (`losses_line`)."""
+    accountant = goodput.current()
+    if accountant is not None:
+        accountant.announced_loss(announcement.describe())
+
+
+def _listen_for_announcements(print_fn) -> announce.Listener | None:
+    """The `TF_CONFIG` chief's listener for its tasks' announcements, on every
+    interface at `announce.PORT_ENV`'s port; None when it is not set."""
+    port = os.environ.get(announce.PORT_ENV)
+    if not port:
+        return None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise checks.argument_error(
+            announce.PORT_ENV,
+            "a port in 1..65535",
+            port,
+            fix="(where the chief hears its tasks announce SIGTERM)",
+            prefix="Environment variable",
+            error=cluster_config.ClusterConfigError,
+        )
+    return announce.Listener(
+        "[::]", int(port), report=print_fn, on_announce=_count_announced
+    )
 
 
 def _report_hung_tasks(config, resolver, print_fn) -> hung_tasks.HungTaskWatch:
@@ -573,6 +611,9 @@ def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> 
     The job's goodput counts from the process's start
     (`goodput.process_start_secs`): TensorFlow's import is start-up.
 
+    SIGQUIT writes every thread's Python stack to stderr (`faulthandler`);
+    the job goes on.
+
     TensorFlow's interpreter teardown tries to remove functions from the cluster
     tasks that `run` has already ended, and logs an error per task; ending the
     process after flushing skips that teardown. A failed job too ends at once,
@@ -592,6 +633,9 @@ def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> 
         naming them; any other `Exception`, with its traceback.
     """
     start_secs = goodput.process_start_secs()
+    # `kill -QUIT PID`: every thread's Python stack to stderr, and the job
+    # goes on: how a pause (a silent chief) shows where it is.
+    faulthandler.register(signal.SIGQUIT, all_threads=True)
     console.exit_when_done(
         run,
         config,

@@ -22,8 +22,8 @@ import portpicker
 from absl import logging
 
 from tf_distbelief import checks, console
+from tf_distbelief.cluster import announce, health
 from tf_distbelief.cluster import config as config_lib
-from tf_distbelief.cluster import health
 from tf_distbelief.cluster import server as server_lib
 from tf_distbelief.cluster.local import children, hung_tasks
 from tf_distbelief.cluster.local import gpus as gpus_lib
@@ -111,9 +111,15 @@ class LocalCluster:
         stuck) is killed as lost (`cluster.local.hung_tasks`), so that TensorFlow's
         recovery runs (and the supervisor, with `restart_lost_tasks`,
         restarts it); None (default): hung tasks are not watched.
+      on_announce: called with each `announce.Announcement` of a task that
+        got SIGTERM (after `report` got its line): a task told the chief it
+        is stopping before it exits (`cluster.announce`; the cluster listens
+        for that while it runs and gives its tasks the address).
 
     Attributes:
       hung_task_watch: the `HungTaskWatch` while the cluster runs, else None.
+      announcements: the `announce.Listener` of the tasks' announcements while
+        the cluster runs, else None.
 
     Raises:
       ValueError: a count, `max_restarts` or `intra_op_threads` out of range,
@@ -143,6 +149,7 @@ class LocalCluster:
         nic_bandwidth: str | int | None = None,
         ps_nic_bandwidth: str | int | None = None,
         hung_task_timeout_secs: float | None = None,
+        on_announce: Callable[[announce.Announcement], None] | None = None,
     ):
         for name, value, least in (
             ("num_workers", num_workers, 1),
@@ -204,6 +211,11 @@ class LocalCluster:
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self._on_announce = on_announce
+        self.announcements: announce.Listener | None = None
+        # Announced since the task's last (re)start: `{task name: Announcement}`.
+        self._announced: dict[str, announce.Announcement] = {}
+        self._announced_lock = threading.Lock()
 
     def _spawn(self, job: str, index: int) -> subprocess.Popen:
         tf_config = json.dumps(
@@ -212,6 +224,10 @@ class LocalCluster:
         # The task logs at this process's TensorFlow log level (INFO and
         # WARNING hidden unless set otherwise).
         env = dict(os.environ, TF_CONFIG=tf_config)
+        env.pop(announce.PORT_ENV, None)
+        env.pop(announce.ADDRESS_ENV, None)
+        if self.announcements is not None:
+            env[announce.ADDRESS_ENV] = self.announcements.address
         console.quiet_environment(env)
         env.update(gpus_lib.task_env(self.gpu_assignment, job, index))
         if self.intra_op_threads:
@@ -313,6 +329,9 @@ class LocalCluster:
             # almost all memory of the GPUs it shares with the workers.
             os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
         try:
+            self.announcements = announce.Listener(
+                self._host("chief"), report=self._report, on_announce=self._announce
+            )
             for job in ("ps", "worker"):
                 for index in range(len(self.jobs[job])):
                     self.processes[(job, index)] = self._spawn(job, index)
@@ -350,6 +369,13 @@ class LocalCluster:
                 )
         return self
 
+    def _announce(self, announcement: announce.Announcement) -> None:
+        """A task announced it is stopping: its restart line will say so."""
+        with self._announced_lock:
+            self._announced[announcement.task] = announcement
+        if self._on_announce is not None:
+            self._on_announce(announcement)
+
     def _task_addresses(self) -> dict[str, str]:
         """`{"/job:worker/task:0": "127.0.0.1:port", ...}`: ps and worker tasks."""
         return {
@@ -378,14 +404,19 @@ class LocalCluster:
                         return
                     self.restarts.append((job, index))
                     code, start = proc.returncode, time.monotonic()
+                    with self._announced_lock:
+                        said = self._announced.pop(_task_name(job, index), None)
+                    why = f"code {code}"
+                    if said is not None:
+                        why += f", after announcing it was stopping ({said.signal})"
                     try:
                         self._restart_locked(job, index)
                     except config_lib.ClusterStartError as e:
                         self._report(f"local cluster: restart failed: {e}")
                         continue
                     self._report(
-                        f"local cluster: {job}:{index} at {address} exited (code "
-                        f"{code}); restarted on the same address, serving after "
+                        f"local cluster: {job}:{index} at {address} exited ({why}"
+                        f"); restarted on the same address, serving after "
                         f"{time.monotonic() - start:.1f} s (restart "
                         f"{len(self.restarts)} of at most {self.max_restarts})"
                     )
@@ -502,6 +533,11 @@ class LocalCluster:
         """
         _LIVE_CLUSTERS.discard(self)
         self._stopping.set()
+        if self.announcements is not None:
+            # First: the tasks this ends announce nothing to a chief that
+            # ends them itself (their calls are refused at once).
+            self.announcements.stop()
+            self.announcements = None
         if self.hung_task_watch is not None:
             self.hung_task_watch.stop()
             self.hung_task_watch = None
