@@ -328,20 +328,24 @@ def parts_of(job, started: float, ended: float) -> dict[str, float]:
     (that time is `other` in the job's accounting, at most all of it); the
     time outside the job's own wall (its exit after the line) is `other`. A
     life killed before that line: its last epoch line's training seconds
-    (`goodput_of`), the rest `chief lost`.
+    (`goodput_of`); if that was the job's last epoch, the time from it to
+    the kill is `end-of-fit`; the rest is `chief lost` (a life that only
+    found the job trained, after such a kill, is all `chief lost`).
     """
     lines = job.poll_lines()
     parts = dict.fromkeys(("train", *CAUSES), 0.0)
     found = [m for _, line in lines if (m := _PARTS_RE.match(line))]
     life_secs = max(0.0, ended - started)
+    last = [at for at, line in lines if _LAST_EPOCH_RE.match(line)]
     if not found:
         parts["train"] = min(life_secs, goodput_of(job, started)[0])
-        parts["chief lost"] = life_secs - parts["train"]
+        if last:
+            parts["end-of-fit"] = min(life_secs - parts["train"], ended - last[-1])
+        parts["chief lost"] = life_secs - parts["train"] - parts["end-of-fit"]
         return parts
     figures = {k.replace("_", "-"): float(v) for k, v in found[-1].groupdict().items()}
     for part in ("train", "checkpointing", "recovery", "start-up", "redone", "other"):
         parts[part] = figures[part]
-    last = [at for at, line in lines if _LAST_EPOCH_RE.match(line)]
     accuracy = [at for at, line in lines if _ACCURACY_RE.match(line)]
     if last and accuracy and accuracy[-1] >= last[-1]:
         pause = min(parts["other"], accuracy[-1] - last[-1])

@@ -117,6 +117,18 @@ def test_a_lifes_wall_time_by_cause():
         train=4.0,
         **{"chief lost": 25.0},
     )
+    # Killed after the job's last epoch line (at 1 s), before its goodput
+    # line: from that line to the kill is the end of the fit.
+    ended = _Output(
+        "epoch 9/10: steps 900/1000 loss=0.3 accuracy=0.9; goodput 50.0%",
+        "epoch 10/10: steps 1000/1000 loss=0.3 accuracy=0.9; goodput 60.0%",
+        "test accuracy: 0.9700",
+    )
+    assert punisher.parts_of(ended, started=-9.0, ended=31.0) == dict(
+        dict.fromkeys(("train", *punisher.CAUSES), 0.0),
+        train=6.0,
+        **{"end-of-fit": 30.0, "chief lost": 4.0},
+    )
 
 
 def test_the_by_cause_table():
