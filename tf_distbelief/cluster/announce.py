@@ -8,27 +8,30 @@ prints one line naming it and the signal (`worker 1 at HOST:PORT announced it
 is stopping (SIGTERM)`), counts it as an announced loss (the job's goodput
 lines) and its recovery names the cause, while the task goes on to exit.
 
-The word travels as one gRPC call (grpcio, TensorFlow's own transport, without
-TensorFlow) to a small listener of the chief's (`Listener`), with a deadline
-(`ANNOUNCE_TIMEOUT_SECS`). TensorFlow's servers cannot carry it: their
-services are fixed in C++, and the task cannot add one to its port. So the
-chief listens on a port of its own, which the tasks learn from their
-environment: a local cluster gives each task the listener's address
-(`ADDRESS_ENV`); with `TF_CONFIG`, setting `PORT_ENV` on every pod (the chief
-and the tasks) makes the chief listen on that port of every interface and the
-tasks announce to the chief's host of the cluster spec at that port. The call
-is answered once the chief has printed its line, so the line comes before the
-task's exit. An announcement that finds no listener (none configured, the
-chief gone) costs the task at most the deadline and changes nothing: the chief
-learns of the loss as of any other.
+The word travels as one JSON line over TCP to a small listener of the
+chief's (`Listener`), answered `ok`, with a deadline
+(`ANNOUNCE_TIMEOUT_SECS`); plain sockets, so that the task's process loads
+nothing next to TensorFlow's runtime (grpcio's own gRPC core among them).
+TensorFlow's servers cannot carry it: their services are fixed in C++, and
+the task cannot add one to its port. So the chief listens on a port of its
+own, which the tasks learn from their environment: a local cluster gives
+each task the listener's address (`ADDRESS_ENV`); with `TF_CONFIG`, setting
+`PORT_ENV` on every pod (the chief and the tasks) makes the chief listen on
+that port of every interface and the tasks announce to the chief's host of
+the cluster spec at that port. The answer comes once the chief has printed
+its line, so the line comes before the task's exit. An announcement that
+finds no listener (none configured, the chief gone) costs the task at most
+the deadline and changes nothing: the chief learns of the loss as of any
+other.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -53,7 +56,8 @@ PORT_ENV = "TF_DISTBELIEF_ANNOUNCE_PORT"
 # A listener answers in milliseconds; a loaded 2-core machine was seen taking
 # up to 1.2 s to answer a probe. Out of a grace period of 30 s (Kubernetes).
 ANNOUNCE_TIMEOUT_SECS = 3.0
-_METHOD = "/tf_distbelief.Announce/Stopping"
+# An announcement is one JSON line of a few hundred bytes.
+_MAX_WORD_BYTES = 4096
 # How long an announcement explains a loss of its task (`announced`): the task
 # exits right after it, and the chief sees the loss within seconds.
 _EXPLAINS_SECS = 60.0
@@ -120,11 +124,10 @@ def announced(task: str, within_secs: float = _EXPLAINS_SECS) -> Announcement | 
 
 
 class Listener:
-    """The chief's listener for announcements (a gRPC server of its own).
+    """The chief's listener for announcements (a TCP server of its own).
 
     Args:
-      host: the address to listen on (`"127.0.0.1"`; `"[::]"`: every
-        interface).
+      host: the address to listen on (`"127.0.0.1"`; `""`: every interface).
       port: the port, 0 for a free one.
       report: called with each announcement's line (`Announcement.describe`
         and what follows from it), before the task is answered.
@@ -147,43 +150,54 @@ class Listener:
         report: Callable[[str], None] = print,
         on_announce: Callable[[Announcement], None] | None = None,
     ):
-        import grpc
-
         if not checks.is_int(port) or not 0 <= port <= 65535:
             raise checks.argument_error("port", "an integer in 0..65535", port)
         self.received: list[Announcement] = []
         self._report = report
         self._on_announce = on_announce
-        self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
-        service, method = _METHOD.strip("/").split("/")
-        self._server.add_generic_rpc_handlers(
-            (
-                grpc.method_handlers_generic_handler(
-                    service, {method: grpc.unary_unary_rpc_method_handler(self._call)}
-                ),
+        if host:
+            self._socket = socket.create_server((host, port))
+        elif socket.has_dualstack_ipv6():
+            self._socket = socket.create_server(
+                ("", port), family=socket.AF_INET6, dualstack_ipv6=True
             )
-        )
-        try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError:
-            bound = 0
-        if not bound:
-            raise OSError(
-                f"The announcement listener could not listen on {host}:{port} "
-                "(the port is in use, or the host is not this machine's)."
-            )
-        self._server.start()
-        self.address = f"{host}:{bound}"
+        else:
+            self._socket = socket.create_server(("", port))
+        bound = self._socket.getsockname()[1]
+        self.address = f"{host or socket.gethostname()}:{bound}"
+        threading.Thread(
+            target=self._serve, name="tfdb-announcements", daemon=True
+        ).start()
 
-    def _call(self, request: bytes, context) -> bytes:
-        del context
-        word = json.loads(request)
-        announcement = Announcement(
-            str(word["task"]),
-            str(word["address"]),
-            str(word["signal"]),
-            time.monotonic(),
-        )
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:
+                return  # Stopped.
+            threading.Thread(
+                target=self._answer, args=(connection,), daemon=True
+            ).start()
+
+    def _answer(self, connection: socket.socket) -> None:
+        with connection:
+            connection.settimeout(ANNOUNCE_TIMEOUT_SECS)
+            try:
+                with connection.makefile("rb") as lines:
+                    word = json.loads(lines.readline(_MAX_WORD_BYTES))
+                announcement = Announcement(
+                    str(word["task"]),
+                    str(word["address"]),
+                    str(word["signal"]),
+                    time.monotonic(),
+                )
+            except (OSError, ValueError, KeyError, TypeError):
+                return  # Not an announcement: no answer.
+            self._heard(announcement)
+            with contextlib.suppress(OSError):
+                connection.sendall(b"ok\n")
+
+    def _heard(self, announcement: Announcement) -> None:
         job = "ps" if announcement.task.startswith("/job:ps/") else "worker"
         with _LOCK:
             _RECEIVED[announcement.task] = announcement
@@ -194,13 +208,13 @@ class Listener:
                 self._on_announce(announcement)
             except Exception as e:  # noqa: BLE001 - the task is answered all the same.
                 self._report(f"announcement of {announcement.task}: {e!r}")
-        return b"ok"
 
     def stop(self) -> None:
-        """Stops listening: later calls are refused at once; one in progress
-        gets 0.5 s to be answered. Returns at once (safe in a signal
-        handler's path: nothing is waited for)."""
-        self._server.stop(0.5)
+        """Stops listening: later announcements are refused at once. Returns
+        at once (safe in a signal handler's path: nothing is waited for)."""
+        with contextlib.suppress(OSError):
+            self._socket.shutdown(socket.SHUT_RDWR)
+        self._socket.close()
 
 
 def address_for(
@@ -246,17 +260,16 @@ def announce(
       True once the chief has answered (its line printed); False if no
       listener answered within `timeout_secs`.
     """
-    import grpc
-
     if not timeout_secs > 0:
         raise checks.argument_error("timeout_secs", "> 0", timeout_secs)
     word = json.dumps({"task": task, "address": task_address, "signal": signal})
-    channel = grpc.insecure_channel(address)
+    host, _, port = address.rpartition(":")
     try:
-        call = channel.unary_unary(_METHOD)
-        call(word.encode(), timeout=timeout_secs, wait_for_ready=False)
-        return True
-    except grpc.RpcError:
+        with socket.create_connection(
+            (host.strip("[]"), int(port)), timeout=timeout_secs
+        ) as connection:
+            connection.sendall(word.encode() + b"\n")
+            with connection.makefile("rb") as answer:
+                return answer.readline(16) == b"ok\n"
+    except (OSError, ValueError):
         return False
-    finally:
-        channel.close()

@@ -178,8 +178,6 @@ def serve_task(
             f"{address}: port {port_of(address)} is already in use or the host is "
             f"not this machine ({e.message})."
         ) from None
-    if announce.address_for(jobs) is not None:
-        import grpc  # noqa: F401 - loaded now, not in the grace after SIGTERM.
     name = f"{task_type} {task_id}"
     console.echo(f"{name} serving at {address}")
     if ready_file:

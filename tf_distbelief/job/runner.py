@@ -588,7 +588,7 @@ def _listen_for_announcements(print_fn) -> announce.Listener | None:
             error=cluster_config.ClusterConfigError,
         )
     return announce.Listener(
-        "[::]", int(port), report=print_fn, on_announce=_count_announced
+        "", int(port), report=print_fn, on_announce=_count_announced
     )
 
 
