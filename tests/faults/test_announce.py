@@ -89,6 +89,33 @@ def test_where_a_task_announces():
         announce.announce("127.0.0.1:1", "/job:ps/task:0", "h:1", "SIGTERM", 0.0)
 
 
+def test_a_tf_config_chief_listens_where_the_environment_says(monkeypatch):
+    from tf_distbelief.job import runner
+
+    monkeypatch.delenv(announce.PORT_ENV, raising=False)
+    assert runner._listen_for_announcements(print) is None
+    monkeypatch.setenv(announce.PORT_ENV, "22x3")
+    with pytest.raises(
+        ValueError,
+        match=r"^Environment variable `TF_DISTBELIEF_ANNOUNCE_PORT` must be a port "
+        r"in 1\.\.65535\. Received: '22x3' \(where the chief hears",
+    ):
+        runner._listen_for_announcements(print)
+    port = portpicker.pick_unused_port()
+    monkeypatch.setenv(announce.PORT_ENV, str(port))
+    lines = []
+    listener = runner._listen_for_announcements(lines.append)
+    try:
+        # On every interface: the tasks call the chief's host at that port.
+        jobs = {"chief": [f"127.0.0.1:{portpicker.pick_unused_port()}"]}
+        to = announce.address_for(jobs)
+        assert to == f"127.0.0.1:{port}"
+        assert announce.announce(to, "/job:worker/task:0", "w:1", "SIGTERM")
+        assert lines[0].startswith("worker 0 at w:1 announced it is stopping")
+    finally:
+        listener.stop()
+
+
 def test_announced_losses_follow_the_goodput_line():
     now = [0.0]
     g = goodput.Goodput(0.0, clock=lambda: now[0])
