@@ -461,6 +461,8 @@ class LocalCluster:
         reconnects to the same address).
         """
         with self._lock:
+            with self._announced_lock:
+                self._announced.pop(_task_name(job, index), None)
             self._restart_locked(job, index)
 
     def _restart_locked(self, job: str, index: int) -> None:
