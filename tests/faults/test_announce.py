@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +53,14 @@ def test_an_announcement_is_heard_named_and_remembered(listener):
     assert announce.announced("/job:worker/task:3") == said
     assert announce.announced("/job:worker/task:3", within_secs=-1.0) is None
     assert announce.announced("/job:worker/task:4") is None
+    # A word that is not an announcement gets no answer and no line.
+    port = int(listener.address.rpartition(":")[2])
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        assert c.recv(16) == b""
+    assert len(listener.received) == 1
+    odd = announce.Announcement("chief", "h:1", "SIGTERM", 0.0)
+    assert odd.describe() == "chief at h:1 announced it is stopping (SIGTERM)"
     assert announce.announce(listener.address, "/job:ps/task:0", "h:1", "SIGTERM")
     assert listener.lines[-1] == (
         "ps 0 at h:1 announced it is stopping (SIGTERM): an announced loss, not "

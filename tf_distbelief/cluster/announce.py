@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -97,8 +98,8 @@ class Announcement:
 
     def short_name(self) -> str:
         """`worker 1`, as the tasks' own lines name themselves."""
-        parts = dict(p.split(":", 1) for p in self.task.strip("/").split("/"))
-        return f"{parts.get('job', '?')} {parts.get('task', '?')}"
+        found = re.fullmatch(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)", self.task)
+        return f"{found[1]} {found[2]}" if found else self.task
 
     def describe(self) -> str:
         """`worker 1 at HOST:PORT announced it is stopping (SIGTERM)`."""
