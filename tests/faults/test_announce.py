@@ -19,7 +19,7 @@ import portpicker
 import pytest
 
 from tests.fixtures.launch import ROOT
-from tests.fixtures.ps_kill import _pids, _task_pid, start_job
+from tests.fixtures.ps_kill import _pids, _task_pid, checkpoint_written, start_job
 from tf_distbelief import paths
 from tf_distbelief.cluster import announce
 from tf_distbelief.faults import goodput
@@ -259,3 +259,65 @@ def test_a_worker_sigtermed_mid_fit_is_an_announced_loss(tmp_path):
         r"stopping \(SIGTERM\) at \d+\.\d s\)",
         lines[goodput_at + 1],
     ), out
+
+
+@pytest.mark.slow
+def test_a_ps_sigtermed_mid_fit_is_recovered_as_an_announced_loss(tmp_path):
+    """`launch/train.py --model=digits` (2 workers, 2 ps), a checkpoint every
+    20 steps, ps 0 SIGTERMed once the second is written: the chief's line
+    names the announcement before the ps recovery's, whose line names it as
+    the cause, and the job restores the checkpoint and trains to its end."""
+    marker = uuid.uuid4().hex
+    model_dir = tmp_path / "model"
+    proc = start_job(
+        [
+            "--model=digits",
+            "--num_workers=2",
+            "--num_ps=2",
+            f"--model_dir={model_dir}",
+            "--checkpoint_every_steps=20",
+        ],
+        marker,
+        tmp_path,
+    )
+    ready = checkpoint_written(model_dir, 40)
+    deadline = time.monotonic() + 600
+    try:
+        while not ready():
+            assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the second checkpoint never came"
+            time.sleep(0.05)
+        os.kill(_task_pid(marker, "ps", 0), signal.SIGTERM)
+        proc.wait(timeout=900)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 30
+    while _pids(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _pids(marker) == [], "processes left behind"
+    out = (tmp_path / "out").read_text()
+    assert proc.returncode == 0, (tmp_path / "err").read_text()[-3000:]
+    lines = out.splitlines()
+    heard = [
+        i
+        for i, line in enumerate(lines)
+        if re.fullmatch(
+            r"ps 0 at 127\.0\.0\.1:\d+ announced it is stopping \(SIGTERM\): an "
+            r"announced loss, not a failure; its variables are restored from the "
+            r"last checkpoint once it serves again \(ps recovery\)",
+            line,
+        )
+    ]
+    lost = [
+        i
+        for i, line in enumerate(lines)
+        if re.match(
+            r"ps task lost: (?:\S+ at \S+, )*/job:ps/task:0 at 127\.0\.0\.1:\d+.* "
+            r"\(\w+Error; ps 0 announced it was stopping \(SIGTERM\)\)$",
+            line,
+        )
+    ]
+    assert len(heard) == 1 and len(lost) == 1 and heard[0] < lost[0], out
+    assert re.search(r"^restored ckpt-\d+ \(step \d+\): \d+ values equal", out, re.M)
+    assert re.search(r"^epoch 5/5: steps 500/500 ", out, re.M), out
+    assert re.search(r"^announced losses: 1 \(ps 0 at ", out, re.M), out
