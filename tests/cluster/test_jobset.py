@@ -117,8 +117,10 @@ def test_jobset_is_the_default_kind_with_the_readme_job():
         assert pod["restartPolicy"] == ("Never" if name == "chief" else "OnFailure")
         (container,) = pod["containers"]
         assert container["command"] + container["args"] == README_COMMAND
+        announce_port = [{"name": "announce", "containerPort": 2223, "protocol": "TCP"}]
         assert container["ports"] == [
-            {"name": "grpc", "containerPort": 2222, "protocol": "TCP"}
+            {"name": "grpc", "containerPort": 2222, "protocol": "TCP"},
+            *(announce_port if name == "chief" else []),
         ]
         # A hung task (accepting connections, not answering) is restarted by
         # the kubelet: a ps or worker for the chief, which cannot, and the
@@ -156,6 +158,7 @@ def test_jobset_is_the_default_kind_with_the_readme_job():
             "TFDB_JOBSET_REPLICAS": "chief:1,worker:2,ps:2",
             "TFDB_JOBSET_PORT": "2222",
             "TFDB_JOBSET_SUBDOMAIN": "tf-distbelief",
+            "TF_DISTBELIEF_ANNOUNCE_PORT": "2223",
         }
     # The chief: a Python error (exit 1-127) fails the Job (and the JobSet);
     # a signal or an out-of-memory kill gets a new chief pod.

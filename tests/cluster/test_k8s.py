@@ -58,13 +58,20 @@ def test_only_image_gives_the_readme_default_job():
         "Worker": "OnFailure",
         "PS": "OnFailure",
     }
-    for replica in replicas.values():
+    for rtype, replica in replicas.items():
         container = _container(replica)
         assert container["name"] == "tensorflow"
         assert container["image"] == IMAGE
         assert container["command"] + container["args"] == README_COMMAND
+        # The chief also listens for its tasks' word that they are stopping
+        # (SIGTERM: a pod deleted or drained), at the port every pod is given.
+        announce_port = [{"name": "announce", "containerPort": 2223, "protocol": "TCP"}]
         assert container["ports"] == [
-            {"name": "tfjob-port", "containerPort": 2222, "protocol": "TCP"}
+            {"name": "tfjob-port", "containerPort": 2222, "protocol": "TCP"},
+            *(announce_port if rtype == "Chief" else []),
+        ]
+        assert container["env"] == [
+            {"name": "TF_DISTBELIEF_ANNOUNCE_PORT", "value": "2223"}
         ]
         assert container["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
     assert policy["kind"] == "NetworkPolicy"

@@ -20,6 +20,7 @@ import math
 import re
 
 from tf_distbelief import checks
+from tf_distbelief.cluster import announce
 from tf_distbelief.cluster import connect as connect_lib
 from tf_distbelief.faults import settings as fault_settings
 
@@ -46,6 +47,11 @@ ROLES = ("chief", "worker", "ps", "evaluator")
 # `TFJobDefaultContainerName`, port 2222, `TFJobDefaultPort`).
 CONTAINER_NAME = "tensorflow"
 PORT = 2222
+# Where the chief listens for its ps and worker tasks' word that they are
+# stopping (`cluster.announce`): set on every pod (`announce.PORT_ENV`), so
+# that a pod deleted or drained tells the chief before it goes.
+ANNOUNCE_PORT = 2223
+ANNOUNCE_PORT_NAME = "announce"
 # The status probe of a pod's task: `python -m tf_distbelief.cluster.health`,
 # a gRPC call to its port with a 3 s deadline (exit 0: it answers).
 _PROBE_COMMAND = {
@@ -339,8 +345,10 @@ def termination_grace_secs(config: PodsConfig) -> int:
 
 def pod_spec(config: PodsConfig, role: str, port_name: str, env=()) -> dict:
     """The pod spec (a `V1PodSpec` as a dict) of one role: its one container,
-    listening on `PORT` named `port_name`, with environment `env` (a list of
-    `V1EnvVar` dicts), the `--model_dir` volume where the role uses it, and,
+    listening on `PORT` named `port_name` (the chief also on `ANNOUNCE_PORT`,
+    for its tasks' announcements), with environment `env` (a list of
+    `V1EnvVar` dicts) and `announce.PORT_ENV`, the `--model_dir` volume where
+    the role uses it, and,
     on chief, ps and worker pods, a liveness probe that restarts a hung task
     (the chief's after a startup probe that allows for its connecting). The
     grace period between SIGTERM and SIGKILL is the chief's save's
@@ -355,9 +363,16 @@ def pod_spec(config: PodsConfig, role: str, port_name: str, env=()) -> dict:
         "args": train_args(config, role),
         "ports": [{"name": port_name, "containerPort": PORT, "protocol": "TCP"}],
         "resources": resources,
+        "env": [*env, {"name": announce.PORT_ENV, "value": str(ANNOUNCE_PORT)}],
     }
-    if env:
-        container["env"] = list(env)
+    if role == "chief":
+        container["ports"].append(
+            {
+                "name": ANNOUNCE_PORT_NAME,
+                "containerPort": ANNOUNCE_PORT,
+                "protocol": "TCP",
+            }
+        )
     if role in ("ps", "worker", "chief"):
         container["livenessProbe"] = dict(_LIVENESS_PROBE)
     if role == "chief":
