@@ -62,8 +62,11 @@ def arrays_dataset_fn(
         if shards > 1 and tf.inside_function():
             # Fed at each worker's call: worker `i` is sent its records only.
             ds = tf.data.Dataset.from_tensor_slices(
-                worker_inputs.per_worker_input(
-                    lambda i: _shard(x, y, i, shards), (_spec(x), _spec(y))
+                tuple(
+                    worker_inputs.per_worker_input(
+                        lambda i, a=a: _shard(a, i, shards), _spec(a)
+                    )
+                    for a in (x, y)
                 )
             )
             size = -(-len(x) // shards)
@@ -76,8 +79,8 @@ def arrays_dataset_fn(
     return dataset_fn
 
 
-def _shard(x, y, index: int, shards: int) -> tuple:
-    """Records `index, index + shards, ...` of `x` and `y`.
+def _shard(array, index: int, shards: int):
+    """Records `index, index + shards, ...` of `array`.
 
     Raises:
       ValueError: `index` is not in `[0, shards)` (more workers than shards).
@@ -88,7 +91,7 @@ def _shard(x, y, index: int, shards: int) -> tuple:
             f"(`num_replicas`), for workers 0 to {shards - 1}. Pass `num_replicas` "
             "= the number of workers, or None."
         )
-    return x[index::shards], y[index::shards]
+    return array[index::shards]
 
 
 def _spec(array) -> tf.TensorSpec:

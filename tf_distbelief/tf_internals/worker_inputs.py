@@ -31,34 +31,44 @@ import tensorflow as tf
 from tensorflow.python.distribute.coordinator import coordinator_context
 from tensorflow.python.framework import func_graph
 
+from tf_distbelief import checks
 from tf_distbelief.tf_internals import _shapes
 
 __all__ = ["check", "per_worker_input"]
 
 
-def per_worker_input(values_of: Callable[[int], object], spec):
-    """Placeholders fed with `values_of(worker index)` at each worker's call.
+def per_worker_input(values_of: Callable[[int], object], spec: tf.TensorSpec):
+    """A placeholder fed with `values_of(worker index)` at each worker's call.
 
     Call it while tracing a function that the coordinator runs on its
     workers (a dataset function of `create_per_worker_dataset`, a scheduled
     function). `values_of` runs on the coordinator, at each call, and what it
     returns is sent to that call's worker only.
 
+    One tensor per call: TensorFlow counts a nest of call-time values as one
+    capture when it sets a concrete function's flat signature, and the
+    coordinator's call of a dataset function (no arguments) goes through
+    that signature.
+
     Args:
-      values_of: `values_of(worker_index)`, a nest of arrays or tensors
-        compatible with `spec` (the worker index as
+      values_of: `values_of(worker_index)`, an array or tensor compatible
+        with `spec` (the worker index as
         `experimental_get_current_worker_index` gives it).
-      spec: a nest of `tf.TensorSpec`, the values' structure, dtypes and
-        shapes (`None` where workers' values differ).
+      spec: the value's dtype and shape (`None` where workers' values differ).
 
     Returns:
-      A nest of graph tensors, as `spec`.
+      A graph tensor of `spec`.
 
     Raises:
+      ArgumentError: `spec` is not a `tf.TensorSpec`.
       RuntimeError: not inside a function being traced; or (at call time)
         the function is called outside a worker's closure, as
         `experimental_get_current_worker_index` raises.
     """
+    if not isinstance(spec, tf.TensorSpec):
+        raise checks.argument_error(
+            "spec", "a tf.TensorSpec (one tensor per call)", spec
+        )
     graph = tf.compat.v1.get_default_graph()
     if not isinstance(graph, func_graph.FuncGraph):
         raise RuntimeError(
