@@ -5,6 +5,7 @@ import importlib
 import os
 
 import pytest
+import tensorflow as tf
 
 from tests.fixtures.launch import ROOT
 from tf_distbelief import tf_internals
@@ -49,3 +50,23 @@ def test_only_the_internals_package_imports_tensorflow_python():
                 if "tf.__internal__" in f.read():
                     offenders.append(f"{os.path.relpath(path, ROOT)}: tf.__internal__")
     assert offenders == [], offenders
+
+
+def test_a_per_worker_input_is_fed_only_in_a_worker_s_call():
+    from tf_distbelief.tf_internals import worker_inputs
+
+    with pytest.raises(RuntimeError, match="while tracing a function"):
+        worker_inputs.per_worker_input(lambda i: [i], tf.TensorSpec([1], tf.int32))
+
+    @tf.function
+    def shard_size():
+        spec = tf.TensorSpec([None], tf.int32)
+        return tf.size(worker_inputs.per_worker_input(lambda i: [i], spec))
+
+    # No coordinator's worker is calling it: no worker index to feed.
+    with pytest.raises(RuntimeError, match="outside a worker's closure"):
+        shard_size()
+    with pytest.raises(
+        TypeError, match=r"Argument `spec` must be a tf.TensorSpec \(one tensor"
+    ):
+        worker_inputs.per_worker_input(lambda i: [i], [tf.TensorSpec([])])

@@ -9,7 +9,11 @@ import tensorflow as tf
 import tf_keras
 
 from tests.fixtures.fit import _shard_passes
-from tests.fixtures.helpers import tensorboard_scalars, wait_for_worker_recovery
+from tests.fixtures.helpers import (
+    bytes_received_by,
+    tensorboard_scalars,
+    wait_for_worker_recovery,
+)
 from tf_distbelief import demos, job, paths
 from tf_distbelief import strategy as strategy_lib
 from tf_distbelief.demos import digits
@@ -191,6 +195,37 @@ def test_each_replica_reads_its_own_records(local_cluster):
         assert all(b == list(range(worker, 30, 3)) for b in batches), worker
     # Together: every record of range(30) exactly once per pass.
     assert sorted(sum((b[0] for b in passes.values()), [])) == list(range(30))
+
+
+def test_each_worker_is_sent_its_own_shard_only(local_cluster):
+    """Making its dataset sends a worker its shard of the arrays (a third,
+    with 3 workers), not every record; it reads the shard in the order of the
+    whole arrays cut by `Dataset.shard` and then shuffled."""
+    strategy = strategy_lib.DistBeliefStrategy(local_cluster.resolver_for(3, 1))
+    records = 3 * 2**18
+    x = np.arange(records, dtype=np.float64)  # Each record its own index.
+    y = np.arange(records, dtype=np.int64)
+    whole = x.nbytes + y.nbytes  # 12.6 MB.
+    pids = [local_cluster.processes[("worker", i)].pid for i in range(3)]
+    before = bytes_received_by(pids)
+    passes = _shard_passes(
+        strategy, training.dataset_creator(x, y, 64), min_passes=1, sort=False
+    )
+    after = bytes_received_by(pids)
+    for worker, pid in enumerate(pids):
+        received = after[pid] - before[pid]
+        # Its shard, and little more (the functions, the requests); arrays
+        # held as constants of the dataset function reach every task whole.
+        assert whole // 3 <= received < whole // 3 + whole // 8, (worker, received)
+
+    @tf.function
+    def first_batch(worker):  # Every record, then the worker's shard.
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(3, worker)
+        ds = ds.shuffle(records // 3, seed=0, reshuffle_each_iteration=True)
+        return next(iter(ds.batch(64)))[0]
+
+    for worker, batches in passes.items():
+        assert batches[0] == first_batch(worker).numpy().tolist(), worker
 
 
 def test_each_keras3_replica_reads_its_own_records(local_cluster):

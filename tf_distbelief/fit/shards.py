@@ -4,9 +4,12 @@ The model replicas of Dean et al. 2012 each read their own subset of the
 training data. TensorFlow's parameter-server strategy calls a dataset function
 with input pipeline 0 of 1 on every worker, so sharding by the
 `tf.distribute.InputContext` cannot tell the workers apart; `arrays_dataset_fn`
-shards by the worker index instead
-(`tf.distribute.coordinator.experimental_get_current_worker_index`, which the
-coordinator gives each worker's copy of the function). Both training paths
+shards by the worker index instead (the coordinator's, as
+`tf.distribute.coordinator.experimental_get_current_worker_index` reads it).
+The coordinator traces the dataset function once and sends its graph to every
+task, so the arrays are not constants of that graph: each worker's shard is
+fed to its own call (`tf_internals.worker_inputs`), and what a worker receives
+for its data is its shard, about `1 / W` of the arrays. Both training paths
 read NumPy arrays through it: tf_keras's `fit.training.dataset_creator` and
 Keras 3's `keras3.fit(x, y)`. This module imports no Keras.
 """
@@ -17,6 +20,8 @@ from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
+
+from tf_distbelief.tf_internals import worker_inputs
 
 
 def arrays_dataset_fn(
@@ -31,9 +36,10 @@ def arrays_dataset_fn(
     Worker `i` of `W` reads records `i, i + W, i + 2W, ...`, shuffled within
     its shard (reshuffled at each pass), repeated, in batches of `batch_size`
     (the last partial batch of a pass dropped). One pass of every worker over
-    its shard reads each record exactly once. Outside a function (the
-    coordinator asking for the element spec) there is no worker: every
-    record.
+    its shard reads each record exactly once. Worker `i` is sent those
+    records only, when its dataset is created (again if it rejoins). Outside
+    a function (the coordinator asking for the element spec) there is no
+    worker: every record.
 
     Args:
       x: `[n, ...]` features.
@@ -52,15 +58,44 @@ def arrays_dataset_fn(
 
     def dataset_fn(input_context=None):
         del input_context  # Pipeline 0 of 1 on every worker (see the module).
-        ds = tf.data.Dataset.from_tensor_slices((x, y))
         shards = num_replicas()
         if shards > 1 and tf.inside_function():
-            index = tf.distribute.coordinator.experimental_get_current_worker_index()
-            ds = ds.shard(shards, index)
+            # Fed at each worker's call: worker `i` is sent its records only.
+            ds = tf.data.Dataset.from_tensor_slices(
+                tuple(
+                    worker_inputs.per_worker_input(
+                        lambda i, a=a: _shard(a, i, shards), _spec(a)
+                    )
+                    for a in (x, y)
+                )
+            )
             size = -(-len(x) // shards)
         else:
+            ds = tf.data.Dataset.from_tensor_slices((x, y))
             size = len(x)
         ds = ds.shuffle(size, seed=seed, reshuffle_each_iteration=True)
         return ds.repeat().batch(batch_size, drop_remainder=True).prefetch(2)
 
     return dataset_fn
+
+
+def _shard(array, index: int, shards: int):
+    """Records `index, index + shards, ...` of `array`.
+
+    Raises:
+      ValueError: `index` is not in `[0, shards)` (more workers than shards).
+    """
+    if not 0 <= index < shards:
+        raise ValueError(
+            f"Worker {index} has no shard: the data is cut into {shards} shards "
+            f"(`num_replicas`), for workers 0 to {shards - 1}. Pass `num_replicas` "
+            "= the number of workers, or None."
+        )
+    return array[index::shards]
+
+
+def _spec(array) -> tf.TensorSpec:
+    """`[None, ...]` of `array`, in the dtype `from_tensor_slices` gives it."""
+    with tf.init_scope():  # Eager: no constant in the traced graph.
+        dtype = tf.convert_to_tensor(array[:1]).dtype
+    return tf.TensorSpec([None, *np.shape(array)[1:]], dtype)

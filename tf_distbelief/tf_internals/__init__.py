@@ -30,6 +30,8 @@ fails naming the TensorFlow version). One module per area:
   API (`load(lean=True)`).
 * `autograph`: the source files autograph writes, removed by a process that
   ends through `os._exit` (`remove_generated_files`).
+* `worker_inputs`: a value fed to each worker's call of a function traced
+  once for all workers (`per_worker_input`: each worker sent its own shard).
 """
 
 import importlib
@@ -47,6 +49,7 @@ MODULE_NAMES = (
     "control_flow",
     "server_runtime",
     "autograph",
+    "worker_inputs",
 )
 
 
