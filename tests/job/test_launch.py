@@ -603,6 +603,10 @@ def _saved_at_the_signal(name, before, after, grace_secs=25):
     )
     assert found, stopped[0]
     assert float(found.group(2)) < grace_secs
+    # The job's goodput line, as at a job's own end, just before the stop
+    # line (an orchestrator's accounting of a preempted job reads it).
+    (line,) = [a for a in after if a.startswith("goodput: ")]
+    assert after.index(line) == after.index(stopped[0]) - 1, after
     step = int(found.group(1))
     # Mid-epoch, after the last progress line before the signal: the step
     # reached, not an earlier checkpoint's (there is none before step 2000).

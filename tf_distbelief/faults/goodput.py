@@ -226,6 +226,14 @@ class Goodput:
             f"{t['wall']:.1f} s; {parts})"
         )
 
+    def end_lines(self) -> list[str]:
+        """The lines that end a job's output: `line()` and `losses_line()`
+        (when a task announced its loss); none before training began."""
+        if not self.trained:
+            return []
+        losses = self.losses_line()
+        return [self.line()] + ([losses] if losses is not None else [])
+
     def scalars(self) -> dict[str, float]:
         """`{"percent": ..., "train_secs": ..., "start_up_secs": ...}` for
         TensorBoard (under `goodput/`)."""

@@ -496,11 +496,8 @@ def run(
         lock = paths.ModelDirLock(config.model_dir, print_fn)
     with lock, goodput.active(accountant):
         result = _run(config, spec, print_fn, trainer, resolver, ends_process)
-        if accountant.trained:
-            print_fn(accountant.line())
-            losses = accountant.losses_line()
-            if losses is not None:
-                print_fn(losses)
+        for line in accountant.end_lines():
+            print_fn(line)
     return result
 
 

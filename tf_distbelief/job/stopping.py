@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 
 from tf_distbelief import console, paths
 from tf_distbelief.cluster.local import local_cluster
-from tf_distbelief.faults import preemption, settings
+from tf_distbelief.faults import goodput, preemption, settings
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
@@ -85,12 +85,18 @@ def install(
     if preemption_signal is not None:
         saves.add(signal.Signals[preemption_signal])
     received = []
+    saving = []  # The signal asked for a save (a preemption).
 
     def end(what: str) -> None:
         # Once, from whichever thread gets here first (the saving one, or
         # the grace period's watchdog); the other waits for the exit.
         if not ending.acquire(blocking=False):
             threading.Event().wait()
+        # A preempted job's time, as a job that ends by itself gives it (an
+        # orchestrator's accounting reads it); Ctrl-C stays one line.
+        accountant = goodput.current() if saving else None
+        for line in accountant.end_lines() if accountant is not None else []:
+            print_fn(line)
         print_fn(f"{what}; {_rerun(model_dir)}")
         sys.stdout.flush()
         sys.stderr.flush()
@@ -114,6 +120,7 @@ def install(
         received.append(signum)
         name = _NAMES.get(signum) or signal.Signals(signum).name
         if armed is not None and signum in saves and preemption.can_save():
+            saving.append(name)
             armed.request(name)  # The trainer saves at its next step's end.
             return
         end(f"{name}: job stopped")
