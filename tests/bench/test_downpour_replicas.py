@@ -111,6 +111,35 @@ def test_bad_worker_counts_are_refused_when_the_flags_are_parsed(values):
         bench._check_counts("num_workers")(values)
 
 
+def test_sandblaster_scaling_table():
+    from benchmarks import sandblaster_bench
+
+    def run(workers, straggler, secs):
+        return {
+            "workers": workers,
+            "ps": 2,
+            "straggler": straggler,
+            "secs_per_iter": secs,
+            "evals_per_iter": 1.25,
+            "ps_trips_per_iter": 15.0,
+            "functions_per_iter": 20.0,
+            "cpu_ms_per_iter": 90.0,
+            "loss": 0.5,
+        }
+
+    header, rows = sandblaster_bench._scaling_table(
+        [run(1, None, 2.0), run(2, None, 1.0), run(2, 5.0, 1.6)]
+    )
+    assert header[3:6] == ["secs/iter", "x fewest", "x no straggler"]
+    assert [r[1:6] for r in rows] == [
+        ["1", "-", "2.000", "1.00", "-"],
+        ["2", "-", "1.000", "2.00", "-"],
+        ["2", "last 5x slower", "1.600", "1.25", "1.60"],
+    ]
+    with pytest.raises(flags.ValidationError, match=r"--num_ps must list .* 1,0"):
+        sandblaster_bench._check_counts("num_ps")(["1", "0"])
+
+
 @pytest.mark.slow
 def test_the_benchmark_on_one_and_two_workers(tmp_path):
     """Digits, stock and Downpour, on 1 and then 2 workers (1 ps), a few steps."""
