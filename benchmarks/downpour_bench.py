@@ -53,9 +53,9 @@ fewest workers, seconds and examples to the target, Downpour's push staleness
 the replicas' counters: the mean over the measured window's pushes and the
 largest of the row), socket bytes per example, the chief's CPU per function
 the coordinator ran on the workers, and the largest proportional set size of
-a chief, ps and worker task (`benchmarks.task_memory`, read at the
-evaluations; the chief keeps every earlier row's model, so its figure grows
-from row to row); `downpour_replicas.csv` and per model, NIC rate and ps
+a chief, ps and worker task (`benchmarks.task_memory`, read at the end of
+the row; the chief keeps every earlier row's model, so its figure grows from
+row to row); `downpour_replicas.csv` and per model, NIC rate and ps
 count `downpour_<model>_replicas_<nic>_ps<P>.png`, with the ideal line.
 
 Printed: the headline table (seconds and examples to `--target_accuracy`,
@@ -420,7 +420,7 @@ class _Probe:
     """Interval times and test accuracies; sockets, CPU and bytes after the first.
 
     Also Downpour's counters and the functions the coordinator ran at each
-    snapshot, and the tasks' memory at each evaluation.
+    snapshot, and the tasks' memory at the last.
 
     Training stops after the interval that passes `max_secs` training seconds
     (cut off), or after the first evaluation at or above `stop_at` (the
@@ -485,29 +485,20 @@ class _Probe:
         # functions the coordinator has run (None before it exists).
         self.stats: dict[str, list] = {}
         self.functions: dict[str, int | None] = {}
-        # The largest PSS (MB) of each task kind at the snapshots.
+        # The largest PSS (MB) of a task of each kind at the end of the row.
         self.memory_mb: dict[str, float] = {}
         self.cut = False  # Stopped by `max_secs`.
         self.stopped_at_target = False  # Stopped by `stop_at`.
 
     def evaluate_point(self, count_cpu):
-        """Appends the test accuracy now (before training, after each interval)
-        and raises `memory_mb` to the tasks' memory now.
+        """Appends the test accuracy now (before training, after each interval).
 
         Returns:
           `{pid: CPU seconds}` the evaluation added to `eval_cpu` (empty
           without `count_cpu`).
         """
-        from benchmarks import task_memory
-
         before = {pid: traffic.cpu_secs(pid) for pid in self.pids}
         self.accuracies.append(self.evaluate())
-        # Read with the evaluation, so that its CPU is left out as the
-        # evaluation's is.
-        found = task_memory.sample(os.getpid())
-        task_memory.merge_peaks(
-            self.memory_mb, {k: v for k, v in found.items() if " " not in k}
-        )
         counted = collections.Counter()
         if count_cpu:
             for pid in self.pids:
@@ -561,6 +552,15 @@ class _Probe:
             traffic.read_sockets(pids=self.pids) if self.replicas is not False else []
         )
         self.snaps[name] = (sockets, cpu, moved)
+        if name == "last":
+            # After the window's CPU is read: reading the tasks' memory maps
+            # takes the chief tens of milliseconds per task.
+            from benchmarks import task_memory
+
+            found = task_memory.sample(os.getpid())
+            task_memory.merge_peaks(
+                self.memory_mb, {k: v for k, v in found.items() if " " not in k}
+            )
 
     def curve(self):
         """`[(training secs, accuracy)]`; the first interval at the later ones' rate.

@@ -70,7 +70,7 @@ class Row:
     # coordinator ran on the workers in the measured window; NaN for `single`.
     chief_cpu_ms_per_function: float = math.nan
     # `{"chief"|"ps"|"worker": MB}`: the largest proportional set size of a
-    # task of each kind at the row's evaluations (`benchmarks.task_memory`).
+    # task of each kind at the end of the row (`benchmarks.task_memory`).
     memory_mb: dict = dataclasses.field(default_factory=dict)
     # Examples/s over the same row's (model, NIC, ps, name) at the fewest
     # workers of the run (set by `replica_rows`; NaN before).

@@ -10,8 +10,8 @@ shared pages counted whole) under `"<kind> RSS"`; for each kind the largest
 of its tasks.
 
 Used by `benchmarks/digits_replicas.py` (`PeakMemory`, sampling every 0.5 s
-while a job runs) and `benchmarks/downpour_bench.py` (`sample` at each
-evaluation, off the training clock: reading a process's memory map takes CPU
+while a job runs) and `benchmarks/downpour_bench.py` (`sample` at the end of
+each row, off the training clock: reading a process's memory map takes CPU
 that the tasks would otherwise have).
 """
 
