@@ -10,11 +10,9 @@ updates stale by `max(1, tau)^power`, `tf_distbelief.adagrad.staleness`).
 
 Columns: `acc` test accuracy; `train s`, `start-up s` from the job's goodput
 line; `wall s` the whole command; `chief MB`, `ps MB`, `worker MB` the largest
-proportional set size (PSS: resident memory with each page shared by `k`
-processes counted `1/k`, so that the tasks' figures add up; TensorFlow's
-library is shared by every task) a task of that kind reached, sampled every
-0.5 s with psutil (local tasks are told apart by the task type in their
-`TF_CONFIG`), and `worker RSS MB` a worker's largest resident memory,
+proportional set size (PSS) a task of that kind reached, sampled every 0.5 s
+(`benchmarks.task_memory`: psutil, local tasks told apart by the task type in
+their `TF_CONFIG`), and `worker RSS MB` a worker's largest resident memory,
 shared pages counted whole; `left`
 the processes of the run alive 10 s after it ended (found by a marker in
 their environment) and the files left in its `TMPDIR` (a new empty folder).
@@ -34,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 
@@ -43,6 +40,9 @@ from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
+sys.path.insert(0, ROOT)
+
+from benchmarks import task_memory  # noqa: E402
 
 
 def define_flags():
@@ -54,16 +54,6 @@ def define_flags():
     flags.DEFINE_string("out", None, "Also write the rows as CSV here.")
 
 
-def _kind(proc: psutil.Process) -> str | None:
-    try:
-        config = proc.environ().get("TF_CONFIG")
-    except psutil.Error:
-        return None
-    if not config:
-        return None
-    return json.loads(config).get("task", {}).get("type")
-
-
 def _marked(marker: str) -> list[int]:
     found = []
     for pid in psutil.pids():
@@ -73,31 +63,6 @@ def _marked(marker: str) -> list[int]:
         except psutil.Error:
             continue
     return found
-
-
-class _PeakMemory(threading.Thread):
-    """The largest PSS and RSS (MB) of the chief (`pid`) and each task kind below it."""
-
-    def __init__(self, pid: int):
-        super().__init__(daemon=True)
-        self.root, self.peak, self.done = psutil.Process(pid), {}, threading.Event()
-
-    def run(self):
-        while not self.done.wait(0.5):
-            try:
-                procs = [(self.root, "chief")]
-                procs += [(c, _kind(c)) for c in self.root.children(recursive=True)]
-                for proc, kind in procs:
-                    if kind:
-                        memory = proc.memory_full_info()
-                        for key, value in (
-                            (kind, memory.pss),
-                            (kind + " RSS", memory.rss),
-                        ):
-                            mb = value / 2**20
-                            self.peak[key] = max(self.peak.get(key, 0.0), mb)
-            except psutil.Error:
-                continue
 
 
 def _run(workers: int, power: str, seed: str, num_ps: int, epochs: int) -> dict:
@@ -118,7 +83,7 @@ def _run(workers: int, power: str, seed: str, num_ps: int, epochs: int) -> dict:
     proc = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
-    memory = _PeakMemory(proc.pid)
+    memory = task_memory.PeakMemory(proc.pid)
     memory.start()
     out = proc.communicate()[0]
     memory.done.set()

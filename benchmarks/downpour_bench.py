@@ -1,11 +1,11 @@
 r"""Downpour SGD against stock and single-process training: time to accuracy.
 
 Dean et al. 2012 judge the methods by the time to reach a fixed test accuracy
-(Figure 5). Each row trains anew on one `LocalCluster` (2 workers,
-`--num_ps` ps, one intra-op thread per task) for `--steps` steps of both
-workers together, evaluating the test accuracy of the ps values every
-`--eval_every` steps off the clock; `--rounds` rounds (seed `--first_seed +
-r`) give medians and `[min-max]`. Rows (`--rows`):
+(Figure 5). Each row trains anew on one `LocalCluster` (`--num_workers`
+workers, default 2, `--num_ps` ps, one intra-op thread per task) for
+`--steps` steps of both workers together, evaluating the test accuracy of the
+ps values every `--eval_every` steps off the clock; `--rounds` rounds (seed
+`--first_seed + r`) give medians and `[min-max]`. Rows (`--rows`):
 
 * `single`: plain tf_keras `fit` in this process, no cluster (run once, at
   the first NIC rate: it has no network);
@@ -42,6 +42,22 @@ to each row the planner (`tf_distbelief.planner`) predicts its examples/s
 TCP rate, measured at the start, and `--step_jitter_ms`, which
 `benchmarks/step_jitter.py` measures).
 
+`--num_workers=1,2,4,8` and `--num_ps=4` (lists) run every row on a cluster
+of each worker count and ps count (`--steps` and `--eval_every` are for 2
+workers: with W, each worker runs as many steps); each cluster gets the tables
+and outputs below (in `workers_<W>_ps_<P>/` when several), and with several
+worker counts the speed-up against replicas follows (Dean et al. 2012, Figure
+3's form): per row and worker count, examples/s over the same row's at the
+fewest workers, seconds and examples to the target, Downpour's push staleness
+(ps updates by other replicas between a replica's fetch and its push, from
+the replicas' counters: the mean over the measured window's pushes and the
+largest of the row), socket bytes per example, the chief's CPU per function
+the coordinator ran on the workers, and the largest proportional set size of
+a chief, ps and worker task (`benchmarks.task_memory`, read at the end of
+the row; the chief keeps every earlier row's model, so its figure grows from
+row to row); `downpour_replicas.csv` and per model, NIC rate and ps
+count `downpour_<model>_replicas_<nic>_ps<P>.png`, with the ideal line.
+
 Printed: the headline table (seconds and examples to `--target_accuracy`,
 ratios to stock and single, final accuracy, ex/s, bytes per example; a `nic`
 column when shaped), the throughput table (`--throughput_table`: socket and
@@ -63,6 +79,8 @@ Usage:
   python benchmarks/downpour_bench.py            # about 20 minutes, 2 idle cores
   python benchmarks/downpour_bench.py --quick    # about 3 minutes
   python benchmarks/downpour_bench.py --rows=stock,n=16,n=16+outer --rounds=3
+  python benchmarks/downpour_bench.py --rows=stock,n=64+outer \
+      --num_workers=1,2,4,8 --num_ps=4 --rounds=1
   python benchmarks/downpour_bench.py --rows=single,stock,n=16+outer \
       --nic_rates=unlimited,1gbit,100mbit --rounds=1 --max_row_secs=150
   python benchmarks/downpour_bench.py \
@@ -96,10 +114,13 @@ from benchmarks.downpour_tables import (  # noqa: E402
     UNLIMITED,
     Row,
     format_headline,
+    format_replicas,
     format_table,
     median_rows,
+    replica_rows,
     to_target,
     write_headline_csv,
+    write_replicas_csv,
 )
 from tf_distbelief import console  # noqa: E402  (no TensorFlow)
 from tf_distbelief.cluster.network import isolation  # noqa: E402  (no TensorFlow)
@@ -214,7 +235,16 @@ def define_flags():
         f"{','.join(_known_rows())}).",
     )
     flags.register_validator("rows", _check_rows)
-    flags.DEFINE_integer("num_ps", 1, "ps tasks.", lower_bound=1)
+    flags.DEFINE_list(
+        "num_workers",
+        ["2"],
+        "Worker counts (model replicas): every row runs on a LocalCluster of "
+        "each count, with each --num_ps count; with several, the speed-up "
+        "against replicas is printed and drawn.",
+    )
+    flags.register_validator("num_workers", _check_counts("num_workers"))
+    flags.DEFINE_list("num_ps", ["1"], "ps task counts (see --num_workers).")
+    flags.register_validator("num_ps", _check_counts("num_ps"))
     flags.DEFINE_integer("batch_size", 32, "Examples per step.", lower_bound=1)
     # 20 rather than `JobConfig`'s 10: tf_keras spends about 10 ms of chief
     # CPU per scheduled function here (scheduling, its step count, the logs),
@@ -228,15 +258,16 @@ def define_flags():
         None,
         "K: steps (both workers together) between test-set evaluations, off "
         "the clock (default: per model, speech 160, digits 40; a multiple of "
-        "2 x steps_per_execution keeps the workers even).",
+        "2 x steps_per_execution keeps the workers even). With W workers "
+        "(--num_workers), K x W / 2: each worker runs as many steps.",
         lower_bound=1,
     )
     flags.DEFINE_integer(
         "steps",
         None,
         "Training steps of every row, both workers together (default: per "
-        "model, speech 1600, digits 480; rounded up to a multiple of "
-        "--eval_every).",
+        "model, speech 1600, digits 480; with W workers, x W / 2; rounded up "
+        "to a multiple of --eval_every).",
         lower_bound=1,
     )
     flags.DEFINE_integer(
@@ -388,12 +419,17 @@ def define_flags():
 class _Probe:
     """Interval times and test accuracies; sockets, CPU and bytes after the first.
 
+    Also Downpour's counters and the functions the coordinator ran at each
+    snapshot, and the tasks' memory at the last.
+
     Training stops after the interval that passes `max_secs` training seconds
     (cut off), or after the first evaluation at or above `stop_at` (the
     target reached).
     """
 
-    def __init__(self, replicas, pids, evaluate, max_secs=None, stop_at=None):
+    def __init__(
+        self, replicas, pids, evaluate, max_secs=None, stop_at=None, strategy=None
+    ):
         import tf_keras
 
         probe = self
@@ -435,6 +471,7 @@ class _Probe:
 
         self.callback = Callback()
         self.replicas = replicas
+        self.strategy = strategy
         self.pids = pids
         self.evaluate = evaluate
         self.begin = 0.0
@@ -444,6 +481,12 @@ class _Probe:
         self.eval_cpu: dict[int, float] = collections.Counter()
         # "begin" (before the first interval), "first" (after it), "last".
         self.snaps: dict[str, tuple[list[traffic.TcpSocket], dict, int]] = {}
+        # At each snapshot: the replicas' counters (`Downpour.stats`) and the
+        # functions the coordinator has run (None before it exists).
+        self.stats: dict[str, list] = {}
+        self.functions: dict[str, int | None] = {}
+        # The largest PSS (MB) of a task of each kind at the end of the row.
+        self.memory_mb: dict[str, float] = {}
         self.cut = False  # Stopped by `max_secs`.
         self.stopped_at_target = False  # Stopped by `stop_at`.
 
@@ -463,22 +506,61 @@ class _Probe:
             self.eval_cpu.update(counted)
         return counted
 
+    def window_names(self) -> tuple[str, str]:
+        """The measured window's snapshots: after the first interval to the
+        end, or the first interval itself when it is the only one (cut off)."""
+        return ("first", "last") if len(self.epoch_secs) > 1 else ("begin", "first")
+
     def window(self):
-        """`(before, after)` snapshots: after the first interval to the end,
-        or the first interval itself when it is the only one (cut off)."""
-        if len(self.epoch_secs) > 1:
-            return self.snaps["first"], self.snaps["last"]
-        return self.snaps["begin"], self.snaps["first"]
+        """`(before, after)` snapshots of `window_names`."""
+        before, after = self.window_names()
+        return self.snaps[before], self.snaps[after]
+
+    def staleness(self) -> tuple[float, float]:
+        """Downpour's push staleness: `(mean over the window's pushes, max of
+        the row)`; NaN without Downpour or without a push in the window."""
+        before, after = (self.stats.get(k, []) for k in self.window_names())
+        if not after:
+            return math.nan, math.nan
+        judged = sum(s.pushes + s.dropped_pushes for s in after) - sum(
+            s.pushes + s.dropped_pushes for s in before
+        )
+        stale = sum(s.staleness_sum for s in after) - sum(
+            s.staleness_sum for s in before
+        )
+        most = max(s.max_staleness_seen for s in after)
+        return (stale / judged if judged else math.nan), float(most)
+
+    def functions_run(self) -> int | None:
+        """Functions the coordinator ran in the window (None: not counted)."""
+        before, after = (self.functions.get(k) for k in self.window_names())
+        return None if before is None or after is None else after - before
 
     def snap(self, name):
         moved = 0
         if self.replicas:
-            moved = sum(s.bytes_fetched + s.bytes_pushed for s in self.replicas.stats())
+            stats = self.replicas.stats()
+            self.stats[name] = stats
+            moved = sum(s.bytes_fetched + s.bytes_pushed for s in stats)
+        if self.strategy is not None:
+            from tf_distbelief.tf_internals import coordinator
+
+            progress = coordinator.CoordinatorProgress.of(self.strategy)
+            self.functions[name] = None if progress is None else progress.finished
         cpu = {pid: traffic.cpu_secs(pid) for pid in self.pids}
         sockets = (
             traffic.read_sockets(pids=self.pids) if self.replicas is not False else []
         )
         self.snaps[name] = (sockets, cpu, moved)
+        if name == "last":
+            # After the window's CPU is read: reading the tasks' memory maps
+            # takes the chief tens of milliseconds per task.
+            from benchmarks import task_memory
+
+            found = task_memory.sample(os.getpid())
+            task_memory.merge_peaks(
+                self.memory_mb, {k: v for k, v in found.items() if " " not in k}
+            )
 
     def curve(self):
         """`[(training secs, accuracy)]`; the first interval at the later ones' rate.
@@ -564,14 +646,24 @@ def _downpour_config(n, rule, f):
     )
 
 
-def _eval_every(f, model_name):
-    return f.eval_every or (_QUICK_EVAL_EVERY if f.quick else _EVAL_EVERY)[model_name]
+def _per_workers(steps: int, workers: int) -> int:
+    """`steps` of 2 workers for `workers` (each runs as many), at least 1."""
+    return max(1, -(-steps * workers // 2))
 
 
-def _intervals(f, model_name):
+def _eval_every(f, model_name, workers=2):
+    """Steps between evaluations on `workers` workers (`--eval_every`)."""
+    steps = f.eval_every or (_QUICK_EVAL_EVERY if f.quick else _EVAL_EVERY)[model_name]
+    return _per_workers(steps, workers)
+
+
+def _intervals(f, model_name, workers=2):
     """Evaluation intervals of every row: `--steps / --eval_every`, rounded up."""
     steps = f.steps or (_QUICK_STEPS if f.quick else _STEPS)[model_name]
-    return max(2, -(-steps // _eval_every(f, model_name)))
+    return max(
+        2,
+        -(-_per_workers(steps, workers) // _eval_every(f, model_name, workers)),
+    )
 
 
 def _target(f, model_name):
@@ -639,13 +731,15 @@ def _run(local, data, model_name, name, f, seed, nic=UNLIMITED, max_secs=None) -
     """
     import statistics
 
-    from tf_distbelief import demos, job
+    from tf_distbelief import demos, hooks, job
     from tf_distbelief import strategy as strategy_lib
     from tf_distbelief.fit import training
 
     kind, n, rule = _row_kind(name)
-    steps = _eval_every(f, model_name)
-    intervals = _intervals(f, model_name)
+    # `single` trains as many examples as the rows of 2 workers.
+    workers = 2 if kind == "single" else local.num_workers
+    steps = _eval_every(f, model_name, workers)
+    intervals = _intervals(f, model_name, workers)
     config = job.JobConfig(
         learning_rate=f.learning_rate or _LEARNING_RATE[model_name],
         batch_size=f.batch_size,
@@ -663,6 +757,7 @@ def _run(local, data, model_name, name, f, seed, nic=UNLIMITED, max_secs=None) -
     (x_train, y_train), (x_test, y_test) = data
     start = time.monotonic()
     roles = {os.getpid(): "chief"}
+    strategy = None
     if kind == "single":
         model = job.build_model(config, spec)
         model.compile(
@@ -680,7 +775,8 @@ def _run(local, data, model_name, name, f, seed, nic=UNLIMITED, max_secs=None) -
             ),
         )
         model = job.compile_model(config, strategy, spec)
-        replicas = getattr(model, "downpour", None)
+        # Downpour's state (its counters), None for stock training.
+        replicas = hooks.of(model).state if kind == "downpour" else None
         _, slowdown = _straggler(name)
         if slowdown is not None:
             from benchmarks import stragglers
@@ -699,6 +795,7 @@ def _run(local, data, model_name, name, f, seed, nic=UNLIMITED, max_secs=None) -
         lambda: training.accuracy(model, x_test, y_test, _EVAL_BATCH),
         max_secs or caps.get(name, caps.get("")),
         _target(f, model_name) if f.stop_at_target else None,
+        strategy=strategy,
     )
     if kind == "single":
         _single_process_fit(model, x_train, y_train, config, probe, intervals, steps)
@@ -748,6 +845,11 @@ def _run(local, data, model_name, name, f, seed, nic=UNLIMITED, max_secs=None) -
         steps * config.batch_size / s
         for s in (probe.epoch_secs[1:] or probe.epoch_secs)
     )
+    functions = probe.functions_run()
+    chief_cpu_ms_per_function = math.nan
+    if functions:
+        chief_cpu_ms_per_function = cpu_ms["chief"] * timed_steps / functions
+    staleness_mean, staleness_max = probe.staleness()
     curve = probe.curve()
     target = _target(f, model_name)
     secs, examples_to = to_target(curve, steps * config.batch_size, target)
@@ -769,6 +871,12 @@ def _run(local, data, model_name, name, f, seed, nic=UNLIMITED, max_secs=None) -
         nic=nic,
         num_params=num_params,
         cut_off_secs=curve[-1][0] if probe.cut else math.nan,
+        num_workers=1 if kind == "single" else local.num_workers,
+        num_ps=0 if kind == "single" else local.num_ps,
+        staleness_mean=staleness_mean,
+        staleness_max=staleness_max,
+        chief_cpu_ms_per_function=chief_cpu_ms_per_function,
+        memory_mb=probe.memory_mb,
     )
 
 
@@ -872,9 +980,12 @@ def _print_round(round_index, rounds, r):
     )
 
 
-def _header(f, rounds):
+def _header(f, rounds, workers=2, ps=1):
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-    steps = ", ".join(f"{m} {_intervals(f, m)} x {_eval_every(f, m)}" for m in f.models)
+    steps = ", ".join(
+        f"{m} {_intervals(f, m, workers)} x {_eval_every(f, m, workers)}"
+        for m in f.models
+    )
     nic = ""
     if f.nic_rates != [UNLIMITED]:
         nic = f" nic={','.join(f.nic_rates)}"
@@ -886,7 +997,7 @@ def _header(f, rounds):
             nic += f" calibration_secs={f.calibration_secs:g} (unlimited: 1 round)"
     stop = " stop_at_target" if f.stop_at_target else ""
     return (
-        f"cores={os.cpu_count()} load={load} workers=2 ps={f.num_ps} "
+        f"cores={os.cpu_count()} load={load} workers={workers} ps={ps} "
         f"batch={f.batch_size} steps_per_execution={f.steps_per_execution} "
         f"steps=({steps}) medians of {rounds} rounds (seeds {f.first_seed}-"
         f"{f.first_seed + rounds - 1}) lr="
@@ -898,13 +1009,12 @@ def _header(f, rounds):
     )
 
 
-def _write_outputs(f, rows, round_rows, header, predicted):
-    """The CSVs and figures; per NIC rate in `nic_<rate>/` when several."""
+def _write_outputs(f, rows, round_rows, header, predicted, out_dir):
+    """One cluster's CSVs and figures in `out_dir`; per NIC rate in
+    `nic_<rate>/` when several."""
     targets = {m: _target(f, m) for m in f.models}
     paths = [
-        write_headline_csv(
-            os.path.join(f.out_dir, "downpour_time_to_accuracy.csv"), rows
-        )
+        write_headline_csv(os.path.join(out_dir, "downpour_time_to_accuracy.csv"), rows)
     ]
     several = len(f.nic_rates) > 1
     for k, nic in enumerate(f.nic_rates):
@@ -912,7 +1022,7 @@ def _write_outputs(f, rows, round_rows, header, predicted):
         def here(r, nic=nic, k=k):
             return r.nic == nic or (r.name == "single" and k > 0)
 
-        folder = os.path.join(f.out_dir, f"nic_{nic}") if several else f.out_dir
+        folder = os.path.join(out_dir, f"nic_{nic}") if several else out_dir
         paths += downpour_figures.write_outputs(
             folder,
             [r for r in rows if here(r)],
@@ -923,14 +1033,14 @@ def _write_outputs(f, rows, round_rows, header, predicted):
     if several:
         paths.append(
             downpour_network.write_bandwidth_csv(
-                os.path.join(f.out_dir, "downpour_bandwidth.csv"), rows, predicted
+                os.path.join(out_dir, "downpour_bandwidth.csv"), rows, predicted
             )
         )
         note = header.split(" workers=")[0] + " (shared machine: noisy timings)"
         for model in f.models:
             paths.append(
                 downpour_figures.bandwidth_figure(
-                    os.path.join(f.out_dir, f"downpour_{model}_bandwidth.png"),
+                    os.path.join(out_dir, f"downpour_{model}_bandwidth.png"),
                     [r for r in rows if r.model == model],
                     downpour_network.rate_bits,
                     note,
@@ -940,17 +1050,19 @@ def _write_outputs(f, rows, round_rows, header, predicted):
         print(f"wrote {path}", flush=True)
 
 
-def _predictions(f, rows, loopback_bits):
+def _predictions(f, rows, loopback_bits, workers=2, ps=1):
     return downpour_network.predict_rows(
         rows,
-        num_workers=2,
-        num_ps=f.num_ps,
+        num_workers=workers,
+        num_ps=ps,
         batch_size=f.batch_size,
         steps_per_execution=f.steps_per_execution,
         accumulator=f.adagrad_accumulator,
         ps_nic_rate=f.ps_nic_rate,
         # `fit` joins the workers at each evaluation (an epoch's end).
-        steps_between_joins={m: _eval_every(f, m) // 2 for m in f.models},
+        steps_between_joins={
+            m: _eval_every(f, m, workers) // workers for m in f.models
+        },
         step_jitter_secs=(
             None
             if f.step_jitter_ms is None
@@ -958,6 +1070,94 @@ def _predictions(f, rows, loopback_bits):
         ),
         loopback_bits_per_sec=loopback_bits,
     )
+
+
+def _counts(values: list[str]) -> list[int]:
+    """`--num_workers` or `--num_ps` as ints, in the order given."""
+    return [int(v) for v in values]
+
+
+def _check_counts(flag: str):
+    """An absl validator of the list flag `flag`: integers >= 1, none twice."""
+
+    def check(values: list[str]) -> bool:
+        try:
+            counts = _counts(values)
+        except ValueError:
+            counts = [0]
+        if not counts or min(counts) < 1 or len(set(counts)) < len(counts):
+            raise flags.ValidationError(
+                f"--{flag} must list integers >= 1, each once. Received: "
+                f"{','.join(values)}"
+            )
+        return True
+
+    return check
+
+
+def _clusters(f) -> list[tuple[int, int]]:
+    """`(workers, ps)` of every cluster: each ps count, each worker count."""
+    return [(w, p) for p in _counts(f.num_ps) for w in _counts(f.num_workers)]
+
+
+def _report(f, rows, round_rows, rounds, workers, ps, loopback_bits, folder):
+    """Prints one cluster's tables and writes its outputs under `folder`.
+
+    Returns:
+      Its rows' medians over rounds (`median_rows`).
+    """
+    rows = median_rows(rows)
+    header = _header(f, rounds, workers, ps)
+    for line in format_headline(rows, header).splitlines():
+        print(line, flush=True)
+    if f.throughput_table:
+        print(flush=True)
+        print(format_table(rows, "throughput (medians over rounds):"), flush=True)
+    if f.cpu_breakdown:
+        for r in rows:
+            cpu = " ".join(f"{k}={v:.1f}" for k, v in sorted(r.cpu_ms_per_step.items()))
+            print(f"{r.model} {r.nic} {r.name}: CPU ms/step {cpu}")
+    predicted = _predictions(f, rows, loopback_bits, workers, ps)
+    if len(f.nic_rates) > 1:
+        print(flush=True)
+        print(
+            "time to target by NIC rate; predicted: the planner calibrated on "
+            "the row's unlimited ex/s (else single's):",
+            flush=True,
+        )
+        print(downpour_network.format_bandwidth(rows, predicted))
+        for line in downpour_network.best_downpour_lines(rows):
+            print(line, flush=True)
+    if folder is not None:
+        _write_outputs(f, rows, round_rows, header, predicted, folder)
+    return rows
+
+
+def _report_replicas(f, rows, rounds):
+    """The speed-up against replicas: table, CSV and one figure per model,
+    NIC rate and ps count (`--num_workers` of several counts)."""
+    rows = replica_rows(rows)
+    header = (
+        f"speed-up against replicas (workers={','.join(f.num_workers)}; medians "
+        f"of {rounds} rounds; x fewest: ex/s over the same row's at "
+        f"{min(_counts(f.num_workers))} workers):"
+    )
+    print(flush=True)
+    print(format_replicas(rows, header), flush=True)
+    if not f.out_dir:
+        return
+    paths = [write_replicas_csv(os.path.join(f.out_dir, "downpour_replicas.csv"), rows)]
+    note = plots.machine_note()
+    for model, nic, ps in dict.fromkeys((r.model, r.nic, r.num_ps) for r in rows):
+        paths.append(
+            downpour_figures.speedup_figure(
+                os.path.join(f.out_dir, f"downpour_{model}_replicas_{nic}_ps{ps}.png"),
+                [r for r in rows if (r.model, r.nic, r.num_ps) == (model, nic, ps)],
+                note,
+            )
+        )
+    for path in paths:
+        print(f"wrote {path}", flush=True)
 
 
 def main(argv):
@@ -972,6 +1172,7 @@ def main(argv):
         downpour_network.rate_bits(f.ps_nic_rate)  # Refused before any row runs.
     names = _rows(f)
     rounds = f.rounds or (1 if f.quick else 3)
+    clusters = _clusters(f)
     rows = []
     round_rows = []
     data = {m: _load_data(m, f) for m in f.models}
@@ -980,63 +1181,62 @@ def main(argv):
     print(f"loopback TCP rate: {loopback_bits / 1e9:.1f} Gbit/s", flush=True)
     for k, nic in enumerate(f.nic_rates):
         shaped = nic != UNLIMITED
-        with cluster.LocalCluster(
-            num_workers=2,
-            num_ps=f.num_ps,
-            intra_op_threads=f.task_intra_op_threads,
-            nic_bandwidth=nic if shaped else None,
-            ps_nic_bandwidth=f.ps_nic_rate if shaped else None,
-        ) as local:
-            # Rounds interleave the rows, so that a change in the load of the
-            # machine spreads over all of them.
-            for round_index in range(rounds):
-                for model_name in f.models:
-                    for name in names:
-                        if name == "single" and k > 0:
-                            continue  # No network: once, at the first rate.
-                        calibration = _calibration(f, nic, name)
-                        if calibration and round_index > 0:
-                            continue  # The planner's calibration: one round.
-                        seed = f.first_seed + round_index
-                        r = _run(
-                            local,
-                            data[model_name],
-                            model_name,
-                            name,
-                            f,
-                            seed,
-                            nic,
-                            max_secs=f.calibration_secs if calibration else None,
-                        )
-                        rows.append(r)
-                        round_rows.append((round_index, r))
-                        _print_round(round_index, rounds, r)
-    rows = median_rows(rows)
-    header = _header(f, rounds)
-    for line in format_headline(rows, header).splitlines():
-        print(line, flush=True)
-    if f.throughput_table:
-        print(flush=True)
-        print(format_table(rows, "throughput (medians over rounds):"), flush=True)
-    if f.cpu_breakdown:
-        for r in rows:
-            cpu = " ".join(f"{k}={v:.1f}" for k, v in sorted(r.cpu_ms_per_step.items()))
-            print(f"{r.model} {r.nic} {r.name}: CPU ms/step {cpu}")
-    if len(f.nic_rates) > 1:
-        print(flush=True)
-        print(
-            "time to target by NIC rate; predicted: the planner calibrated on "
-            "the row's unlimited ex/s (else single's):",
-            flush=True,
+        for c, (workers, ps) in enumerate(clusters):
+            with cluster.LocalCluster(
+                num_workers=workers,
+                num_ps=ps,
+                intra_op_threads=f.task_intra_op_threads,
+                nic_bandwidth=nic if shaped else None,
+                ps_nic_bandwidth=f.ps_nic_rate if shaped else None,
+            ) as local:
+                # Rounds interleave the rows, so that a change in the load of
+                # the machine spreads over all of them.
+                for round_index in range(rounds):
+                    for model_name in f.models:
+                        for name in names:
+                            if name == "single" and (k > 0 or c > 0):
+                                # No network: once, at the first rate and cluster.
+                                continue
+                            calibration = _calibration(f, nic, name)
+                            if calibration and round_index > 0:
+                                continue  # The planner's calibration: one round.
+                            seed = f.first_seed + round_index
+                            r = _run(
+                                local,
+                                data[model_name],
+                                model_name,
+                                name,
+                                f,
+                                seed,
+                                nic,
+                                max_secs=f.calibration_secs if calibration else None,
+                            )
+                            rows.append(r)
+                            round_rows.append((round_index, r))
+                            _print_round(round_index, rounds, r)
+    medians = []
+    for workers, ps in clusters:
+        # `single` ran once; every cluster's tables and figures show it.
+        def here(r, workers=workers, ps=ps):
+            return r.name == "single" or (r.num_workers, r.num_ps) == (workers, ps)
+
+        folder = None
+        if f.out_dir:
+            folder = f.out_dir
+            if len(clusters) > 1:
+                folder = os.path.join(f.out_dir, f"workers_{workers}_ps_{ps}")
+        medians += _report(
+            f,
+            [r for r in rows if here(r)],
+            [(i, r) for i, r in round_rows if here(r)],
+            rounds,
+            workers,
+            ps,
+            loopback_bits,
+            folder,
         )
-        predicted = _predictions(f, rows, loopback_bits)
-        print(downpour_network.format_bandwidth(rows, predicted))
-        for line in downpour_network.best_downpour_lines(rows):
-            print(line, flush=True)
-    if f.out_dir:
-        _write_outputs(
-            f, rows, round_rows, header, _predictions(f, rows, loopback_bits)
-        )
+    if len(_counts(f.num_workers)) > 1:
+        _report_replicas(f, medians, rounds)
 
 
 if __name__ == "__main__":

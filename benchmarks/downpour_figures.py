@@ -261,6 +261,44 @@ def bandwidth_figure(path, rows, rate_bits, note=""):
     )
 
 
+def speedup_figure(path, rows, note=""):
+    """Speed-up against model replicas, one line per row, the ideal line drawn.
+
+    The form of Dean et al. 2012's Figure 3 (training speed-up against the
+    machines per model instance).
+
+    Args:
+      path: the PNG to write.
+      rows: one model's rows at one NIC rate and ps count, at several worker
+        counts, `replica_speedup` set (`downpour_tables.replica_rows`).
+      note: the machine's line under the figure.
+
+    Returns:
+      `path`. The ideal line is the worker count over the fewest drawn.
+    """
+    series = {}
+    for r in rows:
+        xs, ys = series.setdefault(r.name, ([], []))
+        xs.append(r.num_workers)
+        ys.append(r.replica_speedup)
+    workers = sorted({r.num_workers for r in rows})
+    series[f"ideal (workers / {workers[0]})"] = (
+        workers,
+        [w / workers[0] for w in workers],
+    )
+    first = rows[0]
+    return plots.line_plot(
+        path,
+        series,
+        title=f"{first.model}: speed-up against replicas (NIC {first.nic}, "
+        f"{first.num_ps} ps)",
+        xlabel="model replicas (workers)",
+        ylabel=f"speed-up: examples/s over {workers[0]} worker{'s' * (workers[0] > 1)}",
+        xticks=workers,
+        note=note,
+    )
+
+
 def _rate_label(bits: float) -> str:
     for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bits >= scale:

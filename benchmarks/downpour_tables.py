@@ -1,9 +1,10 @@
 """The tables of `benchmarks/downpour_bench.py`: its rows, medians over rounds, formats.
 
 Pure functions of the rows (no TensorFlow, no cluster), tested from small fixed
-tables (tests/bench/test_downpour_bench.py). A row is one configuration (the
-`single`, `stock`, `n=<n>[+rule]` rows of the benchmark) at one NIC rate
-(`nic`, `"unlimited"` on the bare loopback).
+tables (tests/bench/test_downpour_bench.py, test_downpour_replicas.py). A row
+is one configuration (the `single`, `stock`, `n=<n>[+rule]` rows of the
+benchmark) at one NIC rate (`nic`, `"unlimited"` on the bare loopback) on one
+cluster (`num_workers`, `num_ps`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,24 @@ class Row:
     # `--max_row_secs`: the training seconds at which the row was cut off
     # (after the evaluation interval that passed the limit); NaN: ran all steps.
     cut_off_secs: float = math.nan
+    # The cluster (`--num_workers`, `--num_ps`); `single` has 1 worker, no ps.
+    num_workers: int = 2
+    num_ps: int = 1
+    # Downpour's push staleness (ps updates by other replicas between a
+    # replica's fetch and its push, `ReplicaStats`): the mean over the pushes
+    # of the measured window, the largest of the whole row; NaN for a row
+    # without Downpour.
+    staleness_mean: float = math.nan
+    staleness_max: float = math.nan
+    # The chief's CPU milliseconds (evaluations left out) per function the
+    # coordinator ran on the workers in the measured window; NaN for `single`.
+    chief_cpu_ms_per_function: float = math.nan
+    # `{"chief"|"ps"|"worker": MB}`: the largest proportional set size of a
+    # task of each kind at the end of the row (`benchmarks.task_memory`).
+    memory_mb: dict = dataclasses.field(default_factory=dict)
+    # Examples/s over the same row's (model, NIC, ps, name) at the fewest
+    # workers of the run (set by `replica_rows`; NaN before).
+    replica_speedup: float = math.nan
 
 
 def to_target(curve, examples_per_point: float, target: float) -> tuple[float, float]:
@@ -79,6 +98,12 @@ def to_target(curve, examples_per_point: float, target: float) -> tuple[float, f
     return secs, examples
 
 
+def _max_finite(values: list[float]) -> float:
+    """The largest of `values` that is not NaN; NaN when all are."""
+    finite = [v for v in values if not math.isnan(v)]
+    return max(finite) if finite else math.nan
+
+
 def _median_reached(values: list[float]) -> float:
     """Median where NaN (not reached) counts as slower than any round; NaN if so."""
     value = statistics.median(math.inf if math.isnan(v) else v for v in values)
@@ -87,6 +112,9 @@ def _median_reached(values: list[float]) -> float:
 
 def median_rows(rows: list[Row]) -> list[Row]:
     """One row per `(model, nic, name)`, first-seen order: medians over rounds.
+
+    The rows of one cluster (`num_workers`, `num_ps`); `replica_rows` takes
+    rows of several.
 
     `speedup` is the median over rounds of each round's examples/s over that
     round's stock examples/s (the i-th row of a configuration is round i): the
@@ -144,6 +172,15 @@ def median_rows(rows: list[Row]) -> list[Row]:
                 nic=nic,
                 num_params=group[0].num_params,
                 cut_off_secs=max(r.cut_off_secs for r in group),
+                num_workers=group[0].num_workers,
+                num_ps=group[0].num_ps,
+                staleness_mean=med("staleness_mean"),
+                staleness_max=_max_finite([r.staleness_max for r in group]),
+                chief_cpu_ms_per_function=med("chief_cpu_ms_per_function"),
+                memory_mb={
+                    k: max(r.memory_mb.get(k, 0.0) for r in group)
+                    for k in sorted({k for r in group for k in r.memory_mb})
+                },
             )
         )
     return result
@@ -318,3 +355,137 @@ def format_table(rows: list[Row], header: str) -> str:
             f"{r.test_loss:9.3f}" + (f" {r.nic:>9}" if shaped else "")
         )
     return "\n".join(lines)
+
+
+# --- Speed-up against replicas ---------------------------------------------------
+
+
+def replica_rows(rows: list[Row]) -> list[Row]:
+    """The cluster rows (not `single`) with `replica_speedup` set, in order.
+
+    Args:
+      rows: medians over rounds (`median_rows`) of one or more clusters.
+
+    Returns:
+      Copies of the rows but `single`, ordered by model, NIC, ps count, row
+      name (first seen) and worker count; `replica_speedup` is each row's
+      examples/s over those of the same model, NIC, ps count and name at the
+      fewest workers (1.0 there).
+    """
+    rows = [r for r in rows if r.name != "single"]
+    keys = list(dict.fromkeys((r.model, r.nic, r.num_ps, r.name) for r in rows))
+    result = []
+    for key in keys:
+        group = sorted(
+            (r for r in rows if (r.model, r.nic, r.num_ps, r.name) == key),
+            key=lambda r: r.num_workers,
+        )
+        base = group[0].examples_per_sec
+        for r in group:
+            speedup = r.examples_per_sec / base if base else math.nan
+            result.append(dataclasses.replace(r, replica_speedup=speedup))
+    return result
+
+
+_MEMORY_KINDS = ("chief", "ps", "worker")
+
+
+def format_replicas(rows: list[Row], header: str) -> str:
+    """The speed-up against replicas, Markdown: one line per row and worker count.
+
+    Args:
+      rows: `replica_rows`'s.
+      header: the line above the table (the run's settings).
+
+    Returns:
+      Columns: the row's cluster and name; examples/s and `x fewest` (its
+      `replica_speedup`); seconds and examples to the target, medians over
+      rounds with [min-max]; Downpour's push staleness, mean and max ("-"
+      without Downpour); socket bytes per example; the chief's CPU ms per
+      scheduled function; the largest PSS (MB) of the chief, a ps task and a
+      worker task.
+    """
+    lines = [
+        header,
+        "",
+        "| model | nic | ps | row | workers | ex/s | x fewest | secs to target "
+        "| examples to target | staleness mean | staleness max | B/ex "
+        "| chief CPU ms/function | chief MB | ps MB | worker MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lo, hi = r.spread.get("secs_to_target", (r.secs_to_target,) * 2)
+        elo, ehi = r.spread.get("examples_to_target", (r.examples_to_target,) * 2)
+        stale = not math.isnan(r.staleness_mean)
+        cpu = r.chief_cpu_ms_per_function
+        cells = [
+            r.model,
+            r.nic,
+            str(r.num_ps),
+            r.name,
+            str(r.num_workers),
+            f"{r.examples_per_sec:.0f}",
+            _fmt(r.replica_speedup, ".2f"),
+            f"{_secs_to_target(r)} [{_fmt_range(lo, hi, '.1f')}]",
+            f"{_fmt(r.examples_to_target, '.0f')} [{_fmt_range(elo, ehi, '.0f')}]",
+            f"{r.staleness_mean:.2f}" if stale else "-",
+            f"{r.staleness_max:.0f}" if stale else "-",
+            f"{r.socket_bytes_per_example:.0f}",
+            "-" if math.isnan(cpu) else f"{cpu:.1f}",
+            *(
+                f"{r.memory_mb[k]:.0f}" if k in r.memory_mb else "-"
+                for k in _MEMORY_KINDS
+            ),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_replicas_csv(path: str, rows: list[Row]) -> str:
+    """`format_replicas`'s table as CSV (NaN where a figure does not apply)."""
+    return plots.write_csv(
+        path,
+        [
+            "model",
+            "nic",
+            "num_ps",
+            "row",
+            "num_workers",
+            "examples_per_sec",
+            "x_fewest_workers",
+            "secs_to_target",
+            "secs_min",
+            "secs_max",
+            "examples_to_target",
+            "examples_min",
+            "examples_max",
+            "rounds",
+            "staleness_mean",
+            "staleness_max",
+            "socket_bytes_per_example",
+            "chief_cpu_ms_per_function",
+            *(f"{k}_pss_mb" for k in _MEMORY_KINDS),
+        ],
+        [
+            [
+                r.model,
+                r.nic,
+                r.num_ps,
+                r.name,
+                r.num_workers,
+                r.examples_per_sec,
+                r.replica_speedup,
+                r.secs_to_target,
+                *r.spread.get("secs_to_target", (math.nan,) * 2),
+                r.examples_to_target,
+                *r.spread.get("examples_to_target", (math.nan,) * 2),
+                r.rounds,
+                r.staleness_mean,
+                r.staleness_max,
+                r.socket_bytes_per_example,
+                r.chief_cpu_ms_per_function,
+                *(r.memory_mb.get(k, math.nan) for k in _MEMORY_KINDS),
+            ]
+            for r in rows
+        ],
+    )

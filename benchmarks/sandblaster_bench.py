@@ -35,6 +35,17 @@ machines, and SciPy gets one core too.
 The problem: a tanh MLP (`--features` -> `--hidden` -> 10, float32) on
 `--examples` synthetic examples labelled by a random teacher network.
 
+With several `--num_workers` or `--num_ps` counts (lists; the tables above
+use the first of each), or `--scaling_only` (that table alone), a fourth
+table: `--scaling_iters` L-BFGS iterations (backup tasks on, one evaluation
+off the clock first) on each worker count, on a cluster of each ps count,
+without and (2 workers or more) with the last worker `--slowdown` times
+slower: seconds per iteration and the speed-up over the fewest workers,
+evaluations, the coordinator's round trips to the ps (its vector operations
+and copies of x) and functions scheduled on the workers (portions and backup
+copies) per iteration, and its process CPU milliseconds per iteration;
+written to `sandblaster_scaling.csv`.
+
 `--phases_only` prints only the first table. The L-BFGS runs use `--two_loop`
 (vector-free by default) and report the round trips to the ps their vector
 work made per iteration.
@@ -50,6 +61,8 @@ Usage:
   python benchmarks/sandblaster_bench.py --portions=32 --slowdown=5
   python benchmarks/sandblaster_bench.py --examples=8192 --hidden=256 \
       --batches=2 --target_iters=20 --max_iters=30   # quick
+  python benchmarks/sandblaster_bench.py --scaling_only --num_workers=1,2,4,8 \
+      --num_ps=2
 """
 
 import os
@@ -61,6 +74,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The repository root, for `benchmarks.stragglers` and `tf_distbelief`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import functools
 import time
 
 import numpy as np
@@ -93,7 +107,13 @@ def define_flags():
         lower_bound=1,
     )
     flags.DEFINE_integer("max_iters", 60, "Most Sandblaster iterations.", lower_bound=1)
-    flags.DEFINE_integer("num_workers", 2, "Workers.", lower_bound=2)
+    flags.DEFINE_list(
+        "num_workers",
+        ["2"],
+        "Worker counts: the first is the tables' (phases, batch figure); with "
+        "several (or --scaling_only) the scaling table runs L-BFGS on each.",
+    )
+    flags.register_validator("num_workers", _check_counts("num_workers"))
     flags.DEFINE_list(
         "target_runs",
         ["2x16", "2x4", "2x2", "1x4", "1x2", "1x1"],
@@ -102,7 +122,24 @@ def define_flags():
         "trade straggler tolerance for speed).",
     )
     flags.register_validator("target_runs", _check_target_runs)
-    flags.DEFINE_integer("num_ps", 2, "Parameter-server tasks.", lower_bound=1)
+    flags.DEFINE_list(
+        "num_ps",
+        ["2"],
+        "Parameter-server task counts: the first is the tables'; the scaling "
+        "table runs on a cluster of each.",
+    )
+    flags.register_validator("num_ps", _check_counts("num_ps"))
+    flags.DEFINE_integer(
+        "scaling_iters",
+        10,
+        "L-BFGS iterations of each scaling run (after one evaluation off the clock).",
+        lower_bound=1,
+    )
+    flags.DEFINE_bool(
+        "scaling_only",
+        False,
+        "Print only the scaling table (every --num_workers and --num_ps count).",
+    )
     flags.DEFINE_integer("seed", 0, "Data and initialisation seed.")
     flags.DEFINE_enum(
         "two_loop",
@@ -305,6 +342,137 @@ def _sandblaster_to_target(make_objective, target, workers, portions):
     return row, curve
 
 
+def _counts(values: list[str]) -> list[int]:
+    """`--num_workers` or `--num_ps` as ints, in the order given."""
+    return [int(v) for v in values]
+
+
+def _check_counts(flag: str):
+    """An absl validator of the list flag `flag`: integers >= 1, none twice."""
+
+    def check(values: list[str]) -> bool:
+        try:
+            counts = _counts(values)
+        except ValueError:
+            counts = [0]
+        if not counts or min(counts) < 1 or len(set(counts)) < len(counts):
+            raise flags.ValidationError(
+                f"--{flag} must list integers >= 1, each once. Received: "
+                f"{','.join(values)}"
+            )
+        return True
+
+    return check
+
+
+def _scaling_run(make_objective, workers, ps, slowdown=None):
+    """`--scaling_iters` L-BFGS iterations on `workers` workers; returns a row.
+
+    One evaluation at the start point comes first, off the clock (it sends the
+    portion function to the workers). With `slowdown`, the last worker is
+    that many times slower (`stragglers.slow_worker`); backup tasks are on.
+
+    Returns:
+      `{"workers", "ps", "straggler", "secs_per_iter", "evals_per_iter",
+      "ps_trips_per_iter", "functions_per_iter", "cpu_ms_per_iter", "loss"}`:
+      the coordinator's round trips to the ps (vector operations and the
+      copy of x, `ps_vectors` counts them) and functions scheduled on the
+      workers (portions and backup copies), and its process CPU, per
+      iteration.
+    """
+    from benchmarks import stragglers
+    from tf_distbelief.sandblaster import lbfgs
+
+    kwargs = {"backup_tasks": True}
+    if slowdown is not None:
+        kwargs["portion_delay_fn"] = stragglers.slow_worker(
+            workers - 1, straggler_slowdown=slowdown
+        )
+    obj = make_objective(**kwargs)
+    x0 = obj.ops.from_numpy(obj.layout.read())
+    obj(x0)
+    stats = obj.stats
+    functions = stats.portions_scheduled + stats.backup_copies_scheduled
+    obj.ops.round_trips.clear()
+    cpu, start = time.process_time(), time.monotonic()
+    result = lbfgs.minimize(
+        obj,
+        x0,
+        obj.ops,
+        m=10,
+        max_iters=FLAGS.scaling_iters,
+        gtol=0.0,
+        ftol=0.0,
+        two_loop=FLAGS.two_loop,
+    )
+    secs, cpu = time.monotonic() - start, time.process_time() - cpu
+    functions = stats.portions_scheduled + stats.backup_copies_scheduled - functions
+    trips = sum(obj.ops.round_trips.values())
+    obj.close()
+    iters = max(result.num_iters, 1)
+    return {
+        "workers": workers,
+        "ps": ps,
+        "straggler": slowdown,
+        "secs_per_iter": secs / iters,
+        "evals_per_iter": result.num_evals / iters,
+        "ps_trips_per_iter": trips / iters,
+        "functions_per_iter": functions / iters,
+        "cpu_ms_per_iter": 1e3 * cpu / iters,
+        "loss": result.loss_history[-1],
+    }
+
+
+def _scaling_table(runs):
+    """Header and cells of the scaling runs (`_scaling_run`'s rows).
+
+    `x fewest`: seconds per iteration of the no-straggler run at the fewest
+    workers of the same ps count over this run's (a speed-up);
+    `x no straggler`: this run's seconds per iteration over the no-straggler
+    run's of the same worker and ps count ("-" for that run itself).
+    """
+    header = [
+        "ps",
+        "workers",
+        "straggler",
+        "secs/iter",
+        "x fewest",
+        "x no straggler",
+        "evals/iter",
+        "ps round trips/iter",
+        "functions/iter",
+        "chief CPU ms/iter",
+        "loss",
+    ]
+    plain = {(r["ps"], r["workers"]): r for r in runs if r["straggler"] is None}
+    rows = []
+    for r in runs:
+        fewest = min((w for p, w in plain if p == r["ps"]), default=None)
+        base = plain.get((r["ps"], fewest))
+        same = plain.get((r["ps"], r["workers"]))
+        slowed = r["straggler"] is not None
+        rows.append(
+            [
+                str(r["ps"]),
+                str(r["workers"]),
+                f"last {r['straggler']:g}x slower" if slowed else "-",
+                f"{r['secs_per_iter']:.3f}",
+                "-"
+                if base is None
+                else f"{base['secs_per_iter'] / r['secs_per_iter']:.2f}",
+                f"{r['secs_per_iter'] / same['secs_per_iter']:.2f}"
+                if slowed and same
+                else "-",
+                f"{r['evals_per_iter']:.2f}",
+                f"{r['ps_trips_per_iter']:.1f}",
+                f"{r['functions_per_iter']:.1f}",
+                f"{r['cpu_ms_per_iter']:.0f}",
+                f"{r['loss']:.4g}",
+            ]
+        )
+    return header, rows
+
+
 def _parse_target_runs(runs: list[str]) -> list[tuple[int, int]]:
     """`--target_runs` as `(workers, portions)` pairs, both >= 1.
 
@@ -343,8 +511,6 @@ def main(argv):
     import tf_keras
 
     from tf_distbelief import cluster
-    from tf_distbelief import strategy as strategy_lib
-    from tf_distbelief.sandblaster import objective as sandblaster
 
     x, y = make_data(FLAGS.examples, FLAGS.features, FLAGS.seed)
     loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -355,37 +521,27 @@ def main(argv):
             f"straggler). Received: {FLAGS.straggler_workers}"
         )
     target_runs = _parse_target_runs(FLAGS.target_runs)
-    most = max([FLAGS.num_workers, *straggler_workers, *(w for w, _ in target_runs)])
-    with cluster.LocalCluster(most, FLAGS.num_ps) as local:
-        strategies = {}
-
-        def objective_on(workers):
-            def make(portions=FLAGS.portions, **kwargs):
-                if workers not in strategies:
-                    strategies[workers] = strategy_lib.DistBeliefStrategy(
-                        local.resolver_for(num_workers=workers)
-                    )
-                model = build_model(FLAGS.features, FLAGS.hidden, FLAGS.seed)
-                return sandblaster.SandblasterObjective(
-                    strategies[workers],
-                    model,
-                    loss_fn,
-                    x,
-                    y,
-                    portions=portions,
-                    **kwargs,
-                )
-
-            return make
-
-        make_objective = objective_on(FLAGS.num_workers)
+    workers_list, ps_list = _counts(FLAGS.num_workers), _counts(FLAGS.num_ps)
+    num_workers, num_ps = workers_list[0], ps_list[0]
+    if FLAGS.scaling_only or len(workers_list) > 1 or len(ps_list) > 1:
+        # Last, or alone: each ps count on a cluster of its own.
+        scaling = functools.partial(_scaling, workers_list, ps_list, x, y, loss_fn)
+    else:
+        scaling = None
+    if FLAGS.scaling_only:
+        scaling()
+        return
+    most = max([num_workers, *straggler_workers, *(w for w, _ in target_runs)])
+    with cluster.LocalCluster(most, num_ps) as local:
+        objective_on = _objective_factory(local, x, y, loss_fn)
+        make_objective = objective_on(num_workers)
         obj = make_objective(backup_tasks=True)
         x_vector = obj.ops.from_numpy(obj.layout.read())
         batch_secs(obj, x_vector, 1)
         _print_table(
             f"One evaluation, no straggler ({FLAGS.examples} examples, "
-            f"{FLAGS.portions} portions, {FLAGS.num_workers} workers, "
-            f"{FLAGS.num_ps} ps; mean of {FLAGS.batches}):",
+            f"{FLAGS.portions} portions, {num_workers} workers, "
+            f"{num_ps} ps; mean of {FLAGS.batches}):",
             ["phase", "secs per evaluation", "share"],
             sandblaster_phases.evaluation_phases(obj, x_vector, FLAGS.batches),
         )
@@ -393,11 +549,11 @@ def main(argv):
         whole = make_objective(portions=1, backup_tasks=False)
         one, together = sandblaster_phases.parallel_capacity(whole, FLAGS.batches)
         whole.close()
-        capacity = FLAGS.num_workers * one / together
+        capacity = num_workers * one / together
         print(
             f"\nThese cores: one whole-batch evaluation on one worker {one:.3f} s; "
-            f"{FLAGS.num_workers} at once, one per worker, {together:.3f} s: "
-            f"{FLAGS.num_workers} workers give {capacity:.2f}x one worker's "
+            f"{num_workers} at once, one per worker, {together:.3f} s: "
+            f"{num_workers} workers give {capacity:.2f}x one worker's "
             f"throughput, so an evaluation on them takes at least "
             f"{1 / capacity:.2f}x one worker's time (median of {FLAGS.batches}).",
             flush=True,
@@ -410,7 +566,7 @@ def main(argv):
                 objective_on(workers), FLAGS.straggler_runs, FLAGS.batches, workers
             )
             straggler_rows += rows
-            if workers == FLAGS.num_workers or not batch_times:
+            if workers == num_workers or not batch_times:
                 batch_times = times
 
         # Convergence: SciPy first (it defines the target), then Sandblaster.
@@ -442,7 +598,7 @@ def main(argv):
     params = (FLAGS.features + 1) * FLAGS.hidden + (FLAGS.hidden + 1) * 10
     print(
         f"\nSandblaster L-BFGS: {FLAGS.examples} examples, {params} parameters, "
-        f"{FLAGS.portions} portions, {FLAGS.num_workers} workers, {FLAGS.num_ps} "
+        f"{FLAGS.portions} portions, {num_workers} workers, {num_ps} "
         f"ps, 1 intra-op thread per task; target loss {target:.4g} (SciPy after "
         f"{FLAGS.target_iters} iterations)",
         flush=True,
@@ -493,7 +649,73 @@ def main(argv):
             batch_times,
             curves,
             target,
+            num_workers,
         )
+    if scaling is not None:
+        scaling()
+
+
+def _objective_factory(local, x, y, loss_fn):
+    """`objective_on(workers)`: a maker of `SandblasterObjective`s on the first
+    `workers` workers of `local` (one strategy per worker count)."""
+    from tf_distbelief import strategy as strategy_lib
+    from tf_distbelief.sandblaster import objective as sandblaster
+
+    strategies = {}
+
+    def objective_on(workers):
+        def make(portions=FLAGS.portions, **kwargs):
+            if workers not in strategies:
+                strategies[workers] = strategy_lib.DistBeliefStrategy(
+                    local.resolver_for(num_workers=workers)
+                )
+            model = build_model(FLAGS.features, FLAGS.hidden, FLAGS.seed)
+            return sandblaster.SandblasterObjective(
+                strategies[workers],
+                model,
+                loss_fn,
+                x,
+                y,
+                portions=portions,
+                **kwargs,
+            )
+
+        return make
+
+    return objective_on
+
+
+def _scaling(workers_list, ps_list, x, y, loss_fn):
+    """The scaling table: L-BFGS iterations on each worker and ps count, with
+    and (2 workers or more) without the last worker `--slowdown` times slower;
+    printed, and with `--out_dir` written to `sandblaster_scaling.csv`."""
+    from tf_distbelief import cluster
+
+    runs = []
+    for ps in ps_list:
+        with cluster.LocalCluster(max(workers_list), ps) as local:
+            objective_on = _objective_factory(local, x, y, loss_fn)
+            for workers in workers_list:
+                slowdowns = [None] + ([FLAGS.slowdown] if workers > 1 else [])
+                for slowdown in slowdowns:
+                    runs.append(
+                        _scaling_run(objective_on(workers), workers, ps, slowdown)
+                    )
+                    print(f"scaling run: {runs[-1]}", flush=True)
+    header, rows = _scaling_table(runs)
+    _print_table(
+        f"Scaling: {FLAGS.scaling_iters} L-BFGS iterations ({FLAGS.examples} "
+        f"examples, {FLAGS.portions} portions, backup tasks, {FLAGS.two_loop}) "
+        f"per worker and ps count; x fewest: secs/iter at the fewest workers "
+        f"(same ps count, no straggler) over this run's:",
+        header,
+        rows,
+    )
+    if FLAGS.out_dir:
+        path = plots.write_csv(
+            os.path.join(FLAGS.out_dir, "sandblaster_scaling.csv"), header, rows
+        )
+        print(f"wrote {path}", flush=True)
 
 
 def _print_table(title, header, rows):
@@ -508,7 +730,15 @@ def _print_table(title, header, rows):
 
 
 def _write_outputs(
-    out_dir, header, rows, straggler_header, straggler_rows, batch_times, curves, target
+    out_dir,
+    header,
+    rows,
+    straggler_header,
+    straggler_rows,
+    batch_times,
+    curves,
+    target,
+    num_workers,
 ):
     """The tables and loss curves as CSV; the batch-time and loss figures."""
     plots.write_csv(os.path.join(out_dir, "sandblaster.csv"), header, rows)
@@ -531,7 +761,7 @@ def _write_outputs(
             {"batch": [secs for _, secs in batch_times]},
             title=(
                 f"Sandblaster: one batch ({FLAGS.portions} portions), "
-                f"{FLAGS.num_workers} workers (section 4.2)"
+                f"{num_workers} workers (section 4.2)"
             ),
             xlabel="",
             ylabel="batch time (s, median)",

@@ -359,13 +359,25 @@ class EmulatedNetwork:
         _run([*enter, self._tc, "-batch", "-"], _htb(inside, bits))  # Out of it.
 
     def close(self) -> None:
-        """Removes the bridge (a task's veth pair ends with its namespace)."""
+        """Removes the tasks' veth pairs and the bridge.
+
+        A veth pair would also end with its task's namespace, but only once
+        the task's process is gone, which may be after this returns: the next
+        network given the same number would then find `<bridge>h<k>` taken.
+        """
         number = getattr(self, "_number", None)
         if number is None:
             return
+        links = "".join(
+            f"link del {self.bridge}h{k}\n"
+            for k in range(1, getattr(self, "_links", 0) + 1)
+        )
         subprocess.run(
-            [self._ip, "link", "del", self.bridge],
+            # -force: on past a pair already gone with its namespace.
+            [self._ip, "-force", "-batch", "-"],
+            input=links + f"link del {self.bridge}\n",
             capture_output=True,
+            text=True,
             timeout=_COMMAND_TIMEOUT_SECS,
         )
         with _networks_lock:
