@@ -92,7 +92,8 @@ def test_one_replica_parameter_residual_uncompressed_is_the_outer_rule():
     assert stats.whole_fetches == 1
     assert stats.updates_replayed == stats.pushes - 1
     model_bytes = sum(p.nbytes for p in params)
-    assert stats.bytes_fetched == 2 * model_bytes + 8 * stats.updates_replayed
+    # The first fetch sends no momentum: the ps has applied nothing yet.
+    assert stats.bytes_fetched == model_bytes + 8 * stats.updates_replayed
 
 
 # --- The update stream ---------------------------------------------------------
@@ -143,9 +144,10 @@ def test_stream_fetch_bytes_are_the_others_pushes():
     config = Config(2, 2, **OUTER)
     _, stats = _run(Exchange(fetch="stream"), params, batches, config)
     model_bytes = sum(p.nbytes for p in params)
-    # Replica 0: a whole fetch (w and m) at step 0, then at step 2 its own
-    # update (its id) and replica 1's (dense: the model's bytes, and its id).
-    assert stats[0].bytes_fetched == 2 * model_bytes + 8 + (model_bytes + 8)
+    # Replica 0: a whole fetch at step 0 (no momentum yet), then at step 2
+    # its own update (its id) and replica 1's (dense: the model's bytes, and
+    # its id).
+    assert stats[0].bytes_fetched == model_bytes + 8 + (model_bytes + 8)
     assert stats[0].bytes_pushed == model_bytes
 
 
@@ -155,6 +157,11 @@ def test_a_replica_behind_the_window_gets_a_whole_fetch():
     _, stats = _run(Exchange(fetch="stream", window=1), params, batches, config)
     # Two updates land between a replica's fetches: one more than the window.
     assert all(s.whole_fetches == s.fetches for s in stats)
+    # Each whole fetch after the first sends the momentum too.
+    model_bytes = sum(p.nbytes for p in params)
+    assert [s.bytes_fetched for s in stats] == [
+        (2 * s.fetches - 1) * model_bytes for s in stats
+    ]
     _, stats = _run(Exchange(fetch="stream", window=2), params, batches, config)
     assert all(s.whole_fetches == 1 for s in stats)
 

@@ -35,10 +35,11 @@ step `t`:
 Bytes (`ExchangeStats`): a push sends its values (coded or not) and, with
 top-k, its positions in `positions` (`position_codes`). A whole fetch sends
 the model (with `fetch="stream"` and `mu > 0` the momentum too, to replay
-from); a stream fetch sends each logged push since the replica's last fetch
-(`STREAM_ID_BYTES` for its own, which it already holds; the others' bytes
-plus that). The ps applies a push atomically; there is no staleness limit
-(`max_staleness`) or warm start. Pure: no TensorFlow.
+from, once the ps has applied a push); a stream fetch sends each logged push
+since the replica's last fetch (`STREAM_ID_BYTES` for its own, which it
+already holds; the others' bytes plus that). The ps applies a push
+atomically; there is no staleness limit (`max_staleness`) or warm start.
+Pure: no TensorFlow.
 """
 
 from __future__ import annotations
@@ -315,9 +316,6 @@ def simulate(
         ]
     zeros = [np.zeros_like(p) for p in ps]
     model_bytes = sum(p.nbytes for p in ps)
-    whole_bytes = model_bytes
-    if exchange.fetch == "stream" and mu:
-        whole_bytes += model_bytes  # The momentum, to replay from.
     caches: list = [None] * replicas
     mirrors: list = [None] * replicas
     mirror_momentum: list = [None] * replicas
@@ -343,7 +341,9 @@ def simulate(
                 mirrors[r] = [p.copy() for p in ps]
                 mirror_momentum[r] = [m.copy() for m in momentum]
                 s.whole_fetches += 1
-                s.bytes_fetched += whole_bytes
+                s.bytes_fetched += model_bytes
+                if exchange.fetch == "stream" and mu and total:
+                    s.bytes_fetched += model_bytes  # The momentum, to replay from.
             else:
                 w, m = mirrors[r], mirror_momentum[r]
                 for who, sent, nbytes in log[seq[r] - log_start :]:
