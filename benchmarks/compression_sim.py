@@ -160,7 +160,7 @@ def main(argv):
             _run_seed(f, seed, todo, evals, got)
         if csv_path:
             plots.write_csv(csv_path, _HEADER, [[*k, *got[k]] for k in sorted(got)])
-    rows = _table(got, evals)
+    rows = _table(got)
     print(
         f"speech 440-{f.hidden_units}x4-{f.classes}, 2 replicas, n={_N}, batch "
         f"{downpour_modes._BATCH_SIZE}, outer lr {f.outer_learning_rate} momentum "
@@ -229,14 +229,15 @@ def _run_seed(f, seed, variants, evals, got):
         )
 
 
-def _table(got, evals):
+def _table(got):
     """Rows `(variant, step, seeds, accuracy, gap, sd, bytes/ex, x fewer,
-    bytes/ex after the first fetches, met)`, over the seeds that ran both the
-    variant and `outer` (`seeds` names them): means; the gap and its sd in
-    points against `outer` of the same seed."""
+    bytes/ex after the first fetches, met)` of every variant and step in
+    `got`, over the seeds that ran both the variant and `outer` (`seeds`
+    names them): means; the gap and its sd in points against `outer` of the
+    same seed."""
     rows = []
     variants = list(dict.fromkeys(v for _, v, _ in sorted(got, key=_order)))
-    for step in evals:
+    for step in sorted({t for _, v, t in got if v == "outer"}):
         base = {s: got[s, v, t] for s, v, t in got if v == "outer" and t == step}
         base_bytes = statistics.mean(b[1] for b in base.values())
         for variant in variants:
