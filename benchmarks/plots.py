@@ -244,6 +244,7 @@ def scatter_plot(
         ax.axvline(vline[0], color="grey", linestyle=":", linewidth=1, label=vline[1])
     if logx:
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter("")  # Labelled decades only: no overlaps.
     _finish(fig, ax, path, title, xlabel, ylabel, note)
     plt.close(fig)
     return path
