@@ -35,7 +35,7 @@ and only the missing (seed, variant) pairs run: a table can be built over
 several invocations, and each row says which seeds it averages.
 
 Usage:
-  python benchmarks/compression_sim.py     # about 3 hours on 2 idle cores
+  python benchmarks/compression_sim.py     # about an hour on 2 cores
   python benchmarks/compression_sim.py --seeds=0 --steps=64 --eval_steps=32,64
 """
 
