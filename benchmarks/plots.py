@@ -194,6 +194,62 @@ def bar_plot(
     return path
 
 
+def scatter_plot(
+    path: str,
+    groups: Mapping[str, Sequence[tuple[float, float, str]]],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    hline: tuple[float, str] | None = None,
+    vline: tuple[float, str] | None = None,
+    logx: bool = False,
+    note: str = "",
+) -> str:
+    """Labelled points, one marker style per group (a Pareto figure); returns
+    `path`.
+
+    Args:
+      path: the PNG to write (overwritten; the folder is made if missing).
+      groups: `{group: [(x, y, label), ...]}`; each point is written with its
+        label beside it.
+      title, xlabel, ylabel: the figure's texts (units in the labels).
+      hline: `(y, label)` of a dashed horizontal line (e.g. the largest gap
+        allowed).
+      vline: `(x, label)` of a dotted vertical line (e.g. a byte budget).
+      logx: a logarithmic x axis.
+      note: a small text under the plot.
+
+    Returns:
+      `path`.
+
+    Raises:
+      ValueError: `groups` is empty.
+    """
+    if not groups:
+        raise ValueError("Argument `groups` must hold at least one group. Received: {}")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=_FIGSIZE)
+    for marker, (group, points) in zip("os^Dv<>", groups.items()):
+        xs = [x for x, _, _ in points]
+        ys = [y for _, y, _ in points]
+        ax.scatter(xs, ys, marker=marker, s=18, label=group)
+        for x, y, label in points:
+            ax.annotate(
+                label, (x, y), xytext=(3, 3), textcoords="offset points", fontsize=7
+            )
+    if hline is not None:
+        ax.axhline(hline[0], color="grey", linestyle="--", linewidth=1, label=hline[1])
+    if vline is not None:
+        ax.axvline(vline[0], color="grey", linestyle=":", linewidth=1, label=vline[1])
+    if logx:
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter("")  # Labelled decades only: no overlaps.
+    _finish(fig, ax, path, title, xlabel, ylabel, note)
+    plt.close(fig)
+    return path
+
+
 def _missing(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 

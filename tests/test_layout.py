@@ -33,6 +33,8 @@ PURE_MODULES = [
     "tf_distbelief.adagrad.rule",
     "tf_distbelief.downpour.config_fields",
     "tf_distbelief.downpour.schedule",
+    "tf_distbelief.downpour.update_stream",
+    "tf_distbelief.downpour.position_codes",
     "tf_distbelief.downpour.report",
     "tf_distbelief.downpour.push_rules.rule",
     "tf_distbelief.downpour.push_rules.reference",

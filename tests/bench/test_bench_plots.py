@@ -52,6 +52,25 @@ def test_bar_plot_draws_missing_values_and_log_axis(tmp_path):
     assert _png_size(path) == (640, 400)
 
 
+def test_scatter_plot_labels_points_with_budget_lines(tmp_path):
+    path = plots.scatter_plot(
+        str(tmp_path / "pareto.png"),
+        {
+            "after 960": [(37800.0, 0.0, "outer"), (900.0, -4.9, "ef1")],
+            "after 2880": [(37800.0, 0.0, "outer"), (300.0, -1.2, "ps1")],
+        },
+        title="t",
+        xlabel="B/ex",
+        ylabel="gap",
+        hline=(-1.0, "1 point"),
+        vline=(1260.0, "budget"),
+        logx=True,
+    )
+    assert _png_size(path) == (640, 400)
+    with pytest.raises(ValueError, match=r"`groups` must hold at least one group"):
+        plots.scatter_plot("unused.png", {}, title="", xlabel="", ylabel="")
+
+
 def test_plots_name_the_bad_series():
     with pytest.raises(ValueError, match=r"Series 'a' must have as many x as y"):
         plots.line_plot("unused.png", {"a": ([1], [])}, title="", xlabel="", ylabel="")

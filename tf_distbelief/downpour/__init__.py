@@ -2,6 +2,9 @@
 
 * `config`, `schedule`: the configuration and the step order, with the cadence
   rules and a NumPy reference (`schedule.simulate`); pure, no TensorFlow.
+* `update_stream`, `position_codes`: compressed outer pushes with
+  update-stream fetches, and the bytes of coded positions, in NumPy (the
+  ways of compressing the exchange, compared before any is built); pure.
 * `variables`: ps variables that read as a replica's cache (`enable`).
 * `base`, `dense`, `row_sparse`: a replica's per-worker state and ops, per
   variable kind (dense variables, tables read by rows).
