@@ -77,6 +77,7 @@ __all__ = [
     "adagrad_ps",
     "is_fetch_step",
     "is_push_step",
+    "local_step",
     "num_fetches",
     "num_pushes",
     "sgd_ps",
@@ -219,6 +220,36 @@ class ReplicaStats:
     row_bytes_pushed: int = 0
 
 
+def local_step(
+    optimizer: str,
+    cache: list,
+    accumulators: list,
+    grads: list,
+    learning_rate: float,
+    epsilon: float,
+) -> tuple[list, list]:
+    """One local step of a replica on its parameter cache, in NumPy.
+
+    Args:
+      optimizer: `"sgd"` or `"adagrad"` (`DownpourConfig.local_optimizer`).
+      cache: the replica's parameters, a list of arrays.
+      accumulators: the local AdaGrad accumulators (unused by SGD).
+      grads: the gradients, shaped as `cache`.
+      learning_rate: the local step size.
+      epsilon: AdaGrad's epsilon.
+
+    Returns:
+      `(cache, accumulators)` after the step (new arrays).
+    """
+    if optimizer == "sgd":
+        return [c - learning_rate * g for c, g in zip(cache, grads)], accumulators
+    stepped = [
+        adagrad_rule.adagrad_update(c, b, g, learning_rate, epsilon)
+        for c, b, g in zip(cache, accumulators, grads)
+    ]
+    return [c for c, _ in stepped], [b for _, b in stepped]
+
+
 def simulate(
     params: Sequence[np.ndarray],
     grad_fn: Callable[[list, object], list],
@@ -342,15 +373,9 @@ def simulate(
             touched[r][i] |= ids
         g = grad_fn(caches[r], batch)
         before = caches[r]
-        if config.local_optimizer == "sgd":
-            caches[r] = [c - local_lr * gi for c, gi in zip(caches[r], g)]
-        else:
-            stepped = [
-                adagrad_rule.adagrad_update(c, b, gi, local_lr, local_epsilon)
-                for c, b, gi in zip(caches[r], local_accs[r], g)
-            ]
-            caches[r] = [c for c, _ in stepped]
-            local_accs[r] = [b for _, b in stepped]
+        caches[r], local_accs[r] = local_step(
+            config.local_optimizer, caches[r], local_accs[r], g, local_lr, local_epsilon
+        )
         if deltas:  # The pushed pseudo-gradient: the local steps' sum.
             g_acc = [b - c for b, c in zip(before, caches[r])]
         else:

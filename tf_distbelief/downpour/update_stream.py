@@ -51,8 +51,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from tf_distbelief import checks
-from tf_distbelief.adagrad import rule as adagrad_rule
-from tf_distbelief.downpour import position_codes
+from tf_distbelief.downpour import position_codes, schedule
 from tf_distbelief.downpour.push_rules import outer_nesterov, quantize, top_k
 
 __all__ = ["Exchange", "ExchangeStats", "STREAM_ID_BYTES", "compress", "simulate"]
@@ -364,15 +363,9 @@ def simulate(
                 caches[r] = [w.copy() for w in mirrors[r]]
         g = grad_fn(caches[r], next(iters[r]))
         before = caches[r]
-        if config.local_optimizer == "sgd":
-            caches[r] = [c - local_lr * gi for c, gi in zip(caches[r], g)]
-        else:
-            stepped = [
-                adagrad_rule.adagrad_update(c, b, gi, local_lr, local_epsilon)
-                for c, b, gi in zip(caches[r], local_accs[r], g)
-            ]
-            caches[r] = [c for c, _ in stepped]
-            local_accs[r] = [b for _, b in stepped]
+        caches[r], local_accs[r] = schedule.local_step(
+            config.local_optimizer, caches[r], local_accs[r], g, local_lr, local_epsilon
+        )
         accs[r] = [a + (b - c) for a, b, c in zip(accs[r], before, caches[r])]
         if (t + 1) % n == 0:
             fraction = exchange.fraction_at(s.pushes)
