@@ -55,6 +55,21 @@ def pytest_configure(config):
         )
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """Puts the tests marked `slow` before the others, each part in its order.
+
+    `--dist loadgroup` hands each test (or `xdist_group`) to the next free
+    worker in collection order, after the groups: a test of half a minute
+    collected near the end kept one worker busy while the other had nothing
+    left. Run first, the slow tests are spread over both workers and the
+    quick ones fill in at the end, so that the workers finish together.
+    `trylast`, so that pytest's own grouping by module-scoped parameters
+    comes first and is kept within each part.
+    """
+    items[:] = sorted(items, key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def local_cluster():
     """A running `LocalCluster` of 3 workers (2 CPU devices each) and 3 ps tasks.

@@ -42,6 +42,10 @@ DEVICES = mp.cpu_device_names(2)
 # pushes land.
 EPOCHS = 8
 MIN_TEST_ACCURACY = 0.90
+# One process runs the module, so that each flavour's model (`trained_*`, a
+# module fixture of one training) is trained once: handed out test by test,
+# both workers trained both.
+pytestmark = pytest.mark.xdist_group("model_parallel_cluster")
 
 
 # --- No cluster: the models --------------------------------------------------
