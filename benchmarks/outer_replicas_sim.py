@@ -69,6 +69,12 @@ def define_flags():
     )
     flags.DEFINE_float("outer_learning_rate", 0.35, "The outer lr at W = 2.")
     flags.DEFINE_float("outer_momentum", 0.9, "Outer Nesterov momentum.")
+    flags.DEFINE_float(
+        "local_learning_rate",
+        None,
+        "The local AdaGrad step size (default: the ps AdaGrad's 0.2).",
+        lower_bound=0.0,
+    )
     flags.DEFINE_integer("hidden_units", 256, "Speech model width.", lower_bound=1)
     flags.DEFINE_integer("classes", 8192, "Speech model softmax width.", lower_bound=2)
 
@@ -192,6 +198,7 @@ def main(argv):
                                 n,
                                 local_optimizer="adagrad",
                                 adagrad_accumulator="squares",
+                                local_learning_rate=f.local_learning_rate,
                                 **_settings(rule_name, replicas, f),
                             )
                             got, stats = schedule.simulate(
