@@ -105,6 +105,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from benchmarks import (  # noqa: E402
+    cluster_counts,
     downpour_figures,
     downpour_network,
     plots,
@@ -242,9 +243,9 @@ def define_flags():
         "each count, with each --num_ps count; with several, the speed-up "
         "against replicas is printed and drawn.",
     )
-    flags.register_validator("num_workers", _check_counts("num_workers"))
+    flags.register_validator("num_workers", cluster_counts.check_counts("num_workers"))
     flags.DEFINE_list("num_ps", ["1"], "ps task counts (see --num_workers).")
-    flags.register_validator("num_ps", _check_counts("num_ps"))
+    flags.register_validator("num_ps", cluster_counts.check_counts("num_ps"))
     flags.DEFINE_integer("batch_size", 32, "Examples per step.", lower_bound=1)
     # 20 rather than `JobConfig`'s 10: tf_keras spends about 10 ms of chief
     # CPU per scheduled function here (scheduling, its step count, the logs),
@@ -1072,32 +1073,13 @@ def _predictions(f, rows, loopback_bits, workers=2, ps=1):
     )
 
 
-def _counts(values: list[str]) -> list[int]:
-    """`--num_workers` or `--num_ps` as ints, in the order given."""
-    return [int(v) for v in values]
-
-
-def _check_counts(flag: str):
-    """An absl validator of the list flag `flag`: integers >= 1, none twice."""
-
-    def check(values: list[str]) -> bool:
-        try:
-            counts = _counts(values)
-        except ValueError:
-            counts = [0]
-        if not counts or min(counts) < 1 or len(set(counts)) < len(counts):
-            raise flags.ValidationError(
-                f"--{flag} must list integers >= 1, each once. Received: "
-                f"{','.join(values)}"
-            )
-        return True
-
-    return check
-
-
 def _clusters(f) -> list[tuple[int, int]]:
     """`(workers, ps)` of every cluster: each ps count, each worker count."""
-    return [(w, p) for p in _counts(f.num_ps) for w in _counts(f.num_workers)]
+    return [
+        (w, p)
+        for p in cluster_counts.counts(f.num_ps)
+        for w in cluster_counts.counts(f.num_workers)
+    ]
 
 
 def _report(f, rows, round_rows, rounds, workers, ps, loopback_bits, folder):
@@ -1140,7 +1122,7 @@ def _report_replicas(f, rows, rounds):
     header = (
         f"speed-up against replicas (workers={','.join(f.num_workers)}; medians "
         f"of {rounds} rounds; x fewest: ex/s over the same row's at "
-        f"{min(_counts(f.num_workers))} workers):"
+        f"{min(cluster_counts.counts(f.num_workers))} workers):"
     )
     print(flush=True)
     print(format_replicas(rows, header), flush=True)
@@ -1235,7 +1217,7 @@ def main(argv):
             loopback_bits,
             folder,
         )
-    if len(_counts(f.num_workers)) > 1:
+    if len(cluster_counts.counts(f.num_workers)) > 1:
         _report_replicas(f, medians, rounds)
 
 

@@ -81,7 +81,7 @@ import numpy as np
 import scipy.optimize
 from absl import app, flags
 
-from benchmarks import plots, sandblaster_phases
+from benchmarks import cluster_counts, plots, sandblaster_phases
 from tf_distbelief import console
 
 
@@ -113,7 +113,7 @@ def define_flags():
         "Worker counts: the first is the tables' (phases, batch figure); with "
         "several (or --scaling_only) the scaling table runs L-BFGS on each.",
     )
-    flags.register_validator("num_workers", _check_counts("num_workers"))
+    flags.register_validator("num_workers", cluster_counts.check_counts("num_workers"))
     flags.DEFINE_list(
         "target_runs",
         ["2x16", "2x4", "2x2", "1x4", "1x2", "1x1"],
@@ -128,7 +128,7 @@ def define_flags():
         "Parameter-server task counts: the first is the tables'; the scaling "
         "table runs on a cluster of each.",
     )
-    flags.register_validator("num_ps", _check_counts("num_ps"))
+    flags.register_validator("num_ps", cluster_counts.check_counts("num_ps"))
     flags.DEFINE_integer(
         "scaling_iters",
         10,
@@ -342,29 +342,6 @@ def _sandblaster_to_target(make_objective, target, workers, portions):
     return row, curve
 
 
-def _counts(values: list[str]) -> list[int]:
-    """`--num_workers` or `--num_ps` as ints, in the order given."""
-    return [int(v) for v in values]
-
-
-def _check_counts(flag: str):
-    """An absl validator of the list flag `flag`: integers >= 1, none twice."""
-
-    def check(values: list[str]) -> bool:
-        try:
-            counts = _counts(values)
-        except ValueError:
-            counts = [0]
-        if not counts or min(counts) < 1 or len(set(counts)) < len(counts):
-            raise flags.ValidationError(
-                f"--{flag} must list integers >= 1, each once. Received: "
-                f"{','.join(values)}"
-            )
-        return True
-
-    return check
-
-
 def _scaling_run(make_objective, workers, ps, slowdown=None):
     """`--scaling_iters` L-BFGS iterations on `workers` workers; returns a row.
 
@@ -521,7 +498,10 @@ def main(argv):
             f"straggler). Received: {FLAGS.straggler_workers}"
         )
     target_runs = _parse_target_runs(FLAGS.target_runs)
-    workers_list, ps_list = _counts(FLAGS.num_workers), _counts(FLAGS.num_ps)
+    workers_list, ps_list = (
+        cluster_counts.counts(FLAGS.num_workers),
+        cluster_counts.counts(FLAGS.num_ps),
+    )
     num_workers, num_ps = workers_list[0], ps_list[0]
     if FLAGS.scaling_only or len(workers_list) > 1 or len(ps_list) > 1:
         # Last, or alone: each ps count on a cluster of its own.

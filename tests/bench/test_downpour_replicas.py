@@ -18,7 +18,7 @@ import types
 import pytest
 from absl import flags
 
-from benchmarks import downpour_figures, downpour_tables
+from benchmarks import cluster_counts, downpour_figures, downpour_tables
 from tests.fixtures.launch import ROOT
 
 _PATH = os.path.join(ROOT, "benchmarks", "downpour_bench.py")
@@ -108,7 +108,7 @@ def test_bad_worker_counts_are_refused_when_the_flags_are_parsed(values):
     with pytest.raises(
         flags.ValidationError, match=r"--num_workers must list integers >= 1, each once"
     ):
-        bench._check_counts("num_workers")(values)
+        cluster_counts.check_counts("num_workers")(values)
 
 
 def test_sandblaster_scaling_table():
@@ -137,7 +137,7 @@ def test_sandblaster_scaling_table():
         ["2", "last 5x slower", "1.600", "1.25", "1.60"],
     ]
     with pytest.raises(flags.ValidationError, match=r"--num_ps must list .* 1,0"):
-        sandblaster_bench._check_counts("num_ps")(["1", "0"])
+        cluster_counts.check_counts("num_ps")(["1", "0"])
 
 
 @pytest.mark.slow
