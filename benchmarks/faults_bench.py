@@ -93,6 +93,7 @@ class _Job:
         self.marker = marker
         env = dict(os.environ, FAULTS_BENCH_MARKER=marker, TF_CPP_MIN_LOG_LEVEL="2")
         env.pop("TF_CONFIG", None)
+        started = time.monotonic()
         with open(self.path, "w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-u", TRAIN, *args],
@@ -103,16 +104,25 @@ class _Job:
                 stdin=subprocess.DEVNULL,
             )
         self.lines: list[tuple[float, str]] = []
+        # For each line of `lines`, a time it was written after: the start
+        # of the read before the one that found it (`lines` holds the time
+        # it was read, which can be a poll later than it was written).
+        self.written_after: list[float] = []
+        self._read_began = started
         self._offset = 0
 
     def poll_lines(self):
+        began = time.monotonic()
         with open(self.path, errors="replace") as f:
             f.seek(self._offset)
             text = f.read()
         end = text.rfind("\n") + 1
         self._offset += len(text[:end].encode())
         now = time.monotonic()
-        self.lines += [(now, line) for line in text[:end].splitlines()]
+        new = text[:end].splitlines()
+        self.lines += [(now, line) for line in new]
+        self.written_after += [self._read_began] * len(new)
+        self._read_began = began
         return self.lines
 
     def find(self, pattern, since=0.0):

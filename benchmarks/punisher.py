@@ -268,9 +268,6 @@ class Life:
         steps = [int(m[1]) for _, line in self.job.lines if (m := _STEP_RE.match(line))]
         return max(steps, default=0)
 
-    def goodput(self) -> tuple[float, float]:
-        return goodput_of(self.job, self.started)
-
     def stacks_if_paused(self, now: float) -> None:
         """SIGQUITs the chief (every thread's stack into its log,
         `job.runner.main`) while it pauses after its last epoch, once
@@ -300,26 +297,40 @@ class Life:
         return now - last[-1]
 
 
-def goodput_of(job, started: float) -> tuple[float, float]:
+def goodput_of(
+    job, started: float, resumed_step: int | None = None
+) -> tuple[float, float]:
     """(train s, redone s) of a job's goodput line, which ends a job.
 
-    A chief killed before it (no such line) counts its last epoch line's
-    goodput percent of its wall time then (`started`: when this script
-    started it, on `time.monotonic`'s scale), no redone seconds; what it
-    trained after that line is lost (conservative).
+    A chief killed before it (no such line) counts the training seconds of
+    its last epoch line that the next life did not redo: the last at a step
+    at most `resumed_step` (where the next life resumed; None: not known,
+    the last epoch line), no redone seconds; what it trained after that line
+    is lost. The line gives the job's goodput percent (`fit.lines`, to 0.1)
+    of its wall time then; counted from below, never in the job's favour:
+    the percent less 0.05, of the time from `started` (when this script
+    started it, on `time.monotonic`'s scale) to the read before the one that
+    found the line (`faults_bench._Job.written_after`).
     """
     lines = job.poll_lines()
     found = [m for _, line in lines if (m := _GOODPUT_RE.match(line))]
     if found:
         return float(found[-1][1]), float(found[-1][3])
-    epochs = [(at, m) for at, line in lines if (m := _EPOCH_GOODPUT_RE.match(line))]
-    if not epochs:
+    epochs = [
+        (job.written_after[i], float(m[1]), int(_STEP_RE.match(line)[1]))
+        for i, (_, line) in enumerate(lines)
+        if (m := _EPOCH_GOODPUT_RE.match(line))
+    ]
+    kept = [e for e in epochs if resumed_step is None or e[2] <= resumed_step]
+    if not kept:
         return 0.0, 0.0
-    at, last = epochs[-1]
-    return float(last[1]) / 100 * max(0.0, at - started), 0.0
+    after, percent, _ = kept[-1]
+    return max(0.0, percent - 0.05) / 100 * max(0.0, after - started), 0.0
 
 
-def parts_of(job, started: float, ended: float) -> dict[str, float]:
+def parts_of(
+    job, started: float, ended: float, resumed_step: int | None = None
+) -> dict[str, float]:
     """One life's wall time (`started` to `ended`, on `time.monotonic`'s
     scale, as this script saw them) by cause, `train` and `CAUSES`.
 
@@ -327,10 +338,11 @@ def parts_of(job, started: float, ended: float) -> dict[str, float]:
     last epoch line to its test accuracy line, is taken out of its `other`
     (that time is `other` in the job's accounting, at most all of it); the
     time outside the job's own wall (its exit after the line) is `other`. A
-    life killed before that line: its last epoch line's training seconds
-    (`goodput_of`); if that was the job's last epoch, the time from it to
-    the kill is `end-of-fit`; the rest is `chief lost` (a life that only
-    found the job trained, after such a kill, is all `chief lost`).
+    life killed before that line: the training seconds of its last epoch
+    line that the next life did not redo (`goodput_of`, `resumed_step`); if
+    its last epoch line was the job's last epoch, the time from it to the
+    kill is `end-of-fit`; the rest is `chief lost` (a life that only found
+    the job trained, after such a kill, is all `chief lost`).
     """
     lines = job.poll_lines()
     parts = dict.fromkeys(("train", *CAUSES), 0.0)
@@ -338,7 +350,7 @@ def parts_of(job, started: float, ended: float) -> dict[str, float]:
     life_secs = max(0.0, ended - started)
     last = [at for at, line in lines if _LAST_EPOCH_RE.match(line)]
     if not found:
-        parts["train"] = min(life_secs, goodput_of(job, started)[0])
+        parts["train"] = min(life_secs, goodput_of(job, started, resumed_step)[0])
         if last:
             parts["end-of-fit"] = min(life_secs - parts["train"], ended - last[-1])
         parts["chief lost"] = life_secs - parts["train"] - parts["end-of-fit"]
@@ -352,6 +364,32 @@ def parts_of(job, started: float, ended: float) -> dict[str, float]:
         parts["end-of-fit"], parts["other"] = pause, parts["other"] - pause
     parts["other"] += max(0.0, life_secs - figures["wall"])
     return parts
+
+
+def resumed_steps(lives: list[Life]) -> list[int | None]:
+    """For each life, the step the lives after it resumed from: the first
+    restore line of the first later life that restored or trained (0: it
+    trained from the start, no checkpoint), None where no later life did.
+
+    A killed chief's steps after that one were lost: the next life did them
+    again (and counts them as its own training).
+    """
+    resumed: list[int | None] = []
+    for number in range(len(lives)):
+        step = None
+        for later in lives[number + 1 :]:
+            for _, line in later.job.lines:
+                if restored := _RESTORED_RE.match(line):
+                    step = int(restored[1])
+                elif _STEP_RE.match(line):
+                    step = 0
+                else:
+                    continue
+                break
+            if step is not None:
+                break
+        resumed.append(step)
+    return resumed
 
 
 def steps_redone(lives: list[Life]) -> int:
@@ -481,11 +519,14 @@ def punish(folder: str) -> dict:
             next_fault = now + rng.expovariate(1.0 / f.mtbf_secs)
         time.sleep(_POLL_SECS)
     wall = time.monotonic() - start
-    train = sum(life.goodput()[0] for life in lives)
-    redone_secs = sum(life.goodput()[1] for life in lives)
+    resumed = resumed_steps(lives)
+    figures = [goodput_of(life.job, life.started, r) for life, r in zip(lives, resumed)]
+    train = sum(f[0] for f in figures)
+    redone_secs = sum(f[1] for f in figures)
     causes = dict.fromkeys(("train", *CAUSES), 0.0)
-    for life in lives:
-        for part, secs in parts_of(life.job, life.started, life.ended or start).items():
+    for life, step in zip(lives, resumed):
+        ended = life.ended or start
+        for part, secs in parts_of(life.job, life.started, ended, step).items():
             causes[part] += secs
     # Between lives: a chief's exit seen, the next one started.
     causes["other"] += max(0.0, wall - sum(causes.values()))

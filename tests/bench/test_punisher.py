@@ -24,10 +24,12 @@ _spec.loader.exec_module(punisher)
 
 
 class _Output:
-    """A chief's output as the punisher holds it: `(time, line)` pairs."""
+    """A chief's output as the punisher holds it: `(time, line)` pairs, line
+    `i` read at `i` s and known to be written after `i - lag` s."""
 
-    def __init__(self, *lines):
+    def __init__(self, *lines, lag=0.0):
         self.lines = [(float(i), line) for i, line in enumerate(lines)]
+        self.written_after = [at - lag for at, _ in self.lines]
 
     def poll_lines(self):
         return self.lines
@@ -51,16 +53,51 @@ def test_goodput_is_the_last_line_of_a_life():
 
 def test_a_killed_life_counts_its_last_epoch_lines_goodput():
     # No goodput line (the chief was killed): the last epoch line's percent
-    # of the life's wall time when it was read (line 2, at 2 s; started at
-    # -8 s: 10 s).
-    job = _Output(
+    # (less 0.05, its rounding) of the life's wall time when it was written
+    # (line 2, read at 2 s; started at -8 s: 10 s).
+    lines = (
         "epoch 1/10: steps 100/1000 loss=0.3000 accuracy=0.9000 2,000 "
         "examples/s, elapsed 5s, ETA 45s; goodput 20.0%",
         "step 150/1000: 2,000 examples/s, elapsed 7s, ETA 40s",
         "epoch 2/10: steps 200/1000 loss=0.2000 accuracy=0.9500 2,000 "
         "examples/s, elapsed 9s, ETA 40s; goodput 40.0%",
     )
-    assert punisher.goodput_of(job, started=-8.0) == (4.0, 0.0)
+    assert punisher.goodput_of(_Output(*lines), started=-8.0) == pytest.approx(
+        (0.3995 * 10.0, 0.0)
+    )
+    # Read a poll after it was written: counted from the read before (1.5 s
+    # earlier here), never from the later read.
+    late = _Output(*lines, lag=1.5)
+    assert punisher.goodput_of(late, started=-8.0) == pytest.approx((0.3995 * 8.5, 0.0))
+    # The next life resumed from step 100 (the checkpoint of epoch 2 was
+    # not written): epoch 2's training was lost, and redone by that life.
+    assert punisher.goodput_of(
+        _Output(*lines), started=-8.0, resumed_step=150
+    ) == pytest.approx((0.1995 * 8.0, 0.0))
+    assert punisher.goodput_of(_Output(*lines), -8.0, resumed_step=0) == (0.0, 0.0)
+    assert punisher.goodput_of(_Output(*lines), -8.0, resumed_step=200) == (
+        pytest.approx((0.3995 * 10.0, 0.0))
+    )
+
+
+def test_the_step_each_killed_life_was_resumed_from():
+    killed = _life(
+        "step 100/1000: 2000 examples/s, elapsed 5s, ETA 10s",
+        "epoch 1/10: steps 150/1000 loss=0.3 accuracy=0.9; goodput 20.0%",
+    )
+    # Killed while starting: no step or restore line.
+    starting = _life("loading TensorFlow (local job: 2 workers, 2 ps)")
+    resumed = _life(
+        "Resumed from /m/checkpoints/ckpt-150 at step 150 (epoch 1)",
+        "restored ckpt-150 (step 150): 10 values equal the checkpoint bit for bit",
+        # A ps recovery later in this life: not where it resumed.
+        "restored ckpt-300 (step 300): 10 values equal the checkpoint bit for bit",
+        "step 400/1000: 2000 examples/s, elapsed 9s, ETA 6s",
+    )
+    # No checkpoint yet when it started: trained from step 0.
+    over = _life("step 50/1000: 2000 examples/s, elapsed 5s, ETA 10s")
+    assert punisher.resumed_steps([killed, starting, resumed]) == [150, 150, None]
+    assert punisher.resumed_steps([killed, over, resumed]) == [0, 150, None]
 
 
 def test_steps_redone_counts_back_to_each_restore_across_lives():
@@ -112,10 +149,22 @@ def test_a_lifes_wall_time_by_cause():
         "epoch 1/10: steps 100/1000 loss=0.3 accuracy=0.9; goodput 20.0%",
         "epoch 2/10: steps 200/1000 loss=0.2 accuracy=0.9; goodput 40.0%",
     )
-    assert punisher.parts_of(killed, started=-9.0, ended=20.0) == dict(
-        dict.fromkeys(("train", *punisher.CAUSES), 0.0),
-        train=4.0,
-        **{"chief lost": 25.0},
+    assert punisher.parts_of(killed, started=-9.0, ended=20.0) == pytest.approx(
+        dict(
+            dict.fromkeys(("train", *punisher.CAUSES), 0.0),
+            train=0.3995 * 10.0,
+            **{"chief lost": 29.0 - 0.3995 * 10.0},
+        )
+    )
+    # The next life resumed at step 100: epoch 2 (to 200) is lost too.
+    assert punisher.parts_of(
+        killed, started=-9.0, ended=20.0, resumed_step=100
+    ) == pytest.approx(
+        dict(
+            dict.fromkeys(("train", *punisher.CAUSES), 0.0),
+            train=0.1995 * 9.0,
+            **{"chief lost": 29.0 - 0.1995 * 9.0},
+        )
     )
     # Killed after the job's last epoch line (at 1 s), before its goodput
     # line: from that line to the kill is the end of the fit.
@@ -124,10 +173,12 @@ def test_a_lifes_wall_time_by_cause():
         "epoch 10/10: steps 1000/1000 loss=0.3 accuracy=0.9; goodput 60.0%",
         "test accuracy: 0.9700",
     )
-    assert punisher.parts_of(ended, started=-9.0, ended=31.0) == dict(
-        dict.fromkeys(("train", *punisher.CAUSES), 0.0),
-        train=6.0,
-        **{"end-of-fit": 30.0, "chief lost": 4.0},
+    assert punisher.parts_of(ended, started=-9.0, ended=31.0) == pytest.approx(
+        dict(
+            dict.fromkeys(("train", *punisher.CAUSES), 0.0),
+            train=0.5995 * 10.0,
+            **{"end-of-fit": 30.0, "chief lost": 10.0 - 0.5995 * 10.0},
+        )
     )
 
 
