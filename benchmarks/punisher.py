@@ -28,9 +28,11 @@ Reported: the faults by target and signal, whether every one was survived
 (the job ends with exit 0 and no exit but the punisher's own kills), the
 steps redone (from each restore back to the last step seen before its
 fault), goodput (the job's own productive training seconds, summed over the
-chief's lives, over this run's wall time from the first start to the end)
-and where the rest went, by cause (`parts_of`), and the test accuracy
-against an unfaulted run of the same command.
+chief's lives, over this run's wall time from the first start to the end;
+a chief killed before its goodput line counted from below, to the last
+epoch line that the next life did not redo: `goodput_of`) and where the rest
+went, by cause (`parts_of`), and the test accuracy against an unfaulted run
+of the same command.
 
 A pause between a life's last epoch line and its test accuracy longer than
 `--stacks_after_secs` gets the chief SIGQUIT (once, then every 10 s of it):
