@@ -19,7 +19,7 @@ their environment) and the files left in its `TMPDIR` (a new empty folder).
 
 Usage:
   python benchmarks/digits_replicas.py                      # 2, 8, 16 workers
-  python benchmarks/digits_replicas.py --workers=8 --seeds=0 --powers=0,0.5
+  python benchmarks/digits_replicas.py --workers=8 --seeds=0 --powers=0,0.75
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from benchmarks import task_memory  # noqa: E402
 
 def define_flags():
     flags.DEFINE_list("workers", ["2", "8", "16"], "Worker counts.")
-    flags.DEFINE_list("powers", ["0", "0.5"], "Values of --staleness_power.")
+    flags.DEFINE_list("powers", ["0", "0.75"], "Values of --staleness_power.")
     flags.DEFINE_list("seeds", ["0", "1", "2"], "Values of --seed, one run each.")
     flags.DEFINE_integer("num_ps", 4, "ps tasks.", lower_bound=1)
     flags.DEFINE_integer("epochs", 5, "Epochs of 100 steps.", lower_bound=1)

@@ -64,6 +64,31 @@ def test_the_staleness_power_is_in_the_config():
     assert adagrad.Adagrad.from_config(opt.get_config()).staleness_power == 0.25
 
 
+def test_the_default_damps_8_and_16_replicas_and_leaves_1_and_2_alone():
+    """The default power (0.75) is one number for every entry point: the
+    job's config (and so `--staleness_power`), tf_keras's and Keras 3's
+    AdaGrad. In steady state a gradient of W asynchronous replicas is about
+    W - 1 updates stale: 1 and 2 replicas train undamped; 8 and 16 take
+    7^-0.75 and 15^-0.75 of the step, the setting that kept the README's
+    digits job at the 2-worker accuracy (benchmarks/README, "More model
+    replicas")."""
+    from tf_distbelief import job
+    from tf_distbelief.keras3 import optimizer as keras3_optimizer
+
+    assert job.JobConfig().staleness_power == 0.75
+    assert adagrad.Adagrad(0.1).staleness_power == 0.75
+    assert keras3_optimizer.Adagrad().staleness_power == 0.75
+    applied = tf.Variable(0, dtype=tf.int64)
+    factor = {}
+    for workers in (1, 2, 8, 16):
+        applied.assign(workers - 1)
+        read = tf.constant(0, tf.int64)
+        factor[workers] = float(staleness.damping(applied, read, 0.75))
+    assert factor[1] == factor[2] == 1.0
+    np.testing.assert_allclose(factor[8], 7**-0.75, rtol=1e-15)
+    np.testing.assert_allclose(factor[16], 15**-0.75, rtol=1e-15)
+
+
 class _LinearWithOthersUpdates(tf_keras.Model):
     """`x @ w` (float64, no bias) trained by MSE, whose step lets `others`
     updates land between its forward pass and its own update: what `others`

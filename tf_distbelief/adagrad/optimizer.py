@@ -58,7 +58,7 @@ class Adagrad(tf_keras.optimizers.Adagrad):
         learning_rate=0.1,
         initial_accumulator_value: float = 0.1,
         epsilon: float = 1e-7,
-        staleness_power: float = 0.5,
+        staleness_power: float = 0.75,
         name: str = "Adagrad",
         **kwargs,
     ):

@@ -13,10 +13,13 @@ mid-training and its test accuracy scattered.
 Zhang, Gupta, Lian and Liu ("Staleness-aware Async-SGD for Distributed Deep
 Learning", IJCAI 2016) divide the step of a gradient by its staleness. Here
 the step is `gamma / max(1, tau)^power` (`Adagrad(staleness_power=...)`):
-`power = 1` is their rule, `0` turns it off, and the default `0.5` (which kept
-the digits job at the 2-worker accuracy with 8 and 16 workers where `1` was a
-little slower to converge) leaves an update of staleness 0 or 1 unchanged, so
-one or two replicas train exactly as before.
+`power = 1` is their rule, `0` turns it off. The default `0.75` leaves an
+update of staleness 0 or 1 unchanged, so one or two replicas train exactly as
+before, and gives a typical update of 8 replicas (`tau` about 7) 0.23 of the
+step, of 16 replicas 0.13: between the power 0.5, under which a burst of
+stale updates still overshoots, and 1, under which the damped steps leave
+the model short of training in the same number of steps (the digits job with
+8 and 16 workers, benchmarks/README "More model replicas").
 
 `tau` is measured, not assumed: the step reads the optimizer's `iterations`
 (a ps variable counting applied steps) before its forward pass (`read_before`),

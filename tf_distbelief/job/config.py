@@ -109,7 +109,7 @@ class JobConfig:
     learning_rate: float = 0.2
     initial_accumulator_value: float = 0.1
     epsilon: float = 1e-7
-    staleness_power: float = 0.5
+    staleness_power: float = 0.75
     batch_size: int = 32
     epochs: int = 5
     steps_per_epoch: int = 100

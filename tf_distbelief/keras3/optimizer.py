@@ -67,7 +67,7 @@ class Adagrad:
     learning_rate: float = 0.1
     initial_accumulator_value: float = 0.1
     epsilon: float = 1e-7
-    staleness_power: float = 0.5
+    staleness_power: float = 0.75
     slot_name: ClassVar[str] = "accumulators"
 
     def __post_init__(self):

@@ -83,7 +83,9 @@ def define_flags() -> None:
         "staleness_power",
         d.staleness_power,
         "AdaGrad without Downpour (tf_keras): a gradient tau updates stale is "
-        "applied with step learning_rate / max(1, tau)^power; 0 turns it off.",
+        "applied with step learning_rate / max(1, tau)^power; 0 turns it off. "
+        "The default damps 8 and 16 workers' updates (tau about 7 and 15) and "
+        "leaves 1 and 2 workers' (tau 0 or 1) alone (docs: More workers).",
         lower_bound=0.0,
     )
     flags.DEFINE_integer(
