@@ -101,7 +101,7 @@ class Predicted:
     single_examples_per_sec: float
 
 
-def _setting(name: str, accumulator: str) -> records.Setting:
+def row_setting(name: str, accumulator: str) -> records.Setting:
     """The planner's setting of a row; `+dc` and `+stale` push as plain
     Downpour, `+outer0` as `+outer`, and `+topk`, `+q8`, `+q2`, `+sparse` are
     predicted uncompressed (the planner does not model compressed pushes or
@@ -170,7 +170,7 @@ def predict_rows(
             steps_between_joins=(steps_between_joins or {}).get(r.model),
             step_jitter_secs=(step_jitter_secs or {}).get(r.model),
         )
-        setting = _setting(r.name, accumulator)
+        setting = row_setting(r.name, accumulator)
         unlimited = cluster.replace(
             worker_bits_per_sec=loopback_bits_per_sec,
             ps_bits_per_sec=loopback_bits_per_sec,

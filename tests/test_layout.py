@@ -59,6 +59,7 @@ PURE_MODULES = [
     "tf_distbelief.cluster.jobset_pod",
     "tf_distbelief.planner.records",
     "tf_distbelief.planner.cost_model",
+    "tf_distbelief.planner.host",
     "tf_distbelief.errors",
     # The launch script's first line and start-up filter, before TensorFlow.
     "tf_distbelief.console",

@@ -198,6 +198,52 @@ def test_the_chief_limits_short_functions_and_unlimited_nics_only_compute():
     assert cm.chief_steps_per_execution(c) == 20
 
 
+def test_workers_on_one_host_share_its_cores():
+    # 2 cores; the single process's step 10 ms on both: 20 core-ms of work.
+    unlimited = _cluster(worker_bits_per_sec=None, ps_bits_per_sec=None)
+    n4 = records.Setting.parse("n=4")
+    shared = unlimited.replace(num_workers=1, host_cores=2)
+    # One worker with every core computes as the single process does.
+    alone = cm.predict(shared, n4)
+    assert alone.compute_secs == 0.01
+    assert alone.examples_per_sec == pytest.approx(3200)
+    # With one core (one intra-op thread), twice as long.
+    one_core = cm.predict(shared.replace(cores_per_worker=1), n4)
+    assert one_core.compute_secs == pytest.approx(0.02)
+    assert one_core.bottleneck == "worker CPU"
+    # Two one-core workers on two cores: no contention, twice one's rate.
+    two = cm.predict(shared.replace(num_workers=2, cores_per_worker=1), n4)
+    assert two.examples_per_sec == pytest.approx(3200)
+    # Compute only: 8 workers together run at the single process's rate,
+    # each step stretched to 8 x 10 ms (x = 10 ms / (1 - 70 ms / T), T = x).
+    eight = cm.predict(shared.replace(num_workers=8, cores_per_worker=1), n4)
+    assert eight.compute_secs == pytest.approx(0.08)
+    assert eight.examples_per_sec == pytest.approx(3200)
+    assert eight.bottleneck == "host cores"
+    # A transfer of t = 10 ms a step beside it (4 ps, no queueing at 8
+    # workers): T = x + t, x = max(20, 10 / (1 - 70 / T)) ms, so
+    # T^2 - 90 T + 700 = 0 (ms): T = 80.86 ms.
+    rate = 8 * 4_000_000 * 2 / 4 / 0.01  # Bits/s moving 2 MB in 10 ms.
+    networked = shared.replace(
+        num_workers=8,
+        cores_per_worker=1,
+        num_ps=8,
+        worker_bits_per_sec=rate,
+        ps_bits_per_sec=rate,
+        overhead_bytes=0,
+    )
+    p = cm.predict(networked, records.Setting.parse("n=4+outer"))
+    step = (90 + math.sqrt(90 * 90 - 4 * 700)) / 2 / 1e3
+    assert p.transfer_secs == pytest.approx(0.01)
+    assert p.queue_secs == pytest.approx(0, abs=1e-9)
+    assert p.compute_secs + p.transfer_secs == pytest.approx(step)
+    assert p.examples_per_sec == pytest.approx(8 * 32 / step)
+    # A host per task (the default): 8 workers compute at their own rate.
+    assert cm.predict(unlimited.replace(num_workers=8), n4).examples_per_sec == (
+        pytest.approx(8 * 3200)
+    )
+
+
 def test_smallest_ps_and_n():
     # 100 workers at 10 Gbit/s, ps at 1 Gbit/s: busy is 90% of 320,000 ex/s.
     # n=64+outer: ps bound 4e9 P / (62,500 + 32 P) >= 288,000 from P = 5.
@@ -234,6 +280,12 @@ def test_parse_count(value, count):
         (lambda: _cluster(compute_secs=math.nan), r"`compute_secs`.*nan"),
         (lambda: _cluster(steps_between_joins=0), r"`steps_between_joins`.*: 0"),
         (lambda: _cluster(step_jitter_secs=-0.001), r"`step_jitter_secs`.*-0.001"),
+        (lambda: _cluster(host_cores=0), r"`host_cores`.*: 0"),
+        (lambda: _cluster(cores_per_worker=1), r"`cores_per_worker` needs"),
+        (
+            lambda: _cluster(host_cores=2, cores_per_worker=0.5),
+            r"`cores_per_worker`.*0.5",
+        ),
         (
             lambda: cm.smallest_ps(_cluster(), records.Setting(), 1.5),
             r"`busy_fraction`",

@@ -7,6 +7,8 @@
   `Traffic`, which `cost_model` and `queueing` both read.
 * `queueing`: the wait of a worker's transfers behind the others' at the ps
   NICs, with the coordinator's joins and the workers' step-time variation.
+* `host`: the workers' compute where they share one host's cores (a local
+  emulation), each slowing the others' steps.
 * `python -m tf_distbelief.planner --params=42M --workers=200 --ps=8
   --nic=10gbit --step_ms=100` prints its table (docs/planning.md).
 """

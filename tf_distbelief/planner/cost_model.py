@@ -15,7 +15,7 @@ The bound (each resource alone, the slowest one wins):
   steps, pushes), at `min(worker NIC, num_ps * ps NIC)`. Named `worker CPU`
   when compute is the larger part, else `worker NIC`, or `ps NIC queueing` when the
   queueing is larger than the transfer.
-* **queueing at the ps NICs** (`queueing.queue_secs`): the workers' exchanges fall at
+* **queueing at the ps NICs** (`queueing.step_parts`): the workers' exchanges fall at
   independent times, so a worker's fetch or push may share a ps NIC's
   direction with other workers' transfers. A direction of one ps NIC carries
   `k = num_ps * ps_rate / worker_rate` flows at a worker's full rate (a
@@ -30,6 +30,9 @@ The bound (each resource alone, the slowest one wins):
   into alternation, one worker's fetch beside another's push (measured:
   stock behind 1 Gbit/s NICs, 2 workers, ran at 228 to 235 ex/s, where
   alternation would allow 313 and this term gives 253).
+* **a shared host** (`Cluster.host_cores`, `host`): in a local emulation
+  the workers' compute shares the host's cores and stretches (`host cores`
+  when that is the larger part of the step); default: a host per worker.
 * **joins** (`Cluster.steps_between_joins`): all workers start together
   after a join, so the first exchange of each interval meets all the others
   at the ps NIC. The fair NIC keeps them together; only the variation of
@@ -62,7 +65,7 @@ import math
 import re
 
 from tf_distbelief import checks
-from tf_distbelief.planner import queueing, records
+from tf_distbelief.planner import host, queueing, records
 
 __all__ = [
     "Prediction",
@@ -88,6 +91,7 @@ WORKER_NIC = "worker NIC"
 PS_NIC = "ps NIC"
 PS_QUEUE = "ps NIC queueing"
 CHIEF = "chief scheduling"
+HOST = "host cores"
 
 
 def parse_count(value, name: str = "params") -> int:
@@ -157,15 +161,20 @@ class Prediction:
     Attributes:
       setting: the setting.
       examples_per_sec: the bound, all workers together.
-      bottleneck: the resource that sets it: `"worker CPU"`, `"worker NIC"`,
-        `"ps NIC queueing"` (the workers' bound, mostly waiting for other
-        workers' transfers), `"ps NIC"` or `"chief scheduling"`.
+      bottleneck: the resource that sets it: `"worker CPU"`, `"host cores"`
+        (the workers' bound, mostly compute slowed by the other workers' on
+        their shared host), `"worker NIC"`, `"ps NIC queueing"` (the
+        workers' bound, mostly waiting for other workers' transfers), `"ps
+        NIC"` or `"chief scheduling"`.
       bounds: examples/s each resource allows (`"workers"`, `"ps NIC"`,
         `"chief scheduling"`); inf where unlimited.
       traffic: the bytes of one worker step.
       transfer_secs: one worker's own transfer time per step.
       queue_secs: one worker's wait per step for the other workers'
         transfers at the ps NICs.
+      compute_secs: one worker's compute per step: `Cluster.compute_secs`,
+        or on a shared host (`Cluster.host_cores`) as the others' compute
+        stretches it (`host`).
     """
 
     setting: records.Setting
@@ -175,6 +184,7 @@ class Prediction:
     traffic: records.Traffic
     transfer_secs: float
     queue_secs: float = 0.0
+    compute_secs: float = 0.0
 
 
 def predict(cluster: records.Cluster, setting: records.Setting) -> Prediction:
@@ -194,8 +204,10 @@ def predict(cluster: records.Cluster, setting: records.Setting) -> Prediction:
         c.num_ps * queueing.bits_per_sec(c.ps_bits_per_sec),
     )
     transfer_secs = 8 * traffic.total_bytes / worker_rate
-    queue_secs = queueing.queue_secs(c, setting, traffic, worker_rate)
-    step_secs = c.compute_secs + transfer_secs + queue_secs
+    compute_secs, queue_secs = queueing.step_parts(
+        c, setting, traffic, worker_rate, host.compute_at(c)
+    )
+    step_secs = compute_secs + transfer_secs + queue_secs
     workers = math.inf if step_secs == 0 else c.num_workers * c.batch_size / step_secs
     # One ps's share of the larger direction per example, in bits.
     per_ps_bits = 8 * max(traffic.to_worker_bytes, traffic.to_ps_bytes) / c.num_ps
@@ -213,12 +225,20 @@ def predict(cluster: records.Cluster, setting: records.Setting) -> Prediction:
     best = min(bounds, key=lambda k: bounds[k])  # First of equals: workers.
     bottleneck = best
     if best == "workers":
-        if c.compute_secs >= transfer_secs + queue_secs:
-            bottleneck = WORKER_CPU
+        if compute_secs >= transfer_secs + queue_secs:
+            # Stretched by the other workers' compute on a shared host.
+            bottleneck = HOST if compute_secs > host.alone_secs(c) else WORKER_CPU
         else:
             bottleneck = WORKER_NIC if transfer_secs >= queue_secs else PS_QUEUE
     return Prediction(
-        setting, bounds[best], bottleneck, bounds, traffic, transfer_secs, queue_secs
+        setting,
+        bounds[best],
+        bottleneck,
+        bounds,
+        traffic,
+        transfer_secs,
+        queue_secs,
+        compute_secs,
     )
 
 

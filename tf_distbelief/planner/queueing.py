@@ -1,26 +1,28 @@
 """Where the workers' exchanges meet at the ps NICs: the planner's queueing.
 
 `cost_model.predict` adds to a worker's step the time its transfers wait
-for the other workers' at the ps NICs (`queue_secs`). A direction of one ps
-NIC carries `k` flows at a worker's full rate and shares its rate fairly;
-a transfer of `t` seconds that another worker's overlaps for a share `p`
-of its time takes `t * max(1, (1 + (W - 1) p) / k)`. At independent times
-`p = t / T` (`T` the step); right after a join of the coordinator every
-worker starts together (`p = 1`), and the fair NIC keeps them so: only the
-variation of their step times (`Cluster.step_jitter_secs`) moves them
-apart, a random walk. No TensorFlow.
+for the other workers' at the ps NICs (`step_parts`, which also stretches
+the step's compute where the workers share a host's cores, `host`). A
+direction of one ps NIC carries `k` flows at a worker's full rate and
+shares its rate fairly; a transfer of `t` seconds that another worker's
+overlaps for a share `p` of its time takes `t * max(1, (1 + (W - 1) p) /
+k)`. At independent times `p = t / T` (`T` the step); right after a join of
+the coordinator every worker starts together (`p = 1`), and the fair NIC
+keeps them so: only the variation of their step times
+(`Cluster.step_jitter_secs`) moves them apart, a random walk. No TensorFlow.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 
 from tf_distbelief.planner import records
 
-__all__ = ["MAX_TRACKED_EXCHANGES", "bits_per_sec", "queue_secs"]
+__all__ = ["MAX_TRACKED_EXCHANGES", "bits_per_sec", "step_parts"]
 
-# Exchanges of a join interval whose offsets `queue_secs` follows; the later
+# Exchanges of a join interval whose offsets `step_parts` follows; the later
 # ones are taken as independent.
 MAX_TRACKED_EXCHANGES = 4096
 
@@ -30,51 +32,85 @@ def bits_per_sec(value: float | None) -> float:
     return math.inf if value is None else float(value)
 
 
-def queue_secs(
+def step_parts(
     c: records.Cluster,
     setting: records.Setting,
     traffic: records.Traffic,
     worker_rate: float,
-) -> float:
-    """A worker's wait per step behind the others' transfers at the ps NICs.
+    compute_at: Callable[[float], float] | None = None,
+) -> tuple[float, float]:
+    """A worker's compute per step and its wait behind the others' transfers.
 
-    See the module docstring: `T = a + sum_d t_d * mean_j max(0, (1 + (W -
-    1) p_dj) / k - 1)` with `a` the step's compute and own transfer time, `k`
-    the flows a ps NIC direction carries at a worker's full rate and `p_dj`
-    the share of a transfer of direction `d` that another worker's overlaps
-    at exchange `j` of a join interval (`_overlaps`; `t_d / T` without
-    joins); solved by bisection (the right side falls as `T` grows). The
-    wait is `T - a`. 0 for one worker or unlimited ps NICs.
+    See the module docstring: `T = x + a + sum_d t_d * mean_j max(0, (1 +
+    (W - 1) p_dj) / k - 1)` with `x` the step's compute, `a` its own transfer
+    time, `k` the flows a ps NIC direction carries at a worker's full rate
+    and `p_dj` the share of a transfer of direction `d` that another worker's
+    overlaps at exchange `j` of a join interval (`_overlaps`; `t_d / T`
+    without joins); solved by bisection (the right side falls as `T` grows).
+
+    Args:
+      c: the cluster.
+      setting: stock or Downpour.
+      traffic: the step's bytes.
+      worker_rate: a worker's transfer rate, bits/s.
+      compute_at: the compute as a function of `T` (`host.compute_at`: the
+        workers share the host's cores), non-increasing; None:
+        `c.compute_secs` whatever `T`.
+
+    Returns:
+      `(compute_secs, queue_secs)` at the solved step, seconds; the wait is
+      0 for one worker or unlimited ps NICs.
     """
-    ps_rate = bits_per_sec(c.ps_bits_per_sec)
-    if c.num_workers == 1 or math.isinf(ps_rate):
-        return 0.0
-    slots = c.num_ps * ps_rate / worker_rate  # >= 1: worker_rate is the min.
     own = [
         8 * nbytes / worker_rate  # This worker's transfer, seconds a step.
         for nbytes in (traffic.to_worker_bytes, traffic.to_ps_bytes)
     ]
-    others = c.num_workers - 1
-    segment = 1.0 / setting.exchanges_per_step  # Steps per exchange.
-    directions = [(t, _Interval(*_overlaps(c, segment, t))) for t in own]
+    ps_rate = bits_per_sec(c.ps_bits_per_sec)
+    queues = not (c.num_workers == 1 or math.isinf(ps_rate))
+    if queues:
+        slots = c.num_ps * ps_rate / worker_rate  # >= 1: worker_rate is the min.
+        others = c.num_workers - 1
+        segment = 1.0 / setting.exchanges_per_step  # Steps per exchange.
+        directions = [(t, _Interval(*_overlaps(c, segment, t))) for t in own]
 
     def wait(step_secs: float) -> float:
+        if not queues:
+            return 0.0
         return sum(
             t * interval.mean_wait(t / step_secs, others, slots)
             for t, interval in directions
         )
 
-    a = c.compute_secs + sum(own)
-    if a == 0:
-        return 0.0
-    low, high = a, a + wait(a)  # wait(T) <= wait(a) for T >= a.
+    if compute_at is None:
+        a = c.compute_secs + sum(own)
+        if not queues or a == 0:
+            return c.compute_secs, 0.0
+        low, high = a, a + wait(a)  # wait(T) <= wait(a) for T >= a.
+        for _ in range(64):
+            mid = (low + high) / 2
+            if mid - a - wait(mid) < 0:
+                low = mid
+            else:
+                high = mid
+        return c.compute_secs, high - a
+
+    def excess(step_secs: float) -> float:  # Increasing in T.
+        return step_secs - compute_at(step_secs) - sum(own) - wait(step_secs)
+
+    low = compute_at(math.inf) + sum(own)  # The step without contention.
+    if low == 0:
+        return 0.0, 0.0
+    high = 2 * low
+    while excess(high) < 0:
+        low, high = high, 2 * high
     for _ in range(64):
         mid = (low + high) / 2
-        if mid - a - wait(mid) < 0:
+        if excess(mid) < 0:
             low = mid
         else:
             high = mid
-    return high - a
+    compute = compute_at(high)
+    return compute, max(0.0, high - compute - sum(own))
 
 
 class _Interval:

@@ -1,11 +1,12 @@
 """What a planner prediction is of: the cluster, the training setting, a step's bytes.
 
 `Cluster` (the model's size, the workers and ps tasks, their NIC rates, a
-step's compute, the chief's cost per scheduled function), `Setting` (stock
+step's compute, the chief's cost per scheduled function, the host's cores
+where the tasks share one), `Setting` (stock
 parameter-server training or a Downpour cadence) and `Traffic` (the bytes one
 worker step moves each way) are plain records, checked when made; the cost
 model (`cost_model.predict`) and the queueing at the ps NICs
-(`queueing.queue_secs`) both read them. No TensorFlow.
+(`queueing.step_parts`) both read them. No TensorFlow.
 """
 
 from __future__ import annotations
@@ -162,6 +163,15 @@ class Cluster:
         (a variation far larger than any transfer); 0: every exchange is in
         step. Past the first `queueing.MAX_TRACKED_EXCHANGES` of an interval,
         exchanges are taken as independent.
+      host_cores: the cores of the one host every task shares (a local
+        emulation: `LocalCluster` runs all tasks on this machine); the
+        workers' steps then slow each other down (`host`), and
+        `compute_secs` is the single process's step on the whole host.
+        None: each worker on a host of its own (a real cluster).
+      cores_per_worker: the most cores one worker task computes with on the
+        shared host (its intra-op threads: 1 for `LocalCluster(
+        intra_op_threads=1)`, the benchmarks' default); None: all
+        `host_cores`. Needs `host_cores`.
     """
 
     num_params: int
@@ -176,6 +186,8 @@ class Cluster:
     overhead_bytes: float = DEFAULT_OVERHEAD_BYTES
     steps_between_joins: int | None = None
     step_jitter_secs: float | None = None
+    host_cores: int | None = None
+    cores_per_worker: int | None = None
 
     def __post_init__(self):
         for name in ("num_params", "num_workers", "num_ps", "batch_size"):
@@ -183,6 +195,21 @@ class Cluster:
         checks.check_int("steps_per_execution", self.steps_per_execution, 1)
         if self.steps_between_joins is not None:
             checks.check_int("steps_between_joins", self.steps_between_joins, 1)
+        checks.check_optional_int(
+            "host_cores", self.host_cores, 1, "a positive int or None (a host per task)"
+        )
+        checks.check_optional_int(
+            "cores_per_worker",
+            self.cores_per_worker,
+            1,
+            "a positive int or None (all host_cores)",
+        )
+        if self.cores_per_worker is not None and self.host_cores is None:
+            raise ValueError(
+                "Argument `cores_per_worker` needs `host_cores` (the workers "
+                "share one host). Received: cores_per_worker="
+                f"{self.cores_per_worker!r}, host_cores=None"
+            )
         for name in ("worker_bits_per_sec", "ps_bits_per_sec"):
             value = getattr(self, name)
             if value is not None and not (
