@@ -220,6 +220,11 @@ def test_workers_on_one_host_share_its_cores():
     assert eight.compute_secs == pytest.approx(0.08)
     assert eight.examples_per_sec == pytest.approx(3200)
     assert eight.bottleneck == "host cores"
+    # The workers' compute-only rate is the host's, and the chief keeps up
+    # with 100 steps/s at 10 ms a function with one step each.
+    assert cm.compute_only_rate(shared.replace(num_workers=8)) == pytest.approx(3200)
+    assert cm.compute_only_rate(unlimited) == pytest.approx(6400)
+    assert cm.chief_steps_per_execution(shared.replace(num_workers=8)) == 1
     # A transfer of t = 10 ms a step beside it (4 ps, no queueing at 8
     # workers): T = x + t, x = max(20, 10 / (1 - 70 / T)) ms, so
     # T^2 - 90 T + 700 = 0 (ms): T = 80.86 ms.
@@ -341,6 +346,12 @@ def test_command_line_prints_every_row_and_the_plan():
     lines, rows = _table("--steps_between_joins=64", "--step_jitter_ms=0")
     assert lines[0].endswith("joins=every 64 steps step_jitter=0 ms")
     assert rows["n=16"][1:4] == ["2,909", "worker", "NIC"]
+    # Both workers on one 2-core host, one core each: a one-core step of
+    # 20 ms (the 10 ms given on both cores); no contention between two.
+    lines, rows = _table("--host_cores=2", "--cores_per_worker=1")
+    assert lines[0].endswith("host_cores=2 cores_per_worker=1")
+    assert rows["n=64+outer"][1:4] == ["3,044", "worker", "CPU"]
+    assert any("compute-only rate (3,200 ex/s)" in line for line in lines)
 
 
 def test_command_line_refuses_bad_arguments():

@@ -23,6 +23,7 @@ __all__, __getattr__, __dir__ = _lazy.exports(
         "Setting": "records",
         "Traffic": "records",
         "chief_steps_per_execution": "cost_model",
+        "compute_only_rate": "cost_model",
         "parse_count": "cost_model",
         "plan": "cost_model",
         "predict": "cost_model",

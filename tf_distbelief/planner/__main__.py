@@ -32,6 +32,8 @@ _FLAGS = {
     "batch_size": "--batch",
     "function_secs": "--function_ms",
     "step_jitter_secs": "--step_jitter_ms",
+    "host_cores": "--host_cores",
+    "cores_per_worker": "--cores_per_worker",
 }
 
 
@@ -97,6 +99,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "apart); default: only the first exchange after a join in step.",
     )
     parser.add_argument(
+        "--host_cores",
+        type=int,
+        default=None,
+        help="The cores of the one host every task shares (a local emulation; "
+        "--step_ms is then the single process's step on the whole host); "
+        "default: a host per task.",
+    )
+    parser.add_argument(
+        "--cores_per_worker",
+        type=int,
+        default=None,
+        help="With --host_cores: the cores one worker computes with (its "
+        "intra-op threads); default: all of them.",
+    )
+    parser.add_argument(
         "--accumulator", default="squares", choices=records.ACCUMULATORS
     )
     parser.add_argument(
@@ -130,6 +147,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             step_jitter_secs=(
                 None if args.step_jitter_ms is None else args.step_jitter_ms / 1e3
             ),
+            host_cores=args.host_cores,
+            cores_per_worker=args.cores_per_worker,
         )
         if not 0 < args.busy <= 1:
             raise checks.argument_error("busy", "in (0, 1]", args.busy)
@@ -167,6 +186,12 @@ def format_table(
             ""
             if c.step_jitter_secs is None
             else f" step_jitter={c.step_jitter_secs * 1e3:g} ms"
+        )
+        + ("" if c.host_cores is None else f" host_cores={c.host_cores}")
+        + (
+            ""
+            if c.cores_per_worker is None
+            else f" cores_per_worker={c.cores_per_worker}"
         ),
         f"{'row':10} {'ex/s':>10} {'bottleneck':16} {'workers':>10} {'ps NIC':>10} "
         f"{'chief':>10} {'MB/st fetch':>11} {'MB/st push':>10} {'min ps':>6}",
@@ -182,7 +207,7 @@ def format_table(
             f"{p.traffic.to_ps_bytes / 1e6:10.3f} "
             f"{'-' if fewest is None else fewest:>6}"
         )
-    limit = c.num_workers * c.batch_size / c.compute_secs if c.compute_secs else 0
+    limit = cost_model.compute_only_rate(c) if c.compute_secs else 0
     lines.append(
         f"busy: at least {busy:.0%} of the workers' compute-only rate "
         f"({_fmt(limit)} ex/s); min ps: the fewest ps tasks that keep them busy"

@@ -70,6 +70,7 @@ from tf_distbelief.planner import host, queueing, records
 __all__ = [
     "Prediction",
     "chief_steps_per_execution",
+    "compute_only_rate",
     "parse_count",
     "plan",
     "predict",
@@ -242,29 +243,48 @@ def predict(cluster: records.Cluster, setting: records.Setting) -> Prediction:
     )
 
 
+def compute_only_rate(cluster: records.Cluster) -> float:
+    """Examples/s of the workers' compute alone (no transfer), all together.
+
+    Args:
+      cluster: the cluster.
+
+    Returns:
+      `num_workers * batch / compute_secs` with a host per worker; on a
+      shared host (`host_cores`) what the workers compute there together
+      (`host`); inf without a compute time.
+    """
+    if cluster.compute_secs == 0:
+        return math.inf
+    if cluster.host_cores is None:
+        return cluster.num_workers * cluster.batch_size / cluster.compute_secs
+    unlimited = cluster.replace(worker_bits_per_sec=None, ps_bits_per_sec=None)
+    return predict(unlimited, records.Setting()).bounds["workers"]
+
+
 def _busy(
     cluster: records.Cluster, setting: records.Setting, busy_fraction: float
 ) -> bool:
     """The network keeps the workers at `busy_fraction` of their compute rate.
 
     Both the workers' bound (compute plus their own transfers) and the ps
-    NIC's are at least `busy_fraction * num_workers * batch / compute_secs`;
-    the chief is left out (`chief_steps_per_execution` sizes it).
+    NIC's are at least `busy_fraction * compute_only_rate`; the chief is
+    left out (`chief_steps_per_execution` sizes it).
     """
     if cluster.compute_secs == 0:
         return False
-    limit = cluster.num_workers * cluster.batch_size / cluster.compute_secs
+    limit = compute_only_rate(cluster)
     bounds = predict(cluster, setting).bounds
     return min(bounds["workers"], bounds[PS_NIC]) >= busy_fraction * limit
 
 
 def chief_steps_per_execution(cluster: records.Cluster) -> int | None:
     """The fewest steps per scheduled function with which the chief keeps up
-    with the workers' compute-only rate (`num_workers / compute_secs` steps/s
-    at `function_secs` each); None without a compute time."""
+    with the workers' compute-only rate (`compute_only_rate` over the batch,
+    steps/s, at `function_secs` each); None without a compute time."""
     if cluster.compute_secs == 0:
         return None
-    steps_per_sec = cluster.num_workers / cluster.compute_secs
+    steps_per_sec = compute_only_rate(cluster) / cluster.batch_size
     return max(1, math.ceil(steps_per_sec * cluster.function_secs - 1e-9))
 
 
