@@ -359,3 +359,52 @@ def test_the_planner_replays_the_recorded_replica_sweep():
     alone = ratios(host_cores=None)
     assert all(alone[("n=64+outer", w)] > 1.3 for w in (1, 2, 4, 8)), alone
     assert all(0.9 <= alone[("stock", w)] <= 1.1 for w in (1, 2, 4, 8)), alone
+
+
+def test_the_replica_replay_command_prints_every_configuration():
+    # benchmarks/README.md's command for the sweep's replay.
+    import subprocess
+    import sys
+
+    from tests.fixtures.launch import ROOT
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/planner_replay.py",
+            "--replicas_csv=benchmarks/results/downpour_replicas.csv",
+            "--single_csv=benchmarks/results/downpour_bandwidth.csv",
+            "--params=2415616",
+            "--steps_per_execution=16",
+            "--eval_every=64",
+            "--step_jitter_ms=6.7",
+            "--host_cores=2",
+        ],  # fmt: skip
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 + 8
+    assert lines[-1].startswith(
+        "| speech | 100mbit | 4 | n=64+outer | 8 | 2761 | 2463 |"
+    )
+    # Without --single_csv the replay has no compute time.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/planner_replay.py",
+            "--replicas_csv=benchmarks/results/downpour_replicas.csv",
+            "--params=2415616",
+        ],  # fmt: skip
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "--single_csv" in proc.stderr
