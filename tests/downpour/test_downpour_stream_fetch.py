@@ -1,0 +1,163 @@
+"""Update-stream fetches and the parameter-space residual on a real cluster.
+
+With the outer rule and a compressing rule on, the ps logs each compressed
+push and a fetch replays the pushes logged since the replica's last one on
+its mirror of the ps (`downpour.stream_fetch`); a push sends the compressed
+mirror less cache. The trainer against `update_stream.simulate(
+residual="parameter", fetch="stream")`, its NumPy reference: one worker, and
+two workers whose steps run one at a time in the order read back from their
+step counters, where every fetch must leave the replica's mirror (values
+and outer momentum) equal to the ps bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.fixtures.downpour import (
+    LEARNING_RATE,
+    STEPS,
+    _batches,
+    _dataset,
+    _ps_params,
+    _softmax_data,
+    _softmax_grad,
+    _softmax_model,
+    _strategy,
+)
+from tf_distbelief import downpour
+from tf_distbelief.downpour import config as downpour_config
+from tf_distbelief.downpour import replica_state, stream_fetch, update_stream
+from tf_distbelief.downpour.push_rules import reference as push_reference
+
+Config = downpour_config.DownpourConfig
+OUTER = {"outer_learning_rate": 0.35, "outer_momentum": 0.9}
+COMPRESSED = {"top_k_fraction": 0.2, "quantize_bits": 2, "quantize_chunk": 4}
+
+
+def _exchange(**kwargs) -> update_stream.Exchange:
+    settings = dict(
+        fraction=COMPRESSED["top_k_fraction"],
+        bits=COMPRESSED["quantize_bits"],
+        quantize_chunk=COMPRESSED["quantize_chunk"],
+        residual="parameter",
+        fetch="stream",
+        window=stream_fetch.STREAM_WINDOW,
+    )
+    return update_stream.Exchange(**(settings | kwargs))
+
+
+def _simulate(params, batches, config, exchange, order=None):
+    return update_stream.simulate(
+        params,
+        _softmax_grad,
+        batches,
+        Config(config.n_fetch, config.n_push, **OUTER),
+        exchange,
+        ps_learning_rate=LEARNING_RATE,
+        order=order,
+    )
+
+
+def test_stream_fetches_are_on_with_the_outer_rule_and_compression():
+    assert stream_fetch.is_on(Config(3, 3, **OUTER, **COMPRESSED))
+    assert stream_fetch.is_on(Config(3, 3, **OUTER, quantize_bits=8))
+    assert not stream_fetch.is_on(Config(3, 3, **OUTER))
+    assert not stream_fetch.is_on(
+        Config(3, 3, adagrad_accumulator="mean", **COMPRESSED)
+    )
+    sparse = dict(outer_momentum=0.0, top_k_fraction=0.1, sparse_fetches=True)
+    assert not stream_fetch.is_on(Config(3, 3, outer_learning_rate=0.7, **sparse))
+
+
+def test_trainer_matches_update_stream_one_worker(local_cluster):
+    config = Config(3, 3, **OUTER, **COMPRESSED)
+    x, y, params = _softmax_data(seed=5)
+    model = _softmax_model(_strategy(local_cluster), params)
+    trainer = downpour.DownpourTrainer(model, config)
+    iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y)))
+    for _ in range(STEPS):
+        trainer.step(iterator)
+    trainer.join()
+    want, (want_stats,) = _simulate(params, [_batches(x, y)], config, _exchange())
+    reset, _ = _simulate(
+        params, [_batches(x, y)], config, _exchange(residual="reset", fetch="whole")
+    )
+    for got, w, r in zip(_ps_params(model), want, reset):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
+        assert np.abs(w - r).max() > 1e-4  # The residual and fetch matter.
+    (stats,) = trainer.stats()
+    assert (stats.fetches, stats.pushes, stats.bytes_pushed) == (
+        want_stats.fetches,
+        want_stats.pushes,
+        want_stats.bytes_pushed,
+    )
+    assert want_stats.whole_fetches == 1
+    # A whole fetch (no momentum yet), then one replayed push per fetch:
+    # its encoded parts, and each variable's sequence number.
+    model_bytes = sum(p.nbytes for p in params)
+    push_bytes = push_reference.push_nbytes(config.rules, params)
+    replays = want_stats.fetches - 1
+    assert stats.bytes_fetched == model_bytes + stats.fetches * 8 * 2 + (
+        replays * push_bytes
+    )
+    stream = trainer.downpour._stream
+    assert [int(s.numpy()) for s in stream.seqs] == [stats.pushes] * 2
+    assert trainer.downpour._exchange.compression.residuals == []
+    # A restore of the ps values moves each log past every mirror.
+    replica_state.ReplicaState(trainer.downpour).write_back(None)
+    assert all(int(s.numpy()) > stream.capacity for s in stream.seqs)
+
+
+def _mirrors(stream, worker):
+    values = [m.read_all()[worker].numpy() for m in stream.mirrors]
+    momentums = [m.read_all()[worker].numpy() for m in stream.mirror_momentums]
+    return values, momentums
+
+
+def _ps_state(stream):
+    return (
+        [v.numpy() for v in stream.variables],
+        [m.numpy() for m in stream.momentums],
+    )
+
+
+@pytest.mark.slow
+def test_trainer_matches_update_stream_two_workers(local_cluster):
+    """Steps one at a time on whichever worker the coordinator picks; the
+    order is read back from the per-worker step counters and replayed. After
+    each fetch (a step that fetches does not push with `n = 3`) the fetching
+    replica's mirror of the values and of the outer momentum is the ps's."""
+    config = Config(3, 3, **OUTER, **COMPRESSED)
+    x, y, params = _softmax_data(seed=6)
+    model = _softmax_model(_strategy(local_cluster, num_workers=2), params)
+    trainer = downpour.DownpourTrainer(model, config)
+    iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y).repeat()))
+    stream = trainer.downpour._stream
+    steps_var = trainer.downpour._stats["steps"]
+    order, counts, checked = [], [0, 0], 0
+    for _ in range(2 * STEPS):
+        trainer.step(iterator)
+        trainer.join()
+        now = [int(v.numpy()) for v in steps_var.read_all()]
+        (worker,) = [i for i in range(2) if now[i] == counts[i] + 1]
+        order.append(worker)
+        if counts[worker] % config.n_fetch == 0:
+            values, momentums = _mirrors(stream, worker)
+            ps_values, ps_momentums = _ps_state(stream)
+            for got, want in zip(values + momentums, ps_values + ps_momentums):
+                np.testing.assert_array_equal(got, want)
+            checked += 1
+        counts = now
+    assert set(order) == {0, 1}
+    assert checked == sum(-(-c // config.n_fetch) for c in counts)
+    batches = [_batches(x, y) * 2] * 2  # Each worker reads the whole set.
+    want, want_stats = _simulate(params, batches, config, _exchange(), order=order)
+    for got, w in zip(_ps_params(model), want):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
+    stats = trainer.stats()
+    assert [s.pushes for s in stats] == [s.pushes for s in want_stats]
+    assert [s.bytes_pushed for s in stats] == [s.bytes_pushed for s in want_stats]
+    assert all(s.whole_fetches == 1 for s in want_stats)
+    assert sum(s.updates_replayed for s in want_stats) > sum(s.pushes for s in stats)
