@@ -29,7 +29,6 @@ from tests.fixtures.downpour import (
 from tf_distbelief import downpour
 from tf_distbelief.downpour import config as downpour_config
 from tf_distbelief.downpour import replica_state, stream_fetch, update_stream
-from tf_distbelief.downpour.push_rules import reference as push_reference
 
 Config = downpour_config.DownpourConfig
 OUTER = {"outer_learning_rate": 0.35, "outer_momentum": 0.9}
@@ -94,14 +93,17 @@ def test_trainer_matches_update_stream_one_worker(local_cluster):
         want_stats.bytes_pushed,
     )
     assert want_stats.whole_fetches == 1
-    # A whole fetch (no momentum yet), then one replayed push per fetch:
-    # its encoded parts, and each variable's sequence number.
+    # A whole fetch (no momentum yet), then one replayed push per fetch, the
+    # replica's own: per variable its sequence number and the push's replica
+    # index (8 bytes each); its parts are the replica's copy.
     model_bytes = sum(p.nbytes for p in params)
-    push_bytes = push_reference.push_nbytes(config.rules, params)
     replays = want_stats.fetches - 1
+    assert want_stats.updates_replayed == replays
     assert stats.bytes_fetched == model_bytes + stats.fetches * 8 * 2 + (
-        replays * push_bytes
+        replays * 8 * 2
     )
+    extra = 8 * 2 * stats.fetches + 8 * replays  # As for two workers below.
+    assert stats.bytes_fetched == want_stats.bytes_fetched + extra
     stream = trainer.downpour._stream
     assert [int(s.numpy()) for s in stream.seqs] == [stats.pushes] * 2
     assert trainer.downpour._exchange.compression.residuals == []
@@ -161,3 +163,10 @@ def test_trainer_matches_update_stream_two_workers(local_cluster):
     assert [s.bytes_pushed for s in stats] == [s.bytes_pushed for s in want_stats]
     assert all(s.whole_fetches == 1 for s in want_stats)
     assert sum(s.updates_replayed for s in want_stats) > sum(s.pushes for s in stats)
+    # The others' pushes travel, each replica's own last one does not: the
+    # reference's bytes (a whole fetch, and per replayed push its id and the
+    # others' parts) plus, per variable, each fetch's sequence number and a
+    # second id per replayed push (each shard sends its own).
+    for s, w in zip(stats, want_stats):
+        extra = 8 * 2 * s.fetches + 8 * w.updates_replayed
+        assert s.bytes_fetched == w.bytes_fetched + extra

@@ -137,7 +137,7 @@ class Exchange:
 
         def fetch():
             if self.stream is not None:
-                moved = self.stream.fetch_into_cache(h.dense, h.stream)
+                moved = self.stream.fetch_into_cache(h.dense, h.stream, h.worker)
             elif self.sparse is None:
                 moved = self.dense.fetch_into_cache(h.dense, self.record(h))
             else:
@@ -211,7 +211,7 @@ class Exchange:
             coded, sent = self.compression.encode_values(checked)
 
             def kept_residuals():
-                return self.stream.keep_sent(h.dense, sent)
+                return self.stream.keep_sent(h.dense, h.stream, sent, coded)
 
         elif self.compression is not None:
             residuals = h.residuals
@@ -441,7 +441,7 @@ class Exchange:
             first = len(graph.get_operations())
             updates = self.rules.apply(grads, squares, steps, staleness, worker)
             if self.stream is not None:
-                self.stream.append(parts, updates)
+                self.stream.append(parts, updates, worker)
             if self.sparse is not None:
                 # Flagged after every op of the update (`sparse_fetch.mark`).
                 self.sparse.mark(grads, graph.get_operations()[first:])

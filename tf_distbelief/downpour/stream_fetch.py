@@ -20,17 +20,16 @@ is read only once it is whole.
 
 On each replica, per dense variable (`per_worker_variable=True`): the mirror
 `w'` of the ps values, the mirror `m'` of the outer momentum, and the
-sequence number its mirror accounts for (-1: no mirror). A fetch
-(`fetch_into_cache`) of variable `j` reads the shard's `seq`; when the
-replica has a mirror and is at most `window` pushes behind it gathers the
-logged parts of those pushes on the ps, sends them, and replays each through
-`ResourceApplyKerasMomentum` (the ps's own kernel, so the mirror equals the
-ps bit for bit); otherwise (a new replica, a restored one, one behind the
-window, or a ps whose log restarted) it sends the shard's values and
-momentum (a whole fetch). Then the cache moves by what the mirror moved,
+sequence number its mirror accounts for (-1: none). A fetch of variable `j`
+(`fetch_into_cache`) reads the shard's `seq`; a replica with a mirror at
+most `window` pushes behind gets the logged parts of those pushes and
+replays each through `ResourceApplyKerasMomentum` (the ps's kernel: the
+mirror equals the ps bit for bit); otherwise (a new or restored replica, one
+behind the window, a ps whose log restarted) it gets the shard's values and
+momentum (a whole fetch). The cache then moves by what the mirror moved,
 `cache <- cache + (w' - w'_before)`, keeping the replica's unsent progress
-(CocktailSGD's local and global copies); after a whole fetch into a replica
-without a mirror the cache becomes the mirror.
+(CocktailSGD's local and global copies), or becomes the mirror when there
+was none.
 
 A push (`exchange.Exchange.push`) then sends `C(w' - cache)` and an applied
 push adds the decoded `C(...)` to the cache: what it sent comes back through
@@ -44,18 +43,20 @@ fetches whole; after the ps values are restored in a process
 (`Downpour.after_restore`) each shard's `seq` jumps past every replica's,
 which then fetch whole (`restart_log`).
 
-Ordering: a push's update and log write run in the push's branch; with the
-`exactly_once` tokens in scope pushes run one at a time under its lock, so
-the log order is the order of the updates. Without them two replicas'
-pushes to one shard can interleave, and a whole fetch racing a push can read
-the values and momentum on either side of it: the mirror is then off by that
-push until the replica's next whole fetch. The ring holds `window +
-num_workers` pushes, so that pushes landing while a stream fetch reads (at
-most one in flight per other replica) never overwrite an entry it reads.
+Ordering: with the `exactly_once` tokens in scope pushes run one at a time
+under its lock, so the log's order is the updates'. Without them two pushes
+to one shard can interleave, and a whole fetch racing a push can read values
+and momentum on either side of it: the mirror is then off by that push until
+its next whole fetch. The ring holds `window + num_workers` pushes, so
+pushes landing during a stream fetch never overwrite an entry it reads.
 
-Bytes of a fetch, per variable: its `seq` (8), plus the logged parts of each
-push replayed, or its values and (with `outer_momentum` > 0) momentum when
-whole; counted per replica (`bytes_counter`).
+The log also holds each push's replica, and a replica keeps its own last
+applied push's parts (`keep_sent`): when that is its only push a stream fetch
+replays, only its index is sent for it (`n_fetch == n_push`: one per round).
+
+Bytes of a fetch, per variable: its `seq` (8), and per push replayed its
+index (8) and, unless the replica's own, its parts; or values and (`mu` > 0,
+after a push) momentum when whole; counted per replica (`bytes_counter`).
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ __all__ = ["STREAM_WINDOW", "StreamFetch", "StreamHandles", "create", "is_on"]
 # Pushes a replica may be behind a shard's log and still replay them: with
 # `n_fetch == n_push` a replica is about one push per other replica behind.
 STREAM_WINDOW = 64
-# Bytes of a shard's sequence number read by each fetch.
+# Bytes of a shard's sequence number read by each fetch, and of a logged
+# push's replica index.
 _SEQ_BYTES = 8
+_ID_BYTES = 8
 
 
 def is_on(config) -> bool:
@@ -109,6 +112,8 @@ class StreamHandles(NamedTuple):
     momentums: list  # `m'` per variable.
     seen: tf.Tensor  # int64 `[variables]`: the `seq` each mirror accounts for.
     nbytes: tf.Tensor  # Bytes the replica's fetches moved.
+    own: list  # Per variable, its parts of the replica's last applied push.
+    own_pending: tf.Tensor  # 1 while that push has not been replayed.
 
 
 class StreamFetch:
@@ -127,6 +132,8 @@ class StreamFetch:
     Attributes:
       seqs: per variable, its int64 sequence number on its ps.
       logs: per variable, one `[capacity, *part]` variable per encoded part.
+      pushers: per variable, the int64 `[capacity]` replica of each logged
+        push.
       capacity: the ring's entries, `window + num_workers`.
       part_nbytes: per variable, bytes of one push's encoded parts.
     """
@@ -140,6 +147,7 @@ class StreamFetch:
         self.window = int(window)
         self.capacity = self.window + int(strategy.num_workers)
         self.seqs, self.logs, self.part_specs, self.part_nbytes = [], [], [], []
+        self.pushers = []
         for v in self.variables:
             specs = compression.part_specs(v)
             self.part_specs.append(specs)
@@ -163,6 +171,13 @@ class StreamFetch:
                         for k, (shape, dtype) in enumerate(specs)
                     ]
                 )
+                self.pushers.append(
+                    tf.Variable(
+                        tf.fill([self.capacity], tf.constant(-1, tf.int64)),
+                        trainable=False,
+                        name=f"downpour/stream_pushers/{name}",
+                    )
+                )
         self.mirrors = base.per_worker_copies(self.variables, "stream_mirror")
         self.mirror_momentums = base.per_worker_copies(
             self.variables, "stream_momentum"
@@ -171,6 +186,14 @@ class StreamFetch:
             "downpour/stream_seen", [len(self.variables)], tf.int64, fill=-1
         )
         self._nbytes = base.per_worker("downpour/stream_bytes_fetched", [], tf.int64)
+        self.own = [
+            [
+                base.per_worker(f"downpour/stream_own/{base.slug(v.name)}/{k}", s, d)
+                for k, (s, d) in enumerate(specs)
+            ]
+            for v, specs in zip(self.variables, self.part_specs)
+        ]
+        self._own_pending = base.per_worker("downpour/stream_own_pending", [], tf.int64)
 
     def handles(self) -> StreamHandles:
         """The per-worker handles; take them at the top of the scheduled function."""
@@ -179,6 +202,8 @@ class StreamFetch:
             momentums=[m.handle for m in self.mirror_momentums],
             seen=self._seen.handle,
             nbytes=self._nbytes.handle,
+            own=[[x.handle for x in parts] for parts in self.own],
+            own_pending=self._own_pending.handle,
         )
 
     def worker_variables(self) -> dict[str, tf.Variable]:
@@ -211,16 +236,25 @@ class StreamFetch:
             for m, c, v in zip(sh.mirrors, kh.caches, self.variables)
         ]
 
-    def keep_sent(self, kh: base.KindHandles, sent: list) -> list:
-        """Ops of an applied push: the decoded `sent` added to each cache."""
-        return [base.add(c, s) for c, s in zip(kh.caches, sent)]
+    def keep_sent(
+        self, kh: base.KindHandles, sh: StreamHandles, sent: list, parts: list
+    ) -> list:
+        """Ops of an applied push: the decoded `sent` added to each cache, and
+        its encoded `parts` kept as the replica's own last push."""
+        ops = [base.add(c, s) for c, s in zip(kh.caches, sent)]
+        for own, pushed in zip(sh.own, parts):
+            ops += [base.assign(o, x) for o, x in zip(own, pushed)]
+        with tf.control_dependencies(ops):
+            ops.append(base.assign(sh.own_pending, tf.constant(1, tf.int64)))
+        return ops
 
-    def append(self, parts_on_ps: list, updates: list) -> list:
+    def append(self, parts_on_ps: list, updates: list, worker) -> list:
         """Ops logging one applied push, per variable after its update.
 
         Args:
           parts_on_ps: per variable, the push's encoded parts on its ps task.
           updates: per variable, the op that applied the push to it.
+          worker: the pushing replica's index, an integer scalar tensor.
 
         Returns:
           The ops, on the variables' ps tasks.
@@ -232,22 +266,32 @@ class StreamFetch:
                 seq = self.seqs[j].handle
                 with tf.control_dependencies([update]):
                     slot = base.read(seq, tf.int64) % self.capacity
+                    at = tf.reshape(slot, [1])
                     writes = [
-                        base.scatter(
-                            "Update", log.handle, tf.reshape(slot, [1]), part[None]
-                        )
+                        base.scatter("Update", log.handle, at, part[None])
                         for log, part in zip(self.logs[j], parts)
                     ]
+                    pusher = tf.reshape(tf.cast(worker, tf.int64), [1])
+                    writes.append(
+                        base.scatter("Update", self.pushers[j].handle, at, pusher)
+                    )
                 with tf.control_dependencies(writes):
                     ops.append(base.add(seq, tf.constant(1, tf.int64)))
         return ops
 
-    def fetch_into_cache(self, kh: base.KindHandles, sh: StreamHandles) -> list:
+    def fetch_into_cache(self, kh: base.KindHandles, sh: StreamHandles, worker):
         """Ops of a fetch into the caches (inside the fetch's `tf.cond` branch).
+
+        Args:
+          kh: the dense kind's handles (its `ps` and `caches`).
+          sh: this module's handles.
+          worker: the running replica's index, an integer scalar tensor.
 
         Returns:
           The ops; the caches hold the fetch once they have run.
         """
+        me = tf.cast(worker, tf.int64)
+        pending = base.read(sh.own_pending, tf.int64) > 0
         ops = []
         seen_all = base.read(sh.seen, tf.int64)
         new_seen = []
@@ -263,7 +307,7 @@ class StreamFetch:
                 return self._whole(j, v, sh, seq)
 
             def stream_fetch(j=j, v=v, last=last, behind=behind):
-                return self._replay(j, v, sh, last, behind)
+                return self._replay(j, v, sh, last, behind, me, pending)
 
             nbytes = tf.cond(whole, whole_fetch, stream_fetch)
             with tf.control_dependencies([nbytes]):
@@ -275,6 +319,7 @@ class StreamFetch:
             new_seen.append(seq)
         with tf.control_dependencies(ops):
             ops.append(base.assign(sh.seen, tf.stack(new_seen)))
+            ops.append(base.assign(sh.own_pending, tf.constant(0, tf.int64)))
         return ops
 
     def _whole(self, j, v, sh, seq) -> tf.Tensor:
@@ -299,22 +344,44 @@ class StreamFetch:
         count = tf.where(sends_momentum, 2 * nbytes, nbytes)
         return base.after(ops, tf.cast(count, tf.int64))
 
-    def _replay(self, j, v, sh, last, behind) -> tf.Tensor:
+    def _replay(self, j, v, sh, last, behind, me, pending) -> tf.Tensor:
         """The logged pushes since `last` replayed into the mirrors; returns
-        bytes."""
+        bytes.
+
+        The replica's own last push (`pending`: not yet replayed) is taken
+        from its copy when it is its only push among them; every other push
+        (all of them otherwise) is gathered on the ps and sent.
+        """
         with tf.device(v.device):
             slots = (last + tf.range(behind, dtype=tf.int64)) % self.capacity
+            pushers = base.gather(self.pushers[j].handle, slots, tf.int64)
+            own = tf.equal(pushers, me)
+            use_own = pending & tf.equal(tf.reduce_sum(tf.cast(own, tf.int64)), 1)
+            sent = tf.logical_not(own & use_own)
+            sent_slots = tf.boolean_mask(slots, sent)
             gathered = [
-                base.gather(log.handle, slots, dtype)
+                base.gather(log.handle, sent_slots, dtype)
                 for log, (_, dtype) in zip(self.logs[j], self.part_specs[j])
             ]
+            # Each replayed push's row among `gathered` (own: unused).
+            rows = tf.cumsum(tf.cast(sent, tf.int64), exclusive=True)
+        own_parts = [
+            base.read(o, dtype) for o, (_, dtype) in zip(sh.own[j], self.part_specs[j])
+        ]
         # Cast as `OuterNesterov.update` casts them on the ps (through
         # float32), so that the replay is the ps's update bit for bit.
         lr = tf.cast(self.learning_rate, v.dtype)
         mu = tf.cast(self.momentum, v.dtype)
 
         def body(i):
-            parts = tuple(g[i] for g in gathered)
+            def logged():
+                return tuple(g[rows[i]] for g in gathered)
+
+            def mine():
+                return tuple(own_parts)
+
+            parts = tf.cond(sent[i], logged, mine)
+            parts = tuple(parts) if isinstance(parts, (list, tuple)) else (parts,)
             for g, (shape, _) in zip(parts, self.part_specs[j]):
                 g.set_shape(shape)
             delta = self.compression.decode(parts, v)
@@ -330,4 +397,5 @@ class StreamFetch:
             return base.after([update], i + 1)
 
         done = tf.while_loop(lambda i: i < behind, body, [tf.constant(0, tf.int64)])
-        return base.after([done], behind * self.part_nbytes[j])
+        count = tf.size(sent_slots, out_type=tf.int64)
+        return base.after([done], behind * _ID_BYTES + count * self.part_nbytes[j])

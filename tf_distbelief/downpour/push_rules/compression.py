@@ -13,7 +13,9 @@ same tensors, and an applied push sets `e <- u - decoded`; a push dropped
 (`max_staleness`), refused (a NaN or inf) or already applied (`exactly_once`)
 leaves `e` as it was. The residuals are among the replica's state
 (`Downpour.worker_variables`, `dense/residual/j`), checkpointed for an exact
-resume. `reference.compress` is the NumPy side.
+resume. `reference.compress` is the NumPy side. With the outer rule the
+residuals are not kept: `downpour.stream_fetch` encodes the mirror less the
+cache (`encode_values`) and logs the parts on the ps (`to_ps` returns them).
 """
 
 from __future__ import annotations
