@@ -75,7 +75,7 @@ def test_trainer_matches_update_stream_one_worker(local_cluster):
     x, y, params = _softmax_data(seed=5)
     model = _softmax_model(_strategy(local_cluster), params)
     trainer = downpour.DownpourTrainer(model, config)
-    iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y)))
+    iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y).repeat()))
     for _ in range(STEPS):
         trainer.step(iterator)
     trainer.join()
@@ -107,9 +107,56 @@ def test_trainer_matches_update_stream_one_worker(local_cluster):
     stream = trainer.downpour._stream
     assert [int(s.numpy()) for s in stream.seqs] == [stats.pushes] * 2
     assert trainer.downpour._exchange.compression.residuals == []
-    # A restore of the ps values moves each log past every mirror.
+    # A restore of the ps values moves each log past every mirror: the next
+    # fetch is whole (values and momentum) and the mirror is the ps's.
     replica_state.ReplicaState(trainer.downpour).write_back(None)
-    assert all(int(s.numpy()) > stream.capacity for s in stream.seqs)
+    seqs = [int(s.numpy()) for s in stream.seqs]
+    assert all(s > stream.capacity for s in seqs)
+    assert [int(f.numpy()) for f in stream.floors] == seqs
+    trainer.step(iterator)  # A fetch (the replica starts fresh), no push.
+    trainer.join()
+    values, momentums = _mirrors(stream, 0)
+    ps_values, ps_momentums = _ps_state(stream)
+    for got, w in zip(values + momentums, ps_values + ps_momentums):
+        np.testing.assert_array_equal(got, w)
+    assert list(stream._seen.read_all()[0].numpy()) == seqs
+    # The replica's counters started anew with `write_back(None)`.
+    after = trainer.stats()[0]
+    assert (after.fetches, after.bytes_fetched) == (1, 2 * model_bytes + 8 * 2)
+
+
+def test_a_refused_push_resets_the_cache_to_the_ps(local_cluster):
+    """A push with a NaN (`nonfinite="skip"`) is refused whole: the ps and its
+    log do not change, the replica drops its mirror, and its next fetch is
+    whole and resets its cache to the ps values; training goes on."""
+    config = Config(2, 2, **OUTER, **COMPRESSED)
+    x, y, params = _softmax_data(seed=7)
+    x[2 * 4, 0] = np.nan  # The third batch: step 2's local step, step 3 pushes.
+    model = _softmax_model(_strategy(local_cluster), params)
+    trainer = downpour.DownpourTrainer(model, config)
+    trainer.downpour.nonfinite = "skip"
+    iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y)))
+    stream = trainer.downpour._stream
+    for _ in range(3):
+        trainer.step(iterator)
+    trainer.join()
+    before = _ps_state(stream)
+    trainer.step(iterator)  # Step 3: the refused push.
+    trainer.join()
+    for a, b in zip(_ps_state(stream)[0], before[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert [int(s.numpy()) for s in stream.seqs] == [1, 1]
+    assert list(stream._seen.read_all()[0].numpy()) == [-1, -1]
+    trainer.step(iterator)  # Step 4: a whole fetch.
+    trainer.join()
+    caches = [c.read_all()[0].numpy() for c in trainer.downpour._dense.caches]
+    assert all(np.isfinite(c).all() for c in caches)
+    for _ in range(3):
+        trainer.step(iterator)
+    trainer.join()
+    assert [int(s.numpy()) for s in stream.seqs] == [3, 3]
+    assert all(np.isfinite(p).all() for p in _ps_params(model))
+    assert trainer.stats()[0].nonfinite_pushes == 1
 
 
 def _mirrors(stream, worker):

@@ -40,8 +40,8 @@ refetch it triggers resets the cache to the ps values.
 The ps values and momentum stay the source of truth: the log and the mirrors
 are not checkpointed. A replica restored from a checkpoint has no mirror and
 fetches whole; after the ps values are restored in a process
-(`Downpour.after_restore`) each shard's `seq` jumps past every replica's,
-which then fetch whole (`restart_log`).
+(`Downpour.after_restore`) each shard's `seq` and floor jump past every
+replica's mirror, which is then dropped as if it were new (`restart_log`).
 
 Ordering: with the `exactly_once` tokens in scope pushes run one at a time
 under its lock, so the log's order is the updates'. Without them two pushes
@@ -134,6 +134,8 @@ class StreamFetch:
       logs: per variable, one `[capacity, *part]` variable per encoded part.
       pushers: per variable, the int64 `[capacity]` replica of each logged
         push.
+      floors: per variable, the int64 `seq` of its last restart: a mirror
+        older than it is dropped.
       capacity: the ring's entries, `window + num_workers`.
       part_nbytes: per variable, bytes of one push's encoded parts.
     """
@@ -147,7 +149,7 @@ class StreamFetch:
         self.window = int(window)
         self.capacity = self.window + int(strategy.num_workers)
         self.seqs, self.logs, self.part_specs, self.part_nbytes = [], [], [], []
-        self.pushers = []
+        self.pushers, self.floors = [], []
         for v in self.variables:
             specs = compression.part_specs(v)
             self.part_specs.append(specs)
@@ -170,6 +172,13 @@ class StreamFetch:
                         )
                         for k, (shape, dtype) in enumerate(specs)
                     ]
+                )
+                self.floors.append(
+                    tf.Variable(
+                        tf.constant(0, tf.int64),
+                        trainable=False,
+                        name=f"downpour/stream_floor/{name}",
+                    )
                 )
                 self.pushers.append(
                     tf.Variable(
@@ -217,11 +226,12 @@ class StreamFetch:
         return self._nbytes
 
     def restart_log(self) -> None:
-        """Moves each shard's `seq` past every replica's mirror: their next
-        fetches are whole. Call it after the ps values were restored from a
-        checkpoint in this process."""
-        for seq in self.seqs:
-            seq.assign_add(self.capacity + 1)
+        """Moves each shard's `seq` and floor past every replica's mirror:
+        their next fetches are whole and reset the caches to the ps values.
+        Call it after the ps values were restored from a checkpoint in this
+        process."""
+        for seq, floor in zip(self.seqs, self.floors):
+            floor.assign(seq.assign_add(self.capacity + 1))
 
     def drop_mirrors(self, sh: StreamHandles) -> list:
         """Ops making the running replica's next fetch whole, its cache reset
@@ -299,8 +309,11 @@ class StreamFetch:
             last = seen_all[j]
             with tf.device(v.device):
                 seq = base.read(self.seqs[j].handle, tf.int64)
+                floor = base.read(self.floors[j].handle, tf.int64)
                 behind = seq - last
-                whole = (last < 0) | (behind < 0) | (behind > self.window)
+                # No mirror, or one from before a restore or a ps restart.
+                fresh = (last < 0) | (last < floor) | (behind < 0)
+                whole = fresh | (behind > self.window)
             before = base.read(sh.mirrors[j], v.dtype)
 
             def whole_fetch(j=j, v=v, seq=seq):
@@ -313,7 +326,7 @@ class StreamFetch:
             with tf.control_dependencies([nbytes]):
                 after = base.read(sh.mirrors[j], v.dtype)
                 cache = base.read(kh.caches[j], v.dtype)
-                moved = tf.where(last < 0, after, cache + (after - before))
+                moved = tf.where(fresh, after, cache + (after - before))
                 ops.append(base.assign(kh.caches[j], moved))
                 ops.append(base.add(sh.nbytes, nbytes + _SEQ_BYTES))
             new_seen.append(seq)
