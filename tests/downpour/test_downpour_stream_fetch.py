@@ -70,6 +70,21 @@ def test_stream_fetches_are_on_with_the_outer_rule_and_compression():
     assert not stream_fetch.is_on(Config(3, 3, outer_learning_rate=0.7, **sparse))
 
 
+@pytest.mark.parametrize(
+    "other",
+    [{"stale_damping": 1.0}, {"staleness_scaled": True}],
+    ids=["stale_damping", "staleness_scaled"],
+)
+def test_rules_applied_on_the_ps_are_refused_with_stream_fetches(other):
+    config = Config(3, 3, **OUTER, **COMPRESSED, **other)
+    (name,) = other
+    match = rf"cannot be combined with push rules applied on the ps.*{name}"
+    with pytest.raises(ValueError, match=match):
+        stream_fetch.check_rules(config)
+    stream_fetch.check_rules(Config(3, 3, **OUTER, **COMPRESSED))
+    stream_fetch.check_rules(Config(3, 3, **OUTER, **other))
+
+
 def test_trainer_matches_update_stream_one_worker(local_cluster):
     config = Config(3, 3, **OUTER, **COMPRESSED)
     x, y, params = _softmax_data(seed=5)

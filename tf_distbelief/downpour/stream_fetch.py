@@ -67,7 +67,14 @@ import tensorflow as tf
 
 from tf_distbelief.downpour import base
 
-__all__ = ["STREAM_WINDOW", "StreamFetch", "StreamHandles", "create", "is_on"]
+__all__ = [
+    "STREAM_WINDOW",
+    "StreamFetch",
+    "StreamHandles",
+    "check_rules",
+    "create",
+    "is_on",
+]
 
 # Pushes a replica may be behind a shard's log and still replay them: with
 # `n_fetch == n_push` a replica is about one push per other replica behind.
@@ -87,6 +94,32 @@ def is_on(config) -> bool:
     return outer and not sparse and any(r.compresses for r in rules)
 
 
+def check_rules(config) -> None:
+    """Raises if update-stream fetches meet another rule applied on the ps.
+
+    A replica replays each logged push through the outer Nesterov alone, so
+    a rule that corrects or scales the push on the ps (stale damping, the
+    staleness factor, delay compensation) would leave the mirrors off the ps.
+
+    Raises:
+      ValueError: naming the rules.
+    """
+    if not is_on(config):
+        return
+    others = [
+        r.name
+        for r in config.rules
+        if not (r.compresses or (r.replaces_optimizer and r.pushes_deltas))
+    ]
+    if others:
+        raise ValueError(
+            "Compressed pushes with the outer optimizer (update-stream fetches, "
+            "replayed through the outer Nesterov alone) cannot be combined with "
+            f"push rules applied on the ps. Received: {', '.join(others)} with "
+            f"outer_learning_rate={config.outer_learning_rate!r}"
+        )
+
+
 def create(config, variables: list, strategy, rules, compression):
     """The `StreamFetch` of a replica's dense variables, or None when off.
 
@@ -96,9 +129,13 @@ def create(config, variables: list, strategy, rules, compression):
       strategy: the `DistBeliefStrategy` (`num_workers`, colocation).
       rules: the `push_rules.on_ps.PushRules` (the outer momentum slots).
       compression: the `push_rules.compression.CompressedPush`.
+
+    Raises:
+      ValueError: another rule applied on the ps is on (`check_rules`).
     """
     if not is_on(config):
         return None
+    check_rules(config)
     outer = next(r for r in config.rules if r.replaces_optimizer)
     return StreamFetch(
         variables, strategy, rules.momentums, compression, outer, STREAM_WINDOW
