@@ -37,11 +37,11 @@ the stream, what it did not send stays in the cache (the parameter-space
 residual). A push refused for a NaN or inf drops the mirror, so that the
 refetch it triggers resets the cache to the ps values.
 
-The ps values and momentum stay the source of truth: the log and the mirrors
-are not checkpointed. A replica restored from a checkpoint has no mirror and
-fetches whole; after the ps values are restored in a process
-(`Downpour.after_restore`) each shard's `seq` and floor jump past every
-replica's mirror, which is then dropped as if it were new (`restart_log`).
+The ps values and momentum stay the source of truth; the mirrors are replica
+state, the log is not checkpointed. A log starts at a random `origin`, and a
+restore of the ps values (`Downpour.after_restore`) moves its `seq` and
+floor past every mirror (`restart_log`): a restored mirror fetches whole and
+the cache moves by what it moved, as a replay would (exact resumes).
 
 Ordering: with the `exactly_once` tokens in scope pushes run one at a time
 under its lock, so the log's order is the updates'. Without them two pushes
@@ -61,6 +61,7 @@ after a push) momentum when whole; counted per replica (`bytes_counter`).
 
 from __future__ import annotations
 
+import random
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -172,7 +173,8 @@ class StreamFetch:
       pushers: per variable, the int64 `[capacity]` replica of each logged
         push.
       floors: per variable, the int64 `seq` of its last restart: a mirror
-        older than it is dropped.
+        older than it fetches whole.
+      origin: the sequence numbers' start.
       capacity: the ring's entries, `window + num_workers`.
       part_nbytes: per variable, bytes of one push's encoded parts.
     """
@@ -187,6 +189,9 @@ class StreamFetch:
         self.capacity = self.window + int(strategy.num_workers)
         self.seqs, self.logs, self.part_specs, self.part_nbytes = [], [], [], []
         self.pushers, self.floors = [], []
+        # A log created anew (a new process) starts far from any restored
+        # mirror's sequence number, which then fetches whole.
+        self.origin = random.getrandbits(40) << 20
         for v in self.variables:
             specs = compression.part_specs(v)
             self.part_specs.append(specs)
@@ -195,7 +200,7 @@ class StreamFetch:
             with strategy.extended.colocate_vars_with(v):
                 self.seqs.append(
                     tf.Variable(
-                        tf.constant(0, tf.int64),
+                        tf.constant(self.origin, tf.int64),
                         trainable=False,
                         name=f"downpour/stream_seq/{name}",
                     )
@@ -212,7 +217,7 @@ class StreamFetch:
                 )
                 self.floors.append(
                     tf.Variable(
-                        tf.constant(0, tf.int64),
+                        tf.constant(self.origin, tf.int64),
                         trainable=False,
                         name=f"downpour/stream_floor/{name}",
                     )
@@ -253,9 +258,13 @@ class StreamFetch:
         )
 
     def worker_variables(self) -> dict[str, tf.Variable]:
-        """The bytes counter (`replica_state` checkpoints it), by key; the
-        mirrors are not kept: a restored replica fetches whole first."""
-        return {"stats/stream_bytes_fetched": self._nbytes}
+        """The bytes counter, the mirrors and the sequence numbers they
+        account for (`replica_state` checkpoints them), by key."""
+        named = {"stats/stream_bytes_fetched": self._nbytes, "stream/seen": self._seen}
+        for j, (m, u) in enumerate(zip(self.mirrors, self.mirror_momentums)):
+            named[f"stream/mirror/{j}"] = m
+            named[f"stream/momentum/{j}"] = u
+        return named
 
     @property
     def bytes_counter(self) -> tf.Variable:
@@ -264,9 +273,8 @@ class StreamFetch:
 
     def restart_log(self) -> None:
         """Moves each shard's `seq` and floor past every replica's mirror:
-        their next fetches are whole and reset the caches to the ps values.
-        Call it after the ps values were restored from a checkpoint in this
-        process."""
+        their next fetches are whole. Call it after the ps values were
+        restored from a checkpoint in this process."""
         for seq, floor in zip(self.seqs, self.floors):
             floor.assign(seq.assign_add(self.capacity + 1))
 
@@ -348,9 +356,10 @@ class StreamFetch:
                 seq = base.read(self.seqs[j].handle, tf.int64)
                 floor = base.read(self.floors[j].handle, tf.int64)
                 behind = seq - last
-                # No mirror, or one from before a restore or a ps restart.
-                fresh = (last < 0) | (last < floor) | (behind < 0)
-                whole = fresh | (behind > self.window)
+                fresh = last < 0  # No mirror: the cache becomes the ps values.
+                # Or a mirror from before a restore, of another log (a new
+                # process or a restarted ps), or behind the window.
+                whole = fresh | (last < floor) | (behind < 0) | (behind > self.window)
             before = base.read(sh.mirrors[j], v.dtype)
 
             def whole_fetch(j=j, v=v, seq=seq):
@@ -378,7 +387,7 @@ class StreamFetch:
         nbytes = v.shape.num_elements() * v.dtype.size
         with tf.device(v.device):
             value = base.read(base.ps_handle(v), v.dtype)
-            sends_momentum = (seq > 0) & tf.constant(self.momentum > 0)
+            sends_momentum = (seq > self.origin) & tf.constant(self.momentum > 0)
 
             def momentum():
                 return base.read(self.momentums[j].handle, v.dtype)
