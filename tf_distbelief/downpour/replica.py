@@ -109,8 +109,8 @@ class Downpour:
     (`push_rules.compression`): up to 4 copies of the model (5 with
     compression; `worker_variables`; checkpointed per replica by
     `replica_state`). With the outer rule, compression keeps no residual but
-    a mirror of the ps values and one of its momentum (`stream_fetch`, not
-    checkpointed): one more copy than with the residual. The local step
+    a mirror of the ps values and one of its momentum (`stream_fetch`,
+    checkpointed too): one more copy than with the residual. The local step
     size is `config.local_learning_rate_for` the optimizer's learning rate;
     the local AdaGrad takes the optimizer's `initial_accumulator_value` and
     `epsilon` (0.1 and 1e-7 without them).
