@@ -298,9 +298,15 @@ class Exchange:
         finite = tf.reduce_all(tf.stack(flags))
         token = exactly_once.current()
         if token is None or self.tokens is None:
-            staleness, applied, status = tf.cond(
-                finite, lambda: apply_push()[0], lambda: refuse()[0]
-            )
+
+            def apply_now():
+                if self.stream is None:
+                    return apply_push()[0]
+                # The update and its log entry in the section a gated push
+                # takes (`stream_fetch`, "Ordering").
+                return self.stream.locked(lambda: apply_push()[0])
+
+            staleness, applied, status = tf.cond(finite, apply_now, lambda: refuse()[0])
         else:
             # A retried step whose push was applied already pushes nothing;
             # its sums restart, as after a push dropped for staleness.
@@ -422,7 +428,8 @@ class Exchange:
         `push_rules.on_ps.PushRules.apply` applies it (`staleness`: read
         before the push when the rule needs it; `worker`: the replica's
         index). With update-stream fetches each variable's push is logged
-        after its update (`stream_fetch.StreamFetch.append`).
+        after its update (`stream_fetch.StreamFetch.append`), and the
+        returned tensors come after the log's entries.
 
         Args:
           grads, squares, parts: `_to_ps`'s, on the ps tasks.
@@ -441,7 +448,13 @@ class Exchange:
             first = len(graph.get_operations())
             updates = self.rules.apply(grads, squares, steps, staleness, worker)
             if self.stream is not None:
-                self.stream.append(parts, updates, worker)
+                appended = self.stream.append(parts, updates, worker)
+                # What follows the push (its count, the token's write, the
+                # critical section's release) follows its log entries too.
+                grads = [
+                    _after_on(v.device, appended, g)
+                    for g, v in zip(grads, self.variables)
+                ]
             if self.sparse is not None:
                 # Flagged after every op of the update (`sparse_fetch.mark`).
                 self.sparse.mark(grads, graph.get_operations()[first:])
@@ -452,3 +465,10 @@ class Exchange:
                 base.apply_push(opt, g, sq, v, steps)
         opt.iterations.assign_add(1)
         return grads
+
+
+def _after_on(device: str, ops: list, value):
+    """`value` after `ops`, on `device` (where `value` is, so that nothing
+    moves)."""
+    with tf.device(device):
+        return base.after(ops, value)

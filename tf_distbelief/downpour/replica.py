@@ -152,8 +152,9 @@ class Downpour:
             self._sparse = sparse_fetch.create(
                 config, dense, self._dense.groups(), strategy, optimizer
             )
+            self.tokens = exactly_once.tokens_for(optimizer, strategy)
             self._stream = stream_fetch.create(
-                config, dense, strategy, rules, self._compression
+                config, dense, strategy, rules, self._compression, self.tokens
             )
             self._seen = base.per_worker("downpour/seen", [], tf.int64)
             self._refetch = base.per_worker("downpour/refetch", [], tf.int64)
@@ -169,7 +170,6 @@ class Downpour:
         self.nonfinite = "raise"  # Or "skip": see `push_guard.install`.
         self.step_delay_fn = None
         self.guard = push_guard.Guard(self)
-        self.tokens = exactly_once.tokens_for(optimizer, strategy)
         self._exchange = Exchange(
             optimizer,
             config,

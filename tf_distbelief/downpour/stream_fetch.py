@@ -5,37 +5,47 @@ fetch="stream")`, used when the outer rule (`push_rules.outer_nesterov`) and
 a compressing rule (`push_rules.top_k`, `push_rules.quantize`) are both on
 and sparse fetches are off (`is_on`; `push_rules.sparse_fetches`, which
 needs `outer_momentum` 0, keeps error feedback and changed-entry fetches).
-Every replica then holds what the ps holds by applying the same decoded
+Every replica holds what the ps holds by applying the same decoded
 compressed pushes through the same Nesterov update, so a fetch moves the
-pushes applied since the replica's last fetch instead of the model, and the
-outer momentum is kept.
+pushes applied since the replica's last fetch, not the model, and the outer
+momentum is kept.
 
-On the ps, next to each dense shard: a sequence number (int64, the pushes
-the shard has logged) and a ring of the last `capacity` pushes' encoded parts
-(`compression.CompressedPush`'s positions, codes and scales: a fixed size per
-push), one variable per part of shape `[capacity, *part]`. The ps function
-that applies a push with the outer rule writes its parts at slot `seq %
-capacity` after the update, then increments `seq` (`append`), so a log entry
-is read only once it is whole.
+On the ps, per dense shard: a sequence number `seq` (int64, pushes logged)
+and a ring of the last `capacity` pushes (`append`): each one's encoded
+parts (`compression.CompressedPush`'s, a fixed size per push; one variable
+per part, `[capacity, *part]`), its replica, and the shard's `checksum`
+after it, written at slot `seq % capacity` after the update and before
+`seq` moves: an entry below `seq` is whole.
 
 On each replica, per dense variable (`per_worker_variable=True`): the mirror
-`w'` of the ps values, the mirror `m'` of the outer momentum, and the
-sequence number its mirror accounts for (-1: none). A fetch of variable `j`
-(`fetch_into_cache`) reads the shard's `seq`; a replica with a mirror at
-most `window` pushes behind gets the logged parts of those pushes and
-replays each through `ResourceApplyKerasMomentum` (the ps's kernel: the
-mirror equals the ps bit for bit); otherwise (a new or restored replica, one
-behind the window, a ps whose log restarted) it gets the shard's values and
-momentum (a whole fetch). The cache then moves by what the mirror moved,
-`cache <- cache + (w' - w'_before)`, keeping the replica's unsent progress
-(CocktailSGD's local and global copies), or becomes the mirror when there
-was none.
+`w'` of the ps values, the mirror `m'` of the outer momentum, and the `seq`
+its mirror accounts for (-1: none). A fetch (`fetch_into_cache`) reads
+`seq`; a mirror at most `window` pushes behind replays the pushes logged
+since through `ResourceApplyKerasMomentum` (the ps's kernel: bit for bit the
+ps), after which its checksum must equal the last entry's, exactly (a sum of
+bit patterns as integers: no rounding, in any order, on any device).
+Otherwise (a new or restored replica, one behind the window, a ps whose log
+restarted), or on a checksum mismatch (a resync, counted: `resync_counter`),
+it gets the shard's values and momentum (a whole fetch). The cache then
+moves by what the mirror moved, `cache <- cache + (w' - w'_before)`, keeping
+the replica's unsent progress (CocktailSGD's local and global copies), or
+becomes the mirror when there was none.
 
-A push (`exchange.Exchange.push`) then sends `C(w' - cache)` and an applied
-push adds the decoded `C(...)` to the cache: what it sent comes back through
-the stream, what it did not send stays in the cache (the parameter-space
-residual). A push refused for a NaN or inf drops the mirror, so that the
-refetch it triggers resets the cache to the ps values.
+A push (`exchange.Exchange.push`) sends `C(w' - cache)` and an applied push
+adds the decoded `C(...)` to the cache: what it sent comes back through the
+stream, what it did not stays in the cache (the parameter-space residual).
+A push refused for a NaN or inf drops the mirror: its refetch resets the
+cache to the ps values. A replica keeps its own last applied push's parts
+(`keep_sent`): when that is the only push a stream fetch replays, only its
+index is sent (`n_fetch == n_push`: one per round).
+
+Ordering: each push's update and log entry, and a whole fetch's reads of the
+values, momentum and `seq`, run in the `exactly_once` tokens'
+`tf.CriticalSection` (`locked`; a push without a token is put in it too):
+the log's order is the updates', and a whole fetch is a snapshot of exactly
+the pushes below its `seq`. A stream fetch takes no lock: the ring holds
+`window + num_workers` pushes, so with one push per replica per round none
+it reads is overwritten meanwhile (the checksum would find it if one were).
 
 The ps values and momentum stay the source of truth; the mirrors are replica
 state, the log is not checkpointed. A log starts at a random `origin`, and a
@@ -43,20 +53,10 @@ restore of the ps values (`Downpour.after_restore`) moves its `seq` and
 floor past every mirror (`restart_log`): a restored mirror fetches whole and
 the cache moves by what it moved, as a replay would (exact resumes).
 
-Ordering: with the `exactly_once` tokens in scope pushes run one at a time
-under its lock, so the log's order is the updates'. Without them two pushes
-to one shard can interleave, and a whole fetch racing a push can read values
-and momentum on either side of it: the mirror is then off by that push until
-its next whole fetch. The ring holds `window + num_workers` pushes, so
-pushes landing during a stream fetch never overwrite an entry it reads.
-
-The log also holds each push's replica, and a replica keeps its own last
-applied push's parts (`keep_sent`): when that is its only push a stream fetch
-replays, only its index is sent for it (`n_fetch == n_push`: one per round).
-
-Bytes of a fetch, per variable: its `seq` (8), and per push replayed its
-index (8) and, unless the replica's own, its parts; or values and (`mu` > 0,
-after a push) momentum when whole; counted per replica (`bytes_counter`).
+Bytes of a fetch, per variable: `seq` (8), and per push replayed its index
+(8) and, unless the replica's own, its parts, then the checksum (8); or the
+values and (`mu` > 0, after a push) momentum when whole (on a resync, after
+the stream fetch's); counted per replica (`bytes_counter`).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ __all__ = [
     "StreamFetch",
     "StreamHandles",
     "check_rules",
+    "checksum",
     "create",
     "is_on",
 ]
@@ -80,10 +81,36 @@ __all__ = [
 # Pushes a replica may be behind a shard's log and still replay them: with
 # `n_fetch == n_push` a replica is about one push per other replica behind.
 STREAM_WINDOW = 64
-# Bytes of a shard's sequence number read by each fetch, and of a logged
-# push's replica index.
+# Bytes of a shard's sequence number read by each fetch, of a logged push's
+# replica index, and of the checksum a stream fetch reads.
 _SEQ_BYTES = 8
 _ID_BYTES = 8
+_SUM_BYTES = 8
+# The integer type each float's bits are summed as, by the float's bytes (a
+# float64 is two int32s): the int64 sum of fewer than 2**32 such values
+# cannot overflow.
+_BITS = {2: tf.int16, 4: tf.int32, 8: tf.int32}
+
+
+def checksum(values) -> tf.Tensor:
+    """The int64 sum of the bit patterns of `values` (float tensors).
+
+    Bit-identical values give the same sum on any device and in any order of
+    summation (integer addition is exact), so two copies are compared
+    exactly; one differing bit changes it.
+
+    Args:
+      values: float tensors (16, 32 or 64 bits), each of fewer than 2**31
+        entries.
+
+    Returns:
+      An int64 scalar.
+    """
+    total = tf.constant(0, tf.int64)
+    for x in values:
+        bits = tf.bitcast(x, _BITS[x.dtype.size])
+        total += tf.reduce_sum(tf.cast(bits, tf.int64))
+    return total
 
 
 def is_on(config) -> bool:
@@ -121,7 +148,7 @@ def check_rules(config) -> None:
         )
 
 
-def create(config, variables: list, strategy, rules, compression):
+def create(config, variables: list, strategy, rules, compression, tokens):
     """The `StreamFetch` of a replica's dense variables, or None when off.
 
     Args:
@@ -130,6 +157,8 @@ def create(config, variables: list, strategy, rules, compression):
       strategy: the `DistBeliefStrategy` (`num_workers`, colocation).
       rules: the `push_rules.on_ps.PushRules` (the outer momentum slots).
       compression: the `push_rules.compression.CompressedPush`.
+      tokens: the optimizer's `exactly_once.StepTokens`, whose critical
+        section pushes and whole fetches run in.
 
     Raises:
       ValueError: another rule applied on the ps is on (`check_rules`).
@@ -139,7 +168,13 @@ def create(config, variables: list, strategy, rules, compression):
     check_rules(config)
     outer = next(r for r in config.rules if r.replaces_optimizer)
     return StreamFetch(
-        variables, strategy, rules.momentums, compression, outer, STREAM_WINDOW
+        variables,
+        strategy,
+        rules.momentums,
+        compression,
+        outer,
+        STREAM_WINDOW,
+        tokens,
     )
 
 
@@ -150,6 +185,7 @@ class StreamHandles(NamedTuple):
     momentums: list  # `m'` per variable.
     seen: tf.Tensor  # int64 `[variables]`: the `seq` each mirror accounts for.
     nbytes: tf.Tensor  # Bytes the replica's fetches moved.
+    resyncs: tf.Tensor  # Stream fetches that went whole on a checksum mismatch.
     own: list  # Per variable, its parts of the replica's last applied push.
     own_pending: tf.Tensor  # 1 while that push has not been replayed.
 
@@ -166,12 +202,16 @@ class StreamFetch:
       compression: the `CompressedPush` (the parts' shapes, their decoding).
       outer: the outer rule (`learning_rate`, `momentum`).
       window: pushes a replica may be behind and still replay.
+      tokens: the optimizer's `exactly_once.StepTokens` (its critical
+        section: `locked`).
 
     Attributes:
       seqs: per variable, its int64 sequence number on its ps.
       logs: per variable, one `[capacity, *part]` variable per encoded part.
       pushers: per variable, the int64 `[capacity]` replica of each logged
         push.
+      sums: per variable, the int64 `[capacity]` `checksum` of the shard
+        after each logged push.
       floors: per variable, the int64 `seq` of its last restart: a mirror
         older than it fetches whole.
       origin: the sequence numbers' start.
@@ -179,7 +219,9 @@ class StreamFetch:
       part_nbytes: per variable, bytes of one push's encoded parts.
     """
 
-    def __init__(self, variables, strategy, momentums, compression, outer, window):
+    def __init__(
+        self, variables, strategy, momentums, compression, outer, window, tokens
+    ):
         self.variables = list(variables)
         self.momentums = list(momentums)
         self.compression = compression
@@ -188,7 +230,9 @@ class StreamFetch:
         self.window = int(window)
         self.capacity = self.window + int(strategy.num_workers)
         self.seqs, self.logs, self.part_specs, self.part_nbytes = [], [], [], []
-        self.pushers, self.floors = [], []
+        self.pushers, self.floors, self.sums = [], [], []
+        self._section = tokens.section
+        self._section_device = tokens.ring.device
         # A log created anew (a new process) starts far from any restored
         # mirror's sequence number, which then fetches whole.
         self.origin = random.getrandbits(40) << 20
@@ -229,6 +273,13 @@ class StreamFetch:
                         name=f"downpour/stream_pushers/{name}",
                     )
                 )
+                self.sums.append(
+                    tf.Variable(
+                        tf.zeros([self.capacity], tf.int64),
+                        trainable=False,
+                        name=f"downpour/stream_sums/{name}",
+                    )
+                )
         self.mirrors = base.per_worker_copies(self.variables, "stream_mirror")
         self.mirror_momentums = base.per_worker_copies(
             self.variables, "stream_momentum"
@@ -237,6 +288,7 @@ class StreamFetch:
             "downpour/stream_seen", [len(self.variables)], tf.int64, fill=-1
         )
         self._nbytes = base.per_worker("downpour/stream_bytes_fetched", [], tf.int64)
+        self._resyncs = base.per_worker("downpour/stream_resyncs", [], tf.int64)
         self.own = [
             [
                 base.per_worker(f"downpour/stream_own/{base.slug(v.name)}/{k}", s, d)
@@ -253,6 +305,7 @@ class StreamFetch:
             momentums=[m.handle for m in self.mirror_momentums],
             seen=self._seen.handle,
             nbytes=self._nbytes.handle,
+            resyncs=self._resyncs.handle,
             own=[[x.handle for x in parts] for parts in self.own],
             own_pending=self._own_pending.handle,
         )
@@ -260,7 +313,11 @@ class StreamFetch:
     def worker_variables(self) -> dict[str, tf.Variable]:
         """The bytes counter, the mirrors and the sequence numbers they
         account for (`replica_state` checkpoints them), by key."""
-        named = {"stats/stream_bytes_fetched": self._nbytes, "stream/seen": self._seen}
+        named = {
+            "stats/stream_bytes_fetched": self._nbytes,
+            "stats/stream_resyncs": self._resyncs,
+            "stream/seen": self._seen,
+        }
         for j, (m, u) in enumerate(zip(self.mirrors, self.mirror_momentums)):
             named[f"stream/mirror/{j}"] = m
             named[f"stream/momentum/{j}"] = u
@@ -270,6 +327,22 @@ class StreamFetch:
     def bytes_counter(self) -> tf.Variable:
         """The per-worker count of bytes fetched (int64)."""
         return self._nbytes
+
+    @property
+    def resync_counter(self) -> tf.Variable:
+        """The per-worker count of stream fetches that went whole on a
+        checksum mismatch (int64)."""
+        return self._resyncs
+
+    def locked(self, fn):
+        """`fn()` in the pushes' critical section, on its ps task.
+
+        The lock is taken once every tensor `fn`'s ops read from outside is
+        there. `fn` returns tensors on the ps that come after all its
+        effects: the lock is released once they are made.
+        """
+        with tf.device(self._section_device):
+            return self._section.execute(fn)
 
     def restart_log(self) -> None:
         """Moves each shard's `seq` and floor past every replica's mirror:
@@ -306,6 +379,8 @@ class StreamFetch:
     def append(self, parts_on_ps: list, updates: list, worker) -> list:
         """Ops logging one applied push, per variable after its update.
 
+        Run them in the critical section (`locked`) with the updates.
+
         Args:
           parts_on_ps: per variable, the push's encoded parts on its ps task.
           updates: per variable, the op that applied the push to it.
@@ -330,9 +405,28 @@ class StreamFetch:
                     writes.append(
                         base.scatter("Update", self.pushers[j].handle, at, pusher)
                     )
+                    total = checksum(self._ps_state(j, v))
+                    writes.append(
+                        base.scatter("Update", self.sums[j].handle, at, total[None])
+                    )
                 with tf.control_dependencies(writes):
                     ops.append(base.add(seq, tf.constant(1, tf.int64)))
         return ops
+
+    def _ps_state(self, j, v) -> list:
+        """What a checksum covers on the ps: the values, and the momentum
+        when `mu` > 0 (with 0 it does not reach the values)."""
+        state = [base.read(base.ps_handle(v), v.dtype)]
+        if self.momentum > 0:
+            state.append(base.read(self.momentums[j].handle, v.dtype))
+        return state
+
+    def _mirror_state(self, j, v, sh) -> list:
+        """The mirror's counterpart of `_ps_state`."""
+        state = [base.read(sh.mirrors[j], v.dtype)]
+        if self.momentum > 0:
+            state.append(base.read(sh.momentums[j], v.dtype))
+        return state
 
     def fetch_into_cache(self, kh: base.KindHandles, sh: StreamHandles, worker):
         """Ops of a fetch into the caches (inside the fetch's `tf.cond` branch).
@@ -362,54 +456,86 @@ class StreamFetch:
                 whole = fresh | (last < floor) | (behind < 0) | (behind > self.window)
             before = base.read(sh.mirrors[j], v.dtype)
 
-            def whole_fetch(j=j, v=v, seq=seq):
-                return self._whole(j, v, sh, seq)
+            def whole_fetch(j=j, v=v):
+                return self._whole(j, v, sh)
 
-            def stream_fetch(j=j, v=v, last=last, behind=behind):
-                return self._replay(j, v, sh, last, behind, me, pending)
+            def stream_fetch(j=j, v=v, last=last, behind=behind, seq=seq):
+                nbytes, in_sync = self._replay(j, v, sh, last, behind, me, pending)
 
-            nbytes = tf.cond(whole, whole_fetch, stream_fetch)
+                def replayed():
+                    return nbytes, seq
+
+                def resync():  # The mirror is off: a whole fetch puts it right.
+                    more, at = self._whole(j, v, sh)
+                    counted = base.add(sh.resyncs, tf.constant(1, tf.int64))
+                    return base.after([counted], nbytes + more), at
+
+                return tuple(tf.cond(in_sync, replayed, resync))
+
+            nbytes, at = tf.cond(whole, whole_fetch, stream_fetch)
             with tf.control_dependencies([nbytes]):
                 after = base.read(sh.mirrors[j], v.dtype)
                 cache = base.read(kh.caches[j], v.dtype)
                 moved = tf.where(fresh, after, cache + (after - before))
                 ops.append(base.assign(kh.caches[j], moved))
                 ops.append(base.add(sh.nbytes, nbytes + _SEQ_BYTES))
-            new_seen.append(seq)
+            new_seen.append(at)
         with tf.control_dependencies(ops):
             ops.append(base.assign(sh.seen, tf.stack(new_seen)))
             ops.append(base.assign(sh.own_pending, tf.constant(0, tf.int64)))
         return ops
 
-    def _whole(self, j, v, sh, seq) -> tf.Tensor:
+    def _whole(self, j, v, sh) -> tuple[tf.Tensor, tf.Tensor]:
         """The shard's values, and its momentum once a push has moved it (and
-        `outer_momentum` > 0), into the mirrors; returns bytes."""
+        `outer_momentum` > 0), into the mirrors.
+
+        They are read with the shard's `seq` in the pushes' critical section
+        (`locked`): no push lands between the reads, so the mirror accounts
+        for exactly the pushes below that `seq`.
+
+        Returns:
+          `(bytes, seq)`: int64 scalars, `seq` on the ps.
+        """
         nbytes = v.shape.num_elements() * v.dtype.size
-        with tf.device(v.device):
-            value = base.read(base.ps_handle(v), v.dtype)
-            sends_momentum = (seq > self.origin) & tf.constant(self.momentum > 0)
+        read = {}  # What the section reads, used after it.
 
-            def momentum():
-                return base.read(self.momentums[j].handle, v.dtype)
+        def snapshot():
+            with tf.device(v.device):
+                seq = base.read(self.seqs[j].handle, tf.int64)
+                read["value"] = base.read(base.ps_handle(v), v.dtype)
+                sends = (seq > self.origin) & tf.constant(self.momentum > 0)
+                read["sends_momentum"] = sends
 
-            def zeros():
-                return tf.zeros(v.shape, v.dtype)
+                def momentum():
+                    return base.read(self.momentums[j].handle, v.dtype)
 
-            moment = tf.cond(sends_momentum, momentum, zeros)
+                def zeros():
+                    return tf.zeros(v.shape, v.dtype)
+
+                read["momentum"] = tf.cond(sends, momentum, zeros)
+                # Only `seq` leaves the section: the lock is released once the
+                # reads are done, not after the values' transfer.
+                return base.after([read["value"], read["momentum"]], seq)
+
+        seq = self.locked(snapshot)
         ops = [
-            base.assign(sh.mirrors[j], value),
-            base.assign(sh.momentums[j], moment),
+            base.assign(sh.mirrors[j], read["value"]),
+            base.assign(sh.momentums[j], read["momentum"]),
         ]
-        count = tf.where(sends_momentum, 2 * nbytes, nbytes)
-        return base.after(ops, tf.cast(count, tf.int64))
+        count = tf.where(read["sends_momentum"], 2 * nbytes, nbytes)
+        return base.after(ops, tf.cast(count, tf.int64)), seq
 
-    def _replay(self, j, v, sh, last, behind, me, pending) -> tf.Tensor:
-        """The logged pushes since `last` replayed into the mirrors; returns
-        bytes.
+    def _replay(self, j, v, sh, last, behind, me, pending):
+        """The logged pushes since `last` replayed into the mirrors.
 
         The replica's own last push (`pending`: not yet replayed) is taken
         from its copy when it is its only push among them; every other push
         (all of them otherwise) is gathered on the ps and sent.
+
+        Returns:
+          `(bytes, in_sync)`: an int64 scalar, and a bool scalar, True when
+          nothing was replayed or the mirror's `checksum` after the replay is
+          the last replayed entry's.
         """
         with tf.device(v.device):
             slots = (last + tf.range(behind, dtype=tf.int64)) % self.capacity
@@ -424,6 +550,8 @@ class StreamFetch:
             ]
             # Each replayed push's row among `gathered` (own: unused).
             rows = tf.cumsum(tf.cast(sent, tf.int64), exclusive=True)
+            newest = (last + behind - 1) % self.capacity
+            logged_sum = base.gather(self.sums[j].handle, newest, tf.int64)
         own_parts = [
             base.read(o, dtype) for o, (_, dtype) in zip(sh.own[j], self.part_specs[j])
         ]
@@ -456,5 +584,9 @@ class StreamFetch:
             return base.after([update], i + 1)
 
         done = tf.while_loop(lambda i: i < behind, body, [tf.constant(0, tf.int64)])
+        with tf.control_dependencies([done]):
+            mirror_sum = checksum(self._mirror_state(j, v, sh))
+        in_sync = tf.equal(behind, 0) | tf.equal(mirror_sum, logged_sum)
         count = tf.size(sent_slots, out_type=tf.int64)
-        return base.after([done], behind * _ID_BYTES + count * self.part_nbytes[j])
+        nbytes = behind * _ID_BYTES + count * self.part_nbytes[j] + _SUM_BYTES
+        return base.after([done], nbytes), in_sync
