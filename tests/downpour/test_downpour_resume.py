@@ -217,6 +217,40 @@ def test_resume_with_a_compression_residual_equals_an_uninterrupted_run(
 
 
 @pytest.mark.slow
+def test_resume_with_stream_fetches_equals_an_uninterrupted_run(strategy, tmp_path):
+    """With the outer rule, compressed pushes keep the unsent progress in the
+    cache and a mirror of the ps (`downpour.stream_fetch`): both are replica
+    state. A checkpoint at step 5 (mid-round, the cache ahead of its mirror)
+    resumes bit for bit: the new process's log starts elsewhere, so the
+    resumed replica's first fetch is whole and moves its cache by what its
+    mirror moved, as replaying the log would have."""
+    spe = 5
+    config = dict(
+        n_fetch=3,
+        n_push=3,
+        outer_learning_rate=0.35,
+        outer_momentum=0.9,
+        top_k_fraction=0.5,
+        quantize_bits=2,
+        quantize_chunk=2,
+    )
+    first = _model(strategy, "adagrad", **config)
+    _fit(first, 1, str(tmp_path), steps_per_epoch=spe)
+    at_checkpoint = _worker_state(first)
+    assert at_checkpoint["stream/seen"].min() >= 0
+    resumed = _model(strategy, "adagrad", **config)
+    result = _fit(resumed, 2, str(tmp_path), steps_per_epoch=spe)
+    assert result.initial_step == spe
+    uninterrupted = _model(strategy, "adagrad", **config)
+    _fit(uninterrupted, 2, steps_per_epoch=spe)
+    # Other logs, other sequence numbers; the resumed fetch at step 6 was
+    # whole: other bytes fetched.
+    _assert_same_state(
+        resumed, uninterrupted, but=("stream/seen", "stats/stream_bytes_fetched")
+    )
+
+
+@pytest.mark.slow
 def test_checkpoint_without_replica_state_starts_replicas_fresh(strategy, tmp_path):
     # A checkpoint as written before the replica state was saved.
     first = _model(strategy, "adagrad")

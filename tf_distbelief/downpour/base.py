@@ -139,6 +139,9 @@ class Handles(NamedTuple):
     # Per-worker handles of sparse fetches (`sparse_fetch.SparseHandles`), or
     # None without them.
     sparse: object = None
+    # Per-worker handles of update-stream fetches (`stream_fetch.StreamHandles`),
+    # or None without them.
+    stream: object = None
 
 
 class KindOrder:

@@ -85,7 +85,9 @@ class DownpourConfig:
         (`push_rules.staleness_scaled`: the step over the staleness),
         `top_k_fraction` and `top_k_chunk` (`push_rules.top_k`), and
         `quantize_bits` and `quantize_chunk` (`push_rules.quantize`): pushes
-        compressed with error feedback; all off by default.
+        compressed with error feedback (with the outer rule, the cache keeps
+        what was not sent and fetches replay the ps's log of pushes:
+        `downpour.stream_fetch`); all off by default.
 
     Attributes:
       rule_settings: `(name, value)` of every push rule setting, in

@@ -13,7 +13,10 @@ compressing push rule the dense sums plus the replica's residual are encoded
 on the worker and only the encoded parts move (`push_rules.compression`); an
 applied push keeps what it did not send in the residual. With sparse fetches
 (`sparse_fetch`) a fetch moves only the entries the ps changed since the
-replica's last fetch, which each applied push flags.
+replica's last fetch, which each applied push flags. With the outer rule and
+compression (`stream_fetch`) the residual is the cache itself: a push sends
+the compressed difference of the replica's mirror of the ps and its cache,
+the ps logs it, and a fetch replays the pushes logged since the last one.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class Exchange:
       compression: the `push_rules.compression.CompressedPush`, or None when
         no rule compresses pushes.
       sparse: the `sparse_fetch.SparseFetch`, or None without sparse fetches.
+      stream: the `stream_fetch.StreamFetch`, or None without update-stream
+        fetches.
     """
 
     def __init__(
@@ -70,6 +75,7 @@ class Exchange:
         rules,
         compression=None,
         sparse=None,
+        stream=None,
     ):
         self.optimizer = optimizer
         self.config = config
@@ -87,6 +93,7 @@ class Exchange:
         self.rules = rules
         self.compression = compression
         self.sparse = sparse
+        self.stream = stream
 
     @property
     def push_nbytes(self) -> int:
@@ -129,7 +136,9 @@ class Exchange:
         """A fetch into the cache when `pred`, in a `tf.cond`: True if done."""
 
         def fetch():
-            if self.sparse is None:
+            if self.stream is not None:
+                moved = self.stream.fetch_into_cache(h.dense, h.stream, h.worker)
+            elif self.sparse is None:
                 moved = self.dense.fetch_into_cache(h.dense, self.record(h))
             else:
                 moved = self.sparse.fetch_into_cache(h.dense, h.sparse, h.worker)
@@ -185,7 +194,9 @@ class Exchange:
 
         With compression, the finiteness check is of the dense sums plus the
         residual (what is left unsent too), and only an applied push updates
-        the residual.
+        the residual. With update-stream fetches what is compressed and
+        checked is the mirror less the cache, and an applied push adds what
+        it sent to the cache (`stream_fetch`).
         """
         int64 = tf.int64
         (dense_grads, dense_squares), (row_grads, row_squares) = pushed
@@ -195,7 +206,14 @@ class Exchange:
             squares = self.order.merge(dense_squares, row_squares)
         coded = None  # A compressed push's parts (`CompressedPush.encode`).
         checked = dense_grads
-        if self.compression is not None:
+        if self.stream is not None:
+            checked = self.stream.unsent(h.dense, h.stream)
+            coded, sent = self.compression.encode_values(checked)
+
+            def kept_residuals():
+                return self.stream.keep_sent(h.dense, h.stream, sent, coded)
+
+        elif self.compression is not None:
             residuals = h.residuals
             checked, coded, sent = self.compression.encode(residuals, dense_grads)
 
@@ -226,7 +244,7 @@ class Exchange:
         # refused or dropped for staleness has sent its sums too). The
         # replica's count of pushes seen is read here too: a per-worker
         # variable.
-        grads_on_ps, squares_on_ps = self._to_ps(pushed, pack, coded)
+        grads_on_ps, squares_on_ps, parts_on_ps = self._to_ps(pushed, pack, coded)
         seen = exactly_once.copy_to(
             self.optimizer.iterations.device, base.read(h.seen, int64)
         )
@@ -234,7 +252,9 @@ class Exchange:
         if self.config.max_staleness is None and not reads_first:
 
             def apply_push():
-                arrived = self._apply(grads_on_ps, squares_on_ps, None, h.worker)
+                arrived = self._apply(
+                    grads_on_ps, squares_on_ps, None, h.worker, parts_on_ps
+                )
                 # Counted once the push has reached the ps, not before: a
                 # control edge on a tensor already there costs no message (one
                 # per ps task otherwise).
@@ -253,7 +273,7 @@ class Exchange:
 
                 def apply_fresh():
                     arrived = self._apply(
-                        grads_on_ps, squares_on_ps, staleness, h.worker
+                        grads_on_ps, squares_on_ps, staleness, h.worker, parts_on_ps
                     )
                     with tf.control_dependencies(arrived[:1]):
                         increment = base.add(h.count, tf.constant(1, int64))
@@ -278,9 +298,15 @@ class Exchange:
         finite = tf.reduce_all(tf.stack(flags))
         token = exactly_once.current()
         if token is None or self.tokens is None:
-            staleness, applied, status = tf.cond(
-                finite, lambda: apply_push()[0], lambda: refuse()[0]
-            )
+
+            def apply_now():
+                if self.stream is None:
+                    return apply_push()[0]
+                # The update and its log entry in the section a gated push
+                # takes (`stream_fetch`, "Ordering").
+                return self.stream.locked(lambda: apply_push()[0])
+
+            staleness, applied, status = tf.cond(finite, apply_now, lambda: refuse()[0])
         else:
             # A retried step whose push was applied already pushes nothing;
             # its sums restart, as after a push dropped for staleness.
@@ -331,6 +357,8 @@ class Exchange:
             ]
             for kind, kh in ((self.dense, h.dense), (self.rows, h.rows)):
                 ops += kind.repair_local_accumulators(kh, zero_accumulators)
+            if self.stream is not None:  # The cache took the NaN: reset it.
+                ops += self.stream.drop_mirrors(h.stream)
             return ops
 
         counted = [when(_APPLIED, on_applied), when(_DROPPED, on_dropped)]
@@ -364,15 +392,18 @@ class Exchange:
           coded: a compressed push's parts, or None.
 
         Returns:
-          `(grads, squares)`, one entry per variable in order; `squares`
-          entries are None where no squares are pushed.
+          `(grads, squares, parts)`, one entry per variable in order;
+          `squares` entries are None where no squares are pushed; `parts`:
+          a compressed push's encoded parts as received on the ps, per
+          variable, or None.
         """
         opt, order = self.optimizer, self.order
         (dense_grads, dense_squares), (row_grads, row_squares) = pushed
         if coded is not None:
             # Rules take no row-sparse variables: all are dense, no squares.
-            decoded = self.compression.to_ps(coded, self.dense.groups())
-            return tf_optimizers.clip_gradients(opt, decoded), [None] * len(decoded)
+            decoded, parts = self.compression.to_ps(coded, self.dense.groups())
+            clipped = tf_optimizers.clip_gradients(opt, decoded)
+            return clipped, [None] * len(decoded), parts
         clipped = tf_optimizers.clip_gradients(opt, order.merge(dense_grads, row_grads))
         dense_grads, row_grads = order.split(clipped)
         grads = order.merge(
@@ -383,9 +414,9 @@ class Exchange:
             squares = order.merge(
                 self.dense.to_ps(dense_squares, pack), self.rows.to_ps(row_squares)
             )
-        return grads, squares
+        return grads, squares, None
 
-    def _apply(self, grads, squares, staleness=None, worker=None) -> list:
+    def _apply(self, grads, squares, staleness=None, worker=None, parts=None) -> list:
         """Applies one push with the optimizer, variable by variable on its shard.
 
         The update ops (and the optimizer's casts of its hyperparameters) run
@@ -396,10 +427,12 @@ class Exchange:
         `config.adagrad_accumulator` says. With a push rule on,
         `push_rules.on_ps.PushRules.apply` applies it (`staleness`: read
         before the push when the rule needs it; `worker`: the replica's
-        index).
+        index). With update-stream fetches each variable's push is logged
+        after its update (`stream_fetch.StreamFetch.append`), and the
+        returned tensors come after the log's entries.
 
         Args:
-          grads, squares: `_to_ps`'s, on the ps tasks.
+          grads, squares, parts: `_to_ps`'s, on the ps tasks.
           staleness: an int64 scalar, or None.
           worker: the replica's index, an int64 scalar, or None.
 
@@ -413,7 +446,15 @@ class Exchange:
             # Row-sparse variables are refused with the rules: all are dense.
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations())
-            self.rules.apply(grads, squares, steps, staleness, worker)
+            updates = self.rules.apply(grads, squares, steps, staleness, worker)
+            if self.stream is not None:
+                appended = self.stream.append(parts, updates, worker)
+                # What follows the push (its count, the token's write, the
+                # critical section's release) follows its log entries too.
+                grads = [
+                    _after_on(v.device, appended, g)
+                    for g, v in zip(grads, self.variables)
+                ]
             if self.sparse is not None:
                 # Flagged after every op of the update (`sparse_fetch.mark`).
                 self.sparse.mark(grads, graph.get_operations()[first:])
@@ -424,3 +465,10 @@ class Exchange:
                 base.apply_push(opt, g, sq, v, steps)
         opt.iterations.assign_add(1)
         return grads
+
+
+def _after_on(device: str, ops: list, value):
+    """`value` after `ops`, on `device` (where `value` is, so that nothing
+    moves)."""
+    with tf.device(device):
+        return base.after(ops, value)

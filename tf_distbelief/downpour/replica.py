@@ -28,7 +28,13 @@ import tensorflow as tf
 import tf_keras
 
 from tf_distbelief import checks, substitution
-from tf_distbelief.downpour import base, push_guard, schedule, sparse_fetch
+from tf_distbelief.downpour import (
+    base,
+    push_guard,
+    schedule,
+    sparse_fetch,
+    stream_fetch,
+)
 from tf_distbelief.downpour import plan as plan_lib
 from tf_distbelief.downpour import variables as downpour_variables
 from tf_distbelief.downpour.config import DownpourConfig
@@ -102,9 +108,12 @@ class Downpour:
     with a compressing push rule the residual of what pushes have not sent
     (`push_rules.compression`): up to 4 copies of the model (5 with
     compression; `worker_variables`; checkpointed per replica by
-    `replica_state`). The local step size is `config.local_learning_rate_for`
-    the optimizer's learning rate; the local AdaGrad takes the optimizer's
-    `initial_accumulator_value` and `epsilon` (0.1 and 1e-7 without them).
+    `replica_state`). With the outer rule, compression keeps no residual but
+    a mirror of the ps values and one of its momentum (`stream_fetch`,
+    checkpointed too): one more copy than with the residual. The local step
+    size is `config.local_learning_rate_for` the optimizer's learning rate;
+    the local AdaGrad takes the optimizer's `initial_accumulator_value` and
+    `epsilon` (0.1 and 1e-7 without them).
     """
 
     def __init__(
@@ -138,9 +147,14 @@ class Downpour:
             rules = on_ps.create(config, optimizer, dense, rows, strategy)
             self._dense = DenseVariables(dense, self.plan)
             self._rows = RowSparseVariables(rows, self.plan)
-            self._compression = compression.create(config, dense)
+            streams = stream_fetch.is_on(config)
+            self._compression = compression.create(config, dense, not streams)
             self._sparse = sparse_fetch.create(
                 config, dense, self._dense.groups(), strategy, optimizer
+            )
+            self.tokens = exactly_once.tokens_for(optimizer, strategy)
+            self._stream = stream_fetch.create(
+                config, dense, strategy, rules, self._compression, self.tokens
             )
             self._seen = base.per_worker("downpour/seen", [], tf.int64)
             self._refetch = base.per_worker("downpour/refetch", [], tf.int64)
@@ -156,7 +170,6 @@ class Downpour:
         self.nonfinite = "raise"  # Or "skip": see `push_guard.install`.
         self.step_delay_fn = None
         self.guard = push_guard.Guard(self)
-        self.tokens = exactly_once.tokens_for(optimizer, strategy)
         self._exchange = Exchange(
             optimizer,
             config,
@@ -169,6 +182,7 @@ class Downpour:
             rules=rules,
             compression=self._compression,
             sparse=self._sparse,
+            stream=self._stream,
         )
 
     @property
@@ -195,6 +209,7 @@ class Downpour:
             worker=tf.distribute.coordinator.experimental_get_current_worker_index(),
             residuals=[] if self._compression is None else self._compression.handles(),
             sparse=None if self._sparse is None else self._sparse.handles(),
+            stream=None if self._stream is None else self._stream.handles(),
         )
 
     def _cached_values(self, h: base.Handles, after: list, active=None):
@@ -272,9 +287,11 @@ class Downpour:
         start = self._start_clock()
         with tf.control_dependencies(start):
             t = base.read(h.stats["steps"], int64)
-            sparse_bytes = None  # Bytes sparse fetches moved, before this step's.
-            if h.sparse is not None:
-                sparse_bytes = base.read(h.sparse.nbytes, int64)
+            # Bytes counted fetches (sparse or stream) moved, before this step's.
+            counted_fetches = h.sparse or h.stream
+            sparse_bytes = None
+            if counted_fetches is not None:
+                sparse_bytes = base.read(counted_fetches.nbytes, int64)
         if cfg.warmstart_steps:
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
             is_first = tf.equal(worker, 0)
@@ -341,7 +358,9 @@ class Downpour:
             dense_fetched = tf.where(fetched, dense_bytes, zero)
             if sparse_bytes is not None:
                 with tf.control_dependencies([fetched]):
-                    dense_fetched = base.read(h.sparse.nbytes, int64) - sparse_bytes
+                    dense_fetched = (
+                        base.read(counted_fetches.nbytes, int64) - sparse_bytes
+                    )
             metrics = {
                 "staleness": tf.identity(staleness),
                 "bytes_fetched": dense_fetched + rows_fetched,
@@ -494,10 +513,13 @@ class Downpour:
 
     def after_restore(self) -> None:
         """What the ps values' restore from a checkpoint needs: with sparse
-        fetches, every replica's next fetch sends every entry (its mirror of
-        the ps holds values from before the restore)."""
+        fetches, every replica's next fetch sends every entry, and with
+        update-stream fetches it is whole (its mirror of the ps holds values
+        from before the restore)."""
         if self._sparse is not None:
             self._sparse.flag_all()
+        if self._stream is not None:
+            self._stream.restart_log()
 
     def worker_variables(self) -> dict[str, tf.Variable]:
         """Every per-worker variable (a replica's state) by key (position)."""
@@ -507,6 +529,8 @@ class Downpour:
             named.update(self._compression.worker_variables())
         if self._sparse is not None:
             named.update(self._sparse.worker_variables())
+        if self._stream is not None:
+            named.update(self._stream.worker_variables())
         return named | self._dense.worker_variables() | self._rows.worker_variables()
 
     def stats(self) -> list[ReplicaStats]:
@@ -523,8 +547,9 @@ class Downpour:
                 name: [int(x.numpy()) for x in v.read_all()]
                 for name, v in self._stats.items()
             }
-            if self._sparse is not None:
-                counter = self._sparse.bytes_counter
+            counted = self._sparse or self._stream
+            if counted is not None:
+                counter = counted.bytes_counter
                 sparse_bytes = [int(x.numpy()) for x in counter.read_all()]
         except (
             tf.errors.CancelledError,
@@ -540,7 +565,7 @@ class Downpour:
         for i in range(len(columns["steps"])):
             s = ReplicaStats(**{name: columns[name][i] for name in _STAT_NAMES})
             s.bytes_fetched = s.fetches * dense_bytes + s.row_bytes_fetched
-            if self._sparse is not None:  # What the fetches moved, counted.
+            if counted is not None:  # What the fetches moved, counted.
                 s.bytes_fetched = sparse_bytes[i] + s.row_bytes_fetched
             s.bytes_pushed = s.pushes * self._exchange.push_nbytes + s.row_bytes_pushed
             result.append(s)

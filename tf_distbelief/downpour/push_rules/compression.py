@@ -13,7 +13,9 @@ same tensors, and an applied push sets `e <- u - decoded`; a push dropped
 (`max_staleness`), refused (a NaN or inf) or already applied (`exactly_once`)
 leaves `e` as it was. The residuals are among the replica's state
 (`Downpour.worker_variables`, `dense/residual/j`), checkpointed for an exact
-resume. `reference.compress` is the NumPy side.
+resume. `reference.compress` is the NumPy side. With the outer rule the
+residuals are not kept: `downpour.stream_fetch` encodes the mirror less the
+cache (`encode_values`) and logs the parts on the ps (`to_ps` returns them).
 """
 
 from __future__ import annotations
@@ -25,16 +27,18 @@ from tf_distbelief.downpour import base
 __all__ = ["CompressedPush", "create"]
 
 
-def create(config, variables: list):
+def create(config, variables: list, residuals: bool = True):
     """The `CompressedPush` of `config`'s rules, or None when none compresses.
 
     Args:
       config: the `DownpourConfig`.
       variables: the dense variables (shards); under the strategy's scope.
+      residuals: keep a residual per variable (error feedback); False with
+        update-stream fetches, whose residual is the cache (`stream_fetch`).
     """
     if not any(r.compresses for r in config.rules):
         return None
-    return CompressedPush(config.rules, variables)
+    return CompressedPush(config.rules, variables, residuals)
 
 
 class CompressedPush:
@@ -45,22 +49,27 @@ class CompressedPush:
     Args:
       rules: the push rules in effect (at least one compresses).
       variables: the dense `DownpourVariable` shards, in the kind's order.
+      residuals: keep a per-worker residual per variable (error feedback).
 
     Attributes:
-      residuals: per variable, the per-worker residual.
+      residuals: per variable, the per-worker residual (empty without).
       nbytes: bytes one push moves: the encoded tensors' sizes.
     """
 
-    def __init__(self, rules, variables: list):
+    def __init__(self, rules, variables: list, residuals: bool = True):
         self.selector = next((r for r in rules if r.selects), None)
         self.coder = next((r for r in rules if r.codes), None)
         self.variables = list(variables)
-        self.residuals = base.per_worker_copies(variables, "residual")
+        self.residuals = (
+            base.per_worker_copies(variables, "residual") if residuals else []
+        )
         self.nbytes = 0
+        self._specs = []
         for v in self.variables:
-            # The encoding's static sizes, traced once in a scratch graph.
+            # The encoding's static shapes, traced once in a scratch graph.
             with tf.Graph().as_default():
                 parts = self._encode(tf.zeros([v.shape.num_elements()], v.dtype))
+                self._specs.append([(x.shape, x.dtype) for x in parts])
                 self.nbytes += sum(x.shape.num_elements() * x.dtype.size for x in parts)
 
     def handles(self) -> list:
@@ -70,6 +79,15 @@ class CompressedPush:
     def worker_variables(self) -> dict[str, tf.Variable]:
         """The residuals by `dense/residual/j` (`replica_state` keys)."""
         return {f"dense/residual/{j}": r for j, r in enumerate(self.residuals)}
+
+    def part_specs(self, v) -> list:
+        """`(shape, dtype)` of each encoded part of a push of variable `v`."""
+        (j,) = [j for j, x in enumerate(self.variables) if x is v]
+        return list(self._specs[j])
+
+    def decode(self, parts: tuple, v):
+        """Variable `v`'s dense value from one push's encoded `parts`."""
+        return self._decode(parts, v)
 
     def _encode(self, flat) -> tuple:
         """A 1-D tensor's parts to send: positions (if selecting), then the
@@ -106,19 +124,27 @@ class CompressedPush:
           `(unsent, parts, sent)` per variable: `grads` plus the residual, the
           parts to send, and their decoded value (what the ps applies).
         """
-        unsent, parts, sent = [], [], []
-        for g, e, v in zip(grads, residuals, self.variables):
-            u = g + base.read(e, v.dtype)
-            unsent.append(u)
+        unsent = [
+            g + base.read(e, v.dtype)
+            for g, e, v in zip(grads, residuals, self.variables)
+        ]
+        parts, sent = self.encode_values(unsent)
+        return unsent, parts, sent
+
+    def encode_values(self, values: list) -> tuple[list, list]:
+        """Encodes a push of `values` (worker tensors, one per variable) as
+        they are: `(parts, sent)` per variable, as `encode`."""
+        parts, sent = [], []
+        for u, v in zip(values, self.variables):
             parts.append(self._encode(tf.reshape(u, [-1])))
             sent.append(self._decode(parts[-1], v))
-        return unsent, parts, sent
+        return parts, sent
 
     def keep_residuals(self, residuals: list, unsent: list, sent: list) -> list:
         """Ops of an applied push: each residual becomes `unsent - sent`."""
         return [base.assign(e, u - s) for e, u, s in zip(residuals, unsent, sent)]
 
-    def to_ps(self, parts: list, groups: list[list[int]]) -> list[tf.Tensor]:
+    def to_ps(self, parts: list, groups: list[list[int]]) -> tuple[list, list]:
         """The pushed values decoded on each variable's ps task.
 
         Args:
@@ -128,9 +154,11 @@ class CompressedPush:
             one tensor per part.
 
         Returns:
-          One dense tensor per variable, on its ps task.
+          `(decoded, moved)`: per variable, one dense tensor on its ps task,
+          and its parts as received there.
         """
         out = [None] * len(self.variables)
+        received = [None] * len(self.variables)
         for group in groups:
             moved = []
             for k in range(len(parts[group[0]])):
@@ -143,5 +171,6 @@ class CompressedPush:
                     )
             with tf.device(self.variables[group[0]].device):
                 for i, j in enumerate(group):
-                    out[j] = self._decode(tuple(m[i] for m in moved), self.variables[j])
-        return out
+                    received[j] = tuple(m[i] for m in moved)
+                    out[j] = self._decode(received[j], self.variables[j])
+        return out, received

@@ -152,8 +152,13 @@ class PushRules:
           staleness: the push's staleness (int64 scalar), read before it is
             applied, or None when `reads_staleness_first` is False.
           worker: the replica's worker index, an integer scalar tensor.
+
+        Returns:
+          Per variable, the op of the rule that replaces the ps optimizer
+          (its `update`), or None where the ps optimizer applied the push.
         """
         opt = self.optimizer
+        updates = []
         for j, (g, sq, v) in enumerate(zip(grads, squares, self.variables)):
             with tf.device(v.device):
                 w_fetched = None
@@ -178,6 +183,8 @@ class PushRules:
                     if scale is not None:
                         g = g * scale
                     k = self.updater
-                    self.rules[k].update(v, self.states[k][j], g)
+                    updates.append(self.rules[k].update(v, self.states[k][j], g))
                 else:  # The step, not AdaGrad's accumulator, is scaled.
                     base.apply_push(opt, g, sq, v, steps, scale)
+                    updates.append(None)
+        return updates

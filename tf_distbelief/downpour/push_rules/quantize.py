@@ -12,7 +12,8 @@ flags):
   (half to even), `L = 2**(bits - 1) - 1` (127 or 1: int8, or 3 levels
   packed 4 to a byte); the ps applies `q * s / L` (0 where `s` is 0). The
   replica's residual keeps the coding error and adds it to its next push
-  (`compression`): with 2 bits an entry is sent as `-s`, 0 or `s`.
+  (`compression`; with the outer rule the cache keeps it,
+  `downpour.stream_fetch`): with 2 bits an entry is sent as `-s`, 0 or `s`.
 * `quantize_chunk`: values per scale, an integer >= 1; default 256
   (`QUANTIZE_CHUNK`).
 

@@ -26,7 +26,10 @@ sends (step 0, `compressing`): a rule that `selects` keeps some entries of
 each pushed tensor (top-k), a rule that `codes` sends their values in fewer
 bits (a quantiser); at most one of each, composed in that order. What is not
 sent stays in the replica's residual and is added to its next push (error
-feedback; `reference.compress`, `compression.CompressedPush`).
+feedback; `reference.compress`, `compression.CompressedPush`); with a rule
+that `pushes_deltas` and replaces the ps optimizer (the outer rule) it stays
+in the replica's cache instead, and fetches replay the ps's log of applied
+pushes (`downpour.stream_fetch`, whose NumPy side is `update_stream`).
 
 Each module of this package but `_NOT_RULES` is a rule file: it names its
 rule class `RULE`, and the registry registers them first, in module name

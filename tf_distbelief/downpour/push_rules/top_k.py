@@ -11,7 +11,9 @@ flags):
   sends from each chunk of `m` entries the `k = max(1, round(fraction * m))`
   of largest magnitude (ties: the lower position first), as int32 positions
   and their values; the rest is 0 on the ps. The replica's residual keeps
-  what was not sent and adds it to its next push (`compression`).
+  what was not sent and adds it to its next push (`compression`); with the
+  outer rule the replica's cache keeps it, and fetches replay the ps's log
+  of pushes (`downpour.stream_fetch`).
 * `top_k_chunk`: the chunk length, an integer >= 0; 0 (default): the whole
   tensor is one chunk. Chunks spread the kept entries over the tensor.
 

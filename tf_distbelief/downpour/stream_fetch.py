@@ -1,0 +1,592 @@
+"""Update-stream fetches in TensorFlow: the ps logs pushes, replicas replay them.
+
+The cluster side of `update_stream.simulate(residual="parameter",
+fetch="stream")`, used when the outer rule (`push_rules.outer_nesterov`) and
+a compressing rule (`push_rules.top_k`, `push_rules.quantize`) are both on
+and sparse fetches are off (`is_on`; `push_rules.sparse_fetches`, which
+needs `outer_momentum` 0, keeps error feedback and changed-entry fetches).
+Every replica holds what the ps holds by applying the same decoded
+compressed pushes through the same Nesterov update, so a fetch moves the
+pushes applied since the replica's last fetch, not the model, and the outer
+momentum is kept.
+
+On the ps, per dense shard: a sequence number `seq` (int64, pushes logged)
+and a ring of the last `capacity` pushes (`append`): each one's encoded
+parts (`compression.CompressedPush`'s, a fixed size per push; one variable
+per part, `[capacity, *part]`), its replica, and the shard's `checksum`
+after it, written at slot `seq % capacity` after the update and before
+`seq` moves: an entry below `seq` is whole.
+
+On each replica, per dense variable (`per_worker_variable=True`): the mirror
+`w'` of the ps values, the mirror `m'` of the outer momentum, and the `seq`
+its mirror accounts for (-1: none). A fetch (`fetch_into_cache`) reads
+`seq`; a mirror at most `window` pushes behind replays the pushes logged
+since through `ResourceApplyKerasMomentum` (the ps's kernel: bit for bit the
+ps), after which its checksum must equal the last entry's, exactly (a sum of
+bit patterns as integers: no rounding, in any order, on any device).
+Otherwise (a new or restored replica, one behind the window, a ps whose log
+restarted), or on a checksum mismatch (a resync, counted: `resync_counter`),
+it gets the shard's values and momentum (a whole fetch). The cache then
+moves by what the mirror moved, `cache <- cache + (w' - w'_before)`, keeping
+the replica's unsent progress (CocktailSGD's local and global copies), or
+becomes the mirror when there was none.
+
+A push (`exchange.Exchange.push`) sends `C(w' - cache)` and an applied push
+adds the decoded `C(...)` to the cache: what it sent comes back through the
+stream, what it did not stays in the cache (the parameter-space residual).
+A push refused for a NaN or inf drops the mirror: its refetch resets the
+cache to the ps values. A replica keeps its own last applied push's parts
+(`keep_sent`): when that is the only push a stream fetch replays, only its
+index is sent (`n_fetch == n_push`: one per round).
+
+Ordering: each push's update and log entry, and a whole fetch's reads of the
+values, momentum and `seq`, run in the `exactly_once` tokens'
+`tf.CriticalSection` (`locked`; a push without a token is put in it too):
+the log's order is the updates', and a whole fetch is a snapshot of exactly
+the pushes below its `seq`. A stream fetch takes no lock: the ring holds
+`window + num_workers` pushes, so with one push per replica per round none
+it reads is overwritten meanwhile (the checksum would find it if one were).
+
+The ps values and momentum stay the source of truth; the mirrors are replica
+state, the log is not checkpointed. A log starts at a random `origin`, and a
+restore of the ps values (`Downpour.after_restore`) moves its `seq` and
+floor past every mirror (`restart_log`): a restored mirror fetches whole and
+the cache moves by what it moved, as a replay would (exact resumes).
+
+Bytes of a fetch, per variable: `seq` (8), and per push replayed its index
+(8) and, unless the replica's own, its parts, then the checksum (8); or the
+values and (`mu` > 0, after a push) momentum when whole (on a resync, after
+the stream fetch's); counted per replica (`bytes_counter`).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from tf_distbelief.downpour import base
+
+__all__ = [
+    "STREAM_WINDOW",
+    "StreamFetch",
+    "StreamHandles",
+    "check_rules",
+    "checksum",
+    "create",
+    "is_on",
+]
+
+# Pushes a replica may be behind a shard's log and still replay them: with
+# `n_fetch == n_push` a replica is about one push per other replica behind.
+STREAM_WINDOW = 64
+# Bytes of a shard's sequence number read by each fetch, of a logged push's
+# replica index, and of the checksum a stream fetch reads.
+_SEQ_BYTES = 8
+_ID_BYTES = 8
+_SUM_BYTES = 8
+# The integer type each float's bits are summed as, by the float's bytes (a
+# float64 is two int32s): the int64 sum of fewer than 2**32 such values
+# cannot overflow.
+_BITS = {2: tf.int16, 4: tf.int32, 8: tf.int32}
+
+
+def checksum(values) -> tf.Tensor:
+    """The int64 sum of the bit patterns of `values` (float tensors).
+
+    Bit-identical values give the same sum on any device and in any order of
+    summation (integer addition is exact), so two copies are compared
+    exactly; one differing bit changes it.
+
+    Args:
+      values: float tensors (16, 32 or 64 bits), each of fewer than 2**31
+        entries.
+
+    Returns:
+      An int64 scalar.
+    """
+    total = tf.constant(0, tf.int64)
+    for x in values:
+        bits = tf.bitcast(x, _BITS[x.dtype.size])
+        total += tf.reduce_sum(tf.cast(bits, tf.int64))
+    return total
+
+
+def is_on(config) -> bool:
+    """True when `config` fetches the update stream: the outer rule and a
+    compressing rule on, sparse fetches off."""
+    rules = config.rules
+    outer = any(r.replaces_optimizer and r.pushes_deltas for r in rules)
+    sparse = any(r.marks_changes for r in rules)
+    return outer and not sparse and any(r.compresses for r in rules)
+
+
+def check_rules(config) -> None:
+    """Raises if update-stream fetches meet another rule applied on the ps.
+
+    A replica replays each logged push through the outer Nesterov alone, so
+    a rule that corrects or scales the push on the ps (stale damping, the
+    staleness factor, delay compensation) would leave the mirrors off the ps.
+
+    Raises:
+      ValueError: naming the rules.
+    """
+    if not is_on(config):
+        return
+    others = [
+        r.name
+        for r in config.rules
+        if not (r.compresses or (r.replaces_optimizer and r.pushes_deltas))
+    ]
+    if others:
+        raise ValueError(
+            "Compressed pushes with the outer optimizer (update-stream fetches, "
+            "replayed through the outer Nesterov alone) cannot be combined with "
+            f"push rules applied on the ps. Received: {', '.join(others)} with "
+            f"outer_learning_rate={config.outer_learning_rate!r}"
+        )
+
+
+def create(config, variables: list, strategy, rules, compression, tokens):
+    """The `StreamFetch` of a replica's dense variables, or None when off.
+
+    Args:
+      config: the `DownpourConfig`.
+      variables: the dense variables (shards); under the strategy's scope.
+      strategy: the `DistBeliefStrategy` (`num_workers`, colocation).
+      rules: the `push_rules.on_ps.PushRules` (the outer momentum slots).
+      compression: the `push_rules.compression.CompressedPush`.
+      tokens: the optimizer's `exactly_once.StepTokens`, whose critical
+        section pushes and whole fetches run in.
+
+    Raises:
+      ValueError: another rule applied on the ps is on (`check_rules`).
+    """
+    if not is_on(config):
+        return None
+    check_rules(config)
+    outer = next(r for r in config.rules if r.replaces_optimizer)
+    return StreamFetch(
+        variables,
+        strategy,
+        rules.momentums,
+        compression,
+        outer,
+        STREAM_WINDOW,
+        tokens,
+    )
+
+
+class StreamHandles(NamedTuple):
+    """Per-worker handles of one scheduled function (take them at its top)."""
+
+    mirrors: list  # `w'` per variable.
+    momentums: list  # `m'` per variable.
+    seen: tf.Tensor  # int64 `[variables]`: the `seq` each mirror accounts for.
+    nbytes: tf.Tensor  # Bytes the replica's fetches moved.
+    resyncs: tf.Tensor  # Stream fetches that went whole on a checksum mismatch.
+    own: list  # Per variable, its parts of the replica's last applied push.
+    own_pending: tf.Tensor  # 1 while that push has not been replayed.
+
+
+class StreamFetch:
+    """The logs on the ps and the mirrors on the workers (module docstring).
+
+    Create it under the strategy's scope.
+
+    Args:
+      variables: the dense `DownpourVariable` shards, in the kind's order.
+      strategy: the `DistBeliefStrategy`.
+      momentums: the outer momentum slot of each variable, on its ps.
+      compression: the `CompressedPush` (the parts' shapes, their decoding).
+      outer: the outer rule (`learning_rate`, `momentum`).
+      window: pushes a replica may be behind and still replay.
+      tokens: the optimizer's `exactly_once.StepTokens` (its critical
+        section: `locked`).
+
+    Attributes:
+      seqs: per variable, its int64 sequence number on its ps.
+      logs: per variable, one `[capacity, *part]` variable per encoded part.
+      pushers: per variable, the int64 `[capacity]` replica of each logged
+        push.
+      sums: per variable, the int64 `[capacity]` `checksum` of the shard
+        after each logged push.
+      floors: per variable, the int64 `seq` of its last restart: a mirror
+        older than it fetches whole.
+      origin: the sequence numbers' start.
+      capacity: the ring's entries, `window + num_workers`.
+      part_nbytes: per variable, bytes of one push's encoded parts.
+    """
+
+    def __init__(
+        self, variables, strategy, momentums, compression, outer, window, tokens
+    ):
+        self.variables = list(variables)
+        self.momentums = list(momentums)
+        self.compression = compression
+        self.learning_rate = float(outer.learning_rate)
+        self.momentum = float(outer.momentum)
+        self.window = int(window)
+        self.capacity = self.window + int(strategy.num_workers)
+        self.seqs, self.logs, self.part_specs, self.part_nbytes = [], [], [], []
+        self.pushers, self.floors, self.sums = [], [], []
+        self._section = tokens.section
+        self._section_device = tokens.ring.device
+        # A log created anew (a new process) starts far from any restored
+        # mirror's sequence number, which then fetches whole.
+        self.origin = random.getrandbits(40) << 20
+        for v in self.variables:
+            specs = compression.part_specs(v)
+            self.part_specs.append(specs)
+            self.part_nbytes.append(sum(s.num_elements() * d.size for s, d in specs))
+            name = base.slug(v.name)
+            with strategy.extended.colocate_vars_with(v):
+                self.seqs.append(
+                    tf.Variable(
+                        tf.constant(self.origin, tf.int64),
+                        trainable=False,
+                        name=f"downpour/stream_seq/{name}",
+                    )
+                )
+                self.logs.append(
+                    [
+                        tf.Variable(
+                            tf.zeros([self.capacity, *shape], dtype),
+                            trainable=False,
+                            name=f"downpour/stream_log/{name}/{k}",
+                        )
+                        for k, (shape, dtype) in enumerate(specs)
+                    ]
+                )
+                self.floors.append(
+                    tf.Variable(
+                        tf.constant(self.origin, tf.int64),
+                        trainable=False,
+                        name=f"downpour/stream_floor/{name}",
+                    )
+                )
+                self.pushers.append(
+                    tf.Variable(
+                        tf.fill([self.capacity], tf.constant(-1, tf.int64)),
+                        trainable=False,
+                        name=f"downpour/stream_pushers/{name}",
+                    )
+                )
+                self.sums.append(
+                    tf.Variable(
+                        tf.zeros([self.capacity], tf.int64),
+                        trainable=False,
+                        name=f"downpour/stream_sums/{name}",
+                    )
+                )
+        self.mirrors = base.per_worker_copies(self.variables, "stream_mirror")
+        self.mirror_momentums = base.per_worker_copies(
+            self.variables, "stream_momentum"
+        )
+        self._seen = base.per_worker(
+            "downpour/stream_seen", [len(self.variables)], tf.int64, fill=-1
+        )
+        self._nbytes = base.per_worker("downpour/stream_bytes_fetched", [], tf.int64)
+        self._resyncs = base.per_worker("downpour/stream_resyncs", [], tf.int64)
+        self.own = [
+            [
+                base.per_worker(f"downpour/stream_own/{base.slug(v.name)}/{k}", s, d)
+                for k, (s, d) in enumerate(specs)
+            ]
+            for v, specs in zip(self.variables, self.part_specs)
+        ]
+        self._own_pending = base.per_worker("downpour/stream_own_pending", [], tf.int64)
+
+    def handles(self) -> StreamHandles:
+        """The per-worker handles; take them at the top of the scheduled function."""
+        return StreamHandles(
+            mirrors=[m.handle for m in self.mirrors],
+            momentums=[m.handle for m in self.mirror_momentums],
+            seen=self._seen.handle,
+            nbytes=self._nbytes.handle,
+            resyncs=self._resyncs.handle,
+            own=[[x.handle for x in parts] for parts in self.own],
+            own_pending=self._own_pending.handle,
+        )
+
+    def worker_variables(self) -> dict[str, tf.Variable]:
+        """The bytes counter, the mirrors and the sequence numbers they
+        account for (`replica_state` checkpoints them), by key."""
+        named = {
+            "stats/stream_bytes_fetched": self._nbytes,
+            "stats/stream_resyncs": self._resyncs,
+            "stream/seen": self._seen,
+        }
+        for j, (m, u) in enumerate(zip(self.mirrors, self.mirror_momentums)):
+            named[f"stream/mirror/{j}"] = m
+            named[f"stream/momentum/{j}"] = u
+        return named
+
+    @property
+    def bytes_counter(self) -> tf.Variable:
+        """The per-worker count of bytes fetched (int64)."""
+        return self._nbytes
+
+    @property
+    def resync_counter(self) -> tf.Variable:
+        """The per-worker count of stream fetches that went whole on a
+        checksum mismatch (int64)."""
+        return self._resyncs
+
+    def locked(self, fn):
+        """`fn()` in the pushes' critical section, on its ps task.
+
+        The lock is taken once every tensor `fn`'s ops read from outside is
+        there. `fn` returns tensors on the ps that come after all its
+        effects: the lock is released once they are made.
+        """
+        with tf.device(self._section_device):
+            return self._section.execute(fn)
+
+    def restart_log(self) -> None:
+        """Moves each shard's `seq` and floor past every replica's mirror:
+        their next fetches are whole. Call it after the ps values were
+        restored from a checkpoint in this process."""
+        for seq, floor in zip(self.seqs, self.floors):
+            floor.assign(seq.assign_add(self.capacity + 1))
+
+    def drop_mirrors(self, sh: StreamHandles) -> list:
+        """Ops making the running replica's next fetch whole, its cache reset
+        to the ps values (a refused push)."""
+        n = len(self.variables)
+        return [base.assign(sh.seen, tf.fill([n], tf.constant(-1, tf.int64)))]
+
+    def unsent(self, kh: base.KindHandles, sh: StreamHandles) -> list:
+        """What a push compresses: `w' - cache` per variable, on the worker."""
+        return [
+            base.read(m, v.dtype) - base.read(c, v.dtype)
+            for m, c, v in zip(sh.mirrors, kh.caches, self.variables)
+        ]
+
+    def keep_sent(
+        self, kh: base.KindHandles, sh: StreamHandles, sent: list, parts: list
+    ) -> list:
+        """Ops of an applied push: the decoded `sent` added to each cache, and
+        its encoded `parts` kept as the replica's own last push."""
+        ops = [base.add(c, s) for c, s in zip(kh.caches, sent)]
+        for own, pushed in zip(sh.own, parts):
+            ops += [base.assign(o, x) for o, x in zip(own, pushed)]
+        with tf.control_dependencies(ops):
+            ops.append(base.assign(sh.own_pending, tf.constant(1, tf.int64)))
+        return ops
+
+    def append(self, parts_on_ps: list, updates: list, worker) -> list:
+        """Ops logging one applied push, per variable after its update.
+
+        Run them in the critical section (`locked`) with the updates.
+
+        Args:
+          parts_on_ps: per variable, the push's encoded parts on its ps task.
+          updates: per variable, the op that applied the push to it.
+          worker: the pushing replica's index, an integer scalar tensor.
+
+        Returns:
+          The ops, on the variables' ps tasks.
+        """
+        ops = []
+        for j, (parts, update) in enumerate(zip(parts_on_ps, updates)):
+            v = self.variables[j]
+            with tf.device(v.device):
+                seq = self.seqs[j].handle
+                with tf.control_dependencies([update]):
+                    slot = base.read(seq, tf.int64) % self.capacity
+                    at = tf.reshape(slot, [1])
+                    writes = [
+                        base.scatter("Update", log.handle, at, part[None])
+                        for log, part in zip(self.logs[j], parts)
+                    ]
+                    pusher = tf.reshape(tf.cast(worker, tf.int64), [1])
+                    writes.append(
+                        base.scatter("Update", self.pushers[j].handle, at, pusher)
+                    )
+                    total = checksum(self._ps_state(j, v))
+                    writes.append(
+                        base.scatter("Update", self.sums[j].handle, at, total[None])
+                    )
+                with tf.control_dependencies(writes):
+                    ops.append(base.add(seq, tf.constant(1, tf.int64)))
+        return ops
+
+    def _ps_state(self, j, v) -> list:
+        """What a checksum covers on the ps: the values, and the momentum
+        when `mu` > 0 (with 0 it does not reach the values)."""
+        state = [base.read(base.ps_handle(v), v.dtype)]
+        if self.momentum > 0:
+            state.append(base.read(self.momentums[j].handle, v.dtype))
+        return state
+
+    def _mirror_state(self, j, v, sh) -> list:
+        """The mirror's counterpart of `_ps_state`."""
+        state = [base.read(sh.mirrors[j], v.dtype)]
+        if self.momentum > 0:
+            state.append(base.read(sh.momentums[j], v.dtype))
+        return state
+
+    def fetch_into_cache(self, kh: base.KindHandles, sh: StreamHandles, worker):
+        """Ops of a fetch into the caches (inside the fetch's `tf.cond` branch).
+
+        Args:
+          kh: the dense kind's handles (its `ps` and `caches`).
+          sh: this module's handles.
+          worker: the running replica's index, an integer scalar tensor.
+
+        Returns:
+          The ops; the caches hold the fetch once they have run.
+        """
+        me = tf.cast(worker, tf.int64)
+        pending = base.read(sh.own_pending, tf.int64) > 0
+        ops = []
+        seen_all = base.read(sh.seen, tf.int64)
+        new_seen = []
+        for j, v in enumerate(self.variables):
+            last = seen_all[j]
+            with tf.device(v.device):
+                seq = base.read(self.seqs[j].handle, tf.int64)
+                floor = base.read(self.floors[j].handle, tf.int64)
+                behind = seq - last
+                fresh = last < 0  # No mirror: the cache becomes the ps values.
+                # Or a mirror from before a restore, of another log (a new
+                # process or a restarted ps), or behind the window.
+                whole = fresh | (last < floor) | (behind < 0) | (behind > self.window)
+            before = base.read(sh.mirrors[j], v.dtype)
+
+            def whole_fetch(j=j, v=v):
+                return self._whole(j, v, sh)
+
+            def stream_fetch(j=j, v=v, last=last, behind=behind, seq=seq):
+                nbytes, in_sync = self._replay(j, v, sh, last, behind, me, pending)
+
+                def replayed():
+                    return nbytes, seq
+
+                def resync():  # The mirror is off: a whole fetch puts it right.
+                    more, at = self._whole(j, v, sh)
+                    counted = base.add(sh.resyncs, tf.constant(1, tf.int64))
+                    return base.after([counted], nbytes + more), at
+
+                return tuple(tf.cond(in_sync, replayed, resync))
+
+            nbytes, at = tf.cond(whole, whole_fetch, stream_fetch)
+            with tf.control_dependencies([nbytes]):
+                after = base.read(sh.mirrors[j], v.dtype)
+                cache = base.read(kh.caches[j], v.dtype)
+                moved = tf.where(fresh, after, cache + (after - before))
+                ops.append(base.assign(kh.caches[j], moved))
+                ops.append(base.add(sh.nbytes, nbytes + _SEQ_BYTES))
+            new_seen.append(at)
+        with tf.control_dependencies(ops):
+            ops.append(base.assign(sh.seen, tf.stack(new_seen)))
+            ops.append(base.assign(sh.own_pending, tf.constant(0, tf.int64)))
+        return ops
+
+    def _whole(self, j, v, sh) -> tuple[tf.Tensor, tf.Tensor]:
+        """The shard's values, and its momentum once a push has moved it (and
+        `outer_momentum` > 0), into the mirrors.
+
+        They are read with the shard's `seq` in the pushes' critical section
+        (`locked`): no push lands between the reads, so the mirror accounts
+        for exactly the pushes below that `seq`.
+
+        Returns:
+          `(bytes, seq)`: int64 scalars, `seq` on the ps.
+        """
+        nbytes = v.shape.num_elements() * v.dtype.size
+        read = {}  # What the section reads, used after it.
+
+        def snapshot():
+            with tf.device(v.device):
+                seq = base.read(self.seqs[j].handle, tf.int64)
+                read["value"] = base.read(base.ps_handle(v), v.dtype)
+                sends = (seq > self.origin) & tf.constant(self.momentum > 0)
+                read["sends_momentum"] = sends
+
+                def momentum():
+                    return base.read(self.momentums[j].handle, v.dtype)
+
+                def zeros():
+                    return tf.zeros(v.shape, v.dtype)
+
+                read["momentum"] = tf.cond(sends, momentum, zeros)
+                # Only `seq` leaves the section: the lock is released once the
+                # reads are done, not after the values' transfer.
+                return base.after([read["value"], read["momentum"]], seq)
+
+        seq = self.locked(snapshot)
+        ops = [
+            base.assign(sh.mirrors[j], read["value"]),
+            base.assign(sh.momentums[j], read["momentum"]),
+        ]
+        count = tf.where(read["sends_momentum"], 2 * nbytes, nbytes)
+        return base.after(ops, tf.cast(count, tf.int64)), seq
+
+    def _replay(self, j, v, sh, last, behind, me, pending):
+        """The logged pushes since `last` replayed into the mirrors.
+
+        The replica's own last push (`pending`: not yet replayed) is taken
+        from its copy when it is its only push among them; every other push
+        (all of them otherwise) is gathered on the ps and sent.
+
+        Returns:
+          `(bytes, in_sync)`: an int64 scalar, and a bool scalar, True when
+          nothing was replayed or the mirror's `checksum` after the replay is
+          the last replayed entry's.
+        """
+        with tf.device(v.device):
+            slots = (last + tf.range(behind, dtype=tf.int64)) % self.capacity
+            pushers = base.gather(self.pushers[j].handle, slots, tf.int64)
+            own = tf.equal(pushers, me)
+            use_own = pending & tf.equal(tf.reduce_sum(tf.cast(own, tf.int64)), 1)
+            sent = tf.logical_not(own & use_own)
+            sent_slots = tf.boolean_mask(slots, sent)
+            gathered = [
+                base.gather(log.handle, sent_slots, dtype)
+                for log, (_, dtype) in zip(self.logs[j], self.part_specs[j])
+            ]
+            # Each replayed push's row among `gathered` (own: unused).
+            rows = tf.cumsum(tf.cast(sent, tf.int64), exclusive=True)
+            newest = (last + behind - 1) % self.capacity
+            logged_sum = base.gather(self.sums[j].handle, newest, tf.int64)
+        own_parts = [
+            base.read(o, dtype) for o, (_, dtype) in zip(sh.own[j], self.part_specs[j])
+        ]
+        # Cast as `OuterNesterov.update` casts them on the ps (through
+        # float32), so that the replay is the ps's update bit for bit.
+        lr = tf.cast(self.learning_rate, v.dtype)
+        mu = tf.cast(self.momentum, v.dtype)
+
+        def body(i):
+            def logged():
+                return tuple(g[rows[i]] for g in gathered)
+
+            def mine():
+                return tuple(own_parts)
+
+            parts = tf.cond(sent[i], logged, mine)
+            parts = tuple(parts) if isinstance(parts, (list, tuple)) else (parts,)
+            for g, (shape, _) in zip(parts, self.part_specs[j]):
+                g.set_shape(shape)
+            delta = self.compression.decode(parts, v)
+            update = tf.raw_ops.ResourceApplyKerasMomentum(
+                var=sh.mirrors[j],
+                accum=sh.momentums[j],
+                lr=lr,
+                grad=delta,
+                momentum=mu,
+                use_locking=False,
+                use_nesterov=True,
+            )
+            return base.after([update], i + 1)
+
+        done = tf.while_loop(lambda i: i < behind, body, [tf.constant(0, tf.int64)])
+        with tf.control_dependencies([done]):
+            mirror_sum = checksum(self._mirror_state(j, v, sh))
+        in_sync = tf.equal(behind, 0) | tf.equal(mirror_sum, logged_sum)
+        count = tf.size(sent_slots, out_type=tf.int64)
+        nbytes = behind * _ID_BYTES + count * self.part_nbytes[j] + _SUM_BYTES
+        return base.after([done], nbytes), in_sync
