@@ -39,13 +39,8 @@ cache to the ps values. A replica keeps its own last applied push's parts
 (`keep_sent`): when that is the only push a stream fetch replays, only its
 index is sent (`n_fetch == n_push`: one per round).
 
-Ordering: each push's update and log entry, and a whole fetch's reads of the
-values, momentum and `seq`, run in the `exactly_once` tokens'
-`tf.CriticalSection` (`locked`; a push without a token is put in it too):
-the log's order is the updates', and a whole fetch is a snapshot of exactly
-the pushes below its `seq`. A stream fetch takes no lock: the ring holds
-`window + num_workers` pushes, so with one push per replica per round none
-it reads is overwritten meanwhile (the checksum would find it if one were).
+Ordering: pushes and whole fetches take one lock (`locked`, which says
+why a stream fetch needs none).
 
 The ps values and momentum stay the source of truth; the mirrors are replica
 state, the log is not checkpointed. A log starts at a random `origin`, and a
@@ -53,10 +48,9 @@ restore of the ps values (`Downpour.after_restore`) moves its `seq` and
 floor past every mirror (`restart_log`): a restored mirror fetches whole and
 the cache moves by what it moved, as a replay would (exact resumes).
 
-Bytes of a fetch, per variable: `seq` (8), and per push replayed its index
-(8) and, unless the replica's own, its parts, then the checksum (8); or the
-values and (`mu` > 0, after a push) momentum when whole (on a resync, after
-the stream fetch's); counted per replica (`bytes_counter`).
+Bytes of a fetch: each replica counts what its fetches move
+(`bytes_counter`); the rule, per variable, is in docs/downpour.md
+("Update-stream fetches and the parameter-space residual").
 """
 
 from __future__ import annotations
@@ -340,6 +334,15 @@ class StreamFetch:
         The lock is taken once every tensor `fn`'s ops read from outside is
         there. `fn` returns tensors on the ps that come after all its
         effects: the lock is released once they are made.
+
+        Each push's update and log entry, and a whole fetch's reads of the
+        values, momentum and `seq`, run in the `exactly_once` tokens'
+        `tf.CriticalSection` (a push without a token is put in it too): the
+        log's order is the updates', and a whole fetch is a snapshot of
+        exactly the pushes below its `seq`. A stream fetch takes no lock: the
+        ring holds `window + num_workers` pushes, so with one push per
+        replica per round none it reads is overwritten meanwhile (the
+        checksum would find it if one were).
         """
         with tf.device(self._section_device):
             return self._section.execute(fn)

@@ -15,21 +15,10 @@ The bound (each resource alone, the slowest one wins):
   steps, pushes), at `min(worker NIC, num_ps * ps NIC)`. Named `worker CPU`
   when compute is the larger part, else `worker NIC`, or `ps NIC queueing` when the
   queueing is larger than the transfer.
-* **queueing at the ps NICs** (`queueing.step_parts`): the workers' exchanges fall at
-  independent times, so a worker's fetch or push may share a ps NIC's
-  direction with other workers' transfers. A direction of one ps NIC carries
-  `k = num_ps * ps_rate / worker_rate` flows at a worker's full rate (a
-  worker's transfer is spread over the ps tasks); mean-field processor
-  sharing: with `m = (W - 1) * t / T` other workers' transfers expected
-  beside one of `t` seconds (`T` the step time), it takes `t * max(1, (1 +
-  m) / k)`. `T = a + sum over the two directions of t * max(0, (1 + m) / k -
-  1)`, `a` compute plus transfer. This holds for exchanges every step
-  (stock, `n_fetch` or `n_push` 1) too: a NIC that shares its rate fairly
-  (small packets first, as a host's flow queueing sends them) keeps the
-  offset between two workers' transfers as it is, so nothing locks them
-  into alternation, one worker's fetch beside another's push (measured:
-  stock behind 1 Gbit/s NICs, 2 workers, ran at 228 to 235 ex/s, where
-  alternation would allow 313 and this term gives 253).
+* **queueing at the ps NICs** (`queueing.step_parts`, which holds the
+  rule and its reasons): the workers' exchanges fall at independent times,
+  so a worker's fetch or push may share a ps NIC's direction with other
+  workers' transfers, and waits.
 * **a shared host** (`Cluster.host_cores`, `host`): in a local emulation
   the workers' compute shares the host's cores and stretches (`host cores`
   when that is the larger part of the step); default: a host per worker.
