@@ -175,9 +175,25 @@ def test_raise_stops_at_the_push_and_no_nan_reaches_the_ps(strategy, k):
     if state is not None:
         assert int(state.update_count.numpy()) == 2
         assert int(state.optimizer.iterations.numpy()) == 2
+        # The coordinator may run queued steps before it sees the error: the
+        # halt refuses their pushes (`push_guard`, "Halt").
+        assert int(state.halted.numpy()) == 1
     reference, _, _, _ = k.run(strategy, 1, 2, [1])
     for got, want in zip(k.weights(model), k.weights(reference)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_the_next_fit_after_a_raise_pushes_again(strategy):
+    """The halt set by a refused push lasts until the next fit: that fit's
+    pushes apply (after the 2 of the failed fit, 4 more)."""
+    model = _model(strategy, 1)
+    with pytest.raises(tfdb.NonFiniteError):
+        _fit(model, 6, [1, 1, 0])
+    state = hooks.of(model).state
+    assert int(state.halted.numpy()) == 1
+    _fit(model, 4, [1])
+    assert int(state.halted.numpy()) == 0
+    assert int(state.update_count.numpy()) == 6
 
 
 @KERAS

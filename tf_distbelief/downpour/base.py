@@ -132,6 +132,7 @@ class Handles(NamedTuple):
     stats: dict  # Per-worker int64 counters, by `ReplicaStats` field name.
     count: tf.Tensor  # On the ps: pushes applied.
     skipped: tf.Tensor  # On the ps: pushes refused for a NaN or inf.
+    halted: tf.Tensor  # On the ps: 1 after a push refused with `raise`.
     worker: tf.Tensor  # The running worker's index (int64), for errors.
     # Per-worker residuals of compressed pushes, one per dense variable
     # (`push_rules.compression`); empty without compression.

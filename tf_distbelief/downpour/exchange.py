@@ -225,11 +225,24 @@ class Exchange:
             step = base.read(h.stats["steps"], int64) + 1
         guard = self.guard_context
 
+        # After a push refused with `raise`, no later push is applied
+        # (`push_guard`, "Halt"); the flag is read on the ps.
+        halted = tf.not_equal(base.read(h.halted, int64), 0)
+
         def refuse():
             if guard.mode == "raise":
-                ops = push_guard.refuse_ops(
-                    guard.mode, h, self.variables, flags, step, []
-                )
+                ops = [
+                    tf.cond(
+                        halted,
+                        lambda: tf.constant(True),
+                        lambda: base.after(
+                            push_guard.refuse_ops(
+                                guard.mode, h, self.variables, flags, step, []
+                            ),
+                            True,
+                        ),
+                    )
+                ]
             else:
                 ops = [base.add(h.skipped, tf.constant(1, int64))]  # On the ps.
             outputs = (
@@ -295,7 +308,7 @@ class Exchange:
                 )
                 return outputs, [base.read(h.count, int64)]
 
-        finite = tf.reduce_all(tf.stack(flags))
+        ready = tf.logical_and(tf.reduce_all(tf.stack(flags)), tf.logical_not(halted))
         token = exactly_once.current()
         if token is None or self.tokens is None:
 
@@ -306,14 +319,14 @@ class Exchange:
                 # takes (`stream_fetch`, "Ordering").
                 return self.stream.locked(lambda: apply_push()[0])
 
-            staleness, applied, status = tf.cond(finite, apply_now, lambda: refuse()[0])
+            staleness, applied, status = tf.cond(ready, apply_now, lambda: refuse()[0])
         else:
             # A retried step whose push was applied already pushes nothing;
             # its sums restart, as after a push dropped for staleness.
             staleness, applied, status = exactly_once.gate(
                 token,
                 self.tokens,
-                finite,
+                ready,
                 apply_push,
                 refuse,
                 lambda: (

@@ -9,7 +9,11 @@ modes):
 
 * `raise`: the scheduled function fails with an assertion naming the step, the
   worker and the variables; `tf_distbelief.faults.nonfinite.error_from` turns it into
-  a `NonFiniteError` (as `training.fit` does);
+  a `NonFiniteError` (as `training.fit` does). Halt: the refusal also sets
+  `Downpour.halted` on the ps, and no later push of any replica is applied
+  until the next fit (`install` clears it): the coordinator runs the steps
+  it had queued until it sees the error, and the ps must keep the state the
+  error describes;
 * `skip`: the push is dropped and counted (`ReplicaStats.nonfinite_pushes` on
   the replica, `Downpour.nonfinite_skipped` on the ps); the replica restarts
   from the ps as after a push dropped for staleness: its accumulators restart
@@ -77,13 +81,15 @@ def refuse_ops(
     if mode == "raise":
         names = tf.constant([v.name for v in variables])
         bad = tf.boolean_mask(names, tf.logical_not(tf.stack(flags)))
-        return [
-            tf.debugging.Assert(
-                False,
-                [nonfinite.PUSH_MARKER, step, bad, "worker", h.worker],
-                summarize=len(variables) + 1,
-            )
-        ]
+        halt = base.assign(h.halted, tf.constant(1, tf.int64))
+        with tf.control_dependencies([halt]):
+            return [
+                tf.debugging.Assert(
+                    False,
+                    [nonfinite.PUSH_MARKER, step, bad, "worker", h.worker],
+                    summarize=len(variables) + 1,
+                )
+            ]
     one = tf.constant(1, tf.int64)
     ops = [
         base.assign(h.refetch, one),
@@ -139,6 +145,7 @@ def install(downpour, model, mode: str) -> Guard:
       ValueError: `mode` is not one of the modes.
     """
     settings.check_nonfinite_mode(mode)
+    downpour.halted.assign(0)  # A new fit: pushes apply again ("Halt").
     if mode != downpour.nonfinite:
         downpour.nonfinite = mode
         model.train_function = None

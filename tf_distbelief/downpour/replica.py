@@ -83,6 +83,9 @@ class Downpour:
       variables: the trained variables, shards in place of sharded ones.
       row_sparse: per variable, True where it is row-sparse.
       update_count, warm_steps: ps int64 scalars: pushes, warm-start steps.
+      nonfinite_skipped, halted: ps int64 scalars: pushes refused for a NaN
+        or inf; 1 after a refusal with `raise` stopped the pushes
+        (`push_guard`).
       step_delay_fn: for tests and benchmarks only, None (default) or a
         `(worker, compute_secs) -> tf.Tensor` run at the end of each `step`
         and each `run_steps` call (a heterogeneous cluster: one worker made a
@@ -162,10 +165,12 @@ class Downpour:
                 name: base.per_worker(f"downpour/{name}", [], tf.int64)
                 for name in _STAT_NAMES
             }
-            # On the ps: those two, and pushes refused for a NaN or inf.
-            self.update_count, self.warm_steps, self.nonfinite_skipped = (
+            # On the ps: those two, pushes refused for a NaN or inf, and the
+            # halt after a refusal with `raise` (`push_guard`; not saved).
+            names = ("update_count", "warm_steps", "nonfinite_skipped", "halted")
+            self.update_count, self.warm_steps, self.nonfinite_skipped, self.halted = (
                 tf.Variable(0, dtype=tf.int64, trainable=False, name=f"downpour/{n}")
-                for n in ("update_count", "warm_steps", "nonfinite_skipped")
+                for n in names
             )
         self.nonfinite = "raise"  # Or "skip": see `push_guard.install`.
         self.step_delay_fn = None
@@ -206,6 +211,7 @@ class Downpour:
             stats={name: v.handle for name, v in self._stats.items()},
             count=self.update_count.get().handle,
             skipped=self.nonfinite_skipped.get().handle,
+            halted=self.halted.get().handle,
             worker=tf.distribute.coordinator.experimental_get_current_worker_index(),
             residuals=[] if self._compression is None else self._compression.handles(),
             sparse=None if self._sparse is None else self._sparse.handles(),
