@@ -373,12 +373,29 @@ def test_max_staleness_drops_stale_pushes(local_cluster):
     assert updates == sum(s.pushes for s in stats)
 
 
-class _SlowIdentity(tf_keras.layers.Layer):
-    """Passes its input on after a 1200 x 1200 matmul: steps of 2 workers overlap."""
+class _WaitForAnotherPush(tf_keras.layers.Layer):
+    """Passes its input on; on worker 0, once `count` is set, only after the
+    ps count of pushes has moved past its value when the layer began (another
+    replica's push landed during this step's gradient), or after `_POLLS`
+    reads of it: the steps of 2 workers overlap however the host schedules
+    them."""
+
+    count = None  # `Downpour.update_count`, set before the first step.
 
     def call(self, x):
-        a = tf.random.stateless_normal([1200, 1200], seed=[1, 2])
-        return x + tf.cast(0.0 * tf.reduce_mean(tf.matmul(a, a)), x.dtype)
+        if self.count is None:
+            return x
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        start = self.count.read_value()
+
+        def waiting(i):
+            return (worker == 0) & (i < _POLLS) & (self.count.read_value() <= start)
+
+        polls = tf.while_loop(waiting, lambda i: [i + 1], [tf.constant(0)])[0]
+        return x + tf.cast(0 * polls, x.dtype)
+
+
+_POLLS = 20_000  # Reads of a ps variable: a few seconds at most.
 
 
 @pytest.mark.parametrize(
@@ -400,7 +417,7 @@ def test_max_staleness_is_checked_after_the_gradient(
                 tf_keras.layers.InputLayer(
                     input_shape=(NUM_FEATURES,), dtype="float64"
                 ),
-                _SlowIdentity(dtype="float64"),
+                _WaitForAnotherPush(dtype="float64"),
                 tf_keras.layers.Dense(NUM_CLASSES, dtype="float64"),
             ]
         )
@@ -412,6 +429,7 @@ def test_max_staleness_is_checked_after_the_gradient(
         *cadence, local_learning_rate, max_staleness=0
     )
     trainer = downpour.DownpourTrainer(model, config)
+    model.layers[0].count = trainer.downpour.update_count
     iterator = iter(
         trainer.per_worker_dataset(
             lambda: (
