@@ -1070,6 +1070,7 @@ def _predictions(f, rows, loopback_bits, workers=2, ps=1):
             else {m: f.step_jitter_ms / 1e3 for m in f.models}
         ),
         loopback_bits_per_sec=loopback_bits,
+        top_k_fraction=f.top_k_fraction,
     )
 
 

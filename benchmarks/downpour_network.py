@@ -101,19 +101,37 @@ class Predicted:
     single_examples_per_sec: float
 
 
-def row_setting(name: str, accumulator: str) -> records.Setting:
-    """The planner's setting of a row; `+dc` and `+stale` push as plain
-    Downpour, `+outer0` as `+outer`, and `+topk`, `+q8`, `+q2`, `+sparse` are
-    predicted uncompressed (the planner does not model compressed pushes or
-    sparse fetches); a `/straggler=<k>` row as the row without
-    it (the planner assumes equal workers)."""
+def row_setting(
+    name: str, accumulator: str, top_k_fraction: float | None = None
+) -> records.Setting:
+    """The planner's setting of a row. `+dc` and `+stale` push as plain
+    Downpour; `+topk` (of `top_k_fraction`), `+q8` and `+q2` compress the
+    pushes (the planner takes their bytes from the push rules, and with the
+    outer rule predicts update-stream fetches); rows with `+sparse` (sparse
+    fetches, `+outer0`) are predicted as the uncompressed `+outer` row (their
+    fetches' bytes depend on the data); a `/straggler=<k>` row as the row
+    without it (the planner assumes equal workers).
+
+    Raises:
+      ValueError: a `+topk` row without `top_k_fraction`.
+    """
     name = name.partition("/")[0]
     if name == "stock":
         return records.Setting(accumulator=accumulator)
     n, _, rules = name.partition("+")
     n = int(n[len("n=") :])
-    outer = any(r in ("outer", "outer0") for r in rules.split("+"))
-    return records.Setting(n, n, outer, accumulator)
+    rules = rules.split("+")
+    outer = any(r in ("outer", "outer0") for r in rules)
+    if "sparse" in rules:
+        return records.Setting(n, n, outer, accumulator)
+    if "topk" in rules and top_k_fraction is None:
+        raise ValueError(
+            f"Row {name!r} keeps the top `top_k_fraction` of each push: pass it. "
+            "Received: top_k_fraction=None"
+        )
+    bits = next((int(r[1:]) for r in rules if r in ("q2", "q8")), None)
+    fraction = top_k_fraction if "topk" in rules else None
+    return records.Setting(n, n, outer, accumulator, fraction, bits)
 
 
 def predict_rows(
@@ -128,6 +146,7 @@ def predict_rows(
     steps_between_joins: dict | None = None,
     step_jitter_secs: dict | None = None,
     loopback_bits_per_sec: float | None = None,
+    top_k_fraction: float | None = None,
 ) -> dict:
     """`{(model, nic, name): Predicted}` for every cluster row (not `single`).
 
@@ -143,6 +162,7 @@ def predict_rows(
       step_jitter_secs: `{model: seconds}`, the standard deviation of a
         worker step's time (`benchmarks/step_jitter.py`); a model not in it,
         or None: the planner's default (`Cluster.step_jitter_secs`).
+      top_k_fraction: the `+topk` rows' `--top_k_fraction` (`row_setting`).
       loopback_bits_per_sec: the host's loopback TCP rate
         (`loopback_rate_bits`), the NIC of an unlimited row: its compute time
         is what is left of its step after transfers at this rate, and a
@@ -170,7 +190,7 @@ def predict_rows(
             steps_between_joins=(steps_between_joins or {}).get(r.model),
             step_jitter_secs=(step_jitter_secs or {}).get(r.model),
         )
-        setting = row_setting(r.name, accumulator)
+        setting = row_setting(r.name, accumulator, top_k_fraction)
         unlimited = cluster.replace(
             worker_bits_per_sec=loopback_bits_per_sec,
             ps_bits_per_sec=loopback_bits_per_sec,

@@ -11,6 +11,7 @@ import pytest
 from absl import flags
 
 from benchmarks import downpour_figures, downpour_network, downpour_tables
+from tf_distbelief.planner import records
 
 
 def _row(name, nic, rate, secs, cut=math.nan, model="speech"):
@@ -210,12 +211,18 @@ def test_bandwidth_csv_and_figure(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_compressed_outer_rows_are_predicted_as_the_outer_row():
-    setting = downpour_network.row_setting("n=16+outer+topk+q8", "squares")
-    assert setting == downpour_network.row_setting("n=16+outer", "squares")
+def test_compressed_rows_are_predicted_as_their_push_rules_code_them():
+    setting = downpour_network.row_setting("n=16+outer+topk+q8", "squares", 0.01)
+    assert setting == records.Setting.parse("n=16+outer+topk=0.01+q8")
+    q2 = downpour_network.row_setting("n=16+outer+q2", "squares")
+    assert (q2.top_k_fraction, q2.quantize_bits, q2.outer) == (None, 2, True)
+    # Sparse fetches' bytes depend on the data: the uncompressed outer row.
+    sparse = downpour_network.row_setting("n=16+outer0+topk+q2+sparse", "mean", 0.01)
+    assert sparse == records.Setting.parse("n=16+outer", "mean")
     straggler = downpour_network.row_setting("n=16+outer/straggler=4", "squares")
     assert straggler == downpour_network.row_setting("n=16+outer", "squares")
-    assert setting.outer
+    with pytest.raises(ValueError, match="top_k_fraction=None"):
+        downpour_network.row_setting("n=16+outer+topk", "squares")
 
 
 # Measured on the recording host: the standard deviation of a worker step's

@@ -9,6 +9,8 @@
   NICs, with the coordinator's joins and the workers' step-time variation.
 * `host`: the workers' compute where they share one host's cores (a local
   emulation), each slowing the others' steps.
+* `push_bytes`: a compressed setting's bytes, from the push rules, and its
+  update-stream fetches.
 * `python -m tf_distbelief.planner --params=42M --workers=200 --ps=8
   --nic=10gbit --step_ms=100` prints its table (docs/planning.md).
 """

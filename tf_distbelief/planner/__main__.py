@@ -6,8 +6,9 @@
 For stock parameter-server training and Downpour with n = n_fetch = n_push in
 1, 4, 16, 64 (with and without the outer rule): the predicted examples/s, the
 resource that saturates first, the bytes of a step, and the fewest ps tasks
-that keep the workers busy; then the smallest n and ps count that do
-(`cost_model.plan`). No TensorFlow.
+that keep the workers busy; then the rows of `--settings` (compressed pushes
+among them); then the smallest n and ps count that do (`cost_model.plan`).
+No TensorFlow.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Sequence
 
 from tf_distbelief import checks
 from tf_distbelief.cluster.network import emulated
@@ -122,6 +124,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=0.9,
         help="Workers are busy at this share of their compute-only rate.",
     )
+    parser.add_argument(
+        "--settings",
+        default="",
+        help="More rows, comma-separated names: n=16+outer+topk=0.01+q2 "
+        "(compressed pushes: top 1%% of each push in 2 bits, and with the "
+        "outer rule update-stream fetches), n=32, n=8+outer.",
+    )
     args = parser.parse_args(argv)
     for flag in ("step_ms", "function_ms", "step_jitter_ms"):
         value = getattr(args, flag)
@@ -157,6 +166,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         for field, flag in _FLAGS.items():
             message = message.replace(f"`--{field}`", f"`{flag}`")
         parser.error(message)
+    names = [name.strip() for name in args.settings.split(",") if name.strip()]
+    args.settings = []
+    for name in names:
+        try:
+            args.settings.append(records.Setting.parse(name, args.accumulator))
+        except ValueError as e:
+            parser.error(f"`--settings` has {name!r}: {e}")
     return args
 
 
@@ -165,10 +181,22 @@ def _fmt(value: float) -> str:
 
 
 def format_table(
-    cluster: records.Cluster, accumulator: str = "squares", busy: float = 0.9
+    cluster: records.Cluster,
+    accumulator: str = "squares",
+    busy: float = 0.9,
+    settings: Sequence[records.Setting] = (),
 ) -> str:
-    """The table `main` prints, one line per setting, then the plan lines."""
+    """The table `main` prints, one line per setting, then the plan lines.
+
+    Args:
+      cluster: the cluster.
+      accumulator: the standard rows' `adagrad_accumulator`.
+      busy: the share of the compute-only rate that counts as busy.
+      settings: rows after the standard ones (`--settings`).
+    """
     c = cluster
+    rows = cost_model.standard_settings(accumulator) + list(settings)
+    width = max(10, *(len(s.name) for s in rows))
     model_mb = c.num_params * records.BYTES_PER_PARAM / 1e6
     lines = [
         f"params={c.num_params:,} ({model_mb:.1f} MB float32) "
@@ -193,14 +221,15 @@ def format_table(
             if c.cores_per_worker is None
             else f" cores_per_worker={c.cores_per_worker}"
         ),
-        f"{'row':10} {'ex/s':>10} {'bottleneck':16} {'workers':>10} {'ps NIC':>10} "
-        f"{'chief':>10} {'MB/st fetch':>11} {'MB/st push':>10} {'min ps':>6}",
+        f"{'row':{width}} {'ex/s':>10} {'bottleneck':16} {'workers':>10} "
+        f"{'ps NIC':>10} {'chief':>10} {'MB/st fetch':>11} {'MB/st push':>10} "
+        f"{'min ps':>6}",
     ]
-    for setting in cost_model.standard_settings(accumulator):
+    for setting in rows:
         p = cost_model.predict(c, setting)
         fewest = cost_model.smallest_ps(c, setting, busy)
         lines.append(
-            f"{setting.name:10} {_fmt(p.examples_per_sec):>10} {p.bottleneck:16} "
+            f"{setting.name:{width}} {_fmt(p.examples_per_sec):>10} {p.bottleneck:16} "
             f"{_fmt(p.bounds['workers']):>10} {_fmt(p.bounds[cost_model.PS_NIC]):>10} "
             f"{_fmt(p.bounds[cost_model.CHIEF]):>10} "
             f"{p.traffic.to_worker_bytes / 1e6:11.3f} "
@@ -231,7 +260,7 @@ def format_table(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    print(format_table(args.cluster, args.accumulator, args.busy))
+    print(format_table(args.cluster, args.accumulator, args.busy, args.settings))
     return 0
 
 

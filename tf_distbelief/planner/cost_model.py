@@ -33,10 +33,12 @@ Bytes per step, `M` the model's float32 bytes: stock moves `M` in and `M`
 out. Downpour fetches `M` every `n_fetch` steps and pushes every `n_push`:
 `2M` with the AdaGrad accumulator mode `squares` and `n_push > 1` (gradient
 sums and squared sums), `M` with the outer rule (the parameter delta) or
-otherwise. Each exchange with the ps (every step, or every segment of
-`min(n_fetch, n_push)` steps when both exceed 1) adds `overhead_bytes` each
-way per ps. Not modelled: latency, CPU spent on serialization (the bound
-is optimistic where two resources are close).
+otherwise; a compressed push what its push rules code, and with the outer
+rule its fetches the update stream (`push_bytes`). Each exchange with the
+ps (every step, or every segment of `min(n_fetch, n_push)` steps when both
+exceed 1) adds `overhead_bytes` each way per ps. Not modelled: latency, CPU
+spent on serialization (the bound is optimistic where two resources are
+close).
 
 Example:
   ```
@@ -54,7 +56,7 @@ import math
 import re
 
 from tf_distbelief import checks
-from tf_distbelief.planner import host, queueing, records
+from tf_distbelief.planner import host, push_bytes, queueing, records
 
 __all__ = [
     "Prediction",
@@ -119,6 +121,7 @@ def step_traffic(
     num_params: int,
     num_ps: int = 1,
     overhead_bytes: float = records.DEFAULT_OVERHEAD_BYTES,
+    num_workers: int = 1,
 ) -> records.Traffic:
     """The bytes a worker step moves, each way (see the module docstring).
 
@@ -127,21 +130,27 @@ def step_traffic(
       num_params: trainable parameters (float32).
       num_ps: ps tasks, each paying `overhead_bytes` per exchange.
       overhead_bytes: fixed bytes per exchange per ps, each way.
+      num_workers: model replicas: a compressed setting with the outer rule
+        fetches every replica's pushes (`push_bytes`).
 
     Returns:
       The step's `Traffic`.
     """
     checks.check_int("num_params", num_params, 1)
     checks.check_int("num_ps", num_ps, 1)
+    checks.check_int("num_workers", num_workers, 1)
     checks.check_nonnegative("overhead_bytes", overhead_bytes)
     model_bytes = num_params * records.BYTES_PER_PARAM
     fixed = overhead_bytes * num_ps * setting.exchanges_per_step
     if setting.n_fetch is None:
         return records.Traffic(model_bytes + fixed, model_bytes + fixed)
-    return records.Traffic(
-        model_bytes / setting.n_fetch + fixed,
-        setting.push_copies * model_bytes / setting.n_push + fixed,
-    )
+    fetched = model_bytes / setting.n_fetch
+    pushed = setting.push_copies * model_bytes / setting.n_push
+    if push_bytes.compressed(setting):
+        pushed = push_bytes.push_bytes(setting, num_params) / setting.n_push
+        if setting.outer:
+            fetched = push_bytes.stream_fetch_bytes(setting, num_params, num_workers)
+    return records.Traffic(fetched + fixed, pushed + fixed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +197,9 @@ def predict(cluster: records.Cluster, setting: records.Setting) -> Prediction:
       The `Prediction`; ties go to the workers, then the ps NIC.
     """
     c = cluster
-    traffic = step_traffic(setting, c.num_params, c.num_ps, c.overhead_bytes)
+    traffic = step_traffic(
+        setting, c.num_params, c.num_ps, c.overhead_bytes, c.num_workers
+    )
     worker_rate = min(
         queueing.bits_per_sec(c.worker_bits_per_sec),
         c.num_ps * queueing.bits_per_sec(c.ps_bits_per_sec),

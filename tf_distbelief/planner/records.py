@@ -16,6 +16,7 @@ import math
 import re
 
 from tf_distbelief import checks
+from tf_distbelief.planner import push_bytes
 
 __all__ = [
     "ACCUMULATORS",
@@ -39,7 +40,9 @@ DEFAULT_OVERHEAD_BYTES = 2048
 DEFAULT_FUNCTION_SECS = 0.010
 DEFAULT_STEPS_PER_EXECUTION = 10
 DEFAULT_BATCH_SIZE = 32
-_SETTING_RE = re.compile(r"^n=(\d+)(\+outer)?$")
+_SETTING_RE = re.compile(
+    r"^n=(\d+)(\+outer)?(?:\+topk=(\d*\.?\d+(?:[eE]-?\d+)?))?(?:\+q(\d+))?$"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +54,17 @@ class Setting:
       n_push: steps between pushes; None with `n_fetch`.
       outer: the outer Nesterov rule (a push is the parameter delta).
       accumulator: `DownpourConfig.adagrad_accumulator`.
+      top_k_fraction, quantize_bits: compressed pushes, as
+        `DownpourConfig`'s fields of those names; None: not compressed. Their
+        bytes come from the push rules (`push_bytes`).
     """
 
     n_fetch: int | None = None
     n_push: int | None = None
     outer: bool = False
     accumulator: str = "squares"
+    top_k_fraction: float | None = None
+    quantize_bits: int | None = None
 
     def __post_init__(self):
         if (self.n_fetch is None) != (self.n_push is None):
@@ -69,6 +77,14 @@ class Setting:
             checks.check_int("n_push", self.n_push, 1)
         elif self.outer:
             raise ValueError("Argument `outer` needs Downpour (n_fetch, n_push).")
+        if push_bytes.compressed(self):
+            if self.n_fetch is None:
+                raise ValueError(
+                    "Arguments `top_k_fraction` and `quantize_bits` need Downpour "
+                    f"(n_fetch, n_push). Received: top_k_fraction="
+                    f"{self.top_k_fraction!r}, quantize_bits={self.quantize_bits!r}"
+                )
+            push_bytes.check(self)
         if self.accumulator not in ACCUMULATORS:
             raise checks.argument_error(
                 "accumulator", f"one of {ACCUMULATORS}", self.accumulator
@@ -76,14 +92,20 @@ class Setting:
 
     @classmethod
     def parse(cls, name: str, accumulator: str = "squares") -> Setting:
-        """`"stock"`, `"n=16"` or `"n=16+outer"` (n = n_fetch = n_push)."""
+        """`"stock"`, `"n=16"`, `"n=16+outer"` (n = n_fetch = n_push), each
+        Downpour one optionally compressed: `"n=16+outer+topk=0.01+q2"`
+        (`top_k_fraction` 0.01, `quantize_bits` 2), `+topk=<f>`, `+q<bits>`."""
         if name == "stock":
             return cls(accumulator=accumulator)
         match = _SETTING_RE.match(str(name))
         if not match or int(match.group(1)) < 1:
-            raise checks.argument_error("name", "stock, n=<n> or n=<n>+outer", name)
+            raise checks.argument_error(
+                "name", "stock, n=<n>, n=<n>+outer, then +topk=<f> and +q<bits>", name
+            )
         n = int(match.group(1))
-        return cls(n, n, bool(match.group(2)), accumulator)
+        fraction = None if match.group(3) is None else float(match.group(3))
+        bits = None if match.group(4) is None else int(match.group(4))
+        return cls(n, n, bool(match.group(2)), accumulator, fraction, bits)
 
     @property
     def name(self) -> str:
@@ -93,7 +115,10 @@ class Setting:
             base = f"n={self.n_fetch}"
         else:
             base = f"fetch={self.n_fetch},push={self.n_push}"
-        return base + ("+outer" if self.outer else "")
+        base += "+outer" if self.outer else ""
+        if self.top_k_fraction is not None:
+            base += f"+topk={self.top_k_fraction:g}"
+        return base + ("" if self.quantize_bits is None else f"+q{self.quantize_bits}")
 
     @property
     def push_copies(self) -> int:

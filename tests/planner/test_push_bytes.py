@@ -1,0 +1,116 @@
+"""The planner's compressed settings: bytes from the push rules, stream fetches."""
+
+import numpy as np
+import pytest
+
+from tf_distbelief.downpour import config as config_lib
+from tf_distbelief.downpour.push_rules import reference
+from tf_distbelief.planner import cost_model as cm
+from tf_distbelief.planner import records
+
+N = 1_000_000
+
+
+def _rules_bytes(**fields):
+    """What the push rules send for one push of an N-entry float32 tensor."""
+    config = config_lib.DownpourConfig(n_fetch=16, n_push=16, **fields)
+    return reference.push_nbytes(config.rules, [np.zeros(N, np.float32)])
+
+
+def _cluster(workers):
+    return records.Cluster(
+        num_params=N,
+        num_workers=workers,
+        num_ps=1,
+        worker_bits_per_sec=1e8,
+        ps_bits_per_sec=1e8,
+        compute_secs=0.01,
+        overhead_bytes=0,
+    )
+
+
+def test_a_compressed_push_moves_what_its_rules_code():
+    setting = records.Setting.parse("n=16+outer+topk=0.01+q2")
+    assert (setting.top_k_fraction, setting.quantize_bits) == (0.01, 2)
+    assert setting.name == "n=16+outer+topk=0.01+q2"
+    want = _rules_bytes(
+        outer_learning_rate=0.35,
+        outer_momentum=0.9,
+        top_k_fraction=0.01,
+        quantize_bits=2,
+    )
+    traffic = cm.step_traffic(setting, N, overhead_bytes=0, num_workers=4)
+    assert traffic.to_ps_bytes == want / 16
+    # Update-stream fetches: 4 replicas' pushes per 16 steps, each as pushed.
+    assert traffic.to_worker_bytes == 4 * want / 16
+    # One replica fetches only its own push's index back.
+    alone = cm.step_traffic(setting, N, overhead_bytes=0, num_workers=1)
+    assert alone.to_worker_bytes == 0
+
+
+def test_without_the_outer_rule_a_compressed_setting_fetches_the_model():
+    setting = records.Setting.parse("n=16+topk=0.01", accumulator="mean")
+    traffic = cm.step_traffic(setting, N, overhead_bytes=0, num_workers=8)
+    rules_bytes = _rules_bytes(top_k_fraction=0.01, adagrad_accumulator="mean")
+    assert traffic.to_ps_bytes == rules_bytes / 16
+    assert traffic.to_worker_bytes == 4 * N / 16
+
+
+def test_the_ps_sends_each_push_to_every_replica():
+    """A ps's egress per example grows with the replicas: past 2M/P replicas
+    the stream fetch moves more than a whole fetch of values and momentum."""
+    setting = records.Setting.parse("n=16+outer+topk=0.01+q2")
+    p = cm.step_traffic(setting, N, overhead_bytes=0, num_workers=2).to_ps_bytes * 16
+    crossover = 2 * 4 * N / p
+    below = cm.step_traffic(setting, N, overhead_bytes=0, num_workers=int(crossover))
+    above = cm.step_traffic(
+        setting, N, overhead_bytes=0, num_workers=int(crossover) + 1
+    )
+    assert below.to_worker_bytes * 16 <= 2 * 4 * N < above.to_worker_bytes * 16
+    slow = cm.predict(_cluster(64), setting)
+    fast = cm.predict(_cluster(2), setting)
+    assert slow.examples_per_sec < 32 * fast.examples_per_sec
+
+
+@pytest.mark.parametrize(
+    "fields, rule",
+    [
+        (dict(n_fetch=None, n_push=None, top_k_fraction=0.01), "need Downpour"),
+        (dict(n_fetch=16, n_push=16, top_k_fraction=1.5), "top_k_fraction"),
+        (dict(n_fetch=16, n_push=16, quantize_bits=3), "quantize_bits"),
+        (dict(n_fetch=16, n_push=16, top_k_fraction=0.01), "adagrad_accumulator"),
+    ],
+)
+def test_bad_compression_is_refused_naming_the_value(fields, rule):
+    with pytest.raises(ValueError, match=rule):
+        records.Setting(**fields)
+
+
+@pytest.mark.parametrize(
+    "name", ["n=16+q", "n=16+topk=", "n=16+topk=x", "n=16+q2+outer"]
+)
+def test_a_bad_setting_name_is_refused(name):
+    with pytest.raises(ValueError, match="topk=<f>"):
+        records.Setting.parse(name)
+
+
+def test_the_command_line_adds_compressed_rows(capsys):
+    from tf_distbelief.planner import __main__ as cli
+
+    argv = ["--params=1M", "--workers=4", "--nic=100mbit", "--step_ms=10"]
+    assert cli.main(argv + ["--settings=n=16+outer+topk=0.01+q2, n=32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if line.startswith("n=16+outer+topk=0.01+q2 "))
+    setting = records.Setting.parse("n=16+outer+topk=0.01+q2")
+    traffic = cm.step_traffic(setting, N, 1, records.DEFAULT_OVERHEAD_BYTES, 4)
+    # MB per step fetched and pushed, as `step_traffic` gives them.
+    assert row.split()[-3:-1] == [
+        f"{traffic.to_worker_bytes / 1e6:.3f}",
+        f"{traffic.to_ps_bytes / 1e6:.3f}",
+    ]
+    assert any(line.startswith("n=32 ") for line in lines)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv + ["--settings=n=16+topk=2"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "`--settings` has 'n=16+topk=2'" in err and "top_k_fraction" in err

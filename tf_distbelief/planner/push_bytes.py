@@ -1,0 +1,101 @@
+"""The bytes of a compressed Downpour push, and of the fetches that follow it.
+
+A planner `Setting` may compress its pushes as `DownpourConfig` does
+(`top_k_fraction`, `quantize_bits`). The bytes of one push come from the
+push rules themselves (`push_rules.reference.push_nbytes`: the selecting
+rule's count of kept entries, the coding rule's coded bytes, their
+positions), so a compressed setting is predicted as what it sends, and a
+change to a rule's coding changes the prediction with it.
+
+What a replica fetches depends on the outer rule:
+
+* **With the outer rule** (`outer`): update-stream fetches
+  (`tf_distbelief.downpour.stream_fetch`). A fetch replays the pushes the ps
+  logged since the replica's last fetch, every replica's, its own included,
+  each as coded as it was pushed: `W` replicas at equal speed log `W` pushes
+  of `P` bytes per `n_push` steps, so a step fetches `W * P / n_push`. With
+  one replica only the index of its own push comes back (nothing). The ps
+  sends each push it receives to every replica: what a shard sends grows
+  with the square of the replica count, and past `2 * M / P` replicas (`M`
+  the model's bytes; the whole fetch is values and outer momentum) a whole
+  fetch per `n_fetch` steps would move less.
+* **Without it**: error feedback, and the fetch is the whole model every
+  `n_fetch` steps, as uncompressed Downpour's.
+
+Not modelled: the first, whole fetch of each replica (once per job), and
+sparse fetches (`push_rules.sparse_fetches`), whose bytes depend on the
+data. Pure: no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tf_distbelief.downpour import config as config_lib
+from tf_distbelief.downpour.push_rules import reference, rule
+
+__all__ = ["check", "compressed", "push_bytes", "stream_fetch_bytes"]
+
+# The outer rule's settings do not change a push's bytes: any valid ones.
+_OUTER = {"outer_learning_rate": 0.7, "outer_momentum": 0.9}
+
+
+def compressed(setting) -> bool:
+    """True when `setting` (a `records.Setting`) compresses its pushes
+    (`quantize_bits` 0 or None: values not coded)."""
+    return setting.top_k_fraction is not None or bool(setting.quantize_bits)
+
+
+def _config(setting) -> config_lib.DownpourConfig:
+    outer = _OUTER if setting.outer else {}
+    return config_lib.DownpourConfig(
+        n_fetch=setting.n_fetch,
+        n_push=setting.n_push,
+        top_k_fraction=setting.top_k_fraction,
+        quantize_bits=setting.quantize_bits or 0,
+        adagrad_accumulator=setting.accumulator,
+        **outer,
+    )
+
+
+def check(setting) -> None:
+    """Checks `setting`'s compression as `DownpourConfig` does.
+
+    Raises:
+      ValueError: a value `DownpourConfig` refuses (its error, naming it).
+    """
+    rule.resolve(_config(setting))
+
+
+def push_bytes(setting, num_params: int) -> int:
+    """Bytes of one compressed push of a model of `num_params` float32 values.
+
+    The model is taken as one tensor (a real model's tensors each round
+    their kept count up: a few bytes more).
+
+    Args:
+      setting: a `records.Setting` that compresses (`compressed`).
+      num_params: trainable parameters.
+
+    Returns:
+      The bytes the push rules' `push_nbytes` gives.
+    """
+    flat = np.broadcast_to(np.float32(0), (num_params,))  # Sizes only.
+    return reference.push_nbytes(rule.resolve(_config(setting)), [flat])
+
+
+def stream_fetch_bytes(setting, num_params: int, num_workers: int) -> float:
+    """Bytes a replica's update-stream fetches move per step, on average.
+
+    Args:
+      setting: a `records.Setting` that compresses, with the outer rule.
+      num_params: trainable parameters (float32).
+      num_workers: model replicas.
+
+    Returns:
+      `num_workers * push_bytes / n_push` (module docstring); 0 with one
+      replica.
+    """
+    if num_workers == 1:
+        return 0.0
+    return num_workers * push_bytes(setting, num_params) / setting.n_push
