@@ -6,7 +6,9 @@ same number of steps whatever the worker count (asynchronous stock training:
 every step is one replica's batch), and each `--staleness_power` of
 `--powers` (0 is undamped AdaGrad; the default damps a gradient `tau`
 updates stale by `max(1, tau)^power`, `tf_distbelief.adagrad.staleness`).
-`--seeds` sets the model and data seed of each run.
+`--seeds` sets the model and data seed of each run; `--epochs` the epochs of
+100 steps (5 unless told). `--consoles` keeps each run's console (loss per
+epoch, goodput line) in a file named by its workers, power and seed.
 
 Columns: `acc` test accuracy; `train s`, `start-up s` from the job's goodput
 line; `wall s` the whole command; `chief MB`, `ps MB`, `worker MB` the largest
@@ -20,6 +22,7 @@ their environment) and the files left in its `TMPDIR` (a new empty folder).
 Usage:
   python benchmarks/digits_replicas.py                      # 2, 8, 16 workers
   python benchmarks/digits_replicas.py --workers=8 --seeds=0 --powers=0,0.75
+  python benchmarks/digits_replicas.py --powers=0.75 --epochs=10 --consoles=logs
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ def define_flags():
     flags.DEFINE_integer("num_ps", 4, "ps tasks.", lower_bound=1)
     flags.DEFINE_integer("epochs", 5, "Epochs of 100 steps.", lower_bound=1)
     flags.DEFINE_string("out", None, "Also write the rows as CSV here.")
+    flags.DEFINE_string(
+        "consoles", None, "Also write each run's console here, one file a run."
+    )
 
 
 def _marked(marker: str) -> list[int]:
@@ -65,7 +71,9 @@ def _marked(marker: str) -> list[int]:
     return found
 
 
-def _run(workers: int, power: str, seed: str, num_ps: int, epochs: int) -> dict:
+def _run(
+    workers: int, power: str, seed: str, num_ps: int, epochs: int, consoles: str | None
+) -> dict:
     args = [
         sys.executable,
         TRAIN,
@@ -95,6 +103,11 @@ def _run(workers: int, power: str, seed: str, num_ps: int, epochs: int) -> dict:
     accuracy = re.search(r"^test accuracy: ([\d.]+)", out, re.M)
     train = re.findall(r"train ([\d.]+) s", out)
     startup = re.findall(r"start-up ([\d.]+) s", out)
+    if consoles:
+        os.makedirs(consoles, exist_ok=True)
+        name = f"workers{workers}_power{power}_seed{seed}.log"
+        with open(os.path.join(consoles, name), "a") as log:
+            log.write(out)
     if proc.returncode or not accuracy:
         print(out[-3000:], flush=True)
     return {
@@ -113,27 +126,45 @@ def _run(workers: int, power: str, seed: str, num_ps: int, epochs: int) -> dict:
     }
 
 
-def main(argv):
-    del argv
-    f = flags.FLAGS
-    rows = []
-    for workers in map(int, f.workers):
-        for power in f.powers:
-            for seed in f.seeds:
-                row = _run(workers, power, seed, f.num_ps, f.epochs)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-    print(
-        "\n| workers | staleness_power | acc (each run) | min acc | train s "
-        "| start-up s | chief MB | ps MB | worker MB |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for workers in map(int, f.workers):
-        for power in map(float, f.powers):
+COLUMNS = (
+    "workers",
+    "staleness_power",
+    "acc (each run)",
+    "min acc",
+    "train s",
+    "start-up s",
+    "chief MB",
+    "ps MB",
+    "worker MB",
+    "worker RSS MB",
+    "left",
+)
+
+
+def table(rows: list[dict], workers: list[int], powers: list[float]) -> list[str]:
+    """The markdown table of the runs, one line per worker count and power.
+
+    Args:
+      rows: the runs, as `_run` returns them.
+      workers: the worker counts, in the table's order.
+      powers: the staleness powers, in the table's order.
+
+    Returns:
+      The header, the separator and one row per (workers, power), each with
+      one cell per name of `COLUMNS`: every run's accuracy, the lowest, the
+      median train and start-up seconds, the peak memory of each task kind
+      over the runs and the processes and files the runs left.
+    """
+    lines = [
+        "| " + " | ".join(COLUMNS) + " |",
+        "| " + " | ".join("---" for _ in COLUMNS) + " |",
+    ]
+    for count in workers:
+        for power in powers:
             cell = [
                 r
                 for r in rows
-                if (r["workers"], r["staleness_power"]) == (workers, power)
+                if (r["workers"], r["staleness_power"]) == (count, power)
             ]
             accs = [r["acc"] for r in cell]
             done = [a for a in accs if a is not None]
@@ -148,10 +179,26 @@ def main(argv):
                 str(max(r[f"{k} MB"] for r in cell))
                 for k in ("chief", "ps", "worker", "worker RSS")
             ]
-            cells = [str(workers), f"{power:g}", each, low]
+            cells = [str(count), f"{power:g}", each, low]
             cells += [median("train s"), median("start-up s"), *peaks]
             cells.append(str(sum(r["left"] for r in cell)))
-            print("| " + " | ".join(cells) + " |", flush=True)
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv):
+    del argv
+    f = flags.FLAGS
+    rows = []
+    for workers in map(int, f.workers):
+        for power in f.powers:
+            for seed in f.seeds:
+                row = _run(workers, power, seed, f.num_ps, f.epochs, f.consoles)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    print()
+    for line in table(rows, list(map(int, f.workers)), list(map(float, f.powers))):
+        print(line, flush=True)
     if f.out:
         with open(f.out, "w", newline="") as out:
             writer = csv.DictWriter(out, fieldnames=list(rows[0]))
