@@ -102,7 +102,7 @@ def test_a_push_of_several_chunks_decodes_to_the_reference(bits):
     assert push.nbytes == nbytes == push_reference.push_nbytes(config.rules, [x])
 
 
-def test_counted_push_bytes_are_the_coding_s(local_cluster):
+def test_counted_push_bytes_are_the_wire_codings(local_cluster):
     """One worker with update-stream fetches: each push counts, per variable,
     `position_codes`' bytes for the wire's coding and the values' codes and
     scales; each log entry on the ps is as large."""

@@ -21,9 +21,9 @@ one `wire_coding` names (`position_wire` is its TensorFlow side):
   byte naming the coding.
 * `"wire"`: the coding the cluster sends for the tensor (`wire_coding`).
 
-The wire sends `chunk16` for every tensor. A bitmap (or Rice's sorted gaps)
-would be smaller above 1/16 of the entries kept, but it gives the positions
-in increasing order, not in top-k's, and the kept values are sent (and
+The wire sends `chunk16` for every tensor. A bitmap (smaller above 1/16 of
+the entries kept) and Rice's gaps (smaller at 1%) give the positions in
+increasing order, not in top-k's, and the kept values are sent (and
 quantised a chunk at a time) in the positions' order: the sent values would
 change. `chunk16` keeps top-k's order within each chunk of 65,536.
 
