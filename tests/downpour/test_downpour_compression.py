@@ -182,13 +182,15 @@ def test_reference_compress_is_the_rules_written_out(settings):
 
 def test_push_nbytes():
     kernel, bias = np.zeros((6, 3)), np.zeros(3, np.float32)
-    top_k = Config(top_k_fraction=0.25)  # 4 of 18 and 1 of 3: 4 + 8 bytes each.
-    assert push_reference.push_nbytes(top_k.rules, [kernel, bias]) == 4 * 12 + 1 * 8
+    # 4 of 18 and 1 of 3: each value and its 2-byte position (one chunk of
+    # 65,536: no count).
+    top_k = Config(top_k_fraction=0.25)
+    assert push_reference.push_nbytes(top_k.rules, [kernel, bias]) == 4 * 10 + 1 * 6
     both = Config(top_k_fraction=0.5, quantize_bits=2, quantize_chunk=4)
     # Kernel: 9 values, 3 bytes of codes, 3 float64 scales, 9 positions; bias:
     # 2 values (round(1.5) == 2), 1 byte, 1 float32 scale, 2 positions.
     assert push_reference.push_nbytes(both.rules, [kernel, bias]) == (
-        3 + 24 + 36 + 1 + 4 + 8
+        3 + 24 + 18 + 1 + 4 + 4
     )
     assert push_reference.push_nbytes(Config().rules, [kernel]) is None
 
@@ -219,8 +221,9 @@ def test_reference_error_feedback_written_out():
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
     assert np.abs(residual[0]).max() > 1e-3  # Something was held back.
-    # 18 + 3 entries: 5 + 1 kept, coded in 8 bits with a scale per 4.
-    assert stats.bytes_pushed == STEPS * ((5 + 2 * 8 + 5 * 4) + (1 + 8 + 4))
+    # 18 + 3 entries: 5 + 1 kept, coded in 8 bits with a scale per 4, and
+    # their 2-byte positions.
+    assert stats.bytes_pushed == STEPS * ((5 + 2 * 8 + 5 * 2) + (1 + 8 + 2))
 
 
 # --- The trainer on a cluster against the reference ---------------------------
@@ -367,10 +370,12 @@ def test_compressed_push_sends_only_the_encoded_tensors():
     push = compression.CompressedPush(config.rules, [variable])
     x = np.random.default_rng(3).normal(size=(5, 7))
     unsent, (parts,), (sent,) = push.encode(push.handles(), [tf.constant(x)])
-    assert [p.dtype for p in parts] == [tf.int32, tf.uint8, tf.float64]
+    # Positions: uint16 offsets and int32 per-chunk counts (none: one chunk).
+    assert [p.dtype for p in parts] == [tf.uint16, tf.int32, tf.uint8, tf.float64]
+    assert parts[1].shape == [0]
     nbytes = sum(p.shape.num_elements() * p.dtype.size for p in parts)
     assert nbytes == push.nbytes == push_reference.push_nbytes(config.rules, [x])
-    assert nbytes == 5 * 4 + math.ceil(5 / 4) + 8  # 1 of 7 per row, 5 rows.
+    assert nbytes == 5 * 2 + math.ceil(5 / 4) + 8  # 1 of 7 per row, 5 rows.
     (want,) = push_reference.compress(config.rules, [x])
     np.testing.assert_array_equal(sent.numpy(), want)
     (decoded,), _ = push.to_ps([parts], [[0]])

@@ -47,6 +47,7 @@ def _exchange(**kwargs) -> update_stream.Exchange:
         residual="parameter",
         fetch="stream",
         window=stream_fetch.STREAM_WINDOW,
+        positions="wire",
     )
     return update_stream.Exchange(**(settings | kwargs))
 

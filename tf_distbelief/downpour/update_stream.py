@@ -33,7 +33,8 @@ step `t`:
    `f ** (min(j + 1, W) / W)` (DGC's density warm-up, dense towards `f`).
 
 Bytes (`ExchangeStats`): a push sends its values (coded or not) and, with
-top-k, its positions in `positions` (`position_codes`). A whole fetch sends
+top-k, its positions in `positions` (`position_codes`; `"wire"`: as the
+cluster sends them), in `position_codes.wire_order`. A whole fetch sends
 the model (with `fetch="stream"` and `mu > 0` the momentum too, to replay
 from, once the ps has applied a push); a stream fetch sends each logged push
 since the replica's last fetch (`STREAM_ID_BYTES` for its own, which it
@@ -200,7 +201,9 @@ def compress(values: list, exchange: Exchange, fraction: float | None) -> tuple:
         where = None
         kept = flat
         if fraction is not None:
-            where = _top_k_positions(flat, exchange.chunk, fraction)
+            where = position_codes.wire_order(
+                _top_k_positions(flat, exchange.chunk, fraction), flat.size
+            )
             kept = flat[where]
         if coder is not None:
             kept = coder.reference_code(kept)

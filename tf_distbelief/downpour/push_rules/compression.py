@@ -4,9 +4,11 @@ A compressing push rule (`rule.PushRule.selects` or `.codes`; `top_k`,
 `quantize`) shrinks what a push moves. At a push of `acc` the replica adds its
 residual `e` (one `per_worker_variable=True` variable per dense variable, of
 its shape and dtype) and encodes `u = acc + e` on its worker: the selecting
-rule's int32 positions and the kept values, coded by the coding rule if one is
-on. Only those tensors cross to the ps, one message per part per ps task and
-dtype (each variable's parts concatenated, as `dense.DenseVariables` packs);
+rule's positions, grouped by chunk and written as `downpour.position_wire`
+writes them (chunk-relative uint16 offsets and per-chunk counts), and the
+kept values in the same order, coded by the coding rule if one is on. Only
+those tensors cross to the ps, one message per part per ps task and dtype
+(each variable's parts concatenated, as `dense.DenseVariables` packs);
 the ps decodes them into a dense tensor (0 where nothing was sent) that the
 push rules and the ps optimizer apply as any push. The replica decodes the
 same tensors, and an applied push sets `e <- u - decoded`; a push dropped
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_distbelief.downpour import base
+from tf_distbelief.downpour import base, position_wire
 
 __all__ = ["CompressedPush", "create"]
 
@@ -90,12 +92,14 @@ class CompressedPush:
         return self._decode(parts, v)
 
     def _encode(self, flat) -> tuple:
-        """A 1-D tensor's parts to send: positions (if selecting), then the
-        values or their codes."""
+        """A 1-D tensor's parts to send: the positions' offsets and counts (if
+        selecting, `position_wire`), then the values or their codes."""
         positions = ()
+        size = flat.shape.num_elements()
         if self.selector is not None:
-            positions = (self.selector.select(flat),)
-            flat = tf.gather(flat, positions[0])
+            kept = position_wire.group(self.selector.select(flat), size)
+            positions = position_wire.encode(kept, size)
+            flat = tf.gather(flat, kept)
         coded = (flat,) if self.coder is None else tuple(self.coder.encode(flat))
         return positions + coded
 
@@ -104,8 +108,9 @@ class CompressedPush:
         size = v.shape.num_elements()
         count = size
         if self.selector is not None:
-            positions, parts = parts[0], parts[1:]
-            count = positions.shape.num_elements()
+            (offsets, counts), parts = parts[:2], parts[2:]
+            positions = position_wire.decode(offsets, counts, size)
+            count = offsets.shape.num_elements()
         values = (
             parts[0] if self.coder is None else self.coder.decode(parts, count, v.dtype)
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tf_distbelief.downpour.push_rules import rule
+from tf_distbelief.downpour import position_codes
 
 __all__ = ["ReferenceRules", "compress", "push_nbytes", "scaled_update"]
 
@@ -27,7 +27,8 @@ def compress(rules, values: list) -> list:
 
     Each array is flattened; a selecting rule keeps the entries at its
     `reference_select` positions (the others are 0), a coding rule replaces
-    the kept values, in sending order, by its `reference_code`. The replica's
+    the kept values, in sending order (`position_codes.wire_order`), by its
+    `reference_code`. The replica's
     residual is then `values` less the result.
 
     Args:
@@ -47,7 +48,7 @@ def compress(rules, values: list) -> list:
         positions = (
             np.arange(flat.size)
             if selector is None
-            else selector.reference_select(flat)
+            else position_codes.wire_order(selector.reference_select(flat), flat.size)
         )
         kept = flat[positions]
         if coder is not None:
@@ -63,8 +64,8 @@ def push_nbytes(rules, params: list) -> int | None:
 
     Per array of `n` entries of `itemsize` bytes: `count` = the selecting
     rule's `sent_count(n)` (else `n`) values, coded (`coded_nbytes`) or not
-    (`count * itemsize`), plus an int32 position per value
-    (`rule.POSITION_BYTES`) with a selecting rule.
+    (`count * itemsize`), plus with a selecting rule the positions' bytes
+    in the coding the wire sends (`position_codes.wire_coding`).
 
     Returns:
       The bytes, or None when no rule compresses.
@@ -80,7 +81,8 @@ def push_nbytes(rules, params: list) -> int | None:
         else:
             total += coder.coded_nbytes(count, p.itemsize)
         if selector is not None:
-            total += rule.POSITION_BYTES * count
+            where = np.zeros(count, np.int64)  # The coding counts `k` only.
+            total += position_codes.position_nbytes(where, p.size, "wire")
     return total
 
 

@@ -66,8 +66,9 @@ __all__ = [
     "unregister",
 ]
 
-# Bytes of a sent entry's position in a selecting rule's push (int32:
-# tensors of up to 2**31 entries).
+# Bytes of an int32 position (tensors of up to 2**31 entries), as a sparse
+# fetch sends each changed entry's (`downpour.sparse_fetch`); a push's are in
+# `position_codes.wire_coding`'s coding.
 POSITION_BYTES = 4
 # The modules of this package that hold no rule.
 _NOT_RULES = frozenset({"rule", "on_ps", "reference", "compression"})

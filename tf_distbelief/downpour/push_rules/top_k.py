@@ -9,16 +9,20 @@ flags):
   tensor (the gradient sum, or the pseudo-gradient with the outer optimizer),
   flattened and cut into chunks of `top_k_chunk` consecutive entries, a push
   sends from each chunk of `m` entries the `k = max(1, round(fraction * m))`
-  of largest magnitude (ties: the lower position first), as int32 positions
-  and their values; the rest is 0 on the ps. The replica's residual keeps
+  of largest magnitude (ties: the lower position first), as positions
+  (`downpour.position_wire`: 2 bytes each, grouped by chunk of 65,536
+  entries, with a 4-byte count per such chunk in a larger tensor) and their
+  values; the rest is 0 on the ps. The replica's residual keeps
   what was not sent and adds it to its next push (`compression`); with the
   outer rule the replica's cache keeps it, and fetches replay the ps's log
   of pushes (`downpour.stream_fetch`).
 * `top_k_chunk`: the chunk length, an integer >= 0; 0 (default): the whole
   tensor is one chunk. Chunks spread the kept entries over the tensor.
 
-Bytes per push of a tensor: `k * (4 + itemsize)` summed over its chunks, less
-with a quantiser on the values (`quantize`). TensorFlow is imported by the TF
+Bytes per push of a tensor of `n` entries: `k * (2 + itemsize)` summed over
+its chunks, plus `4 * ceil(n / 65536)` when `n > 65536`
+(`position_codes.position_nbytes`, `"wire"`), less with a quantiser on the
+values (`quantize`). TensorFlow is imported by the TF
 hook only.
 """
 
