@@ -46,7 +46,7 @@ def _exchange(**kwargs) -> update_stream.Exchange:
         quantize_chunk=COMPRESSED["quantize_chunk"],
         residual="parameter",
         fetch="stream",
-        window=stream_fetch.STREAM_WINDOW,
+        window=update_stream.STREAM_WINDOW,
         positions="wire",
     )
     return update_stream.Exchange(**(settings | kwargs))

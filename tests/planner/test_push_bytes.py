@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from tf_distbelief.downpour import config as config_lib
+from tf_distbelief.downpour import update_stream
 from tf_distbelief.downpour.push_rules import reference
 from tf_distbelief.planner import cost_model as cm
 from tf_distbelief.planner import records
@@ -56,17 +57,18 @@ def test_without_the_outer_rule_a_compressed_setting_fetches_the_model():
     assert traffic.to_worker_bytes == 4 * N / 16
 
 
-def test_the_ps_sends_each_push_to_every_replica():
-    """A ps's egress per example grows with the replicas: past 2M/P replicas
-    the stream fetch moves more than a whole fetch of values and momentum."""
+def test_the_stream_grows_with_the_replicas_up_to_the_window():
+    """Each replica fetches every replica's pushes; past the log's window
+    (`update_stream.STREAM_WINDOW` pushes behind) its fetches are whole,
+    values and outer momentum."""
     setting = records.Setting.parse("n=16+outer+topk=0.01+q2")
-    p = cm.step_traffic(setting, N, overhead_bytes=0, num_workers=2).to_ps_bytes * 16
-    crossover = 2 * 4 * N / p
-    below = cm.step_traffic(setting, N, overhead_bytes=0, num_workers=int(crossover))
-    above = cm.step_traffic(
-        setting, N, overhead_bytes=0, num_workers=int(crossover) + 1
-    )
-    assert below.to_worker_bytes * 16 <= 2 * 4 * N < above.to_worker_bytes * 16
+    push = cm.step_traffic(setting, N, overhead_bytes=0, num_workers=2).to_ps_bytes
+    window = update_stream.STREAM_WINDOW
+    at = cm.step_traffic(setting, N, overhead_bytes=0, num_workers=window)
+    assert at.to_worker_bytes == window * push
+    past = cm.step_traffic(setting, N, overhead_bytes=0, num_workers=window + 1)
+    assert past.to_worker_bytes == 2 * 4 * N / 16
+    assert past.to_ps_bytes == push
     slow = cm.predict(_cluster(64), setting)
     fast = cm.predict(_cluster(2), setting)
     assert slow.examples_per_sec < 32 * fast.examples_per_sec

@@ -60,10 +60,9 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from tf_distbelief.downpour import base
+from tf_distbelief.downpour import base, update_stream
 
 __all__ = [
-    "STREAM_WINDOW",
     "StreamFetch",
     "StreamHandles",
     "check_rules",
@@ -72,9 +71,6 @@ __all__ = [
     "is_on",
 ]
 
-# Pushes a replica may be behind a shard's log and still replay them: with
-# `n_fetch == n_push` a replica is about one push per other replica behind.
-STREAM_WINDOW = 64
 # Bytes of a shard's sequence number read by each fetch, of a logged push's
 # replica index, and of the checksum a stream fetch reads.
 _SEQ_BYTES = 8
@@ -167,7 +163,7 @@ def create(config, variables: list, strategy, rules, compression, tokens):
         rules.momentums,
         compression,
         outer,
-        STREAM_WINDOW,
+        update_stream.STREAM_WINDOW,
         tokens,
     )
 

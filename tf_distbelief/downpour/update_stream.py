@@ -55,10 +55,21 @@ from tf_distbelief import checks
 from tf_distbelief.downpour import position_codes, schedule
 from tf_distbelief.downpour.push_rules import outer_nesterov, quantize, top_k
 
-__all__ = ["Exchange", "ExchangeStats", "STREAM_ID_BYTES", "compress", "simulate"]
+__all__ = [
+    "Exchange",
+    "ExchangeStats",
+    "STREAM_ID_BYTES",
+    "STREAM_WINDOW",
+    "compress",
+    "simulate",
+]
 
 # A logged update's sequence number in a stream fetch (an int64).
 STREAM_ID_BYTES = 8
+# The cluster's `window` (`stream_fetch`): pushes a replica may be behind a
+# shard's log and still replay them; further behind, its fetch is whole. With
+# `n_fetch == n_push` a replica is about one push per replica behind.
+STREAM_WINDOW = 64
 _RESIDUALS = ("reset", "parameter")
 _FETCHES = ("whole", "stream")
 

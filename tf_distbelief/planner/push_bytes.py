@@ -12,13 +12,15 @@ What a replica fetches depends on the outer rule:
 * **With the outer rule** (`outer`): update-stream fetches
   (`tf_distbelief.downpour.stream_fetch`). A fetch replays the pushes the ps
   logged since the replica's last fetch, every replica's, its own included,
-  each as coded as it was pushed: `W` replicas at equal speed log `W` pushes
-  of `P` bytes per `n_push` steps, so a step fetches `W * P / n_push`. With
-  one replica only the index of its own push comes back (nothing). The ps
-  sends each push it receives to every replica: what a shard sends grows
-  with the square of the replica count, and past `2 * M / P` replicas (`M`
-  the model's bytes; the whole fetch is values and outer momentum) a whole
-  fetch per `n_fetch` steps would move less.
+  each as coded as it was pushed: `W` replicas at equal speed log
+  `W * n_fetch / n_push` pushes of `P` bytes between two fetches of one
+  replica, so a step fetches `W * P / n_push`; with one replica only the
+  index of its own push comes back (nothing). A replica further behind than
+  the log's window (`update_stream.STREAM_WINDOW` pushes) fetches whole, the
+  values and the outer momentum: `2 * M / n_fetch` a step (`M` the model's
+  bytes), twice the uncompressed outer rule's fetch. The ps sends each push
+  it receives to every replica, so what a shard sends grows with the square
+  of the replica count until the window's limit.
 * **Without it**: error feedback, and the fetch is the whole model every
   `n_fetch` steps, as uncompressed Downpour's.
 
@@ -32,7 +34,9 @@ from __future__ import annotations
 import numpy as np
 
 from tf_distbelief.downpour import config as config_lib
+from tf_distbelief.downpour import update_stream
 from tf_distbelief.downpour.push_rules import reference, rule
+from tf_distbelief.planner import records
 
 __all__ = ["check", "compressed", "push_bytes", "stream_fetch_bytes"]
 
@@ -93,9 +97,12 @@ def stream_fetch_bytes(setting, num_params: int, num_workers: int) -> float:
       num_workers: model replicas.
 
     Returns:
-      `num_workers * push_bytes / n_push` (module docstring); 0 with one
+      `num_workers * push_bytes / n_push`, or past the log's window the whole
+      fetch's `2 * 4 * num_params / n_fetch` (module docstring); 0 with one
       replica.
     """
     if num_workers == 1:
         return 0.0
+    if num_workers * setting.n_fetch / setting.n_push > update_stream.STREAM_WINDOW:
+        return 2.0 * records.BYTES_PER_PARAM * num_params / setting.n_fetch
     return num_workers * push_bytes(setting, num_params) / setting.n_push
