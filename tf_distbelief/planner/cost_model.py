@@ -146,7 +146,7 @@ def step_traffic(
         return records.Traffic(model_bytes + fixed, model_bytes + fixed)
     fetched = model_bytes / setting.n_fetch
     pushed = setting.push_copies * model_bytes / setting.n_push
-    if push_bytes.compressed(setting):
+    if setting.compressed:
         pushed = push_bytes.push_bytes(setting, num_params) / setting.n_push
         if setting.outer:
             fetched = push_bytes.stream_fetch_bytes(setting, num_params, num_workers)

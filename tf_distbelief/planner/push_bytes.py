@@ -33,42 +33,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from tf_distbelief.downpour import config as config_lib
 from tf_distbelief.downpour import update_stream
 from tf_distbelief.downpour.push_rules import reference, rule
 from tf_distbelief.planner import records
 
-__all__ = ["check", "compressed", "push_bytes", "stream_fetch_bytes"]
-
-# The outer rule's settings do not change a push's bytes: any valid ones.
-_OUTER = {"outer_learning_rate": 0.7, "outer_momentum": 0.9}
-
-
-def compressed(setting) -> bool:
-    """True when `setting` (a `records.Setting`) compresses its pushes
-    (`quantize_bits` 0 or None: values not coded)."""
-    return setting.top_k_fraction is not None or bool(setting.quantize_bits)
-
-
-def _config(setting) -> config_lib.DownpourConfig:
-    outer = _OUTER if setting.outer else {}
-    return config_lib.DownpourConfig(
-        n_fetch=setting.n_fetch,
-        n_push=setting.n_push,
-        top_k_fraction=setting.top_k_fraction,
-        quantize_bits=setting.quantize_bits or 0,
-        adagrad_accumulator=setting.accumulator,
-        **outer,
-    )
-
-
-def check(setting) -> None:
-    """Checks `setting`'s compression as `DownpourConfig` does.
-
-    Raises:
-      ValueError: a value `DownpourConfig` refuses (its error, naming it).
-    """
-    rule.resolve(_config(setting))
+__all__ = ["push_bytes", "stream_fetch_bytes"]
 
 
 def push_bytes(setting, num_params: int) -> int:
@@ -78,14 +47,14 @@ def push_bytes(setting, num_params: int) -> int:
     their kept count up: a few bytes more).
 
     Args:
-      setting: a `records.Setting` that compresses (`compressed`).
+      setting: a `records.Setting` that compresses (`Setting.compressed`).
       num_params: trainable parameters.
 
     Returns:
       The bytes the push rules' `push_nbytes` gives.
     """
     flat = np.broadcast_to(np.float32(0), (num_params,))  # Sizes only.
-    return reference.push_nbytes(rule.resolve(_config(setting)), [flat])
+    return reference.push_nbytes(rule.resolve(setting.downpour_config()), [flat])
 
 
 def stream_fetch_bytes(setting, num_params: int, num_workers: int) -> float:

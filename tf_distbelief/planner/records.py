@@ -16,7 +16,8 @@ import math
 import re
 
 from tf_distbelief import checks
-from tf_distbelief.planner import push_bytes
+from tf_distbelief.downpour import config as downpour_config
+from tf_distbelief.downpour.push_rules import rule
 
 __all__ = [
     "ACCUMULATORS",
@@ -40,6 +41,8 @@ DEFAULT_OVERHEAD_BYTES = 2048
 DEFAULT_FUNCTION_SECS = 0.010
 DEFAULT_STEPS_PER_EXECUTION = 10
 DEFAULT_BATCH_SIZE = 32
+# The outer rule's settings in `Setting.downpour_config`: any valid ones.
+_OUTER = {"outer_learning_rate": 0.7, "outer_momentum": 0.9}
 _SETTING_RE = re.compile(
     r"^n=(\d+)(\+outer)?(?:\+topk=(\d*\.?\d+(?:[eE]-?\d+)?))?(?:\+q(\d+))?$"
 )
@@ -77,14 +80,14 @@ class Setting:
             checks.check_int("n_push", self.n_push, 1)
         elif self.outer:
             raise ValueError("Argument `outer` needs Downpour (n_fetch, n_push).")
-        if push_bytes.compressed(self):
+        if self.compressed:
             if self.n_fetch is None:
                 raise ValueError(
                     "Arguments `top_k_fraction` and `quantize_bits` need Downpour "
                     f"(n_fetch, n_push). Received: top_k_fraction="
                     f"{self.top_k_fraction!r}, quantize_bits={self.quantize_bits!r}"
                 )
-            push_bytes.check(self)
+            rule.resolve(self.downpour_config())  # Its checks, its errors.
         if self.accumulator not in ACCUMULATORS:
             raise checks.argument_error(
                 "accumulator", f"one of {ACCUMULATORS}", self.accumulator
@@ -119,6 +122,26 @@ class Setting:
         if self.top_k_fraction is not None:
             base += f"+topk={self.top_k_fraction:g}"
         return base + ("" if self.quantize_bits is None else f"+q{self.quantize_bits}")
+
+    @property
+    def compressed(self) -> bool:
+        """True when pushes are compressed (`quantize_bits` 0 or None: values
+        not coded)."""
+        return self.top_k_fraction is not None or bool(self.quantize_bits)
+
+    def downpour_config(self) -> downpour_config.DownpourConfig:
+        """The `DownpourConfig` of this Downpour setting: its cadence,
+        accumulator and compression, and with `outer` the outer rule (at
+        settings that do not change a push's bytes)."""
+        outer = _OUTER if self.outer else {}
+        return downpour_config.DownpourConfig(
+            n_fetch=self.n_fetch,
+            n_push=self.n_push,
+            top_k_fraction=self.top_k_fraction,
+            quantize_bits=self.quantize_bits or 0,
+            adagrad_accumulator=self.accumulator,
+            **outer,
+        )
 
     @property
     def push_copies(self) -> int:
