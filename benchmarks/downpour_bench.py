@@ -13,8 +13,9 @@ ps values every `--eval_every` steps off the clock; `--rounds` rounds (seed
 * `n=<n>` (1, 4, 16, 32, 64): Downpour with `n_fetch = n_push = n`;
 * `n=<n>+outer`, `+dc`, `+stale`: with a push rule (outer Nesterov, DC-ASGD
   delay compensation, staleness-scaled step);
-* `n=<n>+outer+topk`, `+outer+q8`, `+outer+topk+q8`: the outer rule's pushes
-  compressed (top-k of `--top_k_fraction`, 8-bit values).
+* `n=<n>+outer+topk`, `+outer+q8`, `+outer+topk+q8`, `+outer+topk+q2`: the
+  outer rule's pushes compressed (top-k of `--top_k_fraction`, 8- or 2-bit
+  values), with update-stream fetches.
 * `n=<n>+outer+damp`: the outer rule with `--stale_damping` (a stale push
   damped where it repeats the outer momentum);
 * `n=<n>+outer0+topk+sparse`, `n=<n>+outer0+topk+q2+sparse`: pushes as
@@ -161,7 +162,7 @@ _STRAGGLER = "/straggler="
 _RULES = ("outer", "dc", "stale")
 # Compressed outer pushes (`+outer+topk`...): the pseudo-gradient sends no
 # squares, so AdaGrad's default 'squares' accumulator mode is kept.
-_COMPRESSED = ("outer+topk", "outer+q8", "outer+topk+q8")
+_COMPRESSED = ("outer+topk", "outer+q8", "outer+topk+q8", "outer+topk+q2")
 # The outer rule with its stale-push correction (`+outer+damp`): lambda 1
 # did best in docs/downpour.md's simulation ("Stale pushes and the outer
 # momentum").
