@@ -102,6 +102,28 @@ def test_a_push_of_several_chunks_decodes_to_the_reference(bits):
     assert push.nbytes == nbytes == push_reference.push_nbytes(config.rules, [x])
 
 
+def test_a_traced_push_of_several_tensors_travels_concatenated():
+    """In a traced step (as on the cluster) the parts of a ps task's tensors
+    are concatenated and split by their static sizes: the counts of a tensor
+    of several chunks have a static shape too."""
+    config = Config(top_k_fraction=0.01, quantize_bits=2)
+    shapes = [(3, CHUNK + 11), (40,)]
+    variables = [tf.Variable(np.zeros(s, np.float32)) for s in shapes]
+    push = compression.CompressedPush(config.rules, variables)
+    rng = np.random.default_rng(5)
+    xs = [rng.normal(size=s).astype(np.float32) for s in shapes]
+
+    @tf.function
+    def step(values):
+        _, parts, _ = push.encode(push.handles(), values)
+        decoded, _ = push.to_ps(parts, [[0, 1]])
+        return decoded
+
+    decoded = step([tf.constant(x) for x in xs])
+    for got, want in zip(decoded, push_reference.compress(config.rules, xs)):
+        np.testing.assert_array_equal(got.numpy(), want)
+
+
 def test_counted_push_bytes_are_the_wire_codings(local_cluster):
     """One worker with update-stream fetches: each push counts, per variable,
     `position_codes`' bytes for the wire's coding and the values' codes and

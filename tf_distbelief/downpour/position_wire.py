@@ -60,6 +60,8 @@ def encode(positions, size: int) -> tuple:
     counts = tf.math.bincount(
         positions // chunk, minlength=c, maxlength=c, dtype=tf.int32
     )
+    # Static: a ps task's parts travel concatenated and are split by size.
+    counts.set_shape([c])
     return offsets, counts
 
 
