@@ -1,7 +1,8 @@
 """Bytes on the sockets of one launcher job, by link (chief, worker, ps).
 
-Runs `python -m tf_distbelief.launch.train` with this script's arguments and
-reads the TCP sockets of the job's processes every 0.2 s until it ends
+Runs the launcher (`python -m tf_distbelief.launch.train`) with the flags
+after `tf-distbelief-train` in this script's arguments and reads the TCP
+sockets of the job's processes every 0.2 s until it ends
 (`traffic.read_sockets`, entering each task's network namespace), keeping
 each connection's last count of bytes received. A connection is attributed
 to the roles of the processes at its two ends (a task's role from its
@@ -9,7 +10,7 @@ to the roles of the processes at its two ends (a task's role from its
 `downpour:` and `test accuracy` lines, then the bytes in all and per link,
 each counted once (by the end that received them).
 
-    python benchmarks/job_socket_bytes.py --model=digits --num_workers=2 ...
+    python benchmarks/job_socket_bytes.py tf-distbelief-train --model=digits ...
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import traffic  # noqa: E402
 
 POLL_SECS = 0.2
+# The first argument: the launcher's name, so that the flags read as its own.
+LAUNCHER = "tf-distbelief-train"
 
 
 def descendants(root: int) -> list[int]:
@@ -63,7 +66,12 @@ def role(pid: int) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    command = [sys.executable, "-m", "tf_distbelief.launch.train", *argv]
+    if not argv or argv[0] != LAUNCHER:
+        raise SystemExit(
+            f"The first argument must be {LAUNCHER}, then its flags. "
+            f"Received: {argv[:1]}"
+        )
+    command = [sys.executable, "-m", "tf_distbelief.launch.train", *argv[1:]]
     job = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -91,7 +99,7 @@ def main(argv: list[str]) -> int:
         ends = sorted("+".join(sorted(owners.get(end, {"?"}))) for end in (local, peer))
         links["<->".join(ends)] += n
     for line in lines:
-        if line.startswith(("downpour:", "test accuracy")):
+        if "downpour:" in line or line.startswith("test accuracy"):
             print(line.rstrip())
     print(f"exit status {job.returncode}")
     print(f"socket bytes: {sum(received.values()):,}")
