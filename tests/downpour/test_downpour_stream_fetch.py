@@ -29,6 +29,7 @@ from tests.fixtures.downpour import (
     _softmax_model,
     _strategy,
 )
+from tests.fixtures.helpers import cluster_bytes
 from tf_distbelief import downpour
 from tf_distbelief.downpour import config as downpour_config
 from tf_distbelief.downpour import replica_state, stream_fetch, update_stream
@@ -366,3 +367,44 @@ def test_concurrent_pushes_are_logged_in_update_order(local_cluster):
         counts = now
     assert checked == {0, 1}
     assert _resyncs(trainer) == [0, 0]
+
+
+def _bytes_of_steps_without_an_exchange(local_cluster, settings, steps):
+    """Bytes on the cluster's sockets of `steps` steps, each scheduled and
+    joined alone, that neither fetch nor push (after a first step that
+    fetches), one worker, the model on 2 ps tasks."""
+    config = Config(10_000, 10_000, **settings)
+    x, y, params = _softmax_data(seed=9)
+    model = _softmax_model(_strategy(local_cluster), params)
+    trainer = downpour.DownpourTrainer(model, config)
+    iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y).repeat()))
+    for _ in range(2):  # The fetch, and one step with the function in place.
+        trainer.step(iterator)
+        trainer.join()
+    before = cluster_bytes(local_cluster)
+    for _ in range(steps):
+        trainer.step(iterator)
+        trainer.join()
+    moved = cluster_bytes(local_cluster) - before
+    (stats,) = trainer.stats()
+    assert (stats.fetches, stats.pushes) == (1, 0)
+    return moved
+
+
+@pytest.mark.slow
+def test_a_step_without_a_fetch_or_push_sends_little_more_than_uncompressed(
+    local_cluster,
+):
+    """A step that neither fetches nor pushes moves, on the sockets, at most
+    twice the bytes of the uncompressed outer rule's (the call of the step
+    function and the ps variables' handles its fetch and push take, more of
+    them with the stream's log). The fetch and push branches run as calls
+    not inlined (`control_flow.called_cond`): inlined, each of their ~110
+    edges between the worker and a ps carried a dead tensor at every step
+    (about 4 times the uncompressed row's bytes)."""
+    steps = 20
+    plain = _bytes_of_steps_without_an_exchange(local_cluster, OUTER, steps)
+    compressed = _bytes_of_steps_without_an_exchange(
+        local_cluster, OUTER | COMPRESSED, steps
+    )
+    assert 0 < compressed <= 2 * plain, (compressed / steps, plain / steps)

@@ -28,6 +28,7 @@ from tf_distbelief.downpour.config import DownpourConfig
 from tf_distbelief.downpour.dense import DenseVariables
 from tf_distbelief.downpour.row_sparse import RowSparseVariables
 from tf_distbelief.faults import exactly_once
+from tf_distbelief.tf_internals import control_flow
 from tf_distbelief.tf_internals import optimizers as tf_optimizers
 
 __all__ = ["Exchange"]
@@ -144,7 +145,7 @@ class Exchange:
                 moved = self.sparse.fetch_into_cache(h.dense, h.sparse, h.worker)
             return base.after(self.fetch_ops(h) + moved, True)
 
-        return tf.cond(pred, fetch, lambda: tf.constant(False))
+        return self._cond(pred, fetch, lambda: tf.constant(False))
 
     def push_if(self, h: base.Handles, pred: tf.Tensor, step=None):
         """A push of the accumulators when `pred`, in a `tf.cond` (`push`)."""
@@ -157,7 +158,16 @@ class Exchange:
             int64 = tf.int64
             return tf.constant(-1, int64), tf.constant(False), tf.constant(0, int64)
 
-        return tf.cond(pred, push, no_push)
+        return self._cond(pred, push, no_push)
+
+    def _cond(self, pred, true_fn, false_fn):
+        """The `tf.cond` of a fetch or push: with update-stream fetches each
+        branch is a function call, so that the branch not taken sends no
+        dead tensor over its many edges between the worker and the ps tasks
+        (`control_flow.called_cond`)."""
+        if self.stream is None:
+            return tf.cond(pred, true_fn, false_fn)
+        return control_flow.called_cond(pred, true_fn, false_fn)
 
     def push(
         self,

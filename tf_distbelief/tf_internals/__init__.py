@@ -25,7 +25,8 @@ fails naming the TensorFlow version). One module per area:
 * `checkpoint_manager`: a checkpoint written by a traced function, recorded
   by its `tf.train.CheckpointManager` (`record_written`).
 * `control_flow`: a `tf.cond` whose branch, once begun, runs to its end
-  (`whole_cond`, for exactly-once step tokens).
+  (`whole_cond`, for exactly-once step tokens), and one whose branches are
+  calls not inlined (`called_cond`: a branch not taken sends nothing).
 * `server_runtime`: a ps or worker task's server without TensorFlow's Python
   API (`load(lean=True)`).
 * `autograph`: the source files autograph writes, removed by a process that

@@ -1,4 +1,6 @@
-"""A `tf.cond` whose branch, once begun, runs to its end: `whole_cond`.
+"""How a `tf.cond`'s branch runs in a `tf.function`: `whole_cond`, `called_cond`.
+
+`whole_cond`: a `tf.cond` whose branch, once begun, runs to its end.
 
 Used by `faults.exactly_once.gate`, whose branch applies a step's update on
 the ps and then writes the step's token: the two must both happen or neither.
@@ -17,6 +19,24 @@ of 8 then counted exactly.
 Public route checked: none. `tf.cond` has no argument for it; the attribute
 is what `tf.function`'s own control flow sets (`control_flow_util_v2.
 maybe_set_lowering_attr`), read by TensorFlow's lowering pass.
+
+`called_cond`: a `tf.cond` whose branches are function calls that TensorFlow
+does not inline. A lowered branch's nodes are partitioned with the enclosing
+graph, and every edge of the branch between two tasks becomes a send and a
+receive that run at every step, taken or not: a branch not taken sends a dead
+tensor over each (about 300 bytes on the sockets per edge and step, gRPC's
+request and reply). A call op not taken is skipped whole: its body's edges
+move only when it runs, and what crosses at every step is the call's inputs
+from other tasks (each ps variable's resource handle: the call op is placed
+on the worker, apart from its resource inputs). Used by the Downpour fetch
+and push with update-stream fetches (`downpour.exchange`), whose branches
+hold more edges between the worker and the ps tasks than variables. The If
+op cannot be kept whole instead (`whole_cond`): its resources are on several
+tasks.
+
+Public route checked: `tf.function`'s `experimental_attributes` takes the
+attribute, but `_noinline` (read by TensorFlow's function inlining, which
+inlines every call in a `tf.function` without it) is private.
 """
 
 from __future__ import annotations
@@ -26,13 +46,53 @@ from collections.abc import Callable
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-__all__ = ["LOWERING_ATTR", "check", "resource_devices", "whole_cond"]
+__all__ = [
+    "LOWERING_ATTR",
+    "NO_INLINE_ATTR",
+    "called_cond",
+    "check",
+    "resource_devices",
+    "whole_cond",
+]
 
 # The If op's attribute naming whether TensorFlow lowers it to switch and
 # merge nodes of the enclosing graph.
 LOWERING_ATTR = "_lower_using_switch_merge"
 
+# The function attribute telling TensorFlow's inlining not to inline calls of
+# the function.
+NO_INLINE_ATTR = "_noinline"
+
 _IF_OPS = ("If", "StatelessIf")
+_CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
+
+
+def called_cond(pred, true_fn: Callable, false_fn: Callable):
+    """`tf.cond(pred, true_fn, false_fn)`, each branch a call not inlined.
+
+    Inside a `tf.function` each branch is traced as a function of its own
+    (`tf.function`, without autograph: the branches are traced as given) and
+    called from the cond's branch: of the branch not taken only the call's
+    inputs from other tasks cross, not its body's edges (see the module).
+    Eagerly, a plain `tf.cond`.
+
+    Args:
+      pred: a bool scalar tensor.
+      true_fn: the branch for True; returns tensors (a nest).
+      false_fn: the branch for False; the same structure.
+
+    Returns:
+      The branch's outputs, as `tf.cond` returns them.
+    """
+    if tf.executing_eagerly():
+        return tf.cond(pred, true_fn, false_fn)
+    return tf.cond(pred, _not_inlined(true_fn), _not_inlined(false_fn))
+
+
+def _not_inlined(fn: Callable) -> Callable:
+    return tf.function(
+        fn, autograph=False, experimental_attributes={NO_INLINE_ATTR: True}
+    )
 
 
 def whole_cond(pred, true_fn: Callable, false_fn: Callable):
@@ -138,8 +198,35 @@ def check() -> None:
                 "an If op's _lower_using_switch_merge set to False",
                 lowering(branches(whole_cond)) == [False],
             ),
+            (
+                "a tf.function's experimental_attributes _noinline on its calls",
+                _called_attrs(variable) == [True, True],
+            ),
         ],
     )
+
+
+def _called_attrs(variable) -> list:
+    """The `_noinline` attribute of the functions `called_cond`'s branches
+    call (None where absent)."""
+
+    @tf.function
+    def fn(pred):
+        return called_cond(pred, lambda: variable.assign_add(1), lambda: variable)
+
+    graph = fn.get_concrete_function(tf.TensorSpec([], tf.bool)).graph
+    found = []
+    for op in graph.get_operations():
+        if op.type not in _IF_OPS:
+            continue
+        for branch in ("then_branch", "else_branch"):
+            body = graph._functions[op.get_attr(branch).name].graph
+            for call in body.get_operations():
+                if call.type in _CALL_OPS:
+                    called = body._functions[call.get_attr("f").name]
+                    attr = called.cached_definition.attr.get(NO_INLINE_ATTR)
+                    found.append(None if attr is None else attr.b)
+    return found
 
 
 def _captured_devices(variable) -> set:
