@@ -36,10 +36,10 @@ def strategy(local_cluster):
     return strategy
 
 
-def _model(strategy, n):
+def _model(strategy, n, **config):
     model = _logistic_model(strategy, FEATURES, CLASSES)
     with strategy.scope():
-        downpour.install(model, downpour.DownpourConfig(n_fetch=n, n_push=n))
+        downpour.install(model, downpour.DownpourConfig(n_fetch=n, n_push=n, **config))
     return model
 
 
@@ -183,17 +183,44 @@ def test_raise_stops_at_the_push_and_no_nan_reaches_the_ps(strategy, k):
         np.testing.assert_array_equal(got, want)
 
 
-def test_the_next_fit_after_a_raise_pushes_again(strategy):
-    """The halt set by a refused push lasts until the next fit: that fit's
-    pushes apply (after the 2 of the failed fit, 4 more)."""
-    model = _model(strategy, 1)
-    with pytest.raises(tfdb.NonFiniteError):
-        _fit(model, 6, [1, 1, 0])
+@pytest.mark.parametrize("n", [2, 3])
+def test_raise_stops_a_compressed_push_with_update_stream_fetches(strategy, n):
+    """With the outer rule and compression the push runs in called branches
+    and under the stream's lock; the failure still reaches the user, named,
+    and the ps keep the pushes before it."""
+    model = _model(
+        strategy,
+        n,
+        outer_learning_rate=0.35,
+        outer_momentum=0.9,
+        top_k_fraction=0.5,
+        quantize_bits=2,
+    )
+    with pytest.raises(
+        tfdb.NonFiniteError,
+        match=rf"Non-finite push \(NaN or inf\) from worker 0 at its step {2 * n} ",
+    ) as raised:
+        _fit(model, 8, [1] * n + [0] * n)
+    assert raised.value.step == 2 * n
     state = hooks.of(model).state
+    assert int(state.update_count.numpy()) == 1
     assert int(state.halted.numpy()) == 1
-    _fit(model, 4, [1])
-    assert int(state.halted.numpy()) == 0
-    assert int(state.update_count.numpy()) == 6
+    for w in _weights(model):
+        assert np.all(np.isfinite(w))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_next_fit_after_a_raise_pushes_again(strategy, n):
+    """The halt set by a refused push lasts until the next fit, and the
+    replica that refused it is ready for that fit (its sums restarted, its
+    cache refetched): clean data then trains, 2 more pushes."""
+    model = _model(strategy, n)
+    with pytest.raises(tfdb.NonFiniteError):
+        _fit(model, 4 * n, [1] * n + [0] * n)
+    state = hooks.of(model).state
+    assert (int(state.halted.numpy()), int(state.update_count.numpy())) == (1, 1)
+    _fit(model, 2 * n, [1])
+    assert (int(state.halted.numpy()), int(state.update_count.numpy())) == (0, 3)
 
 
 @KERAS

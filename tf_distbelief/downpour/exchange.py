@@ -39,7 +39,9 @@ __all__ = ["Exchange"]
 # counters (per-worker variables) are written from it after the gate, on the
 # worker, and the branch touches the ps only (`exactly_once.gate` keeps it
 # whole there).
-_DUPLICATE, _APPLIED, _DROPPED, _REFUSED = range(4)
+# How a push ended. `_HALTED`: refused quietly, after a push refused with
+# `raise` stopped the job's pushes (`push_guard`, "Halt").
+_DUPLICATE, _APPLIED, _DROPPED, _REFUSED, _HALTED = range(5)
 
 
 class Exchange:
@@ -152,13 +154,19 @@ class Exchange:
 
         def push():
             pushed = (self.dense.accumulated(h.dense), self.rows.accumulated(h.rows))
-            return self.push(h, pushed, zero_accumulators=True, pack=True, step=step)
+            outputs, refusal = self._push(
+                h, pushed, zero_accumulators=True, pack=True, step=step
+            )
+            return (*outputs, *refusal)
 
         def no_push():
             int64 = tf.int64
-            return tf.constant(-1, int64), tf.constant(False), tf.constant(0, int64)
+            none = (tf.constant(-1, int64), tf.constant(False), tf.constant(0, int64))
+            flags = tf.ones([len(self.variables)], tf.bool)
+            return (*none, tf.constant(False), flags, tf.constant(0, int64))
 
-        return self._cond(pred, push, no_push)
+        result = self._cond(pred, push, no_push)
+        return self._raise_on(h, result[:3], result[3:])
 
     def _cond(self, pred, true_fn, false_fn):
         """The `tf.cond` of a fetch or push: with update-stream fetches each
@@ -170,6 +178,33 @@ class Exchange:
         return control_flow.called_cond(pred, true_fn, false_fn)
 
     def push(
+        self,
+        h: base.Handles,
+        pushed,
+        zero_accumulators: bool,
+        pack: bool,
+        step=None,
+    ):
+        """Pushes `pushed` unless too stale or not finite (`_push`); with
+        `raise`, fails on a push refused for a NaN or inf (`_raise_on`)."""
+        outputs, refusal = self._push(h, pushed, zero_accumulators, pack, step)
+        return self._raise_on(h, outputs, refusal)
+
+    def _raise_on(self, h: base.Handles, outputs, refusal):
+        """`outputs`, after the `raise` mode's check of `refusal`.
+
+        The check runs on the worker, after the push and outside any called
+        branch (`_cond`) and any lock: an assertion that fails inside a
+        function call reaches the coordinator as a derived cancellation,
+        which it drops.
+        """
+        if self.guard_context.mode != "raise":
+            return outputs
+        refused, flags, step = refusal
+        check = push_guard.raise_if_refused(h, self.variables, flags, step, refused)
+        return tuple(base.after([check], x) for x in outputs)
+
+    def _push(
         self,
         h: base.Handles,
         pushed,
@@ -190,10 +225,13 @@ class Exchange:
             counter.
 
         Returns:
-          `(staleness, applied, row_bytes)`, scalars: int64, bool, int64;
-          `row_bytes` is what the push sent of row-sparse variables
-          (`RowSparseVariables.bytes_pushed`), 0 if dropped. A push refused
-          for a NaN or inf (`push_guard`) has staleness -1, as no push.
+          `((staleness, applied, row_bytes), (refused, flags, step))`:
+          scalars int64, bool, int64, where `row_bytes` is what the push sent
+          of row-sparse variables (`RowSparseVariables.bytes_pushed`), 0 if
+          dropped, and a push refused for a NaN or inf (`push_guard`) has
+          staleness -1, as no push; then whether `raise` refused this push
+          (the first to, which set the halt), the bool `[variables]`
+          finiteness flags, and the int64 step.
 
         Staleness is the number of pushes by other replicas between this
         replica's fetch and its push. Without `max_staleness` it is read back
@@ -241,24 +279,24 @@ class Exchange:
 
         def refuse():
             if guard.mode == "raise":
-                ops = [
-                    tf.cond(
-                        halted,
-                        lambda: tf.constant(True),
-                        lambda: base.after(
-                            push_guard.refuse_ops(
-                                guard.mode, h, self.variables, flags, step, []
-                            ),
-                            True,
-                        ),
-                    )
-                ]
+                # The first refusal sets the halt, on the ps under the lock;
+                # the step then fails on the worker (`_raise_on`).
+                code = tf.cond(
+                    halted,
+                    lambda: tf.constant(_HALTED, int64),
+                    lambda: base.after(
+                        [base.assign(h.halted, tf.constant(1, int64))],
+                        tf.constant(_REFUSED, int64),
+                    ),
+                )
+                ops = [code]
             else:
                 ops = [base.add(h.skipped, tf.constant(1, int64))]  # On the ps.
+                code = tf.constant(_REFUSED, int64)
             outputs = (
                 base.after(ops, tf.constant(-1, int64)),
                 base.after(ops, False),
-                base.after(ops, tf.constant(_REFUSED, int64)),
+                base.after(ops, code),
             )
             return outputs, []
 
@@ -372,8 +410,8 @@ class Exchange:
             ]
 
         def on_refused():
-            # `skip` (with `raise` the branch failed): the replica refetches
-            # and its local accumulators go back to their pushed base.
+            # The replica refetches and its local accumulators go back to
+            # their pushed base.
             ops = [
                 base.assign(h.refetch, one),
                 base.add(h.stats["nonfinite_pushes"], one),
@@ -384,9 +422,13 @@ class Exchange:
                 ops += self.stream.drop_mirrors(h.stream)
             return ops
 
-        counted = [when(_APPLIED, on_applied), when(_DROPPED, on_dropped)]
-        if guard.mode != "raise":
-            counted.append(when(_REFUSED, on_refused))
+        # With `raise` too: the step fails after the push (`_raise_on`), its
+        # replica ready for the next fit.
+        counted = [
+            when(_APPLIED, on_applied),
+            when(_DROPPED, on_dropped),
+            when(_REFUSED, on_refused),
+        ]
         with tf.control_dependencies([applied, staleness, *counted]):
             most = base.read(h.stats["max_staleness_seen"], int64)
             ops = [
@@ -399,7 +441,12 @@ class Exchange:
                 ops += self.rows.restart(h.rows, row_grads)
         with tf.control_dependencies(ops):
             sent = tf.where(applied, row_bytes, tf.constant(0, int64))
-            return tf.identity(staleness), tf.identity(applied), sent
+            outputs = tf.identity(staleness), tf.identity(applied), sent
+        refused = tf.logical_and(
+            tf.equal(status, _REFUSED), tf.constant(guard.mode == "raise")
+        )
+        refused = base.after(list(outputs), refused)  # Checked once all ran.
+        return outputs, (refused, tf.stack(flags), tf.cast(step, int64))
 
     def _to_ps(self, pushed, pack: bool, coded=None) -> tuple[list, list]:
         """One push as tensors on the variables' ps tasks, clipped.

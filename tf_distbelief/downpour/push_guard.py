@@ -8,8 +8,9 @@ and applies it only when all are finite. Otherwise (`tf_distbelief.faults.nonfin
 modes):
 
 * `raise`: the scheduled function fails with an assertion naming the step, the
-  worker and the variables; `tf_distbelief.faults.nonfinite.error_from` turns it into
-  a `NonFiniteError` (as `training.fit` does). Halt: the refusal also sets
+  worker and the variables (`raise_if_refused`, on the worker after the
+  push); `tf_distbelief.faults.nonfinite.error_from` turns it into a
+  `NonFiniteError` (as `training.fit` does). Halt: the refusal also sets
   `Downpour.halted` on the ps, and no later push of any replica is applied
   until the next fit (`install` clears it): the coordinator runs the steps
   it had queued until it sees the error, and the ps must keep the state the
@@ -33,7 +34,7 @@ import tensorflow as tf
 from tf_distbelief.downpour import base
 from tf_distbelief.faults import nonfinite, settings
 
-__all__ = ["Guard", "finite_flags", "install", "refuse_ops"]
+__all__ = ["Guard", "finite_flags", "install", "raise_if_refused"]
 
 
 def finite_flags(grads: list, squares: list | None) -> list[tf.Tensor]:
@@ -60,45 +61,30 @@ def _values(x):
     return x.values if isinstance(x, tf.IndexedSlices) else x
 
 
-def refuse_ops(
-    mode: str, h: base.Handles, variables: list, flags: list, step, kinds
-) -> list:
-    """The ops of a push refused for a NaN or inf (see the module docstring).
+def raise_if_refused(h: base.Handles, variables: list, flags, step, refused):
+    """The `raise` mode's check of a push: fails when `refused`.
+
+    Run on the worker after the push (see `exchange.Exchange.push`), naming
+    the step, the variables whose values were not finite and the worker
+    (`tf_distbelief.faults.nonfinite.error_from` reads it).
 
     Args:
-      mode: `raise` or `skip` (`settings.NONFINITE_MODES`).
       h: the scheduled function's handles.
       variables: the pushed variables (shards), in `flags` order.
-      flags: `finite_flags` of the push.
+      flags: `finite_flags` of the push, stacked: bool `[variables]`.
       step: the replica's local step the push ends (1-based), an int64 scalar.
-      kinds: `(VariableKind, KindHandles, restore_base)` per kind; with
-        `restore_base` the local accumulator goes back to its pushed-squares
-        base.
+      refused: bool scalar: this push was refused (and set the halt).
 
     Returns:
-      The ops; with `raise`, one that fails.
+      The assertion op.
     """
-    if mode == "raise":
-        names = tf.constant([v.name for v in variables])
-        bad = tf.boolean_mask(names, tf.logical_not(tf.stack(flags)))
-        halt = base.assign(h.halted, tf.constant(1, tf.int64))
-        with tf.control_dependencies([halt]):
-            return [
-                tf.debugging.Assert(
-                    False,
-                    [nonfinite.PUSH_MARKER, step, bad, "worker", h.worker],
-                    summarize=len(variables) + 1,
-                )
-            ]
-    one = tf.constant(1, tf.int64)
-    ops = [
-        base.assign(h.refetch, one),
-        base.add(h.stats["nonfinite_pushes"], one),
-        base.add(h.skipped, one),
-    ]
-    for kind, kh, restore_base in kinds:
-        ops += kind.repair_local_accumulators(kh, restore_base)
-    return ops
+    names = tf.constant([v.name for v in variables])
+    bad = tf.boolean_mask(names, tf.logical_not(flags))
+    return tf.debugging.Assert(
+        tf.logical_not(refused),
+        [nonfinite.PUSH_MARKER, step, bad, "worker", h.worker],
+        summarize=len(variables) + 1,
+    )
 
 
 class Guard:
