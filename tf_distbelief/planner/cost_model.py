@@ -147,9 +147,12 @@ def step_traffic(
     fetched = model_bytes / setting.n_fetch
     pushed = setting.push_copies * model_bytes / setting.n_push
     if setting.compressed:
-        pushed = push_bytes.push_bytes(setting, num_params) / setting.n_push
+        one_push = push_bytes.push_bytes(setting, num_params)
+        pushed = one_push / setting.n_push
         if setting.outer:
-            fetched = push_bytes.stream_fetch_bytes(setting, num_params, num_workers)
+            fetched = push_bytes.stream_fetch_bytes(
+                setting, one_push, num_params, num_workers
+            )
     return records.Traffic(fetched + fixed, pushed + fixed)
 
 

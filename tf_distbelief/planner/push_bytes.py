@@ -57,21 +57,24 @@ def push_bytes(setting, num_params: int) -> int:
     return reference.push_nbytes(rule.resolve(setting.downpour_config()), [flat])
 
 
-def stream_fetch_bytes(setting, num_params: int, num_workers: int) -> float:
+def stream_fetch_bytes(
+    setting, push_nbytes: int, num_params: int, num_workers: int
+) -> float:
     """Bytes a replica's update-stream fetches move per step, on average.
 
     Args:
       setting: a `records.Setting` that compresses, with the outer rule.
+      push_nbytes: the bytes of one of its pushes (`push_bytes`).
       num_params: trainable parameters (float32).
       num_workers: model replicas.
 
     Returns:
-      `num_workers * push_bytes / n_push`, or past the log's window the whole
-      fetch's `2 * 4 * num_params / n_fetch` (module docstring); 0 with one
-      replica.
+      `num_workers * push_nbytes / n_push`, or past the log's window the
+      whole fetch's `2 * 4 * num_params / n_fetch` (module docstring); 0
+      with one replica.
     """
     if num_workers == 1:
         return 0.0
     if num_workers * setting.n_fetch / setting.n_push > update_stream.STREAM_WINDOW:
         return 2.0 * records.BYTES_PER_PARAM * num_params / setting.n_fetch
-    return num_workers * push_bytes(setting, num_params) / setting.n_push
+    return num_workers * push_nbytes / setting.n_push
