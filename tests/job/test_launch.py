@@ -162,14 +162,6 @@ def test_readme_main_job_streams_its_progress_and_leaves_no_process(
             "--step_stall_timeout_secs=inf",
             r"flag --step_stall_timeout_secs=inf: --step_stall_timeout_secs must be",
         ),
-        (
-            "--adagrad_accumulator=mean",
-            r"--adagrad_accumulator.*are Downpour settings: add --downpour",
-        ),
-        (  # Its default value, yet ignored without --downpour.
-            "--adagrad_accumulator=squares",
-            r"--adagrad_accumulator: Downpour settings, ignored without --downpour",
-        ),
     ],
 )
 def test_bad_flags_fail_at_parse_time(flag, message):

@@ -277,7 +277,10 @@ def test_parse_count(value, count):
     "make, match",
     [
         (lambda: cm.parse_count("lots"), r"`params`.*'lots'"),
-        (lambda: records.Setting.parse("n=0"), r"`name`.*'n=0'"),
+        (
+            lambda: records.Setting.parse("n=0"),
+            r"A setting must be stock.*Received: 'n=0'",
+        ),
         (lambda: records.Setting(4, None), r"`n_fetch` and `n_push`"),
         (lambda: records.Setting(accumulator="cubes"), r"`accumulator`.*'cubes'"),
         (lambda: _cluster(num_ps=0), r"`num_ps` must be positive. Received: 0"),

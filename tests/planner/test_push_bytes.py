@@ -1,5 +1,7 @@
 """The planner's compressed settings: bytes from the push rules, stream fetches."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -89,7 +91,7 @@ def test_bad_compression_is_refused_naming_the_value(fields, rule):
 
 
 @pytest.mark.parametrize(
-    "name", ["n=16+q", "n=16+topk=", "n=16+topk=x", "n=16+q2+outer"]
+    "name", ["n=16+q", "n=16+topk=", "n=16+topk=x", "n=16+q2+outer", "n=0", "stock+q2"]
 )
 def test_a_bad_setting_name_is_refused(name):
     with pytest.raises(ValueError, match="topk=<f>"):
@@ -111,8 +113,38 @@ def test_the_command_line_adds_compressed_rows(capsys):
         f"{traffic.to_ps_bytes / 1e6:.3f}",
     ]
     assert any(line.startswith("n=32 ") for line in lines)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (  # Named as written, not by `Setting`'s field names.
+            "n=16+outer+topk=2+q2",
+            r"`--settings` has 'n=16\+outer\+topk=2\+q2': `\+topk=<f>` must be in "
+            r"\(0, 1\].*Received: 2.0",
+        ),
+        (  # The range's message, not the grammar's.
+            "n=16+outer+topk=-1",
+            r"`\+topk=<f>` must be in \(0, 1\].*Received: -1.0",
+        ),
+        ("n=16+outer+topk=nan", r"`\+topk=<f>` must be finite.*Received: nan"),
+        ("n=16+q3", r"`\+q<bits>` must be one of 0 \(off\), 2, 8. Received: 3"),
+        ("n=16+topk=0.01", r"`\+topk=<f>` needs `--accumulator` 'mean' or 'sum'"),
+        ("n=32,,n=8", r"`--settings` has an empty entry: 'n=32,,n=8'"),
+        (
+            "n=8+outer+topk=0.01+q2,n=8+outer+topk=1e-2+q2",
+            r"'n=8\+outer\+topk=1e-2\+q2', named twice \(n=8\+outer\+topk=0.01\+q2\)",
+        ),
+        ("n=16+outer", r"'n=16\+outer', a standard row \(n=16\+outer\)"),
+    ],
+)
+def test_the_command_line_refuses_a_bad_settings_entry(capsys, settings, message):
+    from tf_distbelief.planner import __main__ as cli
+
+    argv = ["--params=1M", "--workers=4", "--step_ms=10", f"--settings={settings}"]
     with pytest.raises(SystemExit) as exited:
-        cli.main(argv + ["--settings=n=16+topk=2"])
+        cli.main(argv)
     assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert "`--settings` has 'n=16+topk=2'" in err and "top_k_fraction" in err
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(message, err), err
+    assert "Argument" not in err and "top_k_fraction" not in err

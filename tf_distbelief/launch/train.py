@@ -332,24 +332,9 @@ def define_flags() -> None:
             setting.name, getattr(dp, setting.name), setting.help, **bounds
         )
 
-    @flags.multi_flags_validator(
-        ["downpour", *_DOWNPOUR_FLAGS],
-        message=", ".join(f"--{name}" for name in _DOWNPOUR_FLAGS)
-        + " are Downpour settings: add --downpour.",
-    )
-    def _downpour_flags_need_downpour(values):
-        if values["downpour"]:
-            return True
-        return all(values[name] == getattr(dp, name) for name in _DOWNPOUR_FLAGS)
-
-    @flags.multi_flags_validator(["downpour", *_DOWNPOUR_FLAGS])
-    def _downpour_config_is_valid(values):
-        if values["downpour"]:  # Rules across flags, at parse time.
-            try:
-                downpour.DownpourConfig(**{n: values[n] for n in _DOWNPOUR_FLAGS})
-            except (TypeError, ValueError) as e:
-                raise flags.ValidationError(f"Downpour settings: {e}") from e
-        return True
+    # Downpour's rules across flags (--downpour given, `DownpourConfig`'s
+    # checks) are `job_config`'s: an absl validator over these flags would
+    # print every one of them before its message.
 
     sandblaster_flags.define_flags()
     flags.adopt_module_key_flags(sandblaster_flags)  # Listed by --help.
@@ -434,8 +419,9 @@ def job_config(argv) -> job.JobConfig:
       The validated `JobConfig` (`JobConfig.validate`).
 
     Raises:
-      app.UsageError: a positional argument, or Downpour settings without
-        `--downpour`.
+      app.UsageError: a positional argument, Downpour settings without
+        `--downpour`, or Downpour settings `DownpourConfig` refuses (its
+        message, naming the flags).
       errors.ConfigError: a refused setting (one line on the console).
     """
     if len(argv) > 1:
@@ -453,10 +439,22 @@ def job_config(argv) -> job.JobConfig:
         sandblaster=sandblaster_flags.config(FLAGS),
     )
     if FLAGS.downpour:
-        config.downpour = downpour.DownpourConfig(
-            **{name: FLAGS[name].value for name in _DOWNPOUR_FLAGS}
-        )
+        try:
+            config.downpour = downpour.DownpourConfig(
+                **{name: FLAGS[name].value for name in _DOWNPOUR_FLAGS}
+            )
+        except (TypeError, ValueError) as e:
+            raise app.UsageError(f"Downpour settings: {_as_flags(e)}") from e
     return config.validate()
+
+
+def _as_flags(error: Exception) -> str:
+    """`DownpourConfig`'s message, its fields named as the flags the user wrote."""
+    message = str(error)
+    for name in _DOWNPOUR_FLAGS:
+        message = message.replace(f"Argument `{name}`", f"`{name}`")
+        message = message.replace(f"`{name}`", f"`--{name}`")
+    return message.replace("Arguments `--", "`--")
 
 
 def _run(argv):

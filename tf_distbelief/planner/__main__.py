@@ -166,14 +166,43 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         for field, flag in _FLAGS.items():
             message = message.replace(f"`--{field}`", f"`{flag}`")
         parser.error(message)
-    names = [name.strip() for name in args.settings.split(",") if name.strip()]
-    args.settings = []
-    for name in names:
-        try:
-            args.settings.append(records.Setting.parse(name, args.accumulator))
-        except ValueError as e:
-            parser.error(f"`--settings` has {name!r}: {e}")
+    args.settings = _settings(parser, args.settings, args.accumulator)
     return args
+
+
+# What a `--settings` entry (or `--accumulator`) says for each `Setting` field
+# its errors name.
+_SETTING_PARTS = {
+    "top_k_fraction": "+topk=<f>",
+    "quantize_bits": "+q<bits>",
+    "adagrad_accumulator": "--accumulator",
+    "n_fetch": "n",
+    "n_push": "n",
+}
+
+
+def _settings(parser, text: str, accumulator: str) -> list[records.Setting]:
+    """The rows `--settings` names, after the standard ones; refuses (exit 2)
+    an empty entry, a row named twice or already standard, and a setting
+    `Setting.parse` refuses, naming the entry as written."""
+    standard = {s.name for s in cost_model.standard_settings(accumulator)}
+    rows = []
+    for name in text.split(",") if text else []:
+        name = name.strip()
+        if not name:
+            parser.error(f"`--settings` has an empty entry: {text!r}")
+        try:
+            setting = records.Setting.parse(name, accumulator)
+        except (TypeError, ValueError) as e:
+            message = str(e).replace("Argument `", "`")
+            for field, part in _SETTING_PARTS.items():
+                message = message.replace(f"`{field}`", f"`{part}`")
+            parser.error(f"`--settings` has {name!r}: {message}")
+        if setting.name in standard or setting in rows:
+            where = "a standard row" if setting.name in standard else "named twice"
+            parser.error(f"`--settings` has {name!r}, {where} ({setting.name}).")
+        rows.append(setting)
+    return rows
 
 
 def _fmt(value: float) -> str:

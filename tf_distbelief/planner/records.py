@@ -43,8 +43,12 @@ DEFAULT_STEPS_PER_EXECUTION = 10
 DEFAULT_BATCH_SIZE = 32
 # The outer rule's settings in `Setting.downpour_config`: any valid ones.
 _OUTER = {"outer_learning_rate": 0.7, "outer_momentum": 0.9}
-_SETTING_RE = re.compile(
-    r"^n=(\d+)(\+outer)?(?:\+topk=(\d*\.?\d+(?:[eE]-?\d+)?))?(?:\+q(\d+))?$"
+# `+topk=`'s value is any float Python reads (`Setting`'s checks own its
+# range, with their message); anything else is the grammar's error.
+_SETTING_RE = re.compile(r"^n=(\d+)(\+outer)?(?:\+topk=([^+]+))?(?:\+q(\d+))?$")
+_GRAMMAR = (
+    "stock, n=<n> or n=<n>+outer (n >= 1), then optionally +topk=<f> (the "
+    "fraction of entries a push sends) and +q<bits>, in that order"
 )
 
 
@@ -97,16 +101,23 @@ class Setting:
     def parse(cls, name: str, accumulator: str = "squares") -> Setting:
         """`"stock"`, `"n=16"`, `"n=16+outer"` (n = n_fetch = n_push), each
         Downpour one optionally compressed: `"n=16+outer+topk=0.01+q2"`
-        (`top_k_fraction` 0.01, `quantize_bits` 2), `+topk=<f>`, `+q<bits>`."""
+        (`top_k_fraction` 0.01, `quantize_bits` 2), `+topk=<f>`, `+q<bits>`.
+
+        Raises:
+          ValueError: `name` is none of these; `Setting`'s own errors for
+            values it refuses (`+topk=2`, `+q3`).
+        """
         if name == "stock":
             return cls(accumulator=accumulator)
         match = _SETTING_RE.match(str(name))
-        if not match or int(match.group(1)) < 1:
-            raise checks.argument_error(
-                "name", "stock, n=<n>, n=<n>+outer, then +topk=<f> and +q<bits>", name
-            )
-        n = int(match.group(1))
-        fraction = None if match.group(3) is None else float(match.group(3))
+        try:
+            n = int(match.group(1)) if match else 0
+            topk = match.group(3) if match else None
+            fraction = None if topk is None else float(topk)
+        except ValueError:  # A `+topk=` that is not a number.
+            n = 0
+        if n < 1:
+            raise ValueError(f"A setting must be {_GRAMMAR}. Received: {name!r}")
         bits = None if match.group(4) is None else int(match.group(4))
         return cls(n, n, bool(match.group(2)), accumulator, fraction, bits)
 

@@ -65,9 +65,7 @@ class TopK(rule.PushRule):
             "float",
             "Downpour push rule (top-k with error feedback): each push sends this "
             "fraction of each tensor's entries, the largest in magnitude; the rest "
-            "waits in the replica's residual (unset: off).",
-            lower_bound=0.0,
-            upper_bound=1.0,
+            "waits in the replica's residual; in (0, 1] (unset: off).",
         ),
         rule.Setting(
             "top_k_chunk",
@@ -95,8 +93,10 @@ class TopK(rule.PushRule):
         rule.check_int("top_k_chunk", config.top_k_chunk, 0, "0: the whole tensor")
         if fraction is None:
             return
-        rule.check_float("top_k_fraction", fraction, "None (off)", "> 0")
-        if fraction > 1:
+        # One message for every value outside (0, 1], NaN included (the
+        # launch flag has no bounds of its own: absl's are closed intervals).
+        rule.check_float("top_k_fraction", fraction, "None (off)")
+        if not 0 < fraction <= 1:
             raise checks.argument_error(
                 "top_k_fraction",
                 "in (0, 1] (the fraction of entries a push sends) or None (off)",
