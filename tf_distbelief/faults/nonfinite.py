@@ -31,6 +31,7 @@ gradients are then non-finite and stop (or are skipped).
 
 from __future__ import annotations
 
+import logging
 import re
 
 import tensorflow as tf
@@ -43,6 +44,35 @@ from tf_distbelief.tf_internals import variables as tf_variables
 MARKER = "tf_distbelief non-finite gradient at step"
 # The same for a Downpour push (`downpour.push_guard`).
 PUSH_MARKER = "tf_distbelief non-finite push at step"
+
+
+class _QuietReportedFailures(logging.Filter):
+    """Drops the `ClusterCoordinator`'s ERROR records of a failed non-finite
+    check, and of the cancellations that follow it.
+
+    The coordinator logs a closure's error before `fit` raises it: for a
+    failed check that is TensorFlow's whole graph stack and gRPC chain, about
+    1,300 lines per worker, ahead of the one `NonFiniteError` line that the
+    job raises for it (`error_from`). A record is dropped when it carries one
+    of this package's non-finite markers (`MARKER`, `PUSH_MARKER`, the Keras 3
+    step's) or is a cancellation that TensorFlow itself says it does not
+    report ("This derived error is ignored").
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "This derived error is ignored and not reported to users" in message:
+            return False
+        return not ("tf_distbelief" in message and "non-finite" in message)
+
+
+_QUIET = _QuietReportedFailures()
+
+
+def quiet_reported_failures() -> None:
+    """Keeps the coordinator's log of a failed check off the console (see
+    `_QuietReportedFailures`); TensorFlow's other log records pass. Idempotent."""
+    tf.get_logger().addFilter(_QUIET)
 
 
 def error_from(error: Exception) -> errors.NonFiniteError | None:

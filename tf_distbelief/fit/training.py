@@ -335,6 +335,7 @@ def _train(model, data, epochs, steps_per_epoch, callbacks, progress, goodput):
         )
         return
     goodput.begin_training(initial_step)
+    nonfinite_lib.quiet_reported_failures()  # Raised named below.
     failed = True
     try:
         if into:

@@ -638,8 +638,10 @@ def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> 
       errors.ConfigError: a refused setting (raised before any cluster
         starts), for the launch script to print in one line. A cluster whose
         tasks do not answer within the connect timeout
-        (`ClusterConnectError`) ends the process with status 1 and one line
-        naming them; any other `Exception`, with its traceback.
+        (`ClusterConnectError`) or a non-finite step or push that stopped the
+        job (`NonFiniteError`, `nonfinite="raise"`) ends the process with
+        status 1 and one line naming them; any other `Exception`, with its
+        traceback.
     """
     start_secs = goodput.process_start_secs()
     # `kill -QUIT PID`: every thread's Python stack to stderr, and the job
@@ -655,5 +657,5 @@ def main(config: JobConfig, spec: ModelSpec, trainer: Trainer | None = None) -> 
         True,
         True,
         keep=(errors.ConfigError,),
-        one_line=(cluster_connect.ClusterConnectError,),
+        one_line=(cluster_connect.ClusterConnectError, errors.NonFiniteError),
     )

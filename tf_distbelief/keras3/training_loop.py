@@ -39,6 +39,7 @@ def train(run: Run, args: FitArgs, callbacks, goodput) -> keras.callbacks.Histor
       goodput: the job's `faults.goodput.Goodput`, or None.
     """
     model, weights = run.model, run.weights
+    nonfinite_lib.quiet_reported_failures()  # Raised named by `_join`.
     saver = None
     initial_step = args.initial_epoch * args.steps_per_epoch
     if args.model_dir:
