@@ -75,6 +75,11 @@ def _define_flags() -> None:
         lower_bound=0,
     )
     flags.DEFINE_integer("params", None, "Trainable parameters of the model.")
+    flags.DEFINE_float(
+        "top_k_fraction",
+        0.01,
+        "The recorded run's --top_k_fraction (its `+topk` rows).",
+    )
     flags.DEFINE_integer("num_workers", 2, "Workers of the recorded run.")
     flags.DEFINE_integer("num_ps", 1, "Ps tasks of the recorded run.")
     flags.DEFINE_integer("batch_size", 32, "Batch of the recorded run.")
@@ -339,6 +344,7 @@ def main(argv) -> None:
             if f.loopback_rate is None
             else emulated.parse_rate(f.loopback_rate, "--loopback_rate")
         ),
+        top_k_fraction=f.top_k_fraction,
     )
     print(downpour_network.format_bandwidth(rows, predicted))
     sys.stdout.flush()

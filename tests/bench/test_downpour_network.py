@@ -280,6 +280,39 @@ def test_the_planner_replays_the_recorded_run():
     assert loose[key].examples_per_sec / stock.examples_per_sec > 1.2
 
 
+def test_the_planner_replays_the_recorded_compressed_run():
+    # The update-stream run (3 seeds; 2 workers, 1 ps; `n=16+outer` and the
+    # top 1% in 2 bits at 1 Gbit/s and 100 Mbit/s), calibrated on each row's
+    # unlimited rate as the benchmark does: the compressed rows are predicted
+    # by what their push rules send (pushes and stream fetches), within 20%.
+    from benchmarks import planner_replay
+    from tests.fixtures.launch import ROOT
+
+    recorded = os.path.join(ROOT, "benchmarks/results/downpour_bandwidth_stream.csv")
+    rows = planner_replay.read_rows(recorded, num_params=2_415_616)
+    predicted = _predicted(
+        rows,
+        {"speech": 80},
+        step_jitter_secs={"speech": STEP_JITTER_SECS},
+        loopback_bits_per_sec=LOOPBACK_BITS_PER_SEC,
+        top_k_fraction=0.01,
+    )
+    ratios = {
+        (r.nic, r.name): round(
+            predicted[(r.model, r.nic, r.name)].examples_per_sec / r.examples_per_sec,
+            2,
+        )
+        for r in rows
+        if r.name != "single" and r.nic != "unlimited"
+    }
+    assert ratios == {
+        ("1gbit", "n=16+outer"): 1.10,
+        ("1gbit", "n=16+outer+topk+q2"): 1.03,
+        ("100mbit", "n=16+outer"): 1.16,
+        ("100mbit", "n=16+outer+topk+q2"): 1.07,
+    }
+
+
 def test_the_planner_replays_the_recorded_42m_run():
     # The paper's model size behind 1 Gbit/s NICs (3 seeds; stock and n=64,
     # calibrated on one unlimited round each, `--calibration_secs`): within
