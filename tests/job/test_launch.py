@@ -216,7 +216,9 @@ def test_bad_tf_config_fails_before_any_server():
     assert "Unknown job name(s) ['ps_hosts']" in proc.stderr
 
 
-def test_taken_port_is_a_clear_error():
+def test_taken_port_is_a_clear_error(tmp_path, monkeypatch):
+    # The cluster's temporary folder is made in `tmp_path`: none is left.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -229,6 +231,16 @@ def test_taken_port_is_a_clear_error():
         ):
             local.start()
     assert all(p.poll() is not None for p in local.processes.values())
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_local_cluster_makes_its_folder_when_it_starts(tmp_path, monkeypatch):
+    # One never started (here only asked for its GPU assignment) leaves none.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    local = cluster.LocalCluster(num_workers=2, num_ps=1, visible_gpus=[])
+    assert local.gpu_assignment == {}
+    assert local.log_tail("ps", 0) == ""
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.slow

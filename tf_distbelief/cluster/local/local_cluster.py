@@ -75,7 +75,7 @@ class LocalCluster:
       start_timeout_secs: how long to wait for all tasks to listen.
       log_dir: where the task logs (`<job>_<index>.log`) and ready files go,
         kept after `stop` (the launch script passes `<model_dir>/cluster`);
-        None: a temporary folder, removed by `stop`.
+        None: a temporary folder, made by `start` and removed by `stop`.
       ports: optional fixed ports, `{"chief": [p], "worker": [p, ...], "ps":
         [...]}`; jobs left out get free ports from portpicker.
       gpus_per_worker: GPUs each worker sees on a GPU host (its own
@@ -193,9 +193,10 @@ class LocalCluster:
         self.num_ps = num_ps
         self.cpu_devices_per_worker = cpu_devices_per_worker
         self.start_timeout_secs = start_timeout_secs
-        # A temporary folder of our own is removed at `stop`; a given one kept.
+        # A temporary folder of our own is made by `start` and removed by
+        # `stop` (a cluster never started leaves none); a given one is kept.
         self._temporary_log_dir = log_dir is None
-        self._log_dir = log_dir or tempfile.mkdtemp(prefix="tf_distbelief_cluster_")
+        self._log_dir = log_dir
         if not self._temporary_log_dir:
             os.makedirs(log_dir, exist_ok=True)
         self.jobs: dict[str, list[str]] = {}
@@ -288,7 +289,10 @@ class LocalCluster:
         return os.path.join(self._log_dir, f"{job}_{index}.ready")
 
     def log_tail(self, job: str, index: int, num_bytes: int = 2000) -> str:
-        """Returns the last `num_bytes` of a task's log."""
+        """Returns the last `num_bytes` of a task's log ("" when there is none:
+        before `start`, or after `stop` removed a temporary folder)."""
+        if self._log_dir is None:
+            return ""
         path = os.path.join(self._log_dir, f"{job}_{index}.log")
         try:
             with open(path, "rb") as f:
@@ -307,28 +311,30 @@ class LocalCluster:
         Raises:
           ClusterStartError: see the class docstring.
         """
-        ports = {
-            job: self._ports.get(job)
-            or [portpicker.pick_unused_port() for _ in range(count)]
-            for job, count in (
-                ("chief", 1),
-                ("worker", self.num_workers),
-                ("ps", self.num_ps),
-            )
-        }
-        if self.nic_rates is not None:  # Before any task starts.
-            self.network = emulated.EmulatedNetwork(self.nic_rates)
-        self.jobs = {
-            job: [f"{self._host(job, i)}:{p}" for i, p in enumerate(job_ports)]
-            for job, job_ports in ports.items()
-        }
+        if self._log_dir is None:
+            self._log_dir = tempfile.mkdtemp(prefix="tf_distbelief_cluster_")
         _register_live(self)
         if any(self.gpu_assignment.values()):
             # Read when this process's TensorFlow first creates its GPU devices
             # (when the strategy connects); without it the chief would reserve
             # almost all memory of the GPUs it shares with the workers.
             os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
-        try:
+        try:  # From here a failure stops what started and removes the folder.
+            ports = {
+                job: self._ports.get(job)
+                or [portpicker.pick_unused_port() for _ in range(count)]
+                for job, count in (
+                    ("chief", 1),
+                    ("worker", self.num_workers),
+                    ("ps", self.num_ps),
+                )
+            }
+            if self.nic_rates is not None:  # Before any task starts.
+                self.network = emulated.EmulatedNetwork(self.nic_rates)
+            self.jobs = {
+                job: [f"{self._host(job, i)}:{p}" for i, p in enumerate(job_ports)]
+                for job, job_ports in ports.items()
+            }
             self.announcements = announce.Listener(
                 self._host("chief"), report=self._report, on_announce=self._announce
             )
@@ -578,8 +584,9 @@ class LocalCluster:
         if self.network is not None:
             self.network.close()
             self.network = None
-        if self._temporary_log_dir:
+        if self._temporary_log_dir and self._log_dir is not None:
             shutil.rmtree(self._log_dir, ignore_errors=True)
+            self._log_dir = None
 
     def _reconnected_before_leaving(self, lost: list[str]) -> bool:
         """Restarts the `lost` tasks if a coordinator is reconnecting one,
