@@ -183,20 +183,32 @@ except SystemExit as e:
 """
 
 
-# absl's `--help` exits with 1, as its usage errors do.
+# absl's `--help` exits with 1, as its usage errors do; a refused Downpour
+# setting exits with its one line (status 1).
 @pytest.mark.parametrize(
-    "flag, code",
+    "flags, code",
     [
-        ("--help", 1),
-        ("--optimizer=adam", 1),
-        ("--n_fetch=2", 1),
+        (["--help"], 1),
+        (["--optimizer=adam"], 1),
+        (
+            ["--n_fetch=2"],
+            "train.py: error: --n_fetch: Downpour settings, ignored without "
+            "--downpour: add --downpour.",
+        ),
+        (
+            ["--downpour", "--top_k_fraction=0"],
+            "train.py: error: Downpour settings: `--top_k_fraction` must be in "
+            "(0, 1] (the fraction of entries a push sends) or None (off). "
+            "Received: 0.0",
+        ),
     ],
 )
-def test_flags_are_answered_before_tensorflow_loads(flag, code):
-    # `--help`, a bad value and a Downpour flag without --downpour: no
-    # TensorFlow, so the answer takes a fraction of a second, not its load.
+def test_flags_are_answered_before_tensorflow_loads(flags, code):
+    # `--help`, a bad value, a Downpour flag without --downpour and one
+    # `DownpourConfig` refuses: no TensorFlow, so the answer takes a fraction
+    # of a second, not its load.
     proc = subprocess.run(
-        [sys.executable, "-c", _PARSE_ONLY, TRAIN, flag],
+        [sys.executable, "-c", _PARSE_ONLY, TRAIN, *flags],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -232,6 +244,43 @@ def test_taken_port_is_a_clear_error(tmp_path, monkeypatch):
             local.start()
     assert all(p.poll() is not None for p in local.processes.values())
     assert os.listdir(tmp_path) == []
+
+
+def test_a_picked_port_taken_before_its_task_binds_it_is_picked_again(monkeypatch):
+    # portpicker's free port can be taken by another process before the task
+    # binds it (two test runs at once): the cluster starts again on others.
+    from tf_distbelief.cluster.local import local_cluster
+
+    picked = []
+    pick = local_cluster.portpicker.pick_unused_port
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+
+        def worker_port_taken():  # Picked in order: chief, worker, ps.
+            picked.append(port if len(picked) == 1 else pick())
+            return picked[-1]
+
+        monkeypatch.setattr(
+            local_cluster.portpicker, "pick_unused_port", worker_port_taken
+        )
+        reports = []
+        local = cluster.LocalCluster(num_workers=1, num_ps=1, report=reports.append)
+        try:
+            local.start()
+            assert local.jobs["worker"] != [f"127.0.0.1:{port}"]
+            assert all(p.poll() is None for p in local.processes.values())
+        finally:
+            local.stop()
+    assert len(picked) == 6  # Two starts of 3 tasks.
+    assert len(reports) == 1 and re.fullmatch(
+        rf"local cluster: Local task worker:0 at 127.0.0.1:{port} exited with "
+        rf"code 1 before listening \(port {port} is already in use\)\..*"
+        r"Starting again on other ports\.",
+        reports[0],
+        re.DOTALL,
+    ), reports
 
 
 def test_a_local_cluster_makes_its_folder_when_it_starts(tmp_path, monkeypatch):

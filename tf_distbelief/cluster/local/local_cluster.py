@@ -36,6 +36,10 @@ DEFAULT_START_TIMEOUT_SECS = 120.0
 # SIGTERM ends a TF server in about 2 s; after this we SIGKILL.
 _TERMINATE_GRACE_SECS = 10.0
 _POLL_SECS = 0.1
+# Starts of a cluster whose task found its port taken: portpicker's free port
+# can be bound by another process (a second test run, another cluster) before
+# the task binds it; each new start picks other free ports.
+_START_ATTEMPTS = 3
 # How often the supervisor looks for exited tasks; a lost task is down for
 # this plus its start-up (4-5 s).
 _SUPERVISE_POLL_SECS = 0.2
@@ -305,12 +309,28 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         """Starts every task and waits until all listen.
 
+        A task whose port, picked by portpicker, another process took before
+        the task bound it, makes the cluster start again on other free ports
+        (at most `_START_ATTEMPTS` starts, each reported); a port given in
+        `ports` is not replaced.
+
         Returns:
           self, with `resolver` set to the chief's ClusterResolver.
 
         Raises:
           ClusterStartError: see the class docstring.
         """
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            try:
+                return self._start_once()
+            except _PortTaken as e:
+                if e.job in self._ports or attempt == _START_ATTEMPTS:
+                    raise
+                self._report(f"local cluster: {e} Starting again on other ports.")
+        raise AssertionError("unreachable")  # The last attempt returns or raises.
+
+    def _start_once(self) -> LocalCluster:
+        """One start of every task on the ports of `ports` or free ones."""
         if self._log_dir is None:
             self._log_dir = tempfile.mkdtemp(prefix="tf_distbelief_cluster_")
         _register_live(self)
@@ -492,16 +512,22 @@ class LocalCluster:
                 address = self.jobs[job][index]
                 if proc.poll() is not None:
                     tail = self.log_tail(job, index)
+                    taken = (
+                        "already in use" in tail.lower()
+                        or "failed to add port" in tail.lower()
+                    )
                     hint = (
                         f" (port {server_lib.port_of(address)} is already in use)"
-                        if "already in use" in tail.lower()
-                        or "failed to add port" in tail.lower()
+                        if taken
                         else ""
                     )
-                    raise config_lib.ClusterStartError(
+                    message = (
                         f"Local task {job}:{index} at {address} exited with code "
                         f"{proc.returncode} before listening{hint}. Log tail:\n{tail}"
                     )
+                    if taken:
+                        raise _PortTaken(job, message)
+                    raise config_lib.ClusterStartError(message)
                 if os.path.exists(self._ready_file(job, index)):
                     del pending[(job, index)]
             if pending and time.monotonic() > deadline:
@@ -699,6 +725,14 @@ def _leave_tasks(addresses: list[str], lost_for_good: bool) -> None:
     # handler (taking the lock held above).
     if left and eager_context.connected_to_no_remote_task():
         coordinator.release_per_worker_resources()
+
+
+class _PortTaken(config_lib.ClusterStartError):
+    """A task of `job` exited before listening because its port was taken."""
+
+    def __init__(self, job: str, message: str):
+        super().__init__(message)
+        self.job = job
 
 
 _LIVE_CLUSTERS: set[LocalCluster] = set()
