@@ -283,6 +283,24 @@ def test_a_picked_port_taken_before_its_task_binds_it_is_picked_again(monkeypatc
     ), reports
 
 
+def test_a_running_local_cluster_refuses_a_second_start():
+    local = cluster.LocalCluster(num_workers=1, num_ps=1).start()
+    try:
+        pids = sorted(p.pid for p in local.processes.values())
+        with pytest.raises(
+            tfdb.ClusterStartError,
+            match=r"This LocalCluster is running \(ps \['127\.0\.0\.1:\d+'\], "
+            r"workers \['127\.0\.0\.1:\d+'\]\): call stop\(\) before starting it "
+            r"again\.",
+        ):
+            local.start()
+        assert sorted(p.pid for p in local.processes.values()) == pids
+        assert all(p.poll() is None for p in local.processes.values())
+    finally:
+        local.stop()
+    assert all(p.poll() is not None for p in local.processes.values())
+
+
 def test_a_local_cluster_makes_its_folder_when_it_starts(tmp_path, monkeypatch):
     # One never started (here only asked for its GPU assignment) leaves none.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

@@ -136,6 +136,7 @@ def test_the_command_line_adds_compressed_rows(capsys):
             r"'n=8\+outer\+topk=1e-2\+q2', named twice \(n=8\+outer\+topk=0.01\+q2\)",
         ),
         ("n=16+outer", r"'n=16\+outer', a standard row \(n=16\+outer\)"),
+        ("n=1+outer+topk=0.01", r"`\+outer` needs `n` >= 2 \(local rounds\)"),
     ],
 )
 def test_the_command_line_refuses_a_bad_settings_entry(capsys, settings, message):

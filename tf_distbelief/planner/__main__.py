@@ -176,6 +176,7 @@ _SETTING_PARTS = {
     "top_k_fraction": "+topk=<f>",
     "quantize_bits": "+q<bits>",
     "adagrad_accumulator": "--accumulator",
+    "outer_learning_rate": "+outer",
     "n_fetch": "n",
     "n_push": "n",
 }
@@ -197,6 +198,8 @@ def _settings(parser, text: str, accumulator: str) -> list[records.Setting]:
             message = str(e).replace("Argument `", "`")
             for field, part in _SETTING_PARTS.items():
                 message = message.replace(f"`{field}`", f"`{part}`")
+            # `n_fetch` and `n_push` are both the entry's `n`.
+            message = message.replace("`n` and `n`", "`n`")
             parser.error(f"`--settings` has {name!r}: {message}")
         if setting.name in standard or setting in rows:
             where = "a standard row" if setting.name in standard else "named twice"

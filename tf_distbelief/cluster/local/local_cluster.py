@@ -318,8 +318,15 @@ class LocalCluster:
           self, with `resolver` set to the chief's ClusterResolver.
 
         Raises:
-          ClusterStartError: see the class docstring.
+          ClusterStartError: see the class docstring; or the cluster is
+            running (started and not stopped: a second start would leave the
+            first start's tasks serving).
         """
+        if self in _LIVE_CLUSTERS:
+            raise config_lib.ClusterStartError(
+                f"This LocalCluster is running (ps {self.jobs['ps']}, workers "
+                f"{self.jobs['worker']}): call stop() before starting it again."
+            )
         for attempt in range(1, _START_ATTEMPTS + 1):
             try:
                 return self._start_once()
