@@ -401,6 +401,19 @@ def test_compressed_push_sends_only_the_encoded_tensors():
             r"Downpour settings: `--top_k_fraction` must be in \(0, 1\].*"
             r"Received: 2.0",
         ),
+        (  # A rule's own setting without the rule would do nothing.
+            ["--top_k_chunk=5"],
+            r"--top_k_chunk is a setting of --top_k_fraction and does nothing "
+            r"without it: add --top_k_fraction or drop --top_k_chunk\.",
+        ),
+        (
+            ["--quantize_chunk=64", "--outer_momentum=0.5"],
+            r"--outer_momentum is a setting of --outer_learning_rate and does "
+            r"nothing without it: add --outer_learning_rate or drop "
+            r"--outer_momentum; --quantize_chunk is a setting of --quantize_bits "
+            r"and does nothing without it: add --quantize_bits or drop "
+            r"--quantize_chunk\.",
+        ),
     ],
 )
 def test_bad_compression_flag_is_one_line_before_any_server(args, message):

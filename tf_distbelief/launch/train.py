@@ -420,8 +420,9 @@ def job_config(argv) -> job.JobConfig:
 
     Raises:
       app.UsageError: a positional argument, Downpour settings without
-        `--downpour`, or Downpour settings `DownpourConfig` refuses (its
-        message, naming the flags).
+        `--downpour`, Downpour settings `DownpourConfig` refuses (its
+        message, naming the flags), or a push rule's setting without the
+        rule (`--top_k_chunk` without `--top_k_fraction`).
       errors.ConfigError: a refused setting (one line on the console).
     """
     if len(argv) > 1:
@@ -445,7 +446,27 @@ def job_config(argv) -> job.JobConfig:
             )
         except (TypeError, ValueError) as e:
             raise app.UsageError(f"Downpour settings: {_as_flags(e)}") from e
+        _refuse_idle_rule_settings(config.downpour)
     return config.validate()
+
+
+def _refuse_idle_rule_settings(config) -> None:
+    """Refuses a push rule's other settings given while the rule is off
+    (`--top_k_chunk` without `--top_k_fraction`): they would be ignored.
+
+    Raises:
+      app.UsageError: naming each such flag and the rule's own flag.
+    """
+    idle = [
+        f"--{s.name} is a setting of --{r.name} and does nothing without it: "
+        f"add --{r.name} or drop --{s.name}"
+        for r in push_rule.rules()
+        if not r.is_on(config)
+        for s in r.settings
+        if s.name != r.name and FLAGS[s.name].present
+    ]
+    if idle:
+        raise app.UsageError("; ".join(idle) + ".")
 
 
 def _as_flags(error: Exception) -> str:
