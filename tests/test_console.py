@@ -493,6 +493,11 @@ def test_console_quiet_silences_a_program_using_a_local_cluster(tmp_path):
             r"--n_push: Downpour settings, ignored without --downpour: add "
             r"--downpour\.",
         ),
+        (  # Two of them, one at its default value.
+            ["--adagrad_accumulator=mean", "--n_fetch=1"],
+            r"--n_fetch, --adagrad_accumulator: Downpour settings, ignored "
+            r"without --downpour: add --downpour\.",
+        ),
     ],
 )
 def test_an_option_refused_after_parsing_is_one_error_line(flags, message):
