@@ -91,10 +91,13 @@ def test_rules_applied_on_the_ps_are_refused_with_stream_fetches(other):
     stream_fetch.check_rules(Config(3, 3, **OUTER, **other))
 
 
-def test_trainer_matches_update_stream_one_worker(local_cluster):
+@pytest.mark.parametrize("num_ps", [2, 1], ids=["two_logs", "one_log"])
+def test_trainer_matches_update_stream_one_worker(local_cluster, num_ps):
+    """With 2 ps tasks each variable has its own log; with 1, the kernel and
+    the bias share one (their parts concatenated in each entry)."""
     config = Config(3, 3, **OUTER, **COMPRESSED)
     x, y, params = _softmax_data(seed=5)
-    model = _softmax_model(_strategy(local_cluster), params)
+    model = _softmax_model(_strategy(local_cluster, num_ps=num_ps), params)
     trainer = downpour.DownpourTrainer(model, config)
     iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y).repeat()))
     for _ in range(STEPS):
@@ -114,22 +117,24 @@ def test_trainer_matches_update_stream_one_worker(local_cluster):
         want_stats.bytes_pushed,
     )
     assert want_stats.whole_fetches == 1
+    stream = trainer.downpour._stream
+    logs = num_ps  # One log per ps task (and dtype).
+    assert stream.groups == ([[0], [1]] if num_ps == 2 else [[0, 1]])
     # A whole fetch (no momentum yet), then one replayed push per fetch, the
-    # replica's own: per variable its sequence number, the push's replica
-    # index and the replayed entry's checksum (8 bytes each); its parts are
-    # the replica's copy.
+    # replica's own: per log its sequence number, the push's replica index
+    # and the replayed entry's checksum (8 bytes each); its parts are the
+    # replica's copy.
     model_bytes = sum(p.nbytes for p in params)
     replays = want_stats.fetches - 1
     assert want_stats.updates_replayed == replays
-    assert stats.bytes_fetched == model_bytes + stats.fetches * 8 * 2 + (
-        replays * 8 * 2 * 2
+    assert stats.bytes_fetched == model_bytes + stats.fetches * 8 * logs + (
+        replays * 8 * 2 * logs
     )
     # As for two workers below.
-    extra = 8 * 2 * stats.fetches + 8 * replays + 8 * 2 * replays
+    extra = 8 * logs * stats.fetches + 8 * (logs - 1) * replays + 8 * logs * replays
     assert stats.bytes_fetched == want_stats.bytes_fetched + extra
     assert _resyncs(trainer) == [0]
-    stream = trainer.downpour._stream
-    assert _logged(stream) == [stats.pushes] * 2
+    assert _logged(stream) == [stats.pushes] * logs
     assert trainer.downpour._exchange.compression.residuals == []
     # A restore of the ps values moves each log past every mirror: the next
     # fetch is whole (values and momentum) and the mirror is the ps's.
@@ -146,7 +151,7 @@ def test_trainer_matches_update_stream_one_worker(local_cluster):
     assert list(stream._seen.read_all()[0].numpy()) == seqs
     # The replica's counters started anew with `write_back(None)`.
     after = trainer.stats()[0]
-    assert (after.fetches, after.bytes_fetched) == (1, 2 * model_bytes + 8 * 2)
+    assert (after.fetches, after.bytes_fetched) == (1, 2 * model_bytes + 8 * logs)
 
 
 def test_a_refused_push_resets_the_cache_to_the_ps(local_cluster):
@@ -190,7 +195,7 @@ def _resyncs(trainer):
 
 
 def _logged(stream):
-    """Each shard's sequence number from its log's start."""
+    """Each log's sequence number from its start."""
     return [int(s.numpy()) - stream.origin for s in stream.seqs]
 
 
@@ -247,9 +252,9 @@ def test_trainer_matches_update_stream_two_workers(local_cluster):
     assert sum(s.updates_replayed for s in want_stats) > sum(s.pushes for s in stats)
     # The others' pushes travel, each replica's own last one does not: the
     # reference's bytes (a whole fetch, and per replayed push its id and the
-    # others' parts) plus, per variable, each fetch's sequence number, a
-    # second id per replayed push (each shard sends its own) and each stream
-    # fetch's checksum.
+    # others' parts) plus, per log (one per ps task here), each fetch's
+    # sequence number, a second id per replayed push (each log sends its
+    # own) and each stream fetch's checksum.
     for s, w in zip(stats, want_stats):
         streamed = s.fetches - w.whole_fetches
         extra = 8 * 2 * s.fetches + 8 * w.updates_replayed + 8 * 2 * streamed
@@ -281,8 +286,9 @@ def test_a_mirror_off_the_ps_is_resynced_whole(local_cluster):
     ps_values, ps_momentums = _ps_state(stream)
     for got, want in zip(values + momentums, ps_values + ps_momentums):
         np.testing.assert_array_equal(got, want)
-    # Per variable its sequence number, the replayed push's index and its
-    # checksum (8 bytes each); the resynced variable's values and momentum.
+    # Per log (one per variable here) its sequence number, the replayed
+    # push's index and its checksum (8 bytes each); the resynced variable's
+    # values and momentum.
     resent = 2 * stream.variables[0].numpy().nbytes
     assert trainer.stats()[0].bytes_fetched - fetched == 2 * 3 * 8 + resent
     for _ in range(6):  # Pushes at steps 5 and 8, replayed at 6 and 9.
@@ -325,28 +331,30 @@ def test_concurrent_pushes_are_logged_in_update_order(local_cluster):
     assert _logged(stream) == [total] * 2
     assert _resyncs(trainer) == [0, 0]
     lr, mu = stream.learning_rate, stream.momentum
-    for j, v in enumerate(stream.variables):
+    for g, group in enumerate(stream.groups):
         slots = [(stream.origin + k) % stream.capacity for k in range(total)]
-        pushers = stream.pushers[j].numpy()[slots]
+        pushers = stream.pushers[g].numpy()[slots]
         assert [int(np.sum(pushers == w)) for w in range(2)] == pushes
-        logs = [log.numpy() for log in stream.logs[j]]
-        sums = stream.sums[j].numpy()
-        w = tf.Variable(initial[j])
-        m = tf.Variable(tf.zeros_like(initial[j]))
+        logs = [log.numpy() for log in stream.logs[g]]
+        sums = stream.sums[g].numpy()
+        ws = [tf.Variable(initial[j]) for j in group]
+        ms = [tf.Variable(tf.zeros_like(initial[j])) for j in group]
         for slot in slots:
-            parts = tuple(tf.constant(part[slot]) for part in logs)
-            tf.raw_ops.ResourceApplyKerasMomentum(
-                var=w.handle,
-                accum=m.handle,
-                lr=tf.cast(lr, w.dtype),
-                grad=stream.compression.decode(parts, v),
-                momentum=tf.cast(mu, w.dtype),
-                use_locking=False,
-                use_nesterov=True,
-            )
-            assert int(stream_fetch.checksum([w, m])) == sums[slot]
-        np.testing.assert_array_equal(w.numpy(), v.numpy())
-        np.testing.assert_array_equal(m.numpy(), stream.momentums[j].numpy())
+            packed = [tf.constant(part[slot]) for part in logs]
+            for j, w, m, parts in zip(group, ws, ms, stream._unpack(g, packed)):
+                tf.raw_ops.ResourceApplyKerasMomentum(
+                    var=w.handle,
+                    accum=m.handle,
+                    lr=tf.cast(lr, w.dtype),
+                    grad=stream.compression.decode(parts, stream.variables[j]),
+                    momentum=tf.cast(mu, w.dtype),
+                    use_locking=False,
+                    use_nesterov=True,
+                )
+            assert int(stream_fetch.checksum(ws + ms)) == sums[slot]
+        for j, w, m in zip(group, ws, ms):
+            np.testing.assert_array_equal(w.numpy(), stream.variables[j].numpy())
+            np.testing.assert_array_equal(m.numpy(), stream.momentums[j].numpy())
     # The pushes stopped: a worker's next fetch leaves its mirror the ps's.
     steps_var = trainer.downpour._stats["steps"]
     counts = [int(c.numpy()) for c in steps_var.read_all()]

@@ -157,7 +157,13 @@ class Downpour:
             )
             self.tokens = exactly_once.tokens_for(optimizer, strategy)
             self._stream = stream_fetch.create(
-                config, dense, strategy, rules, self._compression, self.tokens
+                config,
+                dense,
+                self._dense.groups(),
+                strategy,
+                rules,
+                self._compression,
+                self.tokens,
             )
             self._seen = base.per_worker("downpour/seen", [], tf.int64)
             self._refetch = base.per_worker("downpour/refetch", [], tf.int64)

@@ -10,26 +10,30 @@ compressed pushes through the same Nesterov update, so a fetch moves the
 pushes applied since the replica's last fetch, not the model, and the outer
 momentum is kept.
 
-On the ps, per dense shard: a sequence number `seq` (int64, pushes logged)
-and a ring of the last `capacity` pushes (`append`): each one's encoded
-parts (`compression.CompressedPush`'s, a fixed size per push; one variable
-per part, `[capacity, *part]`), its replica, and the shard's `checksum`
-after it, written at slot `seq % capacity` after the update and before
-`seq` moves: an entry below `seq` is whole.
+On the ps, per group of dense variables a push packs together (those of
+one ps task and dtype, `dense.DenseVariables.groups`): a sequence number
+`seq` (int64, pushes logged) and a ring of the last `capacity` pushes
+(`append`): each one's encoded parts (`compression.CompressedPush`'s, a
+fixed size per push; one variable per part, `[capacity, size]`, the group's
+variables' parts concatenated as the push carried them), its replica, and
+the group's `checksum` after it, written at slot `seq % capacity` after the
+update and before `seq` moves: an entry below `seq` is whole. One log per
+ps task, not per variable: a push and a fetch make a few transfers and ops
+per ps task whatever the number of variables on it.
 
 On each replica, per dense variable (`per_worker_variable=True`): the mirror
-`w'` of the ps values, the mirror `m'` of the outer momentum, and the `seq`
-its mirror accounts for (-1: none). A fetch (`fetch_into_cache`) reads
-`seq`; a mirror at most `window` pushes behind replays the pushes logged
-since through `ResourceApplyKerasMomentum` (the ps's kernel: bit for bit the
-ps), after which its checksum must equal the last entry's, exactly (a sum of
-bit patterns as integers: no rounding, in any order, on any device).
-Otherwise (a new or restored replica, one behind the window, a ps whose log
-restarted), or on a checksum mismatch (a resync, counted: `resync_counter`),
-it gets the shard's values and momentum (a whole fetch). The cache then
-moves by what the mirror moved, `cache <- cache + (w' - w'_before)`, keeping
-the replica's unsent progress (CocktailSGD's local and global copies), or
-becomes the mirror when there was none.
+`w'` of the ps values and the mirror `m'` of the outer momentum; per group,
+the `seq` its mirrors account for (-1: none). A fetch (`fetch_into_cache`)
+reads each group's `seq`; mirrors at most `window` pushes behind replay the
+pushes logged since through `ResourceApplyKerasMomentum` (the ps's kernel:
+bit for bit the ps), after which their checksum must equal the last
+entry's, exactly (a sum of bit patterns as integers: no rounding, in any
+order, on any device). Otherwise (a new or restored replica, one behind the
+window, a ps whose log restarted), or on a checksum mismatch (a resync,
+counted: `resync_counter`), it gets the group's values and momentums (a
+whole fetch). The cache then moves by what the mirror moved, `cache <- cache
++ (w' - w'_before)`, keeping the replica's unsent progress (CocktailSGD's
+local and global copies), or becomes the mirror when there was none.
 
 A push (`exchange.Exchange.push`) sends `C(w' - cache)` and an applied push
 adds the decoded `C(...)` to the cache: what it sent comes back through the
@@ -49,7 +53,7 @@ floor past every mirror (`restart_log`): a restored mirror fetches whole and
 the cache moves by what it moved, as a replay would (exact resumes).
 
 Bytes of a fetch: each replica counts what its fetches move
-(`bytes_counter`); the rule, per variable, is in docs/downpour.md
+(`bytes_counter`); the rule, per group, is in docs/downpour.md
 ("Update-stream fetches and the parameter-space residual").
 """
 
@@ -138,12 +142,14 @@ def check_rules(config) -> None:
         )
 
 
-def create(config, variables: list, strategy, rules, compression, tokens):
+def create(config, variables: list, groups, strategy, rules, compression, tokens):
     """The `StreamFetch` of a replica's dense variables, or None when off.
 
     Args:
       config: the `DownpourConfig`.
       variables: the dense variables (shards); under the strategy's scope.
+      groups: their indices by ps task and dtype
+        (`dense.DenseVariables.groups`).
       strategy: the `DistBeliefStrategy` (`num_workers`, colocation).
       rules: the `push_rules.on_ps.PushRules` (the outer momentum slots).
       compression: the `push_rules.compression.CompressedPush`.
@@ -159,6 +165,7 @@ def create(config, variables: list, strategy, rules, compression, tokens):
     outer = next(r for r in config.rules if r.replaces_optimizer)
     return StreamFetch(
         variables,
+        groups,
         strategy,
         rules.momentums,
         compression,
@@ -173,10 +180,10 @@ class StreamHandles(NamedTuple):
 
     mirrors: list  # `w'` per variable.
     momentums: list  # `m'` per variable.
-    seen: tf.Tensor  # int64 `[variables]`: the `seq` each mirror accounts for.
+    seen: tf.Tensor  # int64 `[groups]`: the `seq` each group's mirrors account for.
     nbytes: tf.Tensor  # Bytes the replica's fetches moved.
     resyncs: tf.Tensor  # Stream fetches that went whole on a checksum mismatch.
-    own: list  # Per variable, its parts of the replica's last applied push.
+    own: list  # Per group, its packed parts of the replica's last applied push.
     own_pending: tf.Tensor  # 1 while that push has not been replayed.
 
 
@@ -187,6 +194,8 @@ class StreamFetch:
 
     Args:
       variables: the dense `DownpourVariable` shards, in the kind's order.
+      groups: the variables' indices by ps task and dtype, as a push packs
+        them (`dense.DenseVariables.groups`): one log per group.
       strategy: the `DistBeliefStrategy`.
       momentums: the outer momentum slot of each variable, on its ps.
       compression: the `CompressedPush` (the parts' shapes, their decoding).
@@ -196,23 +205,33 @@ class StreamFetch:
         section: `locked`).
 
     Attributes:
-      seqs: per variable, its int64 sequence number on its ps.
-      logs: per variable, one `[capacity, *part]` variable per encoded part.
-      pushers: per variable, the int64 `[capacity]` replica of each logged
-        push.
-      sums: per variable, the int64 `[capacity]` `checksum` of the shard
-        after each logged push.
-      floors: per variable, the int64 `seq` of its last restart: a mirror
-        older than it fetches whole.
+      groups: per group, the indices of its variables.
+      seqs: per group, its int64 sequence number on its ps.
+      logs: per group, one `[capacity, size]` variable per encoded part,
+        its variables' parts of a push concatenated in group order.
+      pushers: per group, the int64 `[capacity]` replica of each logged push.
+      sums: per group, the int64 `[capacity]` `checksum` of the group's
+        variables (and momentums) after each logged push.
+      floors: per group, the int64 `seq` of its last restart: a mirror older
+        than it fetches whole.
       origin: the sequence numbers' start.
       capacity: the ring's entries, `window + num_workers`.
-      part_nbytes: per variable, bytes of one push's encoded parts.
+      part_nbytes: per group, bytes of one push's encoded parts.
     """
 
     def __init__(
-        self, variables, strategy, momentums, compression, outer, window, tokens
+        self,
+        variables,
+        groups,
+        strategy,
+        momentums,
+        compression,
+        outer,
+        window,
+        tokens,
     ):
         self.variables = list(variables)
+        self.groups = [list(g) for g in groups]
         self.momentums = list(momentums)
         self.compression = compression
         self.learning_rate = float(outer.learning_rate)
@@ -221,53 +240,51 @@ class StreamFetch:
         self.capacity = self.window + int(strategy.num_workers)
         self.seqs, self.logs, self.part_specs, self.part_nbytes = [], [], [], []
         self.pushers, self.floors, self.sums = [], [], []
+        # Per group, per part: each variable's length of it (1-D parts).
+        self._piece_sizes = []
         self._section = tokens.section
         self._section_device = tokens.ring.device
         # A log created anew (a new process) starts far from any restored
         # mirror's sequence number, which then fetches whole.
         self.origin = random.getrandbits(40) << 20
-        for v in self.variables:
-            specs = compression.part_specs(v)
+
+        def ps_variable(initial, name):
+            return tf.Variable(initial, trainable=False, name=f"downpour/{name}")
+
+        for group in self.groups:
+            per_variable = [compression.part_specs(self.variables[j]) for j in group]
+            sizes = [
+                [specs[k][0].num_elements() for specs in per_variable]
+                for k in range(len(per_variable[0]))
+            ]
+            specs = [(sum(n), dtype) for n, (_, dtype) in zip(sizes, per_variable[0])]
+            self._piece_sizes.append(sizes)
             self.part_specs.append(specs)
-            self.part_nbytes.append(sum(s.num_elements() * d.size for s, d in specs))
-            name = base.slug(v.name)
-            with strategy.extended.colocate_vars_with(v):
-                self.seqs.append(
-                    tf.Variable(
-                        tf.constant(self.origin, tf.int64),
-                        trainable=False,
-                        name=f"downpour/stream_seq/{name}",
-                    )
-                )
+            self.part_nbytes.append(sum(n * d.size for n, d in specs))
+            first = self.variables[group[0]]
+            name = base.slug(first.name)
+            origin = tf.constant(self.origin, tf.int64)
+            with strategy.extended.colocate_vars_with(first):
+                self.seqs.append(ps_variable(origin, f"stream_seq/{name}"))
                 self.logs.append(
                     [
-                        tf.Variable(
-                            tf.zeros([self.capacity, *shape], dtype),
-                            trainable=False,
-                            name=f"downpour/stream_log/{name}/{k}",
+                        ps_variable(
+                            tf.zeros([self.capacity, n], dtype),
+                            f"stream_log/{name}/{k}",
                         )
-                        for k, (shape, dtype) in enumerate(specs)
+                        for k, (n, dtype) in enumerate(specs)
                     ]
                 )
-                self.floors.append(
-                    tf.Variable(
-                        tf.constant(self.origin, tf.int64),
-                        trainable=False,
-                        name=f"downpour/stream_floor/{name}",
-                    )
-                )
+                self.floors.append(ps_variable(origin, f"stream_floor/{name}"))
                 self.pushers.append(
-                    tf.Variable(
+                    ps_variable(
                         tf.fill([self.capacity], tf.constant(-1, tf.int64)),
-                        trainable=False,
-                        name=f"downpour/stream_pushers/{name}",
+                        f"stream_pushers/{name}",
                     )
                 )
                 self.sums.append(
-                    tf.Variable(
-                        tf.zeros([self.capacity], tf.int64),
-                        trainable=False,
-                        name=f"downpour/stream_sums/{name}",
+                    ps_variable(
+                        tf.zeros([self.capacity], tf.int64), f"stream_sums/{name}"
                     )
                 )
         self.mirrors = base.per_worker_copies(self.variables, "stream_mirror")
@@ -275,16 +292,21 @@ class StreamFetch:
             self.variables, "stream_momentum"
         )
         self._seen = base.per_worker(
-            "downpour/stream_seen", [len(self.variables)], tf.int64, fill=-1
+            "downpour/stream_seen", [len(self.groups)], tf.int64, fill=-1
         )
         self._nbytes = base.per_worker("downpour/stream_bytes_fetched", [], tf.int64)
         self._resyncs = base.per_worker("downpour/stream_resyncs", [], tf.int64)
         self.own = [
             [
-                base.per_worker(f"downpour/stream_own/{base.slug(v.name)}/{k}", s, d)
-                for k, (s, d) in enumerate(specs)
+                base.per_worker(
+                    f"downpour/stream_own/{base.slug(self.variables[group[0]].name)}"
+                    f"/{k}",
+                    [n],
+                    dtype,
+                )
+                for k, (n, dtype) in enumerate(specs)
             ]
-            for v, specs in zip(self.variables, self.part_specs)
+            for group, specs in zip(self.groups, self.part_specs)
         ]
         self._own_pending = base.per_worker("downpour/stream_own_pending", [], tf.int64)
 
@@ -331,7 +353,7 @@ class StreamFetch:
         there. `fn` returns tensors on the ps that come after all its
         effects: the lock is released once they are made.
 
-        Each push's update and log entry, and a whole fetch's reads of the
+        Each push's update and log entries, and a whole fetch's reads of the
         values, momentum and `seq`, run in the `exactly_once` tokens'
         `tf.CriticalSection` (a push without a token is put in it too): the
         log's order is the updates', and a whole fetch is a snapshot of
@@ -344,7 +366,7 @@ class StreamFetch:
             return self._section.execute(fn)
 
     def restart_log(self) -> None:
-        """Moves each shard's `seq` and floor past every replica's mirror:
+        """Moves each group's `seq` and floor past every replica's mirror:
         their next fetches are whole. Call it after the ps values were
         restored from a checkpoint in this process."""
         for seq, floor in zip(self.seqs, self.floors):
@@ -353,7 +375,7 @@ class StreamFetch:
     def drop_mirrors(self, sh: StreamHandles) -> list:
         """Ops making the running replica's next fetch whole, its cache reset
         to the ps values (a refused push)."""
-        n = len(self.variables)
+        n = len(self.groups)
         return [base.assign(sh.seen, tf.fill([n], tf.constant(-1, tf.int64)))]
 
     def unsent(self, kh: base.KindHandles, sh: StreamHandles) -> list:
@@ -367,16 +389,35 @@ class StreamFetch:
         self, kh: base.KindHandles, sh: StreamHandles, sent: list, parts: list
     ) -> list:
         """Ops of an applied push: the decoded `sent` added to each cache, and
-        its encoded `parts` kept as the replica's own last push."""
+        its encoded `parts` (per variable) kept, packed by group, as the
+        replica's own last push."""
         ops = [base.add(c, s) for c, s in zip(kh.caches, sent)]
-        for own, pushed in zip(sh.own, parts):
-            ops += [base.assign(o, x) for o, x in zip(own, pushed)]
+        for g, group in enumerate(self.groups):
+            packed = self._pack(g, [parts[j] for j in group])
+            ops += [base.assign(o, x) for o, x in zip(sh.own[g], packed)]
         with tf.control_dependencies(ops):
             ops.append(base.assign(sh.own_pending, tf.constant(1, tf.int64)))
         return ops
 
+    def _pack(self, g: int, parts: list) -> list:
+        """The group's parts of one push, one tensor per part: its
+        variables' pieces (`parts`, per variable in group order)
+        concatenated."""
+        return [
+            tf.concat(pieces, 0) if len(pieces) > 1 else pieces[0]
+            for pieces in zip(*parts)
+        ]
+
+    def _unpack(self, g: int, packed) -> list:
+        """`_pack` undone: per variable of the group, its parts (a tuple)."""
+        split = [
+            tf.split(x, sizes) if len(sizes) > 1 else [x]
+            for x, sizes in zip(packed, self._piece_sizes[g])
+        ]
+        return [tuple(pieces) for pieces in zip(*split)]
+
     def append(self, parts_on_ps: list, updates: list, worker) -> list:
-        """Ops logging one applied push, per variable after its update.
+        """Ops logging one applied push, per group after its variables' updates.
 
         Run them in the critical section (`locked`) with the updates.
 
@@ -386,45 +427,52 @@ class StreamFetch:
           worker: the pushing replica's index, an integer scalar tensor.
 
         Returns:
-          The ops, on the variables' ps tasks.
+          The ops, on the groups' ps tasks.
         """
         ops = []
-        for j, (parts, update) in enumerate(zip(parts_on_ps, updates)):
-            v = self.variables[j]
-            with tf.device(v.device):
-                seq = self.seqs[j].handle
-                with tf.control_dependencies([update]):
+        for g, group in enumerate(self.groups):
+            with tf.device(self.variables[group[0]].device):
+                packed = self._pack(g, [parts_on_ps[j] for j in group])
+                seq = self.seqs[g].handle
+                with tf.control_dependencies([updates[j] for j in group]):
                     slot = base.read(seq, tf.int64) % self.capacity
                     at = tf.reshape(slot, [1])
                     writes = [
                         base.scatter("Update", log.handle, at, part[None])
-                        for log, part in zip(self.logs[j], parts)
+                        for log, part in zip(self.logs[g], packed)
                     ]
                     pusher = tf.reshape(tf.cast(worker, tf.int64), [1])
                     writes.append(
-                        base.scatter("Update", self.pushers[j].handle, at, pusher)
+                        base.scatter("Update", self.pushers[g].handle, at, pusher)
                     )
-                    total = checksum(self._ps_state(j, v))
+                    total = checksum(self._ps_state(g))
                     writes.append(
-                        base.scatter("Update", self.sums[j].handle, at, total[None])
+                        base.scatter("Update", self.sums[g].handle, at, total[None])
                     )
                 with tf.control_dependencies(writes):
                     ops.append(base.add(seq, tf.constant(1, tf.int64)))
         return ops
 
-    def _ps_state(self, j, v) -> list:
-        """What a checksum covers on the ps: the values, and the momentum
-        when `mu` > 0 (with 0 it does not reach the values)."""
-        state = [base.read(base.ps_handle(v), v.dtype)]
-        if self.momentum > 0:
-            state.append(base.read(self.momentums[j].handle, v.dtype))
+    def _ps_state(self, g: int) -> list:
+        """What a group's checksum covers on the ps: its variables' values,
+        and their momentums when `mu` > 0 (with 0 it does not reach the
+        values)."""
+        state = []
+        for j in self.groups[g]:
+            v = self.variables[j]
+            state.append(base.read(base.ps_handle(v), v.dtype))
+            if self.momentum > 0:
+                state.append(base.read(self.momentums[j].handle, v.dtype))
         return state
 
-    def _mirror_state(self, j, v, sh) -> list:
-        """The mirror's counterpart of `_ps_state`."""
-        state = [base.read(sh.mirrors[j], v.dtype)]
-        if self.momentum > 0:
-            state.append(base.read(sh.momentums[j], v.dtype))
+    def _mirror_state(self, g: int, sh: StreamHandles) -> list:
+        """The mirrors' counterpart of `_ps_state`."""
+        state = []
+        for j in self.groups[g]:
+            v = self.variables[j]
+            state.append(base.read(sh.mirrors[j], v.dtype))
+            if self.momentum > 0:
+                state.append(base.read(sh.momentums[j], v.dtype))
         return state
 
     def fetch_into_cache(self, kh: base.KindHandles, sh: StreamHandles, worker):
@@ -443,29 +491,29 @@ class StreamFetch:
         ops = []
         seen_all = base.read(sh.seen, tf.int64)
         new_seen = []
-        for j, v in enumerate(self.variables):
-            last = seen_all[j]
-            with tf.device(v.device):
-                seq = base.read(self.seqs[j].handle, tf.int64)
-                floor = base.read(self.floors[j].handle, tf.int64)
+        for g, group in enumerate(self.groups):
+            last = seen_all[g]
+            with tf.device(self.variables[group[0]].device):
+                seq = base.read(self.seqs[g].handle, tf.int64)
+                floor = base.read(self.floors[g].handle, tf.int64)
                 behind = seq - last
                 fresh = last < 0  # No mirror: the cache becomes the ps values.
                 # Or a mirror from before a restore, of another log (a new
                 # process or a restarted ps), or behind the window.
                 whole = fresh | (last < floor) | (behind < 0) | (behind > self.window)
-            before = base.read(sh.mirrors[j], v.dtype)
+            before = [base.read(sh.mirrors[j], self.variables[j].dtype) for j in group]
 
-            def whole_fetch(j=j, v=v):
-                return self._whole(j, v, sh)
+            def whole_fetch(g=g):
+                return self._whole(g, sh)
 
-            def stream_fetch(j=j, v=v, last=last, behind=behind, seq=seq):
-                nbytes, in_sync = self._replay(j, v, sh, last, behind, me, pending)
+            def stream_fetch(g=g, last=last, behind=behind, seq=seq):
+                nbytes, in_sync = self._replay(g, sh, last, behind, me, pending)
 
                 def replayed():
                     return nbytes, seq
 
-                def resync():  # The mirror is off: a whole fetch puts it right.
-                    more, at = self._whole(j, v, sh)
+                def resync():  # A mirror is off: a whole fetch puts it right.
+                    more, at = self._whole(g, sh)
                     counted = base.add(sh.resyncs, tf.constant(1, tf.int64))
                     return base.after([counted], nbytes + more), at
 
@@ -473,10 +521,12 @@ class StreamFetch:
 
             nbytes, at = tf.cond(whole, whole_fetch, stream_fetch)
             with tf.control_dependencies([nbytes]):
-                after = base.read(sh.mirrors[j], v.dtype)
-                cache = base.read(kh.caches[j], v.dtype)
-                moved = tf.where(fresh, after, cache + (after - before))
-                ops.append(base.assign(kh.caches[j], moved))
+                for j, old in zip(group, before):
+                    v = self.variables[j]
+                    after = base.read(sh.mirrors[j], v.dtype)
+                    cache = base.read(kh.caches[j], v.dtype)
+                    moved = tf.where(fresh, after, cache + (after - old))
+                    ops.append(base.assign(kh.caches[j], moved))
                 ops.append(base.add(sh.nbytes, nbytes + _SEQ_BYTES))
             new_seen.append(at)
         with tf.control_dependencies(ops):
@@ -484,108 +534,125 @@ class StreamFetch:
             ops.append(base.assign(sh.own_pending, tf.constant(0, tf.int64)))
         return ops
 
-    def _whole(self, j, v, sh) -> tuple[tf.Tensor, tf.Tensor]:
-        """The shard's values, and its momentum once a push has moved it (and
-        `outer_momentum` > 0), into the mirrors.
+    def _whole(self, g: int, sh: StreamHandles) -> tuple[tf.Tensor, tf.Tensor]:
+        """The group's values, and its momentums once a push has moved them
+        (and `outer_momentum` > 0), into the mirrors.
 
-        They are read with the shard's `seq` in the pushes' critical section
-        (`locked`): no push lands between the reads, so the mirror accounts
+        They are read with the group's `seq` in the pushes' critical section
+        (`locked`): no push lands between the reads, so the mirrors account
         for exactly the pushes below that `seq`.
 
         Returns:
           `(bytes, seq)`: int64 scalars, `seq` on the ps.
         """
-        nbytes = v.shape.num_elements() * v.dtype.size
+        group = [self.variables[j] for j in self.groups[g]]
+        nbytes = sum(v.shape.num_elements() * v.dtype.size for v in group)
         read = {}  # What the section reads, used after it.
 
         def snapshot():
-            with tf.device(v.device):
-                seq = base.read(self.seqs[j].handle, tf.int64)
-                read["value"] = base.read(base.ps_handle(v), v.dtype)
+            with tf.device(group[0].device):
+                seq = base.read(self.seqs[g].handle, tf.int64)
+                read["values"] = [base.read(base.ps_handle(v), v.dtype) for v in group]
                 sends = (seq > self.origin) & tf.constant(self.momentum > 0)
                 read["sends_momentum"] = sends
 
-                def momentum():
-                    return base.read(self.momentums[j].handle, v.dtype)
+                def momentums():
+                    return tuple(
+                        base.read(self.momentums[j].handle, self.variables[j].dtype)
+                        for j in self.groups[g]
+                    )
 
                 def zeros():
-                    return tf.zeros(v.shape, v.dtype)
+                    return tuple(tf.zeros(v.shape, v.dtype) for v in group)
 
-                read["momentum"] = tf.cond(sends, momentum, zeros)
+                read["momentums"] = _as_list(tf.cond(sends, momentums, zeros))
                 # Only `seq` leaves the section: the lock is released once the
                 # reads are done, not after the values' transfer.
-                return base.after([read["value"], read["momentum"]], seq)
+                return base.after(read["values"] + read["momentums"], seq)
 
         seq = self.locked(snapshot)
-        ops = [
-            base.assign(sh.mirrors[j], read["value"]),
-            base.assign(sh.momentums[j], read["momentum"]),
-        ]
+        ops = []
+        for j, value, momentum in zip(
+            self.groups[g], read["values"], read["momentums"]
+        ):
+            ops.append(base.assign(sh.mirrors[j], value))
+            ops.append(base.assign(sh.momentums[j], momentum))
         count = tf.where(read["sends_momentum"], 2 * nbytes, nbytes)
         return base.after(ops, tf.cast(count, tf.int64)), seq
 
-    def _replay(self, j, v, sh, last, behind, me, pending):
-        """The logged pushes since `last` replayed into the mirrors.
+    def _replay(self, g: int, sh: StreamHandles, last, behind, me, pending):
+        """The logged pushes since `last` replayed into the group's mirrors.
 
         The replica's own last push (`pending`: not yet replayed) is taken
         from its copy when it is its only push among them; every other push
-        (all of them otherwise) is gathered on the ps and sent.
+        (all of them otherwise) is gathered on the ps and sent, each group's
+        parts in one tensor per part.
 
         Returns:
           `(bytes, in_sync)`: an int64 scalar, and a bool scalar, True when
-          nothing was replayed or the mirror's `checksum` after the replay is
+          nothing was replayed or the mirrors' `checksum` after the replay is
           the last replayed entry's.
         """
-        with tf.device(v.device):
+        group = self.groups[g]
+        specs = self.part_specs[g]
+        with tf.device(self.variables[group[0]].device):
             slots = (last + tf.range(behind, dtype=tf.int64)) % self.capacity
-            pushers = base.gather(self.pushers[j].handle, slots, tf.int64)
+            pushers = base.gather(self.pushers[g].handle, slots, tf.int64)
             own = tf.equal(pushers, me)
             use_own = pending & tf.equal(tf.reduce_sum(tf.cast(own, tf.int64)), 1)
             sent = tf.logical_not(own & use_own)
             sent_slots = tf.boolean_mask(slots, sent)
             gathered = [
                 base.gather(log.handle, sent_slots, dtype)
-                for log, (_, dtype) in zip(self.logs[j], self.part_specs[j])
+                for log, (_, dtype) in zip(self.logs[g], specs)
             ]
             # Each replayed push's row among `gathered` (own: unused).
             rows = tf.cumsum(tf.cast(sent, tf.int64), exclusive=True)
             newest = (last + behind - 1) % self.capacity
-            logged_sum = base.gather(self.sums[j].handle, newest, tf.int64)
-        own_parts = [
-            base.read(o, dtype) for o, (_, dtype) in zip(sh.own[j], self.part_specs[j])
-        ]
-        # Cast as `OuterNesterov.update` casts them on the ps (through
-        # float32), so that the replay is the ps's update bit for bit.
-        lr = tf.cast(self.learning_rate, v.dtype)
-        mu = tf.cast(self.momentum, v.dtype)
+            logged_sum = base.gather(self.sums[g].handle, newest, tf.int64)
+        own_parts = [base.read(o, dtype) for o, (_, dtype) in zip(sh.own[g], specs)]
+        # A group has one dtype. Cast as `OuterNesterov.update` casts them on
+        # the ps (through float32), so that the replay is the ps's update bit
+        # for bit.
+        dtype = self.variables[group[0]].dtype
+        lr = tf.cast(self.learning_rate, dtype)
+        mu = tf.cast(self.momentum, dtype)
 
         def body(i):
             def logged():
-                return tuple(g[rows[i]] for g in gathered)
+                return tuple(x[rows[i]] for x in gathered)
 
             def mine():
                 return tuple(own_parts)
 
-            parts = tf.cond(sent[i], logged, mine)
-            parts = tuple(parts) if isinstance(parts, (list, tuple)) else (parts,)
-            for g, (shape, _) in zip(parts, self.part_specs[j]):
-                g.set_shape(shape)
-            delta = self.compression.decode(parts, v)
-            update = tf.raw_ops.ResourceApplyKerasMomentum(
-                var=sh.mirrors[j],
-                accum=sh.momentums[j],
-                lr=lr,
-                grad=delta,
-                momentum=mu,
-                use_locking=False,
-                use_nesterov=True,
-            )
-            return base.after([update], i + 1)
+            packed = _as_list(tf.cond(sent[i], logged, mine))
+            for x, (n, _) in zip(packed, specs):
+                x.set_shape([n])
+            updates = []
+            for j, parts in zip(group, self._unpack(g, packed)):
+                delta = self.compression.decode(parts, self.variables[j])
+                updates.append(
+                    tf.raw_ops.ResourceApplyKerasMomentum(
+                        var=sh.mirrors[j],
+                        accum=sh.momentums[j],
+                        lr=lr,
+                        grad=delta,
+                        momentum=mu,
+                        use_locking=False,
+                        use_nesterov=True,
+                    )
+                )
+            return base.after(updates, i + 1)
 
         done = tf.while_loop(lambda i: i < behind, body, [tf.constant(0, tf.int64)])
         with tf.control_dependencies([done]):
-            mirror_sum = checksum(self._mirror_state(j, v, sh))
+            mirror_sum = checksum(self._mirror_state(g, sh))
         in_sync = tf.equal(behind, 0) | tf.equal(mirror_sum, logged_sum)
         count = tf.size(sent_slots, out_type=tf.int64)
-        nbytes = behind * _ID_BYTES + count * self.part_nbytes[j] + _SUM_BYTES
+        nbytes = behind * _ID_BYTES + count * self.part_nbytes[g] + _SUM_BYTES
         return base.after([done], nbytes), in_sync
+
+
+def _as_list(outputs) -> list:
+    """A `tf.cond`'s outputs as a list (it returns a lone output bare)."""
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
