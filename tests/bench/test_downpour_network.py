@@ -306,10 +306,10 @@ def test_the_planner_replays_the_recorded_compressed_run():
         if r.name != "single" and r.nic != "unlimited"
     }
     assert ratios == {
-        ("1gbit", "n=16+outer"): 1.10,
-        ("1gbit", "n=16+outer+topk+q2"): 1.03,
-        ("100mbit", "n=16+outer"): 1.16,
-        ("100mbit", "n=16+outer+topk+q2"): 1.07,
+        ("1gbit", "n=16+outer"): 1.09,
+        ("1gbit", "n=16+outer+topk+q2"): 0.99,
+        ("100mbit", "n=16+outer"): 1.18,
+        ("100mbit", "n=16+outer+topk+q2"): 0.95,
     }
 
 
