@@ -607,6 +607,34 @@ def test_nonfinite_stops_the_job_naming_the_step_and_no_checkpoint_holds_it(
                 assert np.isfinite(value).all(), (index.name, key)
 
 
+@pytest.mark.slow
+def test_nonfinite_skip_ends_the_job_with_a_warning_counting_the_skipped_steps():
+    """With `--nonfinite=skip` the same job ends (exit 0, the user asked to
+    skip), and its last lines say how many of its steps did nothing."""
+    marker = uuid.uuid4().hex
+    proc = _train(
+        [
+            "--optimizer=sgd",
+            "--learning_rate=1e30",
+            "--nonfinite=skip",
+            "--steps_per_execution=1",
+        ],
+        marker,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("warning:")]
+    match = re.fullmatch(
+        r"warning: ([\d,]+) of ([\d,]+) steps skipped for a NaN or inf gradient "
+        r"\(--nonfinite=skip\): their updates were not applied",
+        line,
+    )
+    assert match, line
+    skipped, steps = (int(g.replace(",", "")) for g in match.groups())
+    assert 0 < skipped <= steps
+    assert "test accuracy" in proc.stdout
+    assert _wait_no_marked(marker) == []
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [

@@ -36,7 +36,7 @@ import re
 
 import tensorflow as tf
 
-from tf_distbelief import errors
+from tf_distbelief import console, errors
 from tf_distbelief.tf_internals import variables as tf_variables
 
 # Marks the assertion a failed check raises on the worker, so that the error
@@ -73,6 +73,30 @@ def quiet_reported_failures() -> None:
     """Keeps the coordinator's log of a failed check off the console (see
     `_QuietReportedFailures`); TensorFlow's other log records pass. Idempotent."""
     tf.get_logger().addFilter(_QUIET)
+
+
+def skipped_line(skipped: int, steps: int) -> str | None:
+    """The job's closing warning when `nonfinite="skip"` skipped steps.
+
+    A job whose every step was skipped still ends with exit status 0 (the
+    user asked to skip); this line, printed after training, says how much of
+    it did nothing. Downpour's summary line counts its dropped pushes
+    itself (`downpour.report.summary_line`).
+
+    Args:
+      skipped: steps of this run whose update was skipped for a NaN or inf.
+      steps: steps this run took.
+
+    Returns:
+      `warning: 99 of 100 steps skipped ...`, or None when none was skipped.
+    """
+    if skipped <= 0:
+        return None
+    return (
+        f"warning: {console.count(skipped)} of {console.count(steps)} steps "
+        "skipped for a NaN or inf gradient (--nonfinite=skip): their updates "
+        "were not applied"
+    )
 
 
 def error_from(error: Exception) -> errors.NonFiniteError | None:

@@ -37,7 +37,7 @@ from tf_distbelief.cluster import config as cluster_config
 from tf_distbelief.cluster import connect as cluster_connect
 from tf_distbelief.cluster.local import hung_tasks
 from tf_distbelief.downpour import report as downpour_report
-from tf_distbelief.faults import goodput, recovery, tf_keras_fit
+from tf_distbelief.faults import goodput, nonfinite, recovery, tf_keras_fit
 from tf_distbelief.fit import evaluation, export, training
 from tf_distbelief.job import stopping
 from tf_distbelief.job.config import JobConfig
@@ -222,6 +222,11 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
     test_accuracy = training.accuracy(model, *test) if test is not None else None
     if algorithm is not None:
         print_fn(downpour_report.summary_line(algorithm.read_counters()))
+    else:
+        steps = result.steps - result.initial_step
+        skipped = nonfinite.skipped_line(result.nonfinite_skipped, steps)
+        if skipped is not None:
+            print_fn(skipped)
     if test_accuracy is not None:
         print_fn(f"test accuracy: {test_accuracy:.4f}")
     _export(config, spec, model, print_fn)

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from tf_distbelief import checks, console
 from tf_distbelief.downpour import report as downpour_report
-from tf_distbelief.faults import goodput, recovery
+from tf_distbelief.faults import goodput, nonfinite, recovery
 from tf_distbelief.fit import export
 from tf_distbelief.job import runner
 from tf_distbelief.job import spec as spec_lib
@@ -166,6 +166,11 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
     test_accuracy = float(np.mean(predictions.argmax(-1) == y_test))
     if history.downpour is not None:
         print_fn(downpour_report.summary_line(history.downpour.stats()))
+    else:
+        steps = history.steps - history.initial_step
+        skipped = nonfinite.skipped_line(history.nonfinite_skipped, steps)
+        if skipped is not None:
+            print_fn(skipped)
     print_fn(f"test accuracy: {test_accuracy:.4f}")
     written = None
     if config.export_dir:
