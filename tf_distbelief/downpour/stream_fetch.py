@@ -170,7 +170,7 @@ def create(config, variables: list, groups, strategy, rules, compression, tokens
         rules.momentums,
         compression,
         outer,
-        update_stream.STREAM_WINDOW,
+        update_stream.stream_window(strategy.num_workers),
         tokens,
     )
 

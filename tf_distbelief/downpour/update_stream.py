@@ -62,16 +62,37 @@ __all__ = [
     "STREAM_WINDOW",
     "compress",
     "simulate",
+    "stream_window",
 ]
 
 # A logged update's sequence number in a stream fetch (an int64).
 STREAM_ID_BYTES = 8
-# The cluster's `window` (`stream_fetch`): pushes a replica may be behind a
-# shard's log and still replay them; further behind, its fetch is whole. With
-# `n_fetch == n_push` a replica is about one push per replica behind.
+# The least of the cluster's `window` (`stream_window`).
 STREAM_WINDOW = 64
+# Rounds of pushes a replica may be behind and still replay them.
+_WINDOW_ROUNDS = 4
 _RESIDUALS = ("reset", "parameter")
 _FETCHES = ("whole", "stream")
+
+
+def stream_window(num_workers: int) -> int:
+    """The cluster's `window` (`stream_fetch`): pushes a replica may be
+    behind a ps task's log and still replay them; further behind, its fetch
+    is whole.
+
+    With `n_fetch == n_push` a replica is about one push per replica behind
+    at each fetch, `k` per replica when it runs `k` times slower than the
+    others: the window covers 4 rounds of every replica's pushes, and at
+    least `STREAM_WINDOW` pushes.
+
+    Args:
+      num_workers: the model replicas, an integer >= 1.
+
+    Returns:
+      `max(STREAM_WINDOW, 4 * num_workers)`.
+    """
+    checks.check_int("num_workers", num_workers, 1, ">= 1 (model replicas)")
+    return max(STREAM_WINDOW, _WINDOW_ROUNDS * int(num_workers))
 
 
 @dataclasses.dataclass(frozen=True)

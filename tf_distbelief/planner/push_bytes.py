@@ -16,11 +16,12 @@ What a replica fetches depends on the outer rule:
   `W * n_fetch / n_push` pushes of `P` bytes between two fetches of one
   replica, so a step fetches `W * P / n_push`; with one replica only the
   index of its own push comes back (nothing). A replica further behind than
-  the log's window (`update_stream.STREAM_WINDOW` pushes) fetches whole, the
-  values and the outer momentum: `2 * M / n_fetch` a step (`M` the model's
-  bytes), twice the uncompressed outer rule's fetch. The ps sends each push
-  it receives to every replica, so what a shard sends grows with the square
-  of the replica count until the window's limit.
+  the log's window (`update_stream.stream_window(W)` pushes, 4 rounds of
+  every replica's) fetches whole, the values and the outer momentum:
+  `2 * M / n_fetch` a step (`M` the model's bytes), twice the uncompressed
+  outer rule's fetch. The ps sends each push it receives to every replica,
+  so what a shard sends grows with the square of the replica count: past
+  `W = 2 * M / P` replicas the stream costs more than whole fetches would.
 * **Without it**: error feedback, and the fetch is the whole model every
   `n_fetch` steps, as uncompressed Downpour's.
 
@@ -75,6 +76,7 @@ def stream_fetch_bytes(
     """
     if num_workers == 1:
         return 0.0
-    if num_workers * setting.n_fetch / setting.n_push > update_stream.STREAM_WINDOW:
+    window = update_stream.stream_window(num_workers)
+    if num_workers * setting.n_fetch / setting.n_push > window:
         return 2.0 * records.BYTES_PER_PARAM * num_params / setting.n_fetch
     return num_workers * push_nbytes / setting.n_push
