@@ -393,23 +393,14 @@ class StreamFetch:
         replica's own last push."""
         ops = [base.add(c, s) for c, s in zip(kh.caches, sent)]
         for g, group in enumerate(self.groups):
-            packed = self._pack(g, [parts[j] for j in group])
+            packed = _packed([parts[j] for j in group])
             ops += [base.assign(o, x) for o, x in zip(sh.own[g], packed)]
         with tf.control_dependencies(ops):
             ops.append(base.assign(sh.own_pending, tf.constant(1, tf.int64)))
         return ops
 
-    def _pack(self, g: int, parts: list) -> list:
-        """The group's parts of one push, one tensor per part: its
-        variables' pieces (`parts`, per variable in group order)
-        concatenated."""
-        return [
-            tf.concat(pieces, 0) if len(pieces) > 1 else pieces[0]
-            for pieces in zip(*parts)
-        ]
-
     def _unpack(self, g: int, packed) -> list:
-        """`_pack` undone: per variable of the group, its parts (a tuple)."""
+        """`_packed` undone: per variable of the group, its parts (a tuple)."""
         split = [
             tf.split(x, sizes) if len(sizes) > 1 else [x]
             for x, sizes in zip(packed, self._piece_sizes[g])
@@ -432,7 +423,7 @@ class StreamFetch:
         ops = []
         for g, group in enumerate(self.groups):
             with tf.device(self.variables[group[0]].device):
-                packed = self._pack(g, [parts_on_ps[j] for j in group])
+                packed = _packed([parts_on_ps[j] for j in group])
                 seq = self.seqs[g].handle
                 with tf.control_dependencies([updates[j] for j in group]):
                     slot = base.read(seq, tf.int64) % self.capacity
@@ -651,6 +642,14 @@ class StreamFetch:
         count = tf.size(sent_slots, out_type=tf.int64)
         nbytes = behind * _ID_BYTES + count * self.part_nbytes[g] + _SUM_BYTES
         return base.after([done], nbytes), in_sync
+
+
+def _packed(parts: list) -> list:
+    """A group's parts of one push, one tensor per part: its variables'
+    pieces (`parts`, per variable in group order) concatenated."""
+    return [
+        tf.concat(pieces, 0) if len(pieces) > 1 else pieces[0] for pieces in zip(*parts)
+    ]
 
 
 def _as_list(outputs) -> list:
