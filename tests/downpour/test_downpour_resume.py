@@ -10,6 +10,8 @@ count, and every per-worker variable (caches, pending sums, local AdaGrad
 accumulators, step counters, the residuals of compressed pushes).
 """
 
+import shutil
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -114,20 +116,29 @@ def _worker_state(model):
     }
 
 
+def _snapshot(model):
+    """`_state`, `_worker_state` and the ps update count, as NumPy values."""
+    state, iterations = _state(model)
+    count = int(hooks.of(model).state.update_count.numpy())
+    return state, iterations, _worker_state(model), count
+
+
 def _assert_same_state(got_model, want_model, but=()):
-    """Equal ps state, and per-worker state but the variables named in `but`."""
-    got, got_iterations = _state(got_model)
-    want, want_iterations = _state(want_model)
+    """Equal ps state, and per-worker state but the variables named in `but`
+    (each a model, or a model's `_snapshot`)."""
+    got, got_iterations, got_workers, got_count = (
+        got_model if isinstance(got_model, tuple) else _snapshot(got_model)
+    )
+    want, want_iterations, want_workers, want_count = (
+        want_model if isinstance(want_model, tuple) else _snapshot(want_model)
+    )
     assert got_iterations == want_iterations
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
-    got_workers, want_workers = _worker_state(got_model), _worker_state(want_model)
     assert sorted(got_workers) == sorted(want_workers)
     for name in sorted(set(want_workers) - set(but)):
         np.testing.assert_array_equal(got_workers[name], want_workers[name], name)
-    assert int(hooks.of(got_model).state.update_count.numpy()) == int(
-        hooks.of(want_model).state.update_count.numpy()
-    )
+    assert got_count == want_count
 
 
 def test_saved_replicas_counts_the_replicas_in_checkpoint_keys():
@@ -217,7 +228,9 @@ def test_resume_with_a_compression_residual_equals_an_uninterrupted_run(
 
 
 @pytest.mark.slow
-def test_resume_with_stream_fetches_equals_an_uninterrupted_run(strategy, tmp_path):
+def test_resume_with_stream_fetches_equals_an_uninterrupted_run(
+    strategy, local_cluster, tmp_path
+):
     """With the outer rule, compressed pushes keep the unsent progress in the
     cache and a mirror of the ps (`downpour.stream_fetch`): both are replica
     state. A checkpoint at step 5 (mid-round, the cache ahead of its mirror)
@@ -234,20 +247,41 @@ def test_resume_with_stream_fetches_equals_an_uninterrupted_run(strategy, tmp_pa
         quantize_bits=2,
         quantize_chunk=2,
     )
+    run, copy = tmp_path / "run", tmp_path / "copy"
     first = _model(strategy, "adagrad", **config)
-    _fit(first, 1, str(tmp_path), steps_per_epoch=spe)
+    _fit(first, 1, str(run), steps_per_epoch=spe)
+    shutil.copytree(run, copy)  # The checkpoint at step 5, resumed twice.
     at_checkpoint = _worker_state(first)
-    assert at_checkpoint["stream/seen"].min() >= 0
+    assert at_checkpoint["stream/mirrored"] == 1
     resumed = _model(strategy, "adagrad", **config)
-    result = _fit(resumed, 2, str(tmp_path), steps_per_epoch=spe)
+    result = _fit(resumed, 2, str(run), steps_per_epoch=spe)
     assert result.initial_step == spe
     uninterrupted = _model(strategy, "adagrad", **config)
     _fit(uninterrupted, 2, steps_per_epoch=spe)
-    # Other logs, other sequence numbers; the resumed fetch at step 6 was
-    # whole: other bytes fetched.
-    _assert_same_state(
-        resumed, uninterrupted, but=("stream/seen", "stats/stream_bytes_fetched")
-    )
+    # The resumed fetch at step 6 was whole: other bytes fetched.
+    _assert_same_state(resumed, uninterrupted, but=("stats/stream_bytes_fetched",))
+    want = _snapshot(uninterrupted)  # Read before the cluster changes.
+    first_logs = len(hooks.of(first).state._stream.groups)
+    # Into one ps task: both shards of each variable share a log there (one
+    # log, where the checkpoint's run had two); the same resume, bit for bit.
+    partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner
+    try:
+        one_ps = strategy_lib.DistBeliefStrategy(
+            local_cluster.resolver_for(1, 1), partitioner(2)
+        )
+        downpour.enable(one_ps)
+        moved = _model(one_ps, "adagrad", **config)
+        assert len(hooks.of(moved).state._stream.groups) == 1
+        assert first_logs == 2
+        result = _fit(moved, 2, str(copy), steps_per_epoch=spe)
+        assert result.initial_step == spe
+        _assert_same_state(moved, want, but=("stats/stream_bytes_fetched",))
+    finally:
+        # Connected to the module's cluster again (1 worker, 2 ps): its
+        # `strategy` runs the tests after this one.
+        strategy_lib.DistBeliefStrategy(
+            local_cluster.resolver_for(1, 2), partitioner(2)
+        )
 
 
 @pytest.mark.slow

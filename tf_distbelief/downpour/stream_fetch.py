@@ -22,8 +22,9 @@ ps task, not per variable: a push and a fetch make a few transfers and ops
 per ps task whatever the number of variables on it.
 
 On each replica, per dense variable (`per_worker_variable=True`): the mirror
-`w'` of the ps values and the mirror `m'` of the outer momentum; per group,
-the `seq` its mirrors account for (-1: none). A fetch (`fetch_into_cache`)
+`w'` of the ps values and the mirror `m'` of the outer momentum; whether
+the mirrors hold a fetch (`mirrored`); per group, the `seq` its mirrors
+account for (-1: none in this process). A fetch (`fetch_into_cache`)
 reads each group's `seq`; mirrors at most `window` pushes behind replay the
 pushes logged since through `ResourceApplyKerasMomentum` (the ps's kernel:
 bit for bit the ps), after which their checksum must equal the last
@@ -46,11 +47,13 @@ index is sent (`n_fetch == n_push`: one per round).
 Ordering: pushes and whole fetches take one lock (`locked`, which says
 why a stream fetch needs none).
 
-The ps values and momentum stay the source of truth; the mirrors are replica
-state, the log is not checkpointed. A log starts at a random `origin`, and a
-restore of the ps values (`Downpour.after_restore`) moves its `seq` and
-floor past every mirror (`restart_log`): a restored mirror fetches whole and
-the cache moves by what it moved, as a replay would (exact resumes).
+The ps values and momentum stay the source of truth; the mirrors and
+`mirrored` are replica state, the log and the `seq`s are not checkpointed
+(so a checkpoint resumes into another number of ps tasks). A log starts at
+a random `origin`, and a restore of the ps values (`Downpour.after_restore`)
+moves its `seq` and floor past every mirror (`restart_log`): a restored
+mirror fetches whole and the cache moves by what it moved, as a replay
+would (exact resumes).
 
 Bytes of a fetch: each replica counts what its fetches move
 (`bytes_counter`); the rule, per group, is in docs/downpour.md
@@ -181,6 +184,7 @@ class StreamHandles(NamedTuple):
     mirrors: list  # `w'` per variable.
     momentums: list  # `m'` per variable.
     seen: tf.Tensor  # int64 `[groups]`: the `seq` each group's mirrors account for.
+    mirrored: tf.Tensor  # int64: 1 once the mirrors hold a fetch, 0 before.
     nbytes: tf.Tensor  # Bytes the replica's fetches moved.
     resyncs: tf.Tensor  # Stream fetches that went whole on a checksum mismatch.
     own: list  # Per group, its packed parts of the replica's last applied push.
@@ -291,9 +295,16 @@ class StreamFetch:
         self.mirror_momentums = base.per_worker_copies(
             self.variables, "stream_momentum"
         )
+        # Not replica state: after a restore the log is another (a new
+        # process) or restarted (`restart_log`), so each group's first fetch
+        # is whole whatever `seen` says; what is kept is whether the mirrors
+        # hold a fetch (`_mirrored`), which decides whether that fetch keeps
+        # the cache's unsent progress. So a checkpoint resumes into any
+        # number of ps tasks (of groups).
         self._seen = base.per_worker(
             "downpour/stream_seen", [len(self.groups)], tf.int64, fill=-1
         )
+        self._mirrored = base.per_worker("downpour/stream_mirrored", [], tf.int64)
         self._nbytes = base.per_worker("downpour/stream_bytes_fetched", [], tf.int64)
         self._resyncs = base.per_worker("downpour/stream_resyncs", [], tf.int64)
         self.own = [
@@ -316,6 +327,7 @@ class StreamFetch:
             mirrors=[m.handle for m in self.mirrors],
             momentums=[m.handle for m in self.mirror_momentums],
             seen=self._seen.handle,
+            mirrored=self._mirrored.handle,
             nbytes=self._nbytes.handle,
             resyncs=self._resyncs.handle,
             own=[[x.handle for x in parts] for parts in self.own],
@@ -323,12 +335,12 @@ class StreamFetch:
         )
 
     def worker_variables(self) -> dict[str, tf.Variable]:
-        """The bytes counter, the mirrors and the sequence numbers they
-        account for (`replica_state` checkpoints them), by key."""
+        """The counters, the mirrors and whether they hold a fetch
+        (`replica_state` checkpoints them), by key."""
         named = {
             "stats/stream_bytes_fetched": self._nbytes,
             "stats/stream_resyncs": self._resyncs,
-            "stream/seen": self._seen,
+            "stream/mirrored": self._mirrored,
         }
         for j, (m, u) in enumerate(zip(self.mirrors, self.mirror_momentums)):
             named[f"stream/mirror/{j}"] = m
@@ -376,7 +388,10 @@ class StreamFetch:
         """Ops making the running replica's next fetch whole, its cache reset
         to the ps values (a refused push)."""
         n = len(self.groups)
-        return [base.assign(sh.seen, tf.fill([n], tf.constant(-1, tf.int64)))]
+        return [
+            base.assign(sh.seen, tf.fill([n], tf.constant(-1, tf.int64))),
+            base.assign(sh.mirrored, tf.constant(0, tf.int64)),
+        ]
 
     def unsent(self, kh: base.KindHandles, sh: StreamHandles) -> list:
         """What a push compresses: `w' - cache` per variable, on the worker."""
@@ -481,6 +496,8 @@ class StreamFetch:
         pending = base.read(sh.own_pending, tf.int64) > 0
         ops = []
         seen_all = base.read(sh.seen, tf.int64)
+        # No mirror: the cache becomes the ps values.
+        fresh = tf.equal(base.read(sh.mirrored, tf.int64), 0)
         new_seen = []
         for g, group in enumerate(self.groups):
             last = seen_all[g]
@@ -488,10 +505,16 @@ class StreamFetch:
                 seq = base.read(self.seqs[g].handle, tf.int64)
                 floor = base.read(self.floors[g].handle, tf.int64)
                 behind = seq - last
-                fresh = last < 0  # No mirror: the cache becomes the ps values.
-                # Or a mirror from before a restore, of another log (a new
-                # process or a restarted ps), or behind the window.
-                whole = fresh | (last < floor) | (behind < 0) | (behind > self.window)
+                # Or a mirror from before a restore (no `seq` in this
+                # process, or of a restarted log), of another log (a
+                # restarted ps), or behind the window.
+                whole = (
+                    fresh
+                    | (last < 0)
+                    | (last < floor)
+                    | (behind < 0)
+                    | (behind > self.window)
+                )
             before = [base.read(sh.mirrors[j], self.variables[j].dtype) for j in group]
 
             def whole_fetch(g=g):
@@ -522,6 +545,7 @@ class StreamFetch:
             new_seen.append(at)
         with tf.control_dependencies(ops):
             ops.append(base.assign(sh.seen, tf.stack(new_seen)))
+            ops.append(base.assign(sh.mirrored, tf.constant(1, tf.int64)))
             ops.append(base.assign(sh.own_pending, tf.constant(0, tf.int64)))
         return ops
 
