@@ -82,13 +82,20 @@ def test_stream_fetches_are_on_with_the_outer_rule_and_compression():
     ids=["stale_damping", "staleness_scaled"],
 )
 def test_rules_applied_on_the_ps_are_refused_with_stream_fetches(other):
-    config = Config(3, 3, **OUTER, **COMPRESSED, **other)
     (name,) = other
-    match = rf"cannot be combined with push rules applied on the ps.*{name}"
+    match = rf"cannot be combined with push rules applied on the ps.*`{name}`"
     with pytest.raises(ValueError, match=match):
-        stream_fetch.check_rules(config)
-    stream_fetch.check_rules(Config(3, 3, **OUTER, **COMPRESSED))
-    stream_fetch.check_rules(Config(3, 3, **OUTER, **other))
+        Config(3, 3, **OUTER, **COMPRESSED, **other)
+    Config(3, 3, **OUTER, **other)  # Without compression: no stream.
+
+
+def test_stream_fetches_need_one_fetch_per_push_round():
+    match = r"needs `n_fetch` equal to `n_push`.*Received: n_fetch=6, n_push=3"
+    with pytest.raises(ValueError, match=match):
+        Config(6, 3, **OUTER, **COMPRESSED)
+    # With sparse fetches (outer momentum 0) a fetch is not a replay.
+    sparse = dict(outer_momentum=0.0, top_k_fraction=0.1, sparse_fetches=True)
+    Config(6, 3, outer_learning_rate=0.7, **sparse)
 
 
 @pytest.mark.parametrize("num_ps", [2, 1], ids=["two_logs", "one_log"])

@@ -72,7 +72,6 @@ from tf_distbelief.downpour import base, update_stream
 __all__ = [
     "StreamFetch",
     "StreamHandles",
-    "check_rules",
     "checksum",
     "create",
     "is_on",
@@ -119,32 +118,6 @@ def is_on(config) -> bool:
     return outer and not sparse and any(r.compresses for r in rules)
 
 
-def check_rules(config) -> None:
-    """Raises if update-stream fetches meet another rule applied on the ps.
-
-    A replica replays each logged push through the outer Nesterov alone, so
-    a rule that corrects or scales the push on the ps (stale damping, the
-    staleness factor, delay compensation) would leave the mirrors off the ps.
-
-    Raises:
-      ValueError: naming the rules.
-    """
-    if not is_on(config):
-        return
-    others = [
-        r.name
-        for r in config.rules
-        if not (r.compresses or (r.replaces_optimizer and r.pushes_deltas))
-    ]
-    if others:
-        raise ValueError(
-            "Compressed pushes with the outer optimizer (update-stream fetches, "
-            "replayed through the outer Nesterov alone) cannot be combined with "
-            f"push rules applied on the ps. Received: {', '.join(others)} with "
-            f"outer_learning_rate={config.outer_learning_rate!r}"
-        )
-
-
 def create(config, variables: list, groups, strategy, rules, compression, tokens):
     """The `StreamFetch` of a replica's dense variables, or None when off.
 
@@ -159,12 +132,12 @@ def create(config, variables: list, groups, strategy, rules, compression, tokens
       tokens: the optimizer's `exactly_once.StepTokens`, whose critical
         section pushes and whole fetches run in.
 
-    Raises:
-      ValueError: another rule applied on the ps is on (`check_rules`).
+    A config with update-stream fetches has `n_fetch == n_push` and no rule
+    applied on the ps besides the outer one (`push_rules.rule`,
+    `check_compressible`).
     """
     if not is_on(config):
         return None
-    check_rules(config)
     outer = next(r for r in config.rules if r.replaces_optimizer)
     return StreamFetch(
         variables,

@@ -150,9 +150,7 @@ def step_traffic(
         one_push = push_bytes.push_bytes(setting, num_params)
         pushed = one_push / setting.n_push
         if setting.outer:
-            fetched = push_bytes.stream_fetch_bytes(
-                setting, one_push, num_params, num_workers
-            )
+            fetched = push_bytes.stream_fetch_bytes(setting, one_push, num_workers)
     return records.Traffic(fetched + fixed, pushed + fixed)
 
 

@@ -15,13 +15,16 @@ What a replica fetches depends on the outer rule:
   each as coded as it was pushed: `W` replicas at equal speed log
   `W * n_fetch / n_push` pushes of `P` bytes between two fetches of one
   replica, so a step fetches `W * P / n_push`; with one replica only the
-  index of its own push comes back (nothing). A replica further behind than
-  the log's window (`update_stream.stream_window(W)` pushes, 4 rounds of
-  every replica's) fetches whole, the values and the outer momentum:
-  `2 * M / n_fetch` a step (`M` the model's bytes), twice the uncompressed
-  outer rule's fetch. The ps sends each push it receives to every replica,
-  so what a shard sends grows with the square of the replica count: past
-  `W = 2 * M / P` replicas the stream costs more than whole fetches would.
+  index of its own push comes back (nothing). A compressed push with the
+  outer rule has `n_fetch == n_push` (`push_rules.rule.check_compressible`),
+  so replicas at equal speed are `W` pushes behind at each fetch, within
+  the log's window (`update_stream.stream_window(W)`: 4 rounds); a replica
+  further behind (a straggler) would fetch whole, which is not modelled.
+  The ps sends each push it receives to every replica, so what a shard
+  sends grows with the square of the replica count: past `W = M / P`
+  replicas (`M` the model's bytes) the stream costs a replica more than the
+  uncompressed outer rule's fetch, past `2 * M / P` more than a whole fetch
+  of values and momentum.
 * **Without it**: error feedback, and the fetch is the whole model every
   `n_fetch` steps, as uncompressed Downpour's.
 
@@ -34,9 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tf_distbelief.downpour import update_stream
 from tf_distbelief.downpour.push_rules import reference, rule
-from tf_distbelief.planner import records
 
 __all__ = ["push_bytes", "stream_fetch_bytes"]
 
@@ -58,25 +59,18 @@ def push_bytes(setting, num_params: int) -> int:
     return reference.push_nbytes(rule.resolve(setting.downpour_config()), [flat])
 
 
-def stream_fetch_bytes(
-    setting, push_nbytes: int, num_params: int, num_workers: int
-) -> float:
+def stream_fetch_bytes(setting, push_nbytes: int, num_workers: int) -> float:
     """Bytes a replica's update-stream fetches move per step, on average.
 
     Args:
       setting: a `records.Setting` that compresses, with the outer rule.
       push_nbytes: the bytes of one of its pushes (`push_bytes`).
-      num_params: trainable parameters (float32).
       num_workers: model replicas.
 
     Returns:
-      `num_workers * push_nbytes / n_push`, or past the log's window the
-      whole fetch's `2 * 4 * num_params / n_fetch` (module docstring); 0
-      with one replica.
+      `num_workers * push_nbytes / n_push` (module docstring); 0 with one
+      replica.
     """
     if num_workers == 1:
         return 0.0
-    window = update_stream.stream_window(num_workers)
-    if num_workers * setting.n_fetch / setting.n_push > window:
-        return 2.0 * records.BYTES_PER_PARAM * num_params / setting.n_fetch
     return num_workers * push_nbytes / setting.n_push

@@ -351,17 +351,24 @@ def check_int(name: str, value, lowest: int, meaning: str = "") -> None:
 
 
 def check_compressible(config, name: str) -> None:
-    """Raises if a compressing rule, `name` on, meets pushed squared gradients.
+    """Raises if a compressing rule, `name` on, meets what it cannot run with.
 
     With AdaGrad's `adagrad_accumulator="squares"` and `n_push > 1` a push
     sends the steps' squared gradients whole along with the gradient: as many
     bytes as the uncompressed gradient, and no residual can carry what a
     compressed square leaves out. Pushes of parameter deltas send no squares.
 
+    With the outer optimizer (and no `sparse_fetches`) fetches replay the
+    ps's log of compressed pushes (`downpour.stream_fetch`), one fetch per
+    push round: `n_fetch` must equal `n_push` (as the NumPy reference,
+    `downpour.update_stream`, runs it), and a rule that corrects or scales a
+    push on the ps would leave the replicas' replays off the ps.
+
     Raises:
-      ValueError: naming `name`, the accumulator mode and `n_push`.
+      ValueError: naming `name` and the settings it meets.
     """
-    deltas = any(r.pushes_deltas and r.is_on(config) for r in rules())
+    on = [r for r in rules() if r.is_on(config)]
+    deltas = any(r.pushes_deltas for r in on)
     if config.pushes_squares and not deltas:
         raise ValueError(
             f"Argument `{name}` needs `adagrad_accumulator` 'mean' or 'sum' "
@@ -369,6 +376,24 @@ def check_compressible(config, name: str) -> None:
             "steps' squared gradients, uncompressed. Received: "
             f"adagrad_accumulator={config.adagrad_accumulator!r}, "
             f"n_push={config.n_push}"
+        )
+    outer = next((r for r in on if r.replaces_optimizer and r.pushes_deltas), None)
+    if outer is None or any(r.marks_changes for r in on):
+        return
+    if config.n_fetch != config.n_push:
+        raise ValueError(
+            f"Argument `{name}` with `{outer.name}` (update-stream fetches) "
+            "needs `n_fetch` equal to `n_push`: each fetch replays one round "
+            f"of pushes. Received: n_fetch={config.n_fetch}, "
+            f"n_push={config.n_push}"
+        )
+    others = [r.name for r in on if not (r.selects or r.codes or r is outer)]
+    if others:
+        raise ValueError(
+            f"Argument `{name}` with `{outer.name}` (update-stream fetches, "
+            f"replayed through the outer Nesterov alone) cannot be combined "
+            "with push rules applied on the ps. Received: "
+            + ", ".join(f"`{n}`" for n in others)
         )
 
 
