@@ -608,9 +608,17 @@ def test_nonfinite_stops_the_job_naming_the_step_and_no_checkpoint_holds_it(
 
 
 @pytest.mark.slow
-def test_nonfinite_skip_ends_the_job_with_a_warning_counting_the_skipped_steps():
+@pytest.mark.parametrize(
+    "flags, unit",
+    [([], "steps"), (["--downpour", "--n_fetch=2", "--n_push=2"], "pushes")],
+    ids=["stock", "downpour"],
+)
+def test_nonfinite_skip_ends_the_job_with_a_warning_counting_what_it_skipped(
+    flags, unit
+):
     """With `--nonfinite=skip` the same job ends (exit 0, the user asked to
-    skip), and its last lines say how many of its steps did nothing."""
+    skip), and its last lines say how many of its steps (Downpour: pushes)
+    did nothing."""
     marker = uuid.uuid4().hex
     proc = _train(
         [
@@ -618,19 +626,20 @@ def test_nonfinite_skip_ends_the_job_with_a_warning_counting_the_skipped_steps()
             "--learning_rate=1e30",
             "--nonfinite=skip",
             "--steps_per_execution=1",
+            *flags,
         ],
         marker,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("warning:")]
     match = re.fullmatch(
-        r"warning: ([\d,]+) of ([\d,]+) steps skipped for a NaN or inf gradient "
-        r"\(--nonfinite=skip\): their updates were not applied",
+        rf"warning: ([\d,]+) of ([\d,]+) {unit} skipped for a NaN or inf "
+        r"gradient \(--nonfinite=skip\): their updates were not applied",
         line,
     )
     assert match, line
-    skipped, steps = (int(g.replace(",", "")) for g in match.groups())
-    assert 0 < skipped <= steps
+    skipped, made = (int(g.replace(",", "")) for g in match.groups())
+    assert 0 < skipped <= made
     assert "test accuracy" in proc.stdout
     assert _wait_no_marked(marker) == []
 

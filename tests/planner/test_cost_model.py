@@ -374,3 +374,6 @@ def test_command_line_refuses_bad_arguments():
     assert "`--step_jitter_ms` must be a finite number >= 0. Received: -2.0" in (
         proc.stderr
     )
+    proc = _planner("--params=lots", "--workers=2", "--step_ms=10")
+    assert proc.returncode == 2
+    assert "error: `--params` must be a positive count such as 42M" in proc.stderr

@@ -75,28 +75,37 @@ def quiet_reported_failures() -> None:
     tf.get_logger().addFilter(_QUIET)
 
 
-def skipped_line(skipped: int, steps: int) -> str | None:
-    """The job's closing warning when `nonfinite="skip"` skipped steps.
+def skipped_line(skipped: int, total: int, unit: str = "steps") -> str | None:
+    """The job's closing warning when `nonfinite="skip"` skipped updates.
 
     A job whose every step was skipped still ends with exit status 0 (the
     user asked to skip); this line, printed after training, says how much of
-    it did nothing. Downpour's summary line counts its dropped pushes
-    itself (`downpour.report.summary_line`).
+    it did nothing.
 
     Args:
-      skipped: steps of this run whose update was skipped for a NaN or inf.
-      steps: steps this run took.
+      skipped: steps (Downpour: pushes) of this run whose update was skipped
+        for a NaN or inf.
+      total: steps (pushes) this run took.
+      unit: `"steps"` or `"pushes"`.
 
     Returns:
-      `warning: 99 of 100 steps skipped ...`, or None when none was skipped.
+      `warning: 98 of 100 steps skipped ...`, or None when none was skipped.
     """
     if skipped <= 0:
         return None
     return (
-        f"warning: {console.count(skipped)} of {console.count(steps)} steps "
+        f"warning: {console.count(skipped)} of {console.count(total)} {unit} "
         "skipped for a NaN or inf gradient (--nonfinite=skip): their updates "
         "were not applied"
     )
+
+
+def downpour_skipped_line(stats) -> str | None:
+    """`skipped_line` of a Downpour run: its replicas' pushes refused for a
+    NaN or inf, of all they made (`stats`: `Downpour.stats()`)."""
+    skipped = sum(s.nonfinite_pushes for s in stats)
+    made = sum(s.pushes + s.dropped_pushes + s.nonfinite_pushes for s in stats)
+    return skipped_line(skipped, made, "pushes")
 
 
 def error_from(error: Exception) -> errors.NonFiniteError | None:

@@ -221,12 +221,14 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
     train_secs = time.monotonic() - start
     test_accuracy = training.accuracy(model, *test) if test is not None else None
     if algorithm is not None:
-        print_fn(downpour_report.summary_line(algorithm.read_counters()))
+        counters = algorithm.read_counters()
+        print_fn(downpour_report.summary_line(counters))
+        skipped = nonfinite.downpour_skipped_line(counters)
     else:
         steps = result.steps - result.initial_step
         skipped = nonfinite.skipped_line(result.nonfinite_skipped, steps)
-        if skipped is not None:
-            print_fn(skipped)
+    if skipped is not None:
+        print_fn(skipped)
     if test_accuracy is not None:
         print_fn(f"test accuracy: {test_accuracy:.4f}")
     _export(config, spec, model, print_fn)

@@ -165,12 +165,14 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
     predictions = model.predict(x_test, batch_size=256, verbose=0)
     test_accuracy = float(np.mean(predictions.argmax(-1) == y_test))
     if history.downpour is not None:
-        print_fn(downpour_report.summary_line(history.downpour.stats()))
+        counters = history.downpour.stats()
+        print_fn(downpour_report.summary_line(counters))
+        skipped = nonfinite.downpour_skipped_line(counters)
     else:
         steps = history.steps - history.initial_step
         skipped = nonfinite.skipped_line(history.nonfinite_skipped, steps)
-        if skipped is not None:
-            print_fn(skipped)
+    if skipped is not None:
+        print_fn(skipped)
     print_fn(f"test accuracy: {test_accuracy:.4f}")
     written = None
     if config.export_dir:

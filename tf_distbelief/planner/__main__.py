@@ -142,7 +142,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         nic = _rate(args.nic, "--nic")
         ps_nic = nic if args.ps_nic is None else _rate(args.ps_nic, "--ps_nic")
         args.cluster = records.Cluster(
-            num_params=cost_model.parse_count(args.params, "--params"),
+            num_params=cost_model.parse_count(args.params, "params"),
             num_workers=args.workers,
             num_ps=args.ps,
             worker_bits_per_sec=nic,
