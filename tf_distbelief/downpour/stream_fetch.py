@@ -18,8 +18,8 @@ fixed size per push; one variable per part, `[capacity, size]`, the group's
 variables' parts concatenated as the push carried them), its replica, and
 the group's `checksum` after it, written at slot `seq % capacity` after the
 update and before `seq` moves: an entry below `seq` is whole. One log per
-ps task, not per variable: a push and a fetch make a few transfers and ops
-per ps task whatever the number of variables on it.
+ps task, not per variable, so that a push and a fetch make a few transfers
+per ps task.
 
 On each replica, per dense variable (`per_worker_variable=True`): the mirror
 `w'` of the ps values and the mirror `m'` of the outer momentum; whether
@@ -44,10 +44,7 @@ cache to the ps values. A replica keeps its own last applied push's parts
 (`keep_sent`): when that is the only push a stream fetch replays, only its
 index is sent (`n_fetch == n_push`: one per round).
 
-Ordering: pushes and whole fetches take one lock (`locked`, which says
-why a stream fetch needs none).
-
-The ps values and momentum stay the source of truth; the mirrors and
+Ordering: pushes and whole fetches take one lock (`locked`). The ps values and momentum stay the source of truth; the mirrors and
 `mirrored` are replica state, the log and the `seq`s are not checkpointed
 (so a checkpoint resumes into another number of ps tasks). A log starts at
 a random `origin`, and a restore of the ps values (`Downpour.after_restore`)

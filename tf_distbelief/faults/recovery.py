@@ -41,6 +41,7 @@ job instead of looping.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -222,6 +223,26 @@ def _no_recovery_error(lost, why: str, model_dir) -> PsLostError:
     )
 
 
+class _QuietPsLoss(logging.Filter):
+    """Drops TensorFlow's ERROR records of a closure that failed because a
+    ps task was unreachable (`UNAVAILABLE` naming `/job:ps/`).
+
+    The coordinator logs each failed closure, and the cancellation of the
+    rest, with the gRPC chain: about 60 lines for one lost ps task, ahead of
+    the one `ps task lost:` line that `run_with_ps_recovery` prints for it
+    (or the `PsLostError` that ends the job). A worker's loss, which
+    TensorFlow handles itself, names no ps task and is kept.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        unavailable = "UNAVAILABLE" in message or "UnavailableError" in message
+        return not (unavailable and "/job:ps/" in message)
+
+
+_QUIET_PS_LOSS = _QuietPsLoss()
+
+
 def run_with_ps_recovery(
     attempt: Callable[[], dict],
     ps_addresses: Sequence[str],
@@ -255,6 +276,17 @@ def run_with_ps_recovery(
         times in a row with no new checkpoint in between.
       Anything else `attempt` raises.
     """
+    tf_logger = tf.get_logger()
+    tf_logger.addFilter(_QUIET_PS_LOSS)
+    try:
+        return _attempts(attempt, ps_addresses, model_dir, ps_recovery_secs, print_fn)
+    finally:
+        tf_logger.removeFilter(_QUIET_PS_LOSS)
+
+
+def _attempts(attempt, ps_addresses, model_dir, ps_recovery_secs, print_fn) -> dict:
+    """`run_with_ps_recovery`'s loop (its arguments), TensorFlow's records of
+    the losses it reports kept off the console."""
     recoveries = stalled = 0
     last_restored = None
     while True:
