@@ -44,13 +44,13 @@ cache to the ps values. A replica keeps its own last applied push's parts
 (`keep_sent`): when that is the only push a stream fetch replays, only its
 index is sent (`n_fetch == n_push`: one per round).
 
-Ordering: pushes and whole fetches take one lock (`locked`). The ps values and momentum stay the source of truth; the mirrors and
-`mirrored` are replica state, the log and the `seq`s are not checkpointed
-(so a checkpoint resumes into another number of ps tasks). A log starts at
-a random `origin`, and a restore of the ps values (`Downpour.after_restore`)
-moves its `seq` and floor past every mirror (`restart_log`): a restored
-mirror fetches whole and the cache moves by what it moved, as a replay
-would (exact resumes).
+Pushes and whole fetches take one lock (`locked`). The ps values and
+momentum stay the source of truth; the mirrors and `mirrored` are replica
+state, the log and the `seq`s are not checkpointed (a checkpoint resumes
+into another number of ps tasks). A log starts at a random `origin`, and a
+restore of the ps values (`Downpour.after_restore`) moves its `seq` and
+floor past every mirror (`restart_log`): a restored mirror fetches whole
+and the cache moves by what it moved, as a replay would (exact resumes).
 
 Bytes of a fetch: each replica counts what its fetches move
 (`bytes_counter`); the rule, per group, is in docs/downpour.md
