@@ -100,14 +100,6 @@ def skipped_line(skipped: int, total: int, unit: str = "steps") -> str | None:
     )
 
 
-def downpour_skipped_line(stats) -> str | None:
-    """`skipped_line` of a Downpour run: its replicas' pushes refused for a
-    NaN or inf, of all they made (`stats`: `Downpour.stats()`)."""
-    skipped = sum(s.nonfinite_pushes for s in stats)
-    made = sum(s.pushes + s.dropped_pushes + s.nonfinite_pushes for s in stats)
-    return skipped_line(skipped, made, "pushes")
-
-
 def error_from(error: Exception) -> errors.NonFiniteError | None:
     """The `errors.NonFiniteError` a failed check raised as `error`, or None.
 

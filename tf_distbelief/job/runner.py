@@ -220,15 +220,10 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
     )
     train_secs = time.monotonic() - start
     test_accuracy = training.accuracy(model, *test) if test is not None else None
-    if algorithm is not None:
-        counters = algorithm.read_counters()
-        print_fn(downpour_report.summary_line(counters))
-        skipped = nonfinite.downpour_skipped_line(counters)
-    else:
-        steps = result.steps - result.initial_step
-        skipped = nonfinite.skipped_line(result.nonfinite_skipped, steps)
-    if skipped is not None:
-        print_fn(skipped)
+    counters = None if algorithm is None else algorithm.read_counters()
+    steps = result.steps - result.initial_step
+    for line in closing_lines(counters, result.nonfinite_skipped, steps):
+        print_fn(line)
     if test_accuracy is not None:
         print_fn(f"test accuracy: {test_accuracy:.4f}")
     _export(config, spec, model, print_fn)
@@ -239,6 +234,28 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
         "history": result.history,
         "train_secs": train_secs,
     }
+
+
+def closing_lines(downpour_stats, skipped_steps: int, steps: int) -> list[str]:
+    """The lines a training job prints after its last step, before its test
+    accuracy: Downpour's summary (`downpour.report.summary_line`), and a
+    warning when `--nonfinite=skip` skipped updates
+    (`faults.nonfinite.skipped_line`: steps, or a Downpour run's pushes).
+
+    Args:
+      downpour_stats: each replica's counters (`Downpour.stats()`), or None
+        for stock training.
+      skipped_steps: stock training's steps skipped in this run.
+      steps: stock training's steps in this run.
+    """
+    if downpour_stats is None:
+        warning = nonfinite.skipped_line(skipped_steps, steps)
+        return [] if warning is None else [warning]
+    skipped = sum(s.nonfinite_pushes for s in downpour_stats)
+    made = sum(s.pushes + s.dropped_pushes + s.nonfinite_pushes for s in downpour_stats)
+    warning = nonfinite.skipped_line(skipped, made, "pushes")
+    lines = [downpour_report.summary_line(downpour_stats)]
+    return lines + ([] if warning is None else [warning])
 
 
 def _train_sandblaster(config, spec, strategy, train_data, test_data, print_fn) -> dict:

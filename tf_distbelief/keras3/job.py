@@ -21,8 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_distbelief import checks, console
-from tf_distbelief.downpour import report as downpour_report
-from tf_distbelief.faults import goodput, nonfinite, recovery
+from tf_distbelief.faults import goodput, recovery
 from tf_distbelief.fit import export
 from tf_distbelief.job import runner
 from tf_distbelief.job import spec as spec_lib
@@ -164,15 +163,10 @@ def _train_attempt(config, spec, cluster_resolver, print_fn) -> dict:
     train_secs = time.monotonic() - start
     predictions = model.predict(x_test, batch_size=256, verbose=0)
     test_accuracy = float(np.mean(predictions.argmax(-1) == y_test))
-    if history.downpour is not None:
-        counters = history.downpour.stats()
-        print_fn(downpour_report.summary_line(counters))
-        skipped = nonfinite.downpour_skipped_line(counters)
-    else:
-        steps = history.steps - history.initial_step
-        skipped = nonfinite.skipped_line(history.nonfinite_skipped, steps)
-    if skipped is not None:
-        print_fn(skipped)
+    counters = None if history.downpour is None else history.downpour.stats()
+    steps = history.steps - history.initial_step
+    for line in runner.closing_lines(counters, history.nonfinite_skipped, steps):
+        print_fn(line)
     print_fn(f"test accuracy: {test_accuracy:.4f}")
     written = None
     if config.export_dir:
