@@ -32,7 +32,12 @@ from tests.fixtures.downpour import (
 from tests.fixtures.helpers import cluster_bytes
 from tf_distbelief import downpour
 from tf_distbelief.downpour import config as downpour_config
-from tf_distbelief.downpour import replica_state, stream_fetch, update_stream
+from tf_distbelief.downpour import (
+    replica_state,
+    stream_fetch,
+    update_log,
+    update_stream,
+)
 from tf_distbelief.tf_internals import variables as tf_variables
 
 Config = downpour_config.DownpourConfig
@@ -146,9 +151,9 @@ def test_trainer_matches_update_stream_one_worker(local_cluster, num_ps):
     # A restore of the ps values moves each log past every mirror: the next
     # fetch is whole (values and momentum) and the mirror is the ps's.
     replica_state.ReplicaState(trainer.downpour).write_back(None)
-    seqs = [int(s.numpy()) for s in stream.seqs]
-    assert all(n > stats.pushes + stream.capacity for n in _logged(stream))
-    assert [int(f.numpy()) for f in stream.floors] == seqs
+    seqs = [int(s.numpy()) for s in stream.log.seqs]
+    assert all(n > stats.pushes + stream.log.capacity for n in _logged(stream))
+    assert [int(f.numpy()) for f in stream.log.floors] == seqs
     trainer.step(iterator)  # A fetch (the replica starts fresh), no push.
     trainer.join()
     values, momentums = _mirrors(stream, 0)
@@ -203,7 +208,7 @@ def _resyncs(trainer):
 
 def _logged(stream):
     """Each log's sequence number from its start."""
-    return [int(s.numpy()) - stream.origin for s in stream.seqs]
+    return [int(s.numpy()) - stream.log.origin for s in stream.log.seqs]
 
 
 def _mirrors(stream, worker):
@@ -303,7 +308,7 @@ def test_a_mirror_off_the_ps_is_resynced_whole(local_cluster):
     trainer.join()
     assert _resyncs(trainer) == [1]
     assert _logged(stream) == [3, 3]
-    assert list(stream._seen.read_all()[0].numpy()) == [stream.origin + 3] * 2
+    assert list(stream._seen.read_all()[0].numpy()) == [stream.log.origin + 3] * 2
     values, momentums = _mirrors(stream, 0)
     ps_values, ps_momentums = _ps_state(stream)
     for got, want in zip(values + momentums, ps_values + ps_momentums):
@@ -334,21 +339,21 @@ def test_concurrent_pushes_are_logged_in_update_order(local_cluster):
     stats = trainer.stats()
     pushes = [s.pushes for s in stats]
     total = sum(pushes)
-    assert min(pushes) > 0 and total <= stream.capacity
+    assert min(pushes) > 0 and total <= stream.log.capacity
     assert _logged(stream) == [total] * 2
     assert _resyncs(trainer) == [0, 0]
     lr, mu = stream.learning_rate, stream.momentum
     for g, group in enumerate(stream.groups):
-        slots = [(stream.origin + k) % stream.capacity for k in range(total)]
-        pushers = stream.pushers[g].numpy()[slots]
+        slots = [(stream.log.origin + k) % stream.log.capacity for k in range(total)]
+        pushers = stream.log.pushers[g].numpy()[slots]
         assert [int(np.sum(pushers == w)) for w in range(2)] == pushes
-        logs = [log.numpy() for log in stream.logs[g]]
-        sums = stream.sums[g].numpy()
+        logs = [log.numpy() for log in stream.log.logs[g]]
+        sums = stream.log.sums[g].numpy()
         ws = [tf.Variable(initial[j]) for j in group]
         ms = [tf.Variable(tf.zeros_like(initial[j])) for j in group]
         for slot in slots:
             packed = [tf.constant(part[slot]) for part in logs]
-            for j, w, m, parts in zip(group, ws, ms, stream._unpack(g, packed)):
+            for j, w, m, parts in zip(group, ws, ms, stream.log.unpack(g, packed)):
                 tf.raw_ops.ResourceApplyKerasMomentum(
                     var=w.handle,
                     accum=m.handle,
@@ -358,7 +363,7 @@ def test_concurrent_pushes_are_logged_in_update_order(local_cluster):
                     use_locking=False,
                     use_nesterov=True,
                 )
-            assert int(stream_fetch.checksum(ws + ms)) == sums[slot]
+            assert int(update_log.checksum(ws + ms)) == sums[slot]
         for j, w, m in zip(group, ws, ms):
             np.testing.assert_array_equal(w.numpy(), stream.variables[j].numpy())
             np.testing.assert_array_equal(m.numpy(), stream.momentums[j].numpy())

@@ -155,6 +155,6 @@ def test_counted_push_bytes_are_the_wire_codings(local_cluster):
     (stats,) = trainer.stats()
     assert stats.pushes > 0
     assert stats.bytes_pushed == stats.pushes * sum(per_variable)
-    assert trainer.downpour._stream.part_nbytes == per_variable
+    assert trainer.downpour._stream.log.part_nbytes == per_variable
     line = report.summary_line([stats])
     assert line.endswith(f"pushed {console.size(stats.pushes * sum(per_variable))}")

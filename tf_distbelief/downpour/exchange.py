@@ -365,7 +365,7 @@ class Exchange:
                     return apply_push()[0]
                 # The update and its log entry in the section a gated push
                 # takes (`stream_fetch`, "Ordering").
-                return self.stream.locked(lambda: apply_push()[0])
+                return self.stream.log.locked(lambda: apply_push()[0])
 
             staleness, applied, status = tf.cond(ready, apply_now, lambda: refuse()[0])
         else:
@@ -498,7 +498,7 @@ class Exchange:
         `push_rules.on_ps.PushRules.apply` applies it (`staleness`: read
         before the push when the rule needs it; `worker`: the replica's
         index). With update-stream fetches each variable's push is logged
-        after its update (`stream_fetch.StreamFetch.append`), and the
+        after its update (`update_log.UpdateLog.append`), and the
         returned tensors come after the log's entries.
 
         Args:
@@ -518,7 +518,7 @@ class Exchange:
             first = len(graph.get_operations())
             updates = self.rules.apply(grads, squares, steps, staleness, worker)
             if self.stream is not None:
-                appended = self.stream.append(parts, updates, worker)
+                appended = self.stream.log.append(parts, updates, worker)
                 # What follows the push (its count, the token's write, the
                 # critical section's release) follows its log entries too.
                 grads = [

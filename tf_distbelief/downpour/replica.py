@@ -531,7 +531,7 @@ class Downpour:
         if self._sparse is not None:
             self._sparse.flag_all()
         if self._stream is not None:
-            self._stream.restart_log()
+            self._stream.log.restart()
 
     def worker_variables(self) -> dict[str, tf.Variable]:
         """Every per-worker variable (a replica's state) by key (position)."""

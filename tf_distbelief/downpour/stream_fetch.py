@@ -10,16 +10,9 @@ compressed pushes through the same Nesterov update, so a fetch moves the
 pushes applied since the replica's last fetch, not the model, and the outer
 momentum is kept.
 
-On the ps, per group of dense variables a push packs together (those of
-one ps task and dtype, `dense.DenseVariables.groups`): a sequence number
-`seq` (int64, pushes logged) and a ring of the last `capacity` pushes
-(`append`): each one's encoded parts (`compression.CompressedPush`'s, a
-fixed size per push; one variable per part, `[capacity, size]`, the group's
-variables' parts concatenated as the push carried them), its replica, and
-the group's `checksum` after it, written at slot `seq % capacity` after the
-update and before `seq` moves: an entry below `seq` is whole. One log per
-ps task, not per variable, so that a push and a fetch make a few transfers
-per ps task.
+On the ps, per ps task and dtype, the log of the pushes it applied
+(`update_log.UpdateLog`: a sequence number `seq`, a ring of encoded pushes,
+their replicas and checksums).
 
 On each replica, per dense variable (`per_worker_variable=True`): the mirror
 `w'` of the ps values and the mirror `m'` of the outer momentum; whether
@@ -44,13 +37,13 @@ cache to the ps values. A replica keeps its own last applied push's parts
 (`keep_sent`): when that is the only push a stream fetch replays, only its
 index is sent (`n_fetch == n_push`: one per round).
 
-Pushes and whole fetches take one lock (`locked`). The ps values and
-momentum stay the source of truth; the mirrors and `mirrored` are replica
-state, the log and the `seq`s are not checkpointed (a checkpoint resumes
-into another number of ps tasks). A log starts at a random `origin`, and a
-restore of the ps values (`Downpour.after_restore`) moves its `seq` and
-floor past every mirror (`restart_log`): a restored mirror fetches whole
-and the cache moves by what it moved, as a replay would (exact resumes).
+Pushes and whole fetches take the log's lock (`UpdateLog.locked`, which
+says why a stream fetch needs none). The ps values and momentum stay the
+source of truth; the mirrors and `mirrored` are replica state, the log and
+the `seq`s are not checkpointed, so a checkpoint resumes into another
+number of ps tasks. A restore of the ps values (`Downpour.after_restore`)
+restarts the log (`UpdateLog.restart`): a restored mirror fetches whole and
+the cache moves by what it moved, as a replay would (exact resumes).
 
 Bytes of a fetch: each replica counts what its fetches move
 (`bytes_counter`); the rule, per group, is in docs/downpour.md
@@ -59,17 +52,15 @@ Bytes of a fetch: each replica counts what its fetches move
 
 from __future__ import annotations
 
-import random
 from typing import NamedTuple
 
 import tensorflow as tf
 
-from tf_distbelief.downpour import base, update_stream
+from tf_distbelief.downpour import base, update_log, update_stream
 
 __all__ = [
     "StreamFetch",
     "StreamHandles",
-    "checksum",
     "create",
     "is_on",
 ]
@@ -79,31 +70,6 @@ __all__ = [
 _SEQ_BYTES = 8
 _ID_BYTES = 8
 _SUM_BYTES = 8
-# The integer type each float's bits are summed as, by the float's bytes (a
-# float64 is two int32s): the int64 sum of fewer than 2**32 such values
-# cannot overflow.
-_BITS = {2: tf.int16, 4: tf.int32, 8: tf.int32}
-
-
-def checksum(values) -> tf.Tensor:
-    """The int64 sum of the bit patterns of `values` (float tensors).
-
-    Bit-identical values give the same sum on any device and in any order of
-    summation (integer addition is exact), so two copies are compared
-    exactly; one differing bit changes it.
-
-    Args:
-      values: float tensors (16, 32 or 64 bits), each of fewer than 2**31
-        entries.
-
-    Returns:
-      An int64 scalar.
-    """
-    total = tf.constant(0, tf.int64)
-    for x in values:
-        bits = tf.bitcast(x, _BITS[x.dtype.size])
-        total += tf.reduce_sum(tf.cast(bits, tf.int64))
-    return total
 
 
 def is_on(config) -> bool:
@@ -162,7 +128,8 @@ class StreamHandles(NamedTuple):
 
 
 class StreamFetch:
-    """The logs on the ps and the mirrors on the workers (module docstring).
+    """The replicas' mirrors of the ps, kept by replaying its log (module
+    docstring).
 
     Create it under the strategy's scope.
 
@@ -176,21 +143,11 @@ class StreamFetch:
       outer: the outer rule (`learning_rate`, `momentum`).
       window: pushes a replica may be behind and still replay.
       tokens: the optimizer's `exactly_once.StepTokens` (its critical
-        section: `locked`).
+        section: `update_log.UpdateLog.locked`).
 
     Attributes:
       groups: per group, the indices of its variables.
-      seqs: per group, its int64 sequence number on its ps.
-      logs: per group, one `[capacity, size]` variable per encoded part,
-        its variables' parts of a push concatenated in group order.
-      pushers: per group, the int64 `[capacity]` replica of each logged push.
-      sums: per group, the int64 `[capacity]` `checksum` of the group's
-        variables (and momentums) after each logged push.
-      floors: per group, the int64 `seq` of its last restart: a mirror older
-        than it fetches whole.
-      origin: the sequence numbers' start.
-      capacity: the ring's entries, `window + num_workers`.
-      part_nbytes: per group, bytes of one push's encoded parts.
+      log: the `update_log.UpdateLog` on the ps tasks.
     """
 
     def __init__(
@@ -211,62 +168,22 @@ class StreamFetch:
         self.learning_rate = float(outer.learning_rate)
         self.momentum = float(outer.momentum)
         self.window = int(window)
-        self.capacity = self.window + int(strategy.num_workers)
-        self.seqs, self.logs, self.part_specs, self.part_nbytes = [], [], [], []
-        self.pushers, self.floors, self.sums = [], [], []
-        # Per group, per part: each variable's length of it (1-D parts).
-        self._piece_sizes = []
-        self._section = tokens.section
-        self._section_device = tokens.ring.device
-        # A log created anew (a new process) starts far from any restored
-        # mirror's sequence number, which then fetches whole.
-        self.origin = random.getrandbits(40) << 20
-
-        def ps_variable(initial, name):
-            return tf.Variable(initial, trainable=False, name=f"downpour/{name}")
-
-        for group in self.groups:
-            per_variable = [compression.part_specs(self.variables[j]) for j in group]
-            sizes = [
-                [specs[k][0].num_elements() for specs in per_variable]
-                for k in range(len(per_variable[0]))
-            ]
-            specs = [(sum(n), dtype) for n, (_, dtype) in zip(sizes, per_variable[0])]
-            self._piece_sizes.append(sizes)
-            self.part_specs.append(specs)
-            self.part_nbytes.append(sum(n * d.size for n, d in specs))
-            first = self.variables[group[0]]
-            name = base.slug(first.name)
-            origin = tf.constant(self.origin, tf.int64)
-            with strategy.extended.colocate_vars_with(first):
-                self.seqs.append(ps_variable(origin, f"stream_seq/{name}"))
-                self.logs.append(
-                    [
-                        ps_variable(
-                            tf.zeros([self.capacity, n], dtype),
-                            f"stream_log/{name}/{k}",
-                        )
-                        for k, (n, dtype) in enumerate(specs)
-                    ]
-                )
-                self.floors.append(ps_variable(origin, f"stream_floor/{name}"))
-                self.pushers.append(
-                    ps_variable(
-                        tf.fill([self.capacity], tf.constant(-1, tf.int64)),
-                        f"stream_pushers/{name}",
-                    )
-                )
-                self.sums.append(
-                    ps_variable(
-                        tf.zeros([self.capacity], tf.int64), f"stream_sums/{name}"
-                    )
-                )
+        self.log = update_log.UpdateLog(
+            self.variables,
+            self.groups,
+            strategy,
+            self.momentums,
+            compression,
+            self.momentum,
+            self.window + int(strategy.num_workers),
+            tokens,
+        )
         self.mirrors = base.per_worker_copies(self.variables, "stream_mirror")
         self.mirror_momentums = base.per_worker_copies(
             self.variables, "stream_momentum"
         )
         # Not replica state: after a restore the log is another (a new
-        # process) or restarted (`restart_log`), so each group's first fetch
+        # process) or restarted (`UpdateLog.restart`), so each group's first fetch
         # is whole whatever `seen` says; what is kept is whether the mirrors
         # hold a fetch (`_mirrored`), which decides whether that fetch keeps
         # the cache's unsent progress. So a checkpoint resumes into any
@@ -287,7 +204,7 @@ class StreamFetch:
                 )
                 for k, (n, dtype) in enumerate(specs)
             ]
-            for group, specs in zip(self.groups, self.part_specs)
+            for group, specs in zip(self.groups, self.log.part_specs)
         ]
         self._own_pending = base.per_worker("downpour/stream_own_pending", [], tf.int64)
 
@@ -328,32 +245,6 @@ class StreamFetch:
         checksum mismatch (int64)."""
         return self._resyncs
 
-    def locked(self, fn):
-        """`fn()` in the pushes' critical section, on its ps task.
-
-        The lock is taken once every tensor `fn`'s ops read from outside is
-        there. `fn` returns tensors on the ps that come after all its
-        effects: the lock is released once they are made.
-
-        Each push's update and log entries, and a whole fetch's reads of the
-        values, momentum and `seq`, run in the `exactly_once` tokens'
-        `tf.CriticalSection` (a push without a token is put in it too): the
-        log's order is the updates', and a whole fetch is a snapshot of
-        exactly the pushes below its `seq`. A stream fetch takes no lock: the
-        ring holds `window + num_workers` pushes, so with one push per
-        replica per round none it reads is overwritten meanwhile (the
-        checksum would find it if one were).
-        """
-        with tf.device(self._section_device):
-            return self._section.execute(fn)
-
-    def restart_log(self) -> None:
-        """Moves each group's `seq` and floor past every replica's mirror:
-        their next fetches are whole. Call it after the ps values were
-        restored from a checkpoint in this process."""
-        for seq, floor in zip(self.seqs, self.floors):
-            floor.assign(seq.assign_add(self.capacity + 1))
-
     def drop_mirrors(self, sh: StreamHandles) -> list:
         """Ops making the running replica's next fetch whole, its cache reset
         to the ps values (a refused push)."""
@@ -378,68 +269,11 @@ class StreamFetch:
         replica's own last push."""
         ops = [base.add(c, s) for c, s in zip(kh.caches, sent)]
         for g, group in enumerate(self.groups):
-            packed = _packed([parts[j] for j in group])
+            packed = update_log.packed([parts[j] for j in group])
             ops += [base.assign(o, x) for o, x in zip(sh.own[g], packed)]
         with tf.control_dependencies(ops):
             ops.append(base.assign(sh.own_pending, tf.constant(1, tf.int64)))
         return ops
-
-    def _unpack(self, g: int, packed) -> list:
-        """`_packed` undone: per variable of the group, its parts (a tuple)."""
-        split = [
-            tf.split(x, sizes) if len(sizes) > 1 else [x]
-            for x, sizes in zip(packed, self._piece_sizes[g])
-        ]
-        return [tuple(pieces) for pieces in zip(*split)]
-
-    def append(self, parts_on_ps: list, updates: list, worker) -> list:
-        """Ops logging one applied push, per group after its variables' updates.
-
-        Run them in the critical section (`locked`) with the updates.
-
-        Args:
-          parts_on_ps: per variable, the push's encoded parts on its ps task.
-          updates: per variable, the op that applied the push to it.
-          worker: the pushing replica's index, an integer scalar tensor.
-
-        Returns:
-          The ops, on the groups' ps tasks.
-        """
-        ops = []
-        for g, group in enumerate(self.groups):
-            with tf.device(self.variables[group[0]].device):
-                packed = _packed([parts_on_ps[j] for j in group])
-                seq = self.seqs[g].handle
-                with tf.control_dependencies([updates[j] for j in group]):
-                    slot = base.read(seq, tf.int64) % self.capacity
-                    at = tf.reshape(slot, [1])
-                    writes = [
-                        base.scatter("Update", log.handle, at, part[None])
-                        for log, part in zip(self.logs[g], packed)
-                    ]
-                    pusher = tf.reshape(tf.cast(worker, tf.int64), [1])
-                    writes.append(
-                        base.scatter("Update", self.pushers[g].handle, at, pusher)
-                    )
-                    total = checksum(self._ps_state(g))
-                    writes.append(
-                        base.scatter("Update", self.sums[g].handle, at, total[None])
-                    )
-                with tf.control_dependencies(writes):
-                    ops.append(base.add(seq, tf.constant(1, tf.int64)))
-        return ops
-
-    def _ps_state(self, g: int) -> list:
-        """What a group's checksum covers on the ps: its variables' values,
-        and their momentums when `mu` > 0 (with 0 it does not reach the
-        values)."""
-        state = []
-        for j in self.groups[g]:
-            v = self.variables[j]
-            state.append(base.read(base.ps_handle(v), v.dtype))
-            if self.momentum > 0:
-                state.append(base.read(self.momentums[j].handle, v.dtype))
-        return state
 
     def _mirror_state(self, g: int, sh: StreamHandles) -> list:
         """The mirrors' counterpart of `_ps_state`."""
@@ -472,8 +306,8 @@ class StreamFetch:
         for g, group in enumerate(self.groups):
             last = seen_all[g]
             with tf.device(self.variables[group[0]].device):
-                seq = base.read(self.seqs[g].handle, tf.int64)
-                floor = base.read(self.floors[g].handle, tf.int64)
+                seq = base.read(self.log.seqs[g].handle, tf.int64)
+                floor = base.read(self.log.floors[g].handle, tf.int64)
                 behind = seq - last
                 # Or a mirror from before a restore (no `seq` in this
                 # process, or of a restarted log), of another log (a
@@ -524,7 +358,7 @@ class StreamFetch:
         (and `outer_momentum` > 0), into the mirrors.
 
         They are read with the group's `seq` in the pushes' critical section
-        (`locked`): no push lands between the reads, so the mirrors account
+        (`UpdateLog.locked`): no push lands between the reads, so the mirrors account
         for exactly the pushes below that `seq`.
 
         Returns:
@@ -536,9 +370,9 @@ class StreamFetch:
 
         def snapshot():
             with tf.device(group[0].device):
-                seq = base.read(self.seqs[g].handle, tf.int64)
+                seq = base.read(self.log.seqs[g].handle, tf.int64)
                 read["values"] = [base.read(base.ps_handle(v), v.dtype) for v in group]
-                sends = (seq > self.origin) & tf.constant(self.momentum > 0)
+                sends = (seq > self.log.origin) & tf.constant(self.momentum > 0)
                 read["sends_momentum"] = sends
 
                 def momentums():
@@ -555,7 +389,7 @@ class StreamFetch:
                 # reads are done, not after the values' transfer.
                 return base.after(read["values"] + read["momentums"], seq)
 
-        seq = self.locked(snapshot)
+        seq = self.log.locked(snapshot)
         ops = []
         for j, value, momentum in zip(
             self.groups[g], read["values"], read["momentums"]
@@ -579,22 +413,22 @@ class StreamFetch:
           the last replayed entry's.
         """
         group = self.groups[g]
-        specs = self.part_specs[g]
+        specs = self.log.part_specs[g]
         with tf.device(self.variables[group[0]].device):
-            slots = (last + tf.range(behind, dtype=tf.int64)) % self.capacity
-            pushers = base.gather(self.pushers[g].handle, slots, tf.int64)
+            slots = (last + tf.range(behind, dtype=tf.int64)) % self.log.capacity
+            pushers = base.gather(self.log.pushers[g].handle, slots, tf.int64)
             own = tf.equal(pushers, me)
             use_own = pending & tf.equal(tf.reduce_sum(tf.cast(own, tf.int64)), 1)
             sent = tf.logical_not(own & use_own)
             sent_slots = tf.boolean_mask(slots, sent)
             gathered = [
                 base.gather(log.handle, sent_slots, dtype)
-                for log, (_, dtype) in zip(self.logs[g], specs)
+                for log, (_, dtype) in zip(self.log.logs[g], specs)
             ]
             # Each replayed push's row among `gathered` (own: unused).
             rows = tf.cumsum(tf.cast(sent, tf.int64), exclusive=True)
-            newest = (last + behind - 1) % self.capacity
-            logged_sum = base.gather(self.sums[g].handle, newest, tf.int64)
+            newest = (last + behind - 1) % self.log.capacity
+            logged_sum = base.gather(self.log.sums[g].handle, newest, tf.int64)
         own_parts = [base.read(o, dtype) for o, (_, dtype) in zip(sh.own[g], specs)]
         # A group has one dtype. Cast as `OuterNesterov.update` casts them on
         # the ps (through float32), so that the replay is the ps's update bit
@@ -614,7 +448,7 @@ class StreamFetch:
             for x, (n, _) in zip(packed, specs):
                 x.set_shape([n])
             updates = []
-            for j, parts in zip(group, self._unpack(g, packed)):
+            for j, parts in zip(group, self.log.unpack(g, packed)):
                 delta = self.compression.decode(parts, self.variables[j])
                 updates.append(
                     tf.raw_ops.ResourceApplyKerasMomentum(
@@ -631,19 +465,11 @@ class StreamFetch:
 
         done = tf.while_loop(lambda i: i < behind, body, [tf.constant(0, tf.int64)])
         with tf.control_dependencies([done]):
-            mirror_sum = checksum(self._mirror_state(g, sh))
+            mirror_sum = update_log.checksum(self._mirror_state(g, sh))
         in_sync = tf.equal(behind, 0) | tf.equal(mirror_sum, logged_sum)
         count = tf.size(sent_slots, out_type=tf.int64)
-        nbytes = behind * _ID_BYTES + count * self.part_nbytes[g] + _SUM_BYTES
+        nbytes = behind * _ID_BYTES + count * self.log.part_nbytes[g] + _SUM_BYTES
         return base.after([done], nbytes), in_sync
-
-
-def _packed(parts: list) -> list:
-    """A group's parts of one push, one tensor per part: its variables'
-    pieces (`parts`, per variable in group order) concatenated."""
-    return [
-        tf.concat(pieces, 0) if len(pieces) > 1 else pieces[0] for pieces in zip(*parts)
-    ]
 
 
 def _as_list(outputs) -> list:
