@@ -420,17 +420,6 @@ def test_compressed_push_sends_only_the_encoded_tensors():
             r"\(update-stream fetches\) needs `--n_fetch` equal to `--n_push`: .*"
             r"Received: n_fetch=8, n_push=4",
         ),
-        (
-            [
-                "--outer_learning_rate=0.35",
-                "--quantize_bits=2",
-                "--n_fetch=4",
-                "--staleness_scaled",
-            ],
-            r"Downpour settings: `--quantize_bits` with `--outer_learning_rate` "
-            r"\(update-stream fetches, .*\) cannot be combined with push rules "
-            r"applied on the ps\. Received: `--staleness_scaled`",
-        ),
     ],
 )
 def test_bad_compression_flag_is_one_line_before_any_server(args, message):

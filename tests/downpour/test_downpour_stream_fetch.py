@@ -38,6 +38,7 @@ from tf_distbelief.downpour import (
     update_log,
     update_stream,
 )
+from tf_distbelief.downpour.push_rules import rule
 from tf_distbelief.tf_internals import variables as tf_variables
 
 Config = downpour_config.DownpourConfig
@@ -58,12 +59,12 @@ def _exchange(**kwargs) -> update_stream.Exchange:
     return update_stream.Exchange(**(settings | kwargs))
 
 
-def _simulate(params, batches, config, exchange, order=None):
+def _simulate(params, batches, config, exchange, order=None, **rules):
     return update_stream.simulate(
         params,
         _softmax_grad,
         batches,
-        Config(config.n_fetch, config.n_push, **OUTER),
+        Config(config.n_fetch, config.n_push, **OUTER, **rules),
         exchange,
         ps_learning_rate=LEARNING_RATE,
         order=order,
@@ -81,17 +82,29 @@ def test_stream_fetches_are_on_with_the_outer_rule_and_compression():
     assert not stream_fetch.is_on(Config(3, 3, outer_learning_rate=0.7, **sparse))
 
 
-@pytest.mark.parametrize(
-    "other",
-    [{"stale_damping": 1.0}, {"staleness_scaled": True}],
-    ids=["stale_damping", "staleness_scaled"],
-)
-def test_rules_applied_on_the_ps_are_refused_with_stream_fetches(other):
-    (name,) = other
-    match = rf"cannot be combined with push rules applied on the ps.*`{name}`"
-    with pytest.raises(ValueError, match=match):
-        Config(3, 3, **OUTER, **COMPRESSED, **other)
-    Config(3, 3, **OUTER, **other)  # Without compression: no stream.
+class _ReadsFetched(rule.PushRule):
+    """A correction from the values the pushing replica fetched (as delay
+    compensation's), which other replicas' replays lack."""
+
+    name = "test_reads_fetched"
+    title = "a correction from the fetched values"
+    settings = (rule.Setting("test_reads_fetched", False, "bool", ""),)
+    needs_fetched = True
+
+
+def test_rules_a_replay_cannot_apply_are_refused_with_stream_fetches():
+    """A rule reading what the pushing replica fetched is refused; the rules
+    applied from the push's staleness and the outer momentum are replayed."""
+    match = (
+        r"cannot be combined with push rules that read what a replica "
+        r"fetched.*`test_reads_fetched`"
+    )
+    with rule.registered(_ReadsFetched):
+        with pytest.raises(ValueError, match=match):
+            Config(3, 3, **OUTER, **COMPRESSED, test_reads_fetched=True)
+        Config(3, 3, **OUTER, test_reads_fetched=True)  # No compression: no stream.
+    for replayed in ({"stale_damping": 1.0}, {"staleness_scaled": True}):
+        assert stream_fetch.is_on(Config(3, 3, **OUTER, **COMPRESSED, **replayed))
 
 
 def test_stream_fetches_need_one_fetch_per_push_round():
@@ -225,12 +238,19 @@ def _ps_state(stream):
 
 
 @pytest.mark.slow
-def test_trainer_matches_update_stream_two_workers(local_cluster):
+@pytest.mark.parametrize(
+    "rules",
+    [{}, {"stale_damping": 1.0}, {"staleness_scaled": True}],
+    ids=["outer", "stale_damping", "staleness_scaled"],
+)
+def test_trainer_matches_update_stream_two_workers(local_cluster, rules):
     """Steps one at a time on whichever worker the coordinator picks; the
     order is read back from the per-worker step counters and replayed. After
     each fetch (a step that fetches does not push with `n = 3`) the fetching
-    replica's mirror of the values and of the outer momentum is the ps's."""
-    config = Config(3, 3, **OUTER, **COMPRESSED)
+    replica's mirror of the values and of the outer momentum is the ps's:
+    with a rule applied from each push's staleness (and the outer momentum)
+    too, which the log keeps and each replay applies."""
+    config = Config(3, 3, **OUTER, **COMPRESSED, **rules)
     x, y, params = _softmax_data(seed=6)
     model = _softmax_model(_strategy(local_cluster, num_workers=2), params)
     trainer = downpour.DownpourTrainer(model, config)
@@ -254,7 +274,9 @@ def test_trainer_matches_update_stream_two_workers(local_cluster):
     assert set(order) == {0, 1}
     assert checked == sum(-(-c // config.n_fetch) for c in counts)
     batches = [_batches(x, y) * 2] * 2  # Each worker reads the whole set.
-    want, want_stats = _simulate(params, batches, config, _exchange(), order=order)
+    want, want_stats = _simulate(
+        params, batches, config, _exchange(), order=order, **rules
+    )
     for got, w in zip(_ps_params(model), want):
         np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
     stats = trainer.stats()
@@ -267,11 +289,24 @@ def test_trainer_matches_update_stream_two_workers(local_cluster):
     # others' parts) plus, per log (one per ps task here), each fetch's
     # sequence number, a second id per replayed push (each log sends its
     # own) and each stream fetch's checksum.
+    # When a rule reads it, each log's replayed push carries its staleness
+    # too (8 more bytes per log).
+    per_replay = 8 * (3 if rules else 1)
     for s, w in zip(stats, want_stats):
         streamed = s.fetches - w.whole_fetches
-        extra = 8 * 2 * s.fetches + 8 * w.updates_replayed + 8 * 2 * streamed
+        extra = 8 * 2 * s.fetches + per_replay * w.updates_replayed + 8 * 2 * streamed
         assert s.bytes_fetched == w.bytes_fetched + extra
     assert _resyncs(trainer) == [0, 0]
+    if rules:
+        # The rule acts on a push of staleness 1 (damping) or 2 (the step
+        # divided by `max(s, 1)`): the result differs from the outer rule
+        # alone exactly when such a push was applied.
+        acts = max(s.max_staleness_seen for s in stats) >= (
+            1 if "stale_damping" in rules else 2
+        )
+        plain, _ = _simulate(params, batches, config, _exchange(), order=order)
+        moved = max(np.abs(w - p).max() for w, p in zip(want, plain))
+        assert (moved > 1e-6) == acts
 
 
 def test_a_mirror_off_the_ps_is_resynced_whole(local_cluster):

@@ -46,16 +46,30 @@ def _run(exchange, params, batches, config, **kwargs):
 # --- Agreement with `schedule.simulate` ----------------------------------------
 
 
-@pytest.mark.parametrize("local", ["adagrad", "sgd"])
-def test_defaults_are_schedule_simulate_with_the_outer_rule(local):
-    params, batches = _problem()
-    config = Config(4, 4, local_optimizer=local, **OUTER)
+@pytest.mark.parametrize(
+    "local, rules",
+    [
+        ("adagrad", {}),
+        ("sgd", {}),
+        ("adagrad", {"stale_damping": 1.0}),
+        ("adagrad", {"staleness_scaled": True}),
+    ],
+    ids=["adagrad", "sgd", "stale_damping", "staleness_scaled"],
+)
+def test_defaults_are_schedule_simulate_with_the_outer_rule(local, rules):
+    """Also with the rules applied from a push's staleness (3 replicas in
+    turn: each push 2 pushes stale, which both rules act on)."""
+    params, batches = _problem(replicas=3 if rules else 2)
+    config = Config(4, 4, local_optimizer=local, **OUTER, **rules)
     want, want_stats = schedule.simulate(
         params, _softmax_grad, batches, config, schedule.adagrad_ps(0.2)
     )
     got, stats = _run(Exchange(), params, batches, config)
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g, w)
+    if rules:  # The rule acted.
+        plain, _ = _run(Exchange(), params, batches, Config(4, 4, **OUTER))
+        assert max(np.abs(g - p).max() for g, p in zip(got, plain)) > 1e-6
     for w, s in zip(want_stats, stats):
         assert (s.steps, s.fetches, s.pushes) == (w.steps, w.fetches, w.pushes)
         assert (s.bytes_pushed, s.bytes_fetched) == (w.bytes_pushed, w.bytes_fetched)
@@ -325,7 +339,8 @@ def test_exchange_errors(kwargs, match):
         (Config(4, 4), r"Field `outer_learning_rate` of `config` must be set"),
         (
             Config(4, 4, top_k_fraction=0.1, **OUTER),
-            r"Field `rules` of `config` must be the outer rule alone.*"
+            r"Field `rules` of `config` must be the outer rule, and no rule "
+            r"that compresses.*"
             r"\['top_k_fraction'\]",
         ),
         (Config(4, 8, **OUTER), r"Field `n_fetch` of `config` must be `n_push` \(8\)"),

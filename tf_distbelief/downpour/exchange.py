@@ -518,7 +518,7 @@ class Exchange:
             first = len(graph.get_operations())
             updates = self.rules.apply(grads, squares, steps, staleness, worker)
             if self.stream is not None:
-                appended = self.stream.log.append(parts, updates, worker)
+                appended = self.stream.log.append(parts, updates, worker, staleness)
                 # What follows the push (its count, the token's write, the
                 # critical section's release) follows its log entries too.
                 grads = [

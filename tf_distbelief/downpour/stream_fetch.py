@@ -19,7 +19,9 @@ On each replica, per dense variable (`per_worker_variable=True`): the mirror
 the mirrors hold a fetch (`mirrored`); per group, the `seq` its mirrors
 account for (-1: none in this process). A fetch (`fetch_into_cache`)
 reads each group's `seq`; mirrors at most `window` pushes behind replay the
-pushes logged since through `ResourceApplyKerasMomentum` (the ps's kernel:
+pushes logged since through the push rules' corrections and
+`ResourceApplyKerasMomentum` (`push_rules.on_ps.corrected` and the ps's
+kernel, with each push's logged staleness and the mirror of the momentum:
 bit for bit the ps), after which their checksum must equal the last
 entry's, exactly (a sum of bit patterns as integers: no rounding, in any
 order, on any device). Otherwise (a new or restored replica, one behind the
@@ -57,6 +59,7 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from tf_distbelief.downpour import base, update_log, update_stream
+from tf_distbelief.downpour.push_rules import on_ps
 
 __all__ = [
     "StreamFetch",
@@ -96,7 +99,7 @@ def create(config, variables: list, groups, strategy, rules, compression, tokens
         section pushes and whole fetches run in.
 
     A config with update-stream fetches has `n_fetch == n_push` and no rule
-    applied on the ps besides the outer one (`push_rules.rule`,
+    on the ps that a replica cannot replay (`push_rules.rule`,
     `check_compressible`).
     """
     if not is_on(config):
@@ -111,6 +114,7 @@ def create(config, variables: list, groups, strategy, rules, compression, tokens
         outer,
         update_stream.stream_window(strategy.num_workers),
         tokens,
+        rules.rules,
     )
 
 
@@ -144,6 +148,8 @@ class StreamFetch:
       window: pushes a replica may be behind and still replay.
       tokens: the optimizer's `exactly_once.StepTokens` (its critical
         section: `update_log.UpdateLog.locked`).
+      rules: the push rules in effect, which a replay applies as the ps
+        does (`push_rules.on_ps.corrected`).
 
     Attributes:
       groups: per group, the indices of its variables.
@@ -160,8 +166,10 @@ class StreamFetch:
         outer,
         window,
         tokens,
+        rules=(),
     ):
         self.variables = list(variables)
+        self.rules = tuple(rules)
         self.groups = [list(g) for g in groups]
         self.momentums = list(momentums)
         self.compression = compression
@@ -177,6 +185,7 @@ class StreamFetch:
             self.momentum,
             self.window + int(strategy.num_workers),
             tokens,
+            logs_staleness=any(r.needs_staleness for r in self.rules),
         )
         self.mirrors = base.per_worker_copies(self.variables, "stream_mirror")
         self.mirror_momentums = base.per_worker_copies(
@@ -429,6 +438,11 @@ class StreamFetch:
             rows = tf.cumsum(tf.cast(sent, tf.int64), exclusive=True)
             newest = (last + behind - 1) % self.log.capacity
             logged_sum = base.gather(self.log.sums[g].handle, newest, tf.int64)
+            stalenesses = None
+            if self.log.logs_staleness:
+                stalenesses = base.gather(
+                    self.log.stalenesses[g].handle, slots, tf.int64
+                )
         own_parts = [base.read(o, dtype) for o, (_, dtype) in zip(sh.own[g], specs)]
         # A group has one dtype. Cast as `OuterNesterov.update` casts them on
         # the ps (through float32), so that the replay is the ps's update bit
@@ -448,8 +462,22 @@ class StreamFetch:
             for x, (n, _) in zip(packed, specs):
                 x.set_shape([n])
             updates = []
+            staleness = None if stalenesses is None else stalenesses[i]
             for j, parts in zip(group, self.log.unpack(g, packed)):
-                delta = self.compression.decode(parts, self.variables[j])
+                v = self.variables[j]
+                delta = self.compression.decode(parts, v)
+                # As the ps corrects and scales it (`on_ps.PushRules.apply`),
+                # the outer momentum's mirror standing for the ps's.
+                delta, scale = on_ps.corrected(
+                    self.rules,
+                    delta,
+                    v,
+                    None,
+                    staleness,
+                    lambda name, j=j: _Slot(sh.momentums[j]),
+                )
+                if scale is not None:
+                    delta = delta * scale
                 updates.append(
                     tf.raw_ops.ResourceApplyKerasMomentum(
                         var=sh.mirrors[j],
@@ -468,8 +496,15 @@ class StreamFetch:
             mirror_sum = update_log.checksum(self._mirror_state(g, sh))
         in_sync = tf.equal(behind, 0) | tf.equal(mirror_sum, logged_sum)
         count = tf.size(sent_slots, out_type=tf.int64)
-        nbytes = behind * _ID_BYTES + count * self.log.part_nbytes[g] + _SUM_BYTES
+        per_push = _ID_BYTES + (_ID_BYTES if self.log.logs_staleness else 0)
+        nbytes = behind * per_push + count * self.log.part_nbytes[g] + _SUM_BYTES
         return base.after([done], nbytes), in_sync
+
+
+class _Slot(NamedTuple):
+    """A mirror of a rule's ps state as its `correct` reads one (`handle`)."""
+
+    handle: tf.Tensor
 
 
 def _as_list(outputs) -> list:

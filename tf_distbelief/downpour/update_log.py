@@ -8,7 +8,9 @@ number `seq` (int64, pushes logged) and a ring of the last `capacity`
 pushes (`UpdateLog.append`): each one's encoded parts
 (`compression.CompressedPush`'s, a fixed size per push; one variable per
 part, `[capacity, size]`, the group's variables' parts concatenated as the
-push carried them), its replica, and the group's `checksum` after it,
+push carried them), its replica, its staleness when a push rule on the ps
+reads it (`stale_damping`, `staleness_scaled`: a replica replays the push
+through them), and the group's `checksum` after it,
 written at slot `seq % capacity` after the update and before `seq` moves:
 an entry below `seq` is whole. One log per ps task, not per variable, so
 that a push and a fetch make a few transfers and ops per ps task whatever
@@ -79,6 +81,8 @@ class UpdateLog:
       capacity: the ring's entries.
       tokens: the optimizer's `exactly_once.StepTokens` (its critical
         section: `locked`).
+      logs_staleness: keep each push's staleness (a push rule on the ps
+        reads it).
 
     Attributes:
       groups: per group, the indices of its variables.
@@ -86,6 +90,8 @@ class UpdateLog:
       logs: per group, one `[capacity, size]` variable per encoded part,
         its variables' parts of a push concatenated in group order.
       pushers: per group, the int64 `[capacity]` replica of each logged push.
+      stalenesses: per group, the int64 `[capacity]` staleness of each
+        logged push; empty unless `logs_staleness`.
       sums: per group, the int64 `[capacity]` `checksum` of the group's
         variables (and momentums) after each logged push.
       floors: per group, the int64 `seq` of its last restart: a mirror older
@@ -98,7 +104,7 @@ class UpdateLog:
 
     def __init__(
         self, variables, groups, strategy, momentums, compression, momentum,
-        capacity, tokens,
+        capacity, tokens, logs_staleness=False,
     ):  # fmt: skip
         self.variables = list(variables)
         self.groups = [list(g) for g in groups]
@@ -107,6 +113,8 @@ class UpdateLog:
         self.capacity = int(capacity)
         self.seqs, self.logs, self.part_specs, self.part_nbytes = [], [], [], []
         self.pushers, self.floors, self.sums = [], [], []
+        self.stalenesses = []
+        self.logs_staleness = bool(logs_staleness)
         # Per group, per part: each variable's length of it (1-D parts).
         self._piece_sizes = []
         self._section = tokens.section
@@ -154,6 +162,13 @@ class UpdateLog:
                         tf.zeros([self.capacity], tf.int64), f"stream_sums/{name}"
                     )
                 )
+                if self.logs_staleness:
+                    self.stalenesses.append(
+                        ps_variable(
+                            tf.zeros([self.capacity], tf.int64),
+                            f"stream_staleness/{name}",
+                        )
+                    )
 
     def locked(self, fn):
         """`fn()` in the pushes' critical section, on its ps task.
@@ -189,7 +204,7 @@ class UpdateLog:
         ]
         return [tuple(pieces) for pieces in zip(*split)]
 
-    def append(self, parts_on_ps: list, updates: list, worker) -> list:
+    def append(self, parts_on_ps: list, updates: list, worker, staleness=None) -> list:
         """Ops logging one applied push, per group after its variables' updates.
 
         Run them in the critical section (`locked`) with the updates.
@@ -198,6 +213,8 @@ class UpdateLog:
           parts_on_ps: per variable, the push's encoded parts on its ps task.
           updates: per variable, the op that applied the push to it.
           worker: the pushing replica's index, an integer scalar tensor.
+          staleness: the push's staleness as the rules read it, an int64
+            scalar (with `logs_staleness`), or None.
 
         Returns:
           The ops, on the groups' ps tasks.
@@ -218,6 +235,13 @@ class UpdateLog:
                     writes.append(
                         base.scatter("Update", self.pushers[g].handle, at, pusher)
                     )
+                    if self.logs_staleness:
+                        stale = tf.reshape(tf.cast(staleness, tf.int64), [1])
+                        writes.append(
+                            base.scatter(
+                                "Update", self.stalenesses[g].handle, at, stale
+                            )
+                        )
                     total = checksum(self.ps_state(g))
                     writes.append(
                         base.scatter("Update", self.sums[g].handle, at, total[None])

@@ -28,7 +28,10 @@ step `t`:
    * `dgc_momentum = rho > 0` (DGC's momentum correction, with "reset"):
      `vel <- rho * vel + acc`, `v <- v + vel`, `u = v`, `v <- v - D`, and
      `vel` is 0 at the positions sent.
-   The ps applies Nesterov to `D` and appends it to the log. With
+   The ps applies Nesterov to `D` and appends it to the log. Push rules
+   that correct or scale a push on the ps from its staleness and the outer
+   momentum (`stale_damping`, `staleness_scaled`) apply before Nesterov, on
+   the ps and in each replay alike (the log keeps each push's staleness). With
    `warmup_pushes = W` a replica's `j`-th push (from 0) keeps the fraction
    `f ** (min(j + 1, W) / W)` (DGC's density warm-up, dense towards `f`).
 
@@ -53,7 +56,7 @@ import numpy as np
 
 from tf_distbelief import checks
 from tf_distbelief.downpour import position_codes, schedule
-from tf_distbelief.downpour.push_rules import outer_nesterov, quantize, top_k
+from tf_distbelief.downpour.push_rules import outer_nesterov, quantize, reference, top_k
 
 __all__ = [
     "Exchange",
@@ -262,12 +265,19 @@ def _push_nbytes(exchange: Exchange, sent: list, positions: list) -> int:
 
 
 def _check_config(config) -> None:
-    """Raises unless `config` is the outer rule alone, `n_fetch == n_push`.
+    """Raises unless `config` is the outer rule, with only push rules a
+    replay can apply (`push_rules.rule.check_compressible`; compression is
+    `Exchange`'s), and `n_fetch == n_push`.
 
     Raises:
       ArgumentError: naming the field of `config` refused.
     """
-    others = [r.name for r in config.rules if r.name != "outer_learning_rate"]
+    others = [
+        r.name
+        for r in config.rules
+        if r.name != "outer_learning_rate"
+        and (r.compresses or r.needs_fetched or r.marks_changes)
+    ]
     if config.outer_learning_rate is None:
         raise checks.argument_error(
             "config",
@@ -278,7 +288,8 @@ def _check_config(config) -> None:
     if others:
         raise checks.argument_error(
             "config",
-            "the outer rule alone (compression is `exchange`'s)",
+            "the outer rule, and no rule that compresses (compression is "
+            "`exchange`'s) or reads what a replica fetched",
             others,
             field="rules",
         )
@@ -299,6 +310,18 @@ def _check_config(config) -> None:
         )
 
 
+def _apply(rules, params, momentum, sent, staleness, eta, mu) -> tuple:
+    """One push of `sent` applied as the ps does: the rules' corrections and
+    factor (`push_rules.reference.corrected`, the outer momentum `momentum`
+    their state), then Nesterov. Returns `(params, momentum)`."""
+    grads, scale = reference.corrected(
+        rules, sent, params, None, staleness, lambda name: momentum
+    )
+    if scale is not None:
+        grads = [g * scale for g in grads]
+    return outer_nesterov.nesterov(params, momentum, grads, eta, mu)
+
+
 def simulate(
     params: Sequence[np.ndarray],
     grad_fn: Callable[[list, object], list],
@@ -317,7 +340,8 @@ def simulate(
       grad_fn: `(params, batch) -> grads`, lists of arrays of the same shapes.
       batches: one iterable of batches per replica, in that replica's order.
       config: a `DownpourConfig` with `outer_learning_rate`, `n_fetch ==
-        n_push`, no other push rule, no `max_staleness`, no warm start.
+        n_push`, no other push rule but those applied from a push's
+        staleness and the outer momentum, no `max_staleness`, no warm start.
       exchange: the `Exchange`.
       ps_learning_rate: the local step size's default, as `schedule.simulate`
         takes it from the ps optimizer (`local_learning_rate_for`).
@@ -380,8 +404,8 @@ def simulate(
                     s.bytes_fetched += model_bytes  # The momentum, to replay from.
             else:
                 w, m = mirrors[r], mirror_momentum[r]
-                for who, sent, nbytes in log[seq[r] - log_start :]:
-                    w, m = outer_nesterov.nesterov(w, m, sent, eta, mu)
+                for who, sent, nbytes, stale in log[seq[r] - log_start :]:
+                    w, m = _apply(config.rules, w, m, sent, stale, eta, mu)
                     s.bytes_fetched += STREAM_ID_BYTES + (nbytes if who != r else 0)
                     s.updates_replayed += 1
                 mirrors[r], mirror_momentum[r] = w, m
@@ -422,10 +446,11 @@ def simulate(
             if exchange.dgc_momentum:
                 for u, where in zip(velocities[r], positions):
                     u.reshape(-1)[slice(None) if where is None else where] = 0
-            ps, momentum = outer_nesterov.nesterov(ps, momentum, sent, eta, mu)
+            stale = log_start + len(log) - seq[r]  # Pushes since its fetch.
+            ps, momentum = _apply(config.rules, ps, momentum, sent, stale, eta, mu)
             nbytes = _push_nbytes(exchange, sent, positions)
             if exchange.fetch == "stream":
-                log.append((r, sent, nbytes))
+                log.append((r, sent, nbytes, stale))
             else:
                 log_start += 1
             s.pushes += 1

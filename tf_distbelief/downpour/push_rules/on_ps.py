@@ -17,7 +17,7 @@ import tensorflow as tf
 from tf_distbelief.downpour import base
 from tf_distbelief.downpour.config import DownpourConfig
 
-__all__ = ["PushRules", "check_row_sparse", "create"]
+__all__ = ["PushRules", "check_row_sparse", "corrected", "create"]
 
 
 def check_row_sparse(config: DownpourConfig, row_sparse_names: list[str]) -> None:
@@ -33,6 +33,45 @@ def check_row_sparse(config: DownpourConfig, row_sparse_names: list[str]) -> Non
             f"row-sparse: {', '.join(row_sparse_names)}. Pass `row_sparse=[]` to "
             "move the tables whole, or turn the rules off."
         )
+
+
+def corrected(rules, grad, variable, fetched, staleness, state_of):
+    """Steps 1 and 2 of a push on one variable: `grad` corrected by each rule
+    (`PushRule.correct`, in order), and the product of the rules' factors of
+    the step (`PushRule.scale`).
+
+    The ps applies a push through it (`PushRules.apply`), and a replica
+    replaying the ps's log of pushes (`downpour.stream_fetch`) through it
+    again, on its mirrors, so that both compute the same ops on the same
+    values.
+
+    Args:
+      rules: the `PushRule`s in effect, in order.
+      grad: the pushed gradient of `variable`, a tensor on the device that
+        computes the update.
+      variable: the variable (its dtype).
+      fetched: the value the pushing replica last fetched, or None.
+      staleness: the push's staleness (int64 scalar), or None.
+      state_of: `name -> ` the named rule's state entry of the variable (a
+        rule's `reads_state`; e.g. the outer momentum, or its mirror).
+
+    Returns:
+      `(grad, scale)`: the corrected gradient, and the factor (a tensor of
+      the variable's dtype) or None when no rule scales the step.
+    """
+    for r in rules:
+        if r.reads_state:
+            grad = r.correct(
+                grad, variable, fetched, staleness, state=state_of(r.reads_state)
+            )
+        else:
+            grad = r.correct(grad, variable, fetched, staleness)
+    scale = None
+    for r in rules:
+        factor = r.scale(staleness, variable.dtype)
+        if factor is not None:
+            scale = factor if scale is None else scale * factor
+    return grad, scale
 
 
 def create(config, optimizer, dense: list, rows: list, strategy):
@@ -168,17 +207,14 @@ class PushRules:
                         base.ps_handle(self.fetched[j]), index, v.dtype
                     )
                     w_fetched = w_fetched[0]
-                for r in self.rules:
-                    if r.reads_state:
-                        state_of = self.states[self.index[r.reads_state]][j]
-                        g = r.correct(g, v, w_fetched, staleness, state=state_of)
-                    else:
-                        g = r.correct(g, v, w_fetched, staleness)
-                scale = None
-                for r in self.rules:
-                    factor = r.scale(staleness, v.dtype)
-                    if factor is not None:
-                        scale = factor if scale is None else scale * factor
+                g, scale = corrected(
+                    self.rules,
+                    g,
+                    v,
+                    w_fetched,
+                    staleness,
+                    lambda name, j=j: self.states[self.index[name]][j],
+                )
                 if self.updater is not None:
                     if scale is not None:
                         g = g * scale

@@ -13,7 +13,7 @@ import numpy as np
 
 from tf_distbelief.downpour import position_codes
 
-__all__ = ["ReferenceRules", "compress", "push_nbytes", "scaled_update"]
+__all__ = ["ReferenceRules", "compress", "corrected", "push_nbytes", "scaled_update"]
 
 
 def _compressors(rules) -> tuple:
@@ -109,6 +109,39 @@ def scaled_update(update, params, state, grads, steps, squares, scale):
     return update(params, state, scaled, steps, squares)
 
 
+def corrected(rules, grads, params, fetched, staleness, state_of):
+    """Steps 1 and 2 of a push: `grads` corrected by each rule
+    (`reference_correct`, in order), and the product of the rules' factors of
+    the step (`reference_scale`); `on_ps.corrected` is the TF side.
+
+    Args:
+      rules: the `PushRule`s in effect, in order.
+      grads: the pushed arrays (parameter deltas with `pushes_deltas`).
+      params: the ps parameters before the push.
+      fetched: the ps parameters at the pushing replica's last fetch, or None.
+      staleness: the push's staleness, an int >= 0.
+      state_of: `name -> ` the named rule's NumPy state (a rule's
+        `reads_state`; e.g. the outer momentum, one array per parameter).
+
+    Returns:
+      `(grads, scale)`: the corrected arrays, and the factor (a float) or
+      None when no rule scales the step.
+    """
+    for r in rules:
+        if r.reads_state:
+            grads = r.reference_correct(
+                grads, params, fetched, staleness, state=state_of(r.reads_state)
+            )
+        else:
+            grads = r.reference_correct(grads, params, fetched, staleness)
+    scale = None
+    for r in rules:
+        factor = r.reference_scale(staleness)
+        if factor is not None:
+            scale = factor if scale is None else scale * factor
+    return grads, scale
+
+
 class ReferenceRules:
     """The push rules of a `DownpourConfig` and their ps state, in NumPy.
 
@@ -141,19 +174,14 @@ class ReferenceRules:
         Returns:
           `(params, state)`; the rules' own states are kept here.
         """
-        for r in self.rules:
-            if r.reads_state:
-                state_of = self.states[self.index[r.reads_state]]
-                grads = r.reference_correct(
-                    grads, params, fetched, staleness, state=state_of
-                )
-            else:
-                grads = r.reference_correct(grads, params, fetched, staleness)
-        scale = None
-        for r in self.rules:
-            factor = r.reference_scale(staleness)
-            if factor is not None:
-                scale = factor if scale is None else scale * factor
+        grads, scale = corrected(
+            self.rules,
+            grads,
+            params,
+            fetched,
+            staleness,
+            lambda name: self.states[self.index[name]],
+        )
         if self.updater is not None:
             if scale is not None:
                 grads = [g * scale for g in grads]

@@ -361,8 +361,12 @@ def check_compressible(config, name: str) -> None:
     With the outer optimizer (and no `sparse_fetches`) fetches replay the
     ps's log of compressed pushes (`downpour.stream_fetch`), one fetch per
     push round: `n_fetch` must equal `n_push` (as the NumPy reference,
-    `downpour.update_stream`, runs it), and a rule that corrects or scales a
-    push on the ps would leave the replicas' replays off the ps.
+    `downpour.update_stream`, runs it). A replica replays each logged push
+    through the rules that correct or scale it on the ps (with the push's
+    staleness, which the log keeps, and its mirror of the outer momentum):
+    a rule that reads what the pushing replica last fetched
+    (`needs_fetched`) or another rule's ps state than the outer optimizer's
+    cannot be replayed, and is refused.
 
     Raises:
       ValueError: naming `name` and the settings it meets.
@@ -387,13 +391,18 @@ def check_compressible(config, name: str) -> None:
             f"of pushes. Received: n_fetch={config.n_fetch}, "
             f"n_push={config.n_push}"
         )
-    others = [r.name for r in on if not (r.selects or r.codes or r is outer)]
+    others = [
+        r.name
+        for r in on
+        if not (r.selects or r.codes or r is outer)
+        and (r.needs_fetched or r.reads_state not in ("", outer.name))
+    ]
     if others:
         raise ValueError(
-            f"Argument `{name}` with `{outer.name}` (update-stream fetches, "
-            f"replayed through the outer Nesterov alone) cannot be combined "
-            "with push rules applied on the ps. Received: "
-            + ", ".join(f"`{n}`" for n in others)
+            f"Argument `{name}` with `{outer.name}` (update-stream fetches: "
+            "each replica replays the ps's pushes) cannot be combined with "
+            "push rules that read what a replica fetched or another rule's ps "
+            "state. Received: " + ", ".join(f"`{n}`" for n in others)
         )
 
 
