@@ -17,7 +17,9 @@ ps values every `--eval_every` steps off the clock; `--rounds` rounds (seed
   outer rule's pushes compressed (top-k of `--top_k_fraction`, 8- or 2-bit
   values), with update-stream fetches.
 * `n=<n>+outer+damp`: the outer rule with `--stale_damping` (a stale push
-  damped where it repeats the outer momentum);
+  damped where it repeats the outer momentum; the outer rule's default
+  damping is lambda 1); `n=<n>+outer+undamped`: with `stale_damping=0`, the
+  outer rule as it ran before its damping became the default;
 * `n=<n>+outer0+topk+sparse`, `n=<n>+outer0+topk+q2+sparse`: pushes as
   SparseLoCo sends them (the outer rule without momentum, `+outer0`, top-k,
   2-bit values) and sparse fetches (`sparse_fetches`: a fetch sends only the
@@ -627,6 +629,7 @@ def _downpour_config(n, rule, f):
         "stale": {"staleness_scaled": True},
         "topk": {"top_k_fraction": f.top_k_fraction},
         "damp": {"stale_damping": f.stale_damping},
+        "undamped": {"stale_damping": 0.0},
         "q8": {"quantize_bits": 8},
         "outer0": {
             "outer_learning_rate": _OUTER0_LEARNING_RATE,

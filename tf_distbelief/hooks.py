@@ -56,6 +56,11 @@ class FitHooks:
       state: the algorithm's own object, or None: what its `install`
         returned (Downpour's `Downpour`), for the job's reports
         (`downpour.DownpourMetrics`).
+      finish: `() -> lines`, or None: the algorithm's end of training, run
+        once after the job's last step (no step in flight) and before the
+        checkpoint of that step (Downpour's outer rule: the replicas' unsent
+        progress averaged into the ps, `downpour.final_round`); the lines
+        are printed.
     """
 
     name: str
@@ -65,6 +70,7 @@ class FitHooks:
     interval_figures: Callable[[Any, Any], dict[str, float]] | None = None
     figure_words: Callable[[Mapping[str, float]], tuple[str, dict]] | None = None
     state: Any = None
+    finish: Callable[[], list[str]] | None = None
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):

@@ -184,6 +184,7 @@ def test_compressed_rows_combine_their_rules():
     assert config.push_rules == (
         "outer_learning_rate",
         "quantize_bits",
+        "stale_damping",
         "top_k_fraction",
     )
     assert (config.top_k_fraction, config.quantize_bits) == (0.01, 8)
@@ -191,6 +192,8 @@ def test_compressed_rows_combine_their_rules():
     damped = bench._downpour_config(16, "outer+damp", f)
     assert damped.push_rules == ("outer_learning_rate", "stale_damping")
     assert damped.stale_damping == 1.0
+    undamped = bench._downpour_config(16, "outer+undamped", f)
+    assert undamped.push_rules == ("outer_learning_rate",)
 
 
 def test_unknown_rows_are_refused_when_the_flags_are_parsed():

@@ -103,6 +103,7 @@ def test_compression_combines_with_the_outer_rule_and_each_other():
     assert config.push_rules == (
         "outer_learning_rate",
         "quantize_bits",
+        "stale_damping",
         "top_k_fraction",
     )
     assert Config().push_rules == ()

@@ -32,6 +32,7 @@ from tf_distbelief import adagrad, downpour
 from tf_distbelief.downpour import config as downpour_config
 from tf_distbelief.downpour import schedule as downpour_schedule
 from tf_distbelief.downpour.push_rules import outer_nesterov as push_rules
+from tf_distbelief.fit import training
 
 Config = downpour_config.DownpourConfig
 
@@ -106,8 +107,8 @@ Config = downpour_config.DownpourConfig
     ],
 )
 def test_config_errors(kwargs, error, match):
-    if error is None:
-        assert Config(**kwargs).push_rules == ("outer_learning_rate",)
+    if error is None:  # The outer rule, its momentum damped by default.
+        assert Config(**kwargs).push_rules == ("outer_learning_rate", "stale_damping")
         return
     with pytest.raises(error, match=match):
         Config(**kwargs)
@@ -118,9 +119,17 @@ def test_push_rules_default_off():
     assert config.push_rules == ()
     assert (config.outer_learning_rate, config.delay_compensation) == (None, 0.0)
     assert not config.staleness_scaled
-    assert config.stale_damping == 0.0
+    assert config.stale_damping is None
     damped = Config(3, 3, outer_learning_rate=0.7, stale_damping=1.0)
     assert damped.push_rules == ("outer_learning_rate", "stale_damping")
+    # Unset: on with the outer rule's momentum (lambda 1), off without it.
+    default = Config(3, 3, outer_learning_rate=0.7)
+    assert default.push_rules == ("outer_learning_rate", "stale_damping")
+    assert default.rules[1].lam == 1.0
+    no_momentum = Config(3, 3, outer_learning_rate=0.7, outer_momentum=0.0)
+    assert no_momentum.push_rules == ("outer_learning_rate",)
+    off = Config(3, 3, outer_learning_rate=0.7, stale_damping=0.0)
+    assert off.push_rules == ("outer_learning_rate",)
     both = Config(3, 2, delay_compensation=0.5, staleness_scaled=True)
     assert both.push_rules == ("delay_compensation", "staleness_scaled")
 
@@ -387,3 +396,76 @@ def test_push_rules_reject_row_sparse_before_training(local_cluster):
 def test_bad_push_rule_flags_are_one_line_before_any_server(args, message):
     proc = launch._train(args, uuid.uuid4().hex, timeout=300)
     launch.assert_one_refusal_line(proc, message)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        Config(2, 4, outer_learning_rate=0.7, outer_momentum=0.5),
+        Config(3, 3, outer_learning_rate=0.35),
+    ],
+    ids=["outer_2_4", "outer_3_3_damped"],
+)
+def test_the_last_round_averages_the_unsent_progress_into_the_ps(local_cluster, config):
+    """After the last step, `finish` moves the ps by the mean of the
+    replicas' steps since their last push, as the reference's final round;
+    then each replica's next step starts from the ps (a refetch) and sends
+    nothing twice: its next push holds only steps after the last round."""
+    x, y, params = _softmax_data(seed=7)
+    model = _softmax_model(_strategy(local_cluster, num_workers=2), params)
+    trainer = downpour.DownpourTrainer(model, config)
+    iterator = iter(trainer.per_worker_dataset(lambda: _dataset(x, y).repeat()))
+    order = _steps_one_at_a_time(trainer, iterator, 2 * STEPS - 3)
+    batches = [_batches(x, y) * 2] * 2
+    before, _ = _reference(params, batches, config, order=order)
+    np.testing.assert_allclose(_ps_params(model)[0], before[0], rtol=0, atol=1e-6)
+    # Each replica stopped mid-round: it has unsent steps.
+    counts = [order.count(w) for w in (0, 1)]
+    assert any(c % config.n_push for c in counts)
+    (line,) = trainer.finish()
+    assert line == (
+        "downpour: last round, 2 of 2 replicas' unsent progress averaged into the ps"
+    )
+    want, _ = _reference(params, batches, config, order=order, final_round=True)
+    for got, w in zip(_ps_params(model), want):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
+    assert max(np.abs(w - b).max() for w, b in zip(want, before)) > 1e-4
+    # Each replica's next step fetches (a new round from the ps) whatever
+    # its cadence says.
+    stats = trainer.stats()
+    for _ in range(2):
+        trainer.step(iterator)
+        trainer.join()
+    now = trainer.stats()
+    stepped = [a.steps - b.steps for a, b in zip(now, stats)]
+    fetched = [a.fetches - b.fetches for a, b in zip(now, stats)]
+    assert sum(stepped) == 2
+    assert all(f >= min(s, 1) for f, s in zip(fetched, stepped))
+
+
+def test_fit_ends_with_the_last_round(local_cluster):
+    """`training.fit` runs the last round after the job's last step: 10
+    steps with a push every 3 leave 1 step unsent, which the ps gets, as in
+    the reference's final round; the line says so."""
+    config = Config(3, 3, outer_learning_rate=0.7, outer_momentum=0.5)
+    x, y, params = _softmax_data(seed=5)
+    model = _softmax_model(_strategy(local_cluster), params)
+    with model.distribute_strategy.scope():
+        downpour.install(model, config)
+    steps = 10
+    data = tf_keras.utils.experimental.DatasetCreator(lambda _: _dataset(x, y))
+    lines = []
+    training.fit(
+        model, data, epochs=1, steps_per_epoch=steps, batch_size=4,
+        print_fn=lines.append,
+    )  # fmt: skip
+    batches = _batches(x, y)[:steps]
+    want, _ = _reference(params, [batches], config, final_round=True)
+    for got, w in zip(_ps_params(model), want):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
+    without, _ = _reference(params, [batches], config)
+    assert max(np.abs(w - b).max() for w, b in zip(want, without)) > 1e-4
+    assert (
+        "downpour: last round, 1 of 1 replicas' unsent progress averaged into the ps"
+        in lines
+    )

@@ -55,7 +55,14 @@ def _model(strategy, local_optimizer, n_fetch=N, n_push=N, **push_rules):
     return model
 
 
-def _fit(model, epochs, model_dir=None, steps_per_epoch=STEPS_PER_EPOCH, lines=None):
+def _fit(
+    model,
+    epochs,
+    model_dir=None,
+    steps_per_epoch=STEPS_PER_EPOCH,
+    lines=None,
+    callbacks=(),
+):
     data = tf_keras.utils.experimental.DatasetCreator(
         lambda _: tf.data.Dataset.from_tensors((X, Y)).repeat()
     )
@@ -67,7 +74,26 @@ def _fit(model, epochs, model_dir=None, steps_per_epoch=STEPS_PER_EPOCH, lines=N
         batch_size=BATCH,
         model_dir=model_dir,
         print_fn=(lambda _: None) if lines is None else lines.append,
+        callbacks=callbacks,
     )
+
+
+class _Crash(Exception):
+    """The job's process ending mid-run (`_CrashAt`)."""
+
+
+class _CrashAt(tf_keras.callbacks.Callback):
+    """Ends the run as a crash would when epoch `epoch` begins: after the
+    checkpoint of the epoch before, and before the job's end of training
+    (the outer rule's last round)."""
+
+    def __init__(self, epoch: int):
+        super().__init__()
+        self._epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self._epoch:
+            raise _Crash(f"crashed at epoch {epoch}")
 
 
 def _state(model):
@@ -249,7 +275,8 @@ def test_resume_with_stream_fetches_equals_an_uninterrupted_run(
     )
     run, copy = tmp_path / "run", tmp_path / "copy"
     first = _model(strategy, "adagrad", **config)
-    _fit(first, 1, str(run), steps_per_epoch=spe)
+    with pytest.raises(_Crash):  # Mid-job: no last round yet.
+        _fit(first, 2, str(run), steps_per_epoch=spe, callbacks=[_CrashAt(1)])
     shutil.copytree(run, copy)  # The checkpoint at step 5, resumed twice.
     at_checkpoint = _worker_state(first)
     assert at_checkpoint["stream/mirrored"] == 1

@@ -42,7 +42,10 @@ from tf_distbelief.downpour.push_rules import rule
 from tf_distbelief.tf_internals import variables as tf_variables
 
 Config = downpour_config.DownpourConfig
-OUTER = {"outer_learning_rate": 0.35, "outer_momentum": 0.9}
+# The outer rule without its default damping of stale pushes (a rule read
+# from each push's staleness, which the log then keeps: 8 more bytes per
+# replayed push); the two-worker test runs the default too.
+OUTER = {"outer_learning_rate": 0.35, "outer_momentum": 0.9, "stale_damping": 0.0}
 COMPRESSED = {"top_k_fraction": 0.2, "quantize_bits": 2, "quantize_chunk": 4}
 
 
@@ -59,15 +62,18 @@ def _exchange(**kwargs) -> update_stream.Exchange:
     return update_stream.Exchange(**(settings | kwargs))
 
 
-def _simulate(params, batches, config, exchange, order=None, **rules):
+def _simulate(
+    params, batches, config, exchange, order=None, final_round=False, **rules
+):
     return update_stream.simulate(
         params,
         _softmax_grad,
         batches,
-        Config(config.n_fetch, config.n_push, **OUTER, **rules),
+        Config(config.n_fetch, config.n_push, **(OUTER | rules)),
         exchange,
         ps_learning_rate=LEARNING_RATE,
         order=order,
+        final_round=final_round,
     )
 
 
@@ -104,7 +110,7 @@ def test_rules_a_replay_cannot_apply_are_refused_with_stream_fetches():
             Config(3, 3, **OUTER, **COMPRESSED, test_reads_fetched=True)
         Config(3, 3, **OUTER, test_reads_fetched=True)  # No compression: no stream.
     for replayed in ({"stale_damping": 1.0}, {"staleness_scaled": True}):
-        assert stream_fetch.is_on(Config(3, 3, **OUTER, **COMPRESSED, **replayed))
+        assert stream_fetch.is_on(Config(3, 3, **(OUTER | replayed), **COMPRESSED))
 
 
 def test_stream_fetches_need_one_fetch_per_push_round():
@@ -240,8 +246,8 @@ def _ps_state(stream):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "rules",
-    [{}, {"stale_damping": 1.0}, {"staleness_scaled": True}],
-    ids=["outer", "stale_damping", "staleness_scaled"],
+    [{}, {"stale_damping": None}, {"staleness_scaled": True}],
+    ids=["outer", "default_damping", "staleness_scaled"],
 )
 def test_trainer_matches_update_stream_two_workers(local_cluster, rules):
     """Steps one at a time on whichever worker the coordinator picks; the
@@ -250,7 +256,7 @@ def test_trainer_matches_update_stream_two_workers(local_cluster, rules):
     replica's mirror of the values and of the outer momentum is the ps's:
     with a rule applied from each push's staleness (and the outer momentum)
     too, which the log keeps and each replay applies."""
-    config = Config(3, 3, **OUTER, **COMPRESSED, **rules)
+    config = Config(3, 3, **(OUTER | rules), **COMPRESSED)
     x, y, params = _softmax_data(seed=6)
     model = _softmax_model(_strategy(local_cluster, num_workers=2), params)
     trainer = downpour.DownpourTrainer(model, config)
@@ -304,9 +310,25 @@ def test_trainer_matches_update_stream_two_workers(local_cluster, rules):
         acts = max(s.max_staleness_seen for s in stats) >= (
             1 if "stale_damping" in rules else 2
         )
+        assert next(iter(rules)) in config.push_rules
         plain, _ = _simulate(params, batches, config, _exchange(), order=order)
         moved = max(np.abs(w - p).max() for w, p in zip(want, plain))
         assert (moved > 1e-6) == acts
+    # The last round: the mean of the replicas' mirror less cache (what
+    # compression has not sent, and the steps since the last push) goes to
+    # the ps; then each replica's next fetch is whole, its cache the ps's.
+    seqs = [int(s.numpy()) for s in stream.log.seqs]
+    (line,) = trainer.finish()
+    assert "2 of 2 replicas" in line
+    last, _ = _simulate(
+        params, batches, config, _exchange(), order=order, final_round=True, **rules
+    )
+    for got, w in zip(_ps_params(model), last):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-6)
+    assert max(np.abs(a - b).max() for a, b in zip(last, want)) > 1e-4
+    assert [int(x.numpy()) for x in stream.mirrored_flag.read_all()] == [0, 0]
+    floors = [int(f.numpy()) for f in stream.log.floors]
+    assert all(f > s + stream.log.capacity for f, s in zip(floors, seqs))
 
 
 def test_a_mirror_off_the_ps_is_resynced_whole(local_cluster):

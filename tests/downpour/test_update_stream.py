@@ -51,15 +51,16 @@ def _run(exchange, params, batches, config, **kwargs):
     [
         ("adagrad", {}),
         ("sgd", {}),
-        ("adagrad", {"stale_damping": 1.0}),
-        ("adagrad", {"staleness_scaled": True}),
+        ("adagrad", {"stale_damping": 0.0}),
+        ("adagrad", {"stale_damping": 0.0, "staleness_scaled": True}),
     ],
-    ids=["adagrad", "sgd", "stale_damping", "staleness_scaled"],
+    ids=["adagrad", "sgd", "undamped", "staleness_scaled"],
 )
 def test_defaults_are_schedule_simulate_with_the_outer_rule(local, rules):
-    """Also with the rules applied from a push's staleness (3 replicas in
-    turn: each push 2 pushes stale, which both rules act on)."""
-    params, batches = _problem(replicas=3 if rules else 2)
+    """The outer rule's defaults (stale pushes damped), undamped, and with
+    the step scaled by the staleness: 3 replicas in turn, so that each push
+    is 2 pushes stale, which each rule acts on."""
+    params, batches = _problem(replicas=3)
     config = Config(4, 4, local_optimizer=local, **OUTER, **rules)
     want, want_stats = schedule.simulate(
         params, _softmax_grad, batches, config, schedule.adagrad_ps(0.2)
@@ -67,9 +68,11 @@ def test_defaults_are_schedule_simulate_with_the_outer_rule(local, rules):
     got, stats = _run(Exchange(), params, batches, config)
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g, w)
-    if rules:  # The rule acted.
-        plain, _ = _run(Exchange(), params, batches, Config(4, 4, **OUTER))
-        assert max(np.abs(g - p).max() for g, p in zip(got, plain)) > 1e-6
+    # Each differs from the plain outer rule: the rules act.
+    plain = Config(4, 4, local_optimizer=local, stale_damping=0.0, **OUTER)
+    if config != plain:
+        other, _ = _run(Exchange(), params, batches, plain)
+        assert max(np.abs(g - p).max() for g, p in zip(got, other)) > 1e-6
     for w, s in zip(want_stats, stats):
         assert (s.steps, s.fetches, s.pushes) == (w.steps, w.fetches, w.pushes)
         assert (s.bytes_pushed, s.bytes_fetched) == (w.bytes_pushed, w.bytes_fetched)

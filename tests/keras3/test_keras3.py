@@ -722,6 +722,8 @@ def _keras3_softmax_model(params):
 
 # Sparse fetches of top-k pushes (`push_rules.sparse_fetches`).
 SPARSE = {"top_k_fraction": 0.25, "sparse_fetches": True}
+# The outer rule (its stale pushes damped by default).
+OUTER = {"outer_learning_rate": 0.7, "outer_momentum": 0.5}
 
 
 @pytest.mark.slow
@@ -735,6 +737,8 @@ SPARSE = {"top_k_fraction": 0.25, "sparse_fetches": True}
         (FIXED2, "sgd", 0.05, "mean", 6, {}),
         # Unsharded: top-k selects per shard, the reference per variable.
         (None, "sgd", 0.05, "mean", 4, SPARSE),
+        # The outer rule: `fit` ends with its last round.
+        (FIXED2, "adagrad", None, "mean", 4, OUTER),
     ],
     ids=[
         "whole",
@@ -742,6 +746,7 @@ SPARSE = {"top_k_fraction": 0.25, "sparse_fetches": True}
         "whole-segments",
         "sharded-segments",
         "whole-segments-sparse-fetches",
+        "sharded-segments-outer-last-round",
     ],
 )
 def test_downpour_matches_the_numpy_reference(
@@ -757,7 +762,8 @@ def test_downpour_matches_the_numpy_reference(
 
     With `steps_per_execution` > 1 each function runs its steps in segments
     (`Downpour.run_steps`): the same parameters, step for step. With sparse
-    fetches, also the bytes the reference counts.
+    fetches, also the bytes the reference counts. With the outer rule `fit`
+    ends with its last round (`downpour.final_round`), as the reference's.
     """
     from tests.fixtures import downpour as tdp
     from tf_distbelief.downpour import config as downpour_config
@@ -796,11 +802,12 @@ def test_downpour_matches_the_numpy_reference(
         [tdp._batches(x, y)],
         config,
         schedule.adagrad_ps(tdp.LEARNING_RATE),
+        final_round=True,
     )
     for got_value, want_value in zip(got, want):
         np.testing.assert_allclose(got_value, want_value, rtol=0, atol=1e-6)
     (stats,) = history.downpour.stats()
     assert (stats.steps, stats.fetches, stats.pushes) == (12, 4, 6)
-    if push_rules:
+    if push_rules is SPARSE:
         assert stats.bytes_fetched == want_stats.bytes_fetched
         assert stats.bytes_fetched < stats.fetches * sum(p.nbytes for p in params)

@@ -210,6 +210,15 @@ class DownpourConfig:
         return any(r.pushes_deltas for r in self.rules)
 
     @property
+    def has_final_round(self) -> bool:
+        """True when the end of training averages the replicas' unsent
+        progress into the ps (`downpour.final_round`): a rule that pushes
+        parameter deltas and replaces the ps optimizer (the outer rule),
+        without sparse fetches."""
+        outer = any(r.replaces_optimizer and r.pushes_deltas for r in self.rules)
+        return outer and not any(r.marks_changes for r in self.rules)
+
+    @property
     def runs_segments(self) -> bool:
         """True when a scheduled function can run its steps in segments
         between fetches and pushes (`Downpour.run_steps`): `n_fetch` and

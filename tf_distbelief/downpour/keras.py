@@ -220,6 +220,7 @@ def install(
             interval_figures=interval_figures,
             figure_words=report.epoch_words,
             state=downpour,
+            finish=downpour.finish,
         ),
     )
     return downpour
@@ -282,6 +283,12 @@ class DownpourTrainer:
     def join(self) -> None:
         """Waits for every scheduled step."""
         self.coordinator.join()
+
+    def finish(self) -> list[str]:
+        """The end of training, after the last `join()`: with the outer rule,
+        the replicas' unsent progress averaged into the ps
+        (`Downpour.finish`); lines for the console."""
+        return self.downpour.finish()
 
     def stats(self) -> list[ReplicaStats]:
         """Each replica's counters, after `join()`; see `Downpour.stats`."""

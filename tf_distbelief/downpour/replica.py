@@ -30,6 +30,7 @@ import tf_keras
 from tf_distbelief import checks, substitution
 from tf_distbelief.downpour import (
     base,
+    final_round,
     push_guard,
     schedule,
     sparse_fetch,
@@ -532,6 +533,23 @@ class Downpour:
             self._sparse.flag_all()
         if self._stream is not None:
             self._stream.log.restart()
+
+    def finish(self) -> list[str]:
+        """The end of training (`final_round`): with the outer rule, the
+        replicas' unsent progress averaged into the ps. Call it once, after
+        the job's last step, with no step in flight (`fit` does; a custom
+        loop calls it after its last `join`).
+
+        Returns:
+          Lines for the console (empty when there is no last round).
+        """
+        return final_round.finish(
+            self.config,
+            self.strategy.num_workers,
+            self._dense,
+            self._stream,
+            self._refetch,
+        )
 
     def worker_variables(self) -> dict[str, tf.Variable]:
         """Every per-worker variable (a replica's state) by key (position)."""

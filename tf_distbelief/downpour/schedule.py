@@ -260,6 +260,7 @@ def simulate(
     row_sparse: Sequence[int] = (),
     rows_fn: Callable[[object], dict] | None = None,
     local_adagrad: tuple[float, float] = (0.1, 1e-7),
+    final_round: bool = False,
 ) -> tuple[list[np.ndarray], list[ReplicaStats]]:
     """Runs Downpour in NumPy, one whole local step at a time.
 
@@ -282,6 +283,11 @@ def simulate(
         variable that `grad_fn` reads for `batch` (any shape, repeats allowed).
       local_adagrad: `(initial_accumulator_value, epsilon)` of the local
         AdaGrad step, as the TF replica takes them from the ps AdaGrad.
+      final_round: with `config.has_final_round`, after the last step the
+        ps moves by the mean of the replicas' unsent progress, `w <- w - u_r
+        / W` for `r = 0 .. W-1`, `u_r` the replica's summed steps since its
+        last push (and its residual; `downpour.final_round`, as `fit` ends a
+        job; compressed outer pushes are `update_stream.simulate`'s).
 
     Returns:
       `(ps_params, stats)`: the final ps parameters and a `ReplicaStats` per
@@ -421,4 +427,10 @@ def simulate(
             squares[r] = [np.zeros_like(a) for a in accs[r]]
             touched[r] = {i: set() for i in sparse}
         s.steps += 1
+    if final_round and config.has_final_round:
+        for r in range(n):
+            if caches[r] is None:
+                continue
+            unsent = [a + e for a, e in zip(accs[r], residuals[r])]
+            ps = [p - u / n for p, u in zip(ps, unsent)]
     return ps, stats

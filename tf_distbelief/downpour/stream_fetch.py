@@ -77,11 +77,9 @@ _SUM_BYTES = 8
 
 def is_on(config) -> bool:
     """True when `config` fetches the update stream: the outer rule and a
-    compressing rule on, sparse fetches off."""
-    rules = config.rules
-    outer = any(r.replaces_optimizer and r.pushes_deltas for r in rules)
-    sparse = any(r.marks_changes for r in rules)
-    return outer and not sparse and any(r.compresses for r in rules)
+    compressing rule on, sparse fetches off (the outer rule without sparse
+    fetches: `DownpourConfig.has_final_round`)."""
+    return config.has_final_round and any(r.compresses for r in config.rules)
 
 
 def create(config, variables: list, groups, strategy, rules, compression, tokens):
@@ -247,6 +245,12 @@ class StreamFetch:
     def bytes_counter(self) -> tf.Variable:
         """The per-worker count of bytes fetched (int64)."""
         return self._nbytes
+
+    @property
+    def mirrored_flag(self) -> tf.Variable:
+        """The per-worker int64 flag: 1 once the mirrors hold a fetch (0: the
+        next fetch is whole and the cache becomes the ps values)."""
+        return self._mirrored
 
     @property
     def resync_counter(self) -> tf.Variable:

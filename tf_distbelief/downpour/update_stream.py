@@ -332,6 +332,7 @@ def simulate(
     order: Sequence[int] | None = None,
     local_adagrad: tuple[float, float] = (0.1, 1e-7),
     after_step: Callable[[int, list, list], None] | None = None,
+    final_round: bool = False,
 ) -> tuple[list[np.ndarray], list[ExchangeStats]]:
     """Runs Downpour with the outer rule and `exchange`, one local step at a time.
 
@@ -351,6 +352,11 @@ def simulate(
         AdaGrad step.
       after_step: called as `after_step(steps_done, ps_params, stats)` after
         every local step of any replica (e.g. to evaluate at given steps).
+      final_round: after the last step, the ps moves by the mean of the
+        replicas' unsent progress, `w <- w - u_r / W` for `r = 0 .. W-1`,
+        `u_r` the mirror less the cache with `residual="parameter"`, else the
+        summed steps since its last push plus its residual
+        (`downpour.final_round`, as `fit` ends a job).
 
     Returns:
       `(ps_params, stats)`: the final ps parameters and an `ExchangeStats`
@@ -460,4 +466,13 @@ def simulate(
         done += 1
         if after_step is not None:
             after_step(done, ps, stats)
+    if final_round:
+        for r in range(replicas):
+            if caches[r] is None:
+                continue
+            if exchange.residual == "parameter":
+                unsent = [w - c for w, c in zip(mirrors[r], caches[r])]
+            else:
+                unsent = [a + e for a, e in zip(accs[r], residuals[r])]
+            ps = [p - u / replicas for p, u in zip(ps, unsent)]
     return ps, stats

@@ -128,6 +128,31 @@ class _CountSkipped(tf_keras.callbacks.Callback):
             )
 
 
+class _Finish(tf_keras.callbacks.Callback):
+    """Runs the algorithm's end of training (`hooks.FitHooks.finish`) at the
+    end of the job's last epoch, or of the epoch a callback stopped training
+    in, once every step has run and before that step's checkpoint (put it
+    before the `Checkpointer`); prints its lines."""
+
+    def __init__(self, finish, epochs: int, print_fn):
+        super().__init__()
+        self._finish = finish
+        self._epochs = epochs
+        self._print_fn = print_fn
+        self._done = False
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._done or (epoch + 1 < self._epochs and not self.model.stop_training):
+            return
+        self._done = True
+        strategy = self.model.distribute_strategy
+        if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+            # The coordinator `fit` made (one per strategy): no step in flight.
+            tf.distribute.experimental.coordinator.ClusterCoordinator(strategy).join()
+        for line in self._finish():
+            self._print_fn(line)
+
+
 @dataclasses.dataclass
 class FitResult:
     """What `fit` returns.
@@ -275,6 +300,8 @@ def fit(
         skipped_before = guard.skipped_steps()
         all_callbacks.append(_CountSkipped(guard, print_fn))
         all_callbacks.append(progress)
+        if algorithm is not None and algorithm.finish is not None:
+            all_callbacks.append(_Finish(algorithm.finish, epochs, print_fn))
         initial_step, manager, checkpointer = 0, None, None
         if model_dir:
             contents = checkpoint_contents.Contents(model, model.optimizer, algorithm)

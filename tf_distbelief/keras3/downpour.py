@@ -147,7 +147,8 @@ def make_step(
 def fit_hooks(downpour) -> hooks.FitHooks:
     """Downpour's services to `keras3.fit`, as `downpour.install` gives a
     tf_keras model's `fit`: the guard of its pushes (`push_guard`), its
-    replicas' state in checkpoints (`replica_state`), the `Downpour` itself.
+    replicas' state in checkpoints (`replica_state`), the `Downpour` itself,
+    its end of training (`Downpour.finish`).
 
     Args:
       downpour: the `Downpour` of `make_step`.
@@ -157,4 +158,5 @@ def fit_hooks(downpour) -> hooks.FitHooks:
         install_guard=functools.partial(push_guard.install, downpour),
         checkpoint_state=functools.partial(replica_state.ReplicaState, downpour),
         state=downpour,
+        finish=downpour.finish,
     )

@@ -146,6 +146,16 @@ class _Epochs:
                 self.goodput.end_training(self.done, failed)
         callback_list.on_train_end(logs)
 
+    def _finish(self) -> None:
+        """The algorithm's end of training (`hooks.FitHooks.finish`), after
+        the job's last step and before its checkpoint; prints its lines."""
+        algorithm = self.run.algorithm
+        if algorithm is None or algorithm.finish is None:
+            return
+        self.run.coordinator.join()
+        for line in algorithm.finish():
+            self.args.print_fn(line)
+
     def _epoch(self, epoch: int) -> dict:
         """Trains epoch `epoch` from `done`; its logs."""
         run, args = self.run, self.args
@@ -154,6 +164,8 @@ class _Epochs:
         logs = _logs(run.coordinator.fetch(results), run.metrics, run.metric_inits)
         if args.nonfinite == "skip":  # Else a non-finite step stops the run.
             logs["nonfinite_skipped"] = run.skipped_since_start()
+        if epoch + 1 == args.epochs:
+            self._finish()
         if self.saver is not None:
             self._save()
         run.weights.write_to_model(run.model)

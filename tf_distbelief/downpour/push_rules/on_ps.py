@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tf_distbelief.downpour import base
 from tf_distbelief.downpour.config import DownpourConfig
+from tf_distbelief.downpour.push_rules import rule
 
 __all__ = ["PushRules", "check_row_sparse", "corrected", "create"]
 
@@ -59,19 +60,13 @@ def corrected(rules, grad, variable, fetched, staleness, state_of):
       `(grad, scale)`: the corrected gradient, and the factor (a tensor of
       the variable's dtype) or None when no rule scales the step.
     """
-    for r in rules:
-        if r.reads_state:
-            grad = r.correct(
-                grad, variable, fetched, staleness, state=state_of(r.reads_state)
-            )
-        else:
-            grad = r.correct(grad, variable, fetched, staleness)
-    scale = None
-    for r in rules:
-        factor = r.scale(staleness, variable.dtype)
-        if factor is not None:
-            scale = factor if scale is None else scale * factor
-    return grad, scale
+    return rule.compose(
+        rules,
+        grad,
+        lambda r, g, **state: r.correct(g, variable, fetched, staleness, **state),
+        lambda r: r.scale(staleness, variable.dtype),
+        state_of,
+    )
 
 
 def create(config, optimizer, dense: list, rows: list, strategy):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from tf_distbelief.downpour import position_codes
+from tf_distbelief.downpour.push_rules import rule
 
 __all__ = ["ReferenceRules", "compress", "corrected", "push_nbytes", "scaled_update"]
 
@@ -127,19 +128,15 @@ def corrected(rules, grads, params, fetched, staleness, state_of):
       `(grads, scale)`: the corrected arrays, and the factor (a float) or
       None when no rule scales the step.
     """
-    for r in rules:
-        if r.reads_state:
-            grads = r.reference_correct(
-                grads, params, fetched, staleness, state=state_of(r.reads_state)
-            )
-        else:
-            grads = r.reference_correct(grads, params, fetched, staleness)
-    scale = None
-    for r in rules:
-        factor = r.reference_scale(staleness)
-        if factor is not None:
-            scale = factor if scale is None else scale * factor
-    return grads, scale
+    return rule.compose(
+        rules,
+        grads,
+        lambda r, g, **state: r.reference_correct(
+            g, params, fetched, staleness, **state
+        ),
+        lambda r: r.reference_scale(staleness),
+        state_of,
+    )
 
 
 class ReferenceRules:

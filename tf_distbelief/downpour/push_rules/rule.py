@@ -11,7 +11,8 @@ A push rule changes how the ps applies a replica's push (Downpour,
 * its TF update on the ps (the other hooks, importing TensorFlow when
   called), which the replica applies through `on_ps.PushRules`.
 
-At a push the rules in effect compose, on each variable, in this order:
+At a push the rules in effect compose, on each variable, in this order
+(`compose`, for the ps, the replays of its log and the NumPy reference):
 
 1. `correct`: each rule's correction of the pushed gradient (`G`), in
    registration order;
@@ -56,6 +57,7 @@ __all__ = [
     "PushRule",
     "Setting",
     "check_compressible",
+    "compose",
     "check_float",
     "check_int",
     "register",
@@ -298,6 +300,36 @@ class PushRule:
     def decode(self, coded: tuple, count: int, dtype):
         """The `count` values of `dtype` that `encode` coded (`codes`)."""
         raise NotImplementedError(f"Push rule {self.name} codes no values.")
+
+
+def compose(rules, grad, correct, scale, state_of):
+    """Steps 1 and 2 of a push (module docstring), in any framework: `grad`
+    corrected by each rule in order, and the product of the rules' factors.
+
+    `on_ps.corrected` (TensorFlow) and `reference.corrected` (NumPy) call it
+    with their hooks, so that the order of composition has one owner.
+
+    Args:
+      rules: the `PushRule`s in effect, in order.
+      grad: the pushed gradient (a tensor, or a list of arrays).
+      correct: `(rule, grad, **state) -> grad`, a rule's correction hook;
+        `state=` is passed for a rule with `reads_state`.
+      scale: `rule -> factor or None`, a rule's factor hook.
+      state_of: `name -> ` the named rule's state (for `reads_state`).
+
+    Returns:
+      `(grad, factor)`: the corrected gradient, and the factor or None when
+      no rule scales the step.
+    """
+    for r in rules:
+        state = {"state": state_of(r.reads_state)} if r.reads_state else {}
+        grad = correct(r, grad, **state)
+    factor = None
+    for r in rules:
+        f = scale(r)
+        if f is not None:
+            factor = f if factor is None else factor * f
+    return grad, factor
 
 
 def check_float(name: str, value, or_what: str = "", rule: str = "") -> None:

@@ -7,13 +7,21 @@ making), so they overshoot; the entries pointing against `m` are the brake
 that the stale replica saw and the ps lacks. Setting (`DownpourConfig`
 keyword argument and launch flag):
 
-* `stale_damping`: `lambda`, a float >= 0; 0.0 (default): off. Needs the
-  outer optimizer (`outer_learning_rate`). Before the outer step applies a
-  pushed pseudo-gradient `D` of staleness `s` (outer steps by other replicas
-  since this replica's fetch), each entry whose step `-eta * D` points the
-  way the current outer momentum `m` does (`D * m < 0`) is divided by
+* `stale_damping`: `lambda`, a float >= 0; 0.0: off; None (default):
+  `DEFAULT_DAMPING` (1.0) with the outer optimizer and a momentum
+  (`outer_learning_rate` set, `outer_momentum` > 0), off otherwise. A value
+  > 0 needs the outer optimizer. Before the outer step applies a pushed
+  pseudo-gradient `D` of staleness `s` (outer steps by other replicas since
+  this replica's fetch), each entry whose step `-eta * D` points the way the
+  current outer momentum `m` does (`D * m < 0`) is divided by
   `1 + lambda * s`; the others are kept. A push of staleness 0 is
   unchanged: with one replica the rule changes nothing.
+
+Why it is on by default: with 2 asynchronous replicas a push is about one
+push stale, and the outer momentum (0.9) then carries the ps past where the
+stale push meant to go, push after push; the ps's model swings from push to
+push, so where a short job ends varies from run to run. Damped, it does not
+(docs/downpour.md, "Stale pushes and the outer momentum", has the figures).
 
 HeLoCo-style corrections damp the other side (the entries against `m`); on
 the softmax fixture's model with 8 replicas that made the loss worse, and
@@ -30,7 +38,12 @@ import numpy as np
 
 from tf_distbelief.downpour.push_rules import rule
 
-__all__ = ["RULE", "StaleDamping", "damp"]
+__all__ = ["DEFAULT_DAMPING", "RULE", "StaleDamping", "damp"]
+
+# `lambda` when `stale_damping` is None (the default) and the outer
+# optimizer has a momentum: a push 1 stale moves half as far where it
+# repeats the momentum (module docstring).
+DEFAULT_DAMPING = 1.0
 
 
 def damp(delta, momentum, staleness, lam):
@@ -56,8 +69,7 @@ class StaleDamping(rule.PushRule):
     """Damps a stale push where it repeats the outer momentum (module docstring).
 
     Args:
-      config: a `DownpourConfig` with `stale_damping` > 0 and the outer
-        optimizer on.
+      config: a `DownpourConfig` in which the rule is on (`is_on`).
     """
 
     name = "stale_damping"
@@ -65,11 +77,12 @@ class StaleDamping(rule.PushRule):
     settings = (
         rule.Setting(
             "stale_damping",
-            0.0,
+            None,
             "float",
             "Downpour push rule, with --outer_learning_rate: lambda; the entries "
             "of a push of staleness s whose step goes the outer momentum's way "
-            "are divided by 1 + lambda*s (0: off).",
+            "are divided by 1 + lambda*s (0: off; unset: 1 with "
+            "--outer_learning_rate and --outer_momentum > 0).",
             lower_bound=0.0,
         ),
     )
@@ -78,11 +91,23 @@ class StaleDamping(rule.PushRule):
 
     def __init__(self, config):
         super().__init__(config)
-        self.lam = float(config.stale_damping)
+        lam = config.stale_damping
+        self.lam = DEFAULT_DAMPING if lam is None else float(lam)
+
+    @classmethod
+    def is_on(cls, config) -> bool:
+        """Set > 0, or unset with the outer optimizer and `outer_momentum` > 0."""
+        lam = config.stale_damping
+        if lam is None:
+            return config.outer_learning_rate is not None and config.outer_momentum > 0
+        return lam > 0
 
     @classmethod
     def check(cls, config) -> None:
-        rule.check_float("stale_damping", config.stale_damping, "", ">= 0")
+        if config.stale_damping is not None:
+            rule.check_float(
+                "stale_damping", config.stale_damping, "None (the default)", ">= 0"
+            )
 
     def reference_correct(self, grads, params, fetched, staleness, state=None):
         return [damp(d, m, staleness, self.lam) for d, m in zip(grads, state)]
