@@ -146,15 +146,15 @@ class _Epochs:
                 self.goodput.end_training(self.done, failed)
         callback_list.on_train_end(logs)
 
-    def _finish(self) -> None:
+    def _finish(self) -> list[str]:
         """The algorithm's end of training (`hooks.FitHooks.finish`), after
-        the job's last step and before its checkpoint; prints its lines."""
+        the job's last step and before its checkpoint; its lines, printed
+        after the epoch's line."""
         algorithm = self.run.algorithm
         if algorithm is None or algorithm.finish is None:
-            return
+            return []
         self.run.coordinator.join()
-        for line in algorithm.finish():
-            self.args.print_fn(line)
+        return algorithm.finish()
 
     def _epoch(self, epoch: int) -> dict:
         """Trains epoch `epoch` from `done`; its logs."""
@@ -164,8 +164,7 @@ class _Epochs:
         logs = _logs(run.coordinator.fetch(results), run.metrics, run.metric_inits)
         if args.nonfinite == "skip":  # Else a non-finite step stops the run.
             logs["nonfinite_skipped"] = run.skipped_since_start()
-        if epoch + 1 == args.epochs:
-            self._finish()
+        finished = self._finish() if epoch + 1 == args.epochs else []
         if self.saver is not None:
             self._save()
         run.weights.write_to_model(run.model)
@@ -187,6 +186,8 @@ class _Epochs:
                     epoch + 1, args.epochs, self.done, logs, rate, "", percent
                 )
             )
+        for line in finished:
+            args.print_fn(line)
         return logs
 
     def _run_epoch(self, epoch: int) -> list:
